@@ -1,0 +1,404 @@
+//! The accumulation cell: gradient accumulation over micro-batches, shown to
+//! give the full batch's gradients, and measured against the full batch.
+//!
+//! [`GradAccumulator`] is the reusable part: feed it each micro-batch's loss,
+//! then step any candle optimizer with the sum.
+//!
+//! Accumulation does not always save memory. It keeps one gradient per
+//! parameter across micro-batches, and while a micro-batch's own gradients
+//! are being added there are two. It saves the activations of the batch it
+//! no longer runs at once. When activations are small beside the parameters
+//! (a small batch), it costs more than it saves; the cell measures both sides
+//! of that crossover.
+#![warn(missing_docs)]
+
+use serde::{Deserialize, Serialize};
+use workbook_sdk::anyhow;
+use workbook_sdk::candle::backprop::GradStore;
+use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
+use workbook_sdk::candle_nn::{AdamW, Optimizer};
+use workbook_sdk::output::{Axis, Series, Unit};
+use workbook_sdk::train::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
+use workbook_sdk::{Category, Context, Figure, Plugin, Table};
+
+/// Sums the gradients of several backward passes, keeping only the
+/// parameters' gradients, detached.
+///
+/// ```
+/// use workbook_accumulation::GradAccumulator;
+/// use candle_core::{Device, Tensor, Var};
+/// let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+/// let mut acc = GradAccumulator::new(vec![w.clone()]);
+/// for x in [1f32, 3.0] {
+///     // d/dw of sum(w * x) is x, for each element of w.
+///     let loss = (w.as_tensor() * x as f64)?.sum_all()?;
+///     acc.backward(&loss)?;
+/// }
+/// let g = acc.grads().unwrap().get(w.as_tensor()).unwrap();
+/// assert_eq!(g.to_vec1::<f32>()?, vec![4.0, 4.0]);
+/// assert_eq!(acc.micro_batches(), 2);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct GradAccumulator {
+    vars: Vec<Var>,
+    sum: Option<GradStore>,
+    micro_batches: usize,
+}
+
+impl GradAccumulator {
+    /// An accumulator for the gradients of `vars`.
+    pub fn new(vars: Vec<Var>) -> Self {
+        Self {
+            vars,
+            sum: None,
+            micro_batches: 0,
+        }
+    }
+
+    /// Runs `loss.backward()` and adds the parameters' gradients to the sum.
+    /// Scale the loss by `1 / micro_batches` first for a mean over the batch.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let grads = param_grads(&loss.backward()?, &self.vars);
+        self.add(grads)
+    }
+
+    /// Adds a store of gradients (already detached) to the sum.
+    pub fn add(&mut self, mut grads: GradStore) -> Result<()> {
+        self.micro_batches += 1;
+        let Some(sum) = self.sum.as_mut() else {
+            // The first micro-batch's gradients become the sum: no copy.
+            self.sum = Some(grads);
+            return Ok(());
+        };
+        for var in &self.vars {
+            if let Some(g) = grads.remove(var.as_tensor()) {
+                let total = match sum.remove(var.as_tensor()) {
+                    Some(s) => (s + g)?,
+                    None => g,
+                };
+                sum.insert(var.as_tensor(), total);
+            }
+        }
+        Ok(())
+    }
+
+    /// The sum so far, if any micro-batch was added.
+    pub fn grads(&self) -> Option<&GradStore> {
+        self.sum.as_ref()
+    }
+
+    /// How many micro-batches were added since the last step.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// Steps `optimizer` with the sum and starts again from nothing.
+    pub fn step<O: Optimizer>(&mut self, optimizer: &mut O) -> Result<()> {
+        if let Some(sum) = self.sum.take() {
+            optimizer.step(&sum)?;
+        }
+        self.micro_batches = 0;
+        Ok(())
+    }
+}
+
+/// Splits a batch along its first dimension into micro-batches of `size`
+/// rows (views, not copies); the last may be shorter.
+pub fn micro_batches(batch: &Tensor, size: usize) -> Result<Vec<Tensor>> {
+    let n = batch.dim(0)?;
+    if size == 0 {
+        workbook_sdk::candle::bail!("micro-batch size must be at least 1");
+    }
+    (0..n.div_ceil(size))
+        .map(|i| batch.narrow(0, i * size, size.min(n - i * size)))
+        .collect()
+}
+
+/// Parameters of the accumulation cell.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Params {
+    /// Widths of the notebook's model.
+    pub widths: Vec<usize>,
+    /// The notebook's batch.
+    pub batch: usize,
+    /// The notebook's micro-batch.
+    pub micro_batch: usize,
+    /// AdamW's learning rate.
+    pub lr: f64,
+    /// Seed of weights and data.
+    pub seed: u64,
+    /// Width of the sweep's model, where activations can dominate.
+    pub sweep_width: usize,
+    /// Depth (Linear + ReLU blocks) of the sweep's model.
+    pub sweep_depth: usize,
+    /// A batch small enough that accumulation costs memory.
+    pub small_batch: usize,
+    /// A batch large enough that accumulation saves memory.
+    pub large_batch: usize,
+    /// Micro-batch counts swept on the large batch (1 = the full batch).
+    pub steps: Vec<usize>,
+    /// The micro-batch count compared on both batches.
+    pub compare_steps: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            widths: vec![64, 128, 2],
+            batch: 32,
+            micro_batch: 8,
+            lr: 1e-2,
+            seed: 47,
+            sweep_width: 1024,
+            sweep_depth: 8,
+            small_batch: 256,
+            large_batch: 2048,
+            steps: vec![1, 2, 4, 8, 16],
+            compare_steps: 4,
+        }
+    }
+}
+
+/// The accumulation plugin.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Accumulation;
+
+/// The forward and backward passes of one training step of `model` on
+/// `(x, y)` in `steps` micro-batches, gradients summed. Allocations are tagged
+/// by role. Returns the summed gradients; the optimizer step is the caller's.
+fn accumulate(
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+    steps: usize,
+    region: &mut workbook_sdk::Region,
+) -> anyhow::Result<GradAccumulator> {
+    let size = x.dim(0)?.div_ceil(steps);
+    let mut acc = GradAccumulator::new(model.vars());
+    for (xb, yb) in micro_batches(x, size)?
+        .iter()
+        .zip(micro_batches(y, size)?.iter())
+    {
+        let loss = Category::Activations.scope(|| -> anyhow::Result<Tensor> {
+            Ok((cross_entropy(&model.forward(xb)?, yb)? / steps as f64)?)
+        })?;
+        region.mark("after forward");
+        Category::Gradients.scope(|| acc.backward(&loss))?;
+        drop(loss);
+        region.mark("after backward");
+    }
+    Ok(acc)
+}
+
+impl Plugin for Accumulation {
+    type Params = Params;
+
+    fn name(&self) -> &str {
+        "accumulation"
+    }
+
+    fn description(&self) -> &str {
+        "gradient accumulation: equal gradients, and peak memory per micro-batch size"
+    }
+
+    fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let mut rng = Rng::seeded(p.seed);
+
+        // The notebook's cell: one step over `batch` in micro-batches.
+        let model = Mlp::new(&mut rng, &p.widths, Activation::Relu, DType::F32, &device)?;
+        let classes = *p.widths.last().unwrap_or(&2) as u32;
+        let x = rng.randn((p.batch, p.widths[0]), &device)?;
+        let y = rng.labels(p.batch, classes, &device)?;
+        anyhow::ensure!(p.micro_batch > 0, "micro_batch must be at least 1");
+        let accumulation_steps = p.batch / p.micro_batch;
+        let mut acc = GradAccumulator::new(model.vars());
+        let mut loss = f32::NAN;
+        for (xb, yb) in micro_batches(&x, p.micro_batch)?
+            .iter()
+            .zip(micro_batches(&y, p.micro_batch)?.iter())
+        {
+            let l = (cross_entropy(&model.forward(xb)?, yb)? / accumulation_steps as f64)?;
+            acc.backward(&l)?;
+            loss = l.to_scalar::<f32>()?;
+        }
+        let full = param_grads(
+            &cross_entropy(&model.forward(&x)?, &y)?.backward()?,
+            &model.vars(),
+        );
+        let accumulated = acc
+            .grads()
+            .map(|g| param_grads(g, &model.vars()))
+            .unwrap_or_default();
+        let diff = grads_max_abs_diff(&full, &accumulated, &model.vars())?;
+
+        // The same step through candle's AdamW, from the two gradient sets.
+        let twin = model.deep_clone()?;
+        let mut opt_acc = AdamW::new_lr(model.vars(), p.lr)?;
+        let mut opt_full = AdamW::new_lr(twin.vars(), p.lr)?;
+        let micro = acc.micro_batches();
+        acc.step(&mut opt_acc)?;
+        opt_full.step(&rebind(&full, &model.vars(), &twin.vars()))?;
+        let mut param_diff = 0f64;
+        for (a, b) in model.vars().iter().zip(twin.vars().iter()) {
+            param_diff = param_diff.max(workbook_sdk::train::max_abs_diff(
+                a.as_tensor(),
+                b.as_tensor(),
+            )?);
+        }
+        ctx.print(format!("micro-batches: {micro}"));
+        ctx.print(format!(
+            "last micro-batch loss (scaled by 1/{micro}): {loss:.4}"
+        ));
+        ctx.metric("micro_batches", micro as f64);
+        ctx.metric("loss", loss as f64);
+        ctx.metric("grad_max_abs_diff", diff);
+        ctx.metric("param_max_abs_diff_after_step", param_diff);
+
+        // The sweep, on a model where activations can outweigh the parameters.
+        let sweep = Mlp::stack(
+            &mut rng,
+            p.sweep_width,
+            p.sweep_depth,
+            Activation::Relu,
+            DType::F32,
+            &device,
+        )?;
+        let mut optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(sweep.vars(), p.lr))?;
+        let mut step_peak = 0u64;
+        let mut step_recorded = false;
+        let mut measure =
+            |ctx: &mut Context, batch: usize, steps: usize, record: bool| -> anyhow::Result<u64> {
+                ctx.progress(&format!("batch {batch} in {steps} micro-batch(es)"));
+                let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+                    Ok((
+                        rng.randn((batch, p.sweep_width), &device)?,
+                        rng.labels(batch, p.sweep_width as u32, &device)?,
+                    ))
+                })?;
+                let mut region = ctx.region(format!("batch {batch}, {steps} micro-batch(es)"));
+                let mut acc = accumulate(&sweep, &x, &y, steps, &mut region)?;
+                let peak = if record {
+                    ctx.end_region(region).peak_above_baseline()
+                } else {
+                    0
+                };
+                // The step is the same whatever the micro-batching: measured on its own.
+                let mut region = ctx.region("AdamW step (candle_nn)");
+                Category::OptimizerState.scope(|| acc.step(&mut optimizer))?;
+                region.mark("after step");
+                if record && !step_recorded {
+                    step_peak = ctx.end_region(region).peak_above_baseline();
+                    step_recorded = true;
+                }
+                Ok(peak)
+            };
+        // A first, unrecorded step, so that every measured step is alike.
+        measure(ctx, p.small_batch, 1, false)?;
+        let full_small = measure(ctx, p.small_batch, 1, true)?;
+        let accum_small = measure(ctx, p.small_batch, p.compare_steps, true)?;
+        let mut table = Table::new(
+            format!(
+                "Peak of the forward and backward passes of one step, batch {}",
+                p.large_batch
+            ),
+            &[
+                ("micro-batches", Unit::Count),
+                ("micro-batch size", Unit::Count),
+                ("peak", Unit::Bytes),
+                ("vs full batch", Unit::Ratio),
+            ],
+        );
+        let mut points = Vec::new();
+        let mut full_large = 0;
+        let mut accum_large = 0;
+        for &steps in &p.steps {
+            let peak = measure(ctx, p.large_batch, steps, true)?;
+            if steps == 1 {
+                full_large = peak;
+            }
+            if steps == p.compare_steps {
+                accum_large = peak;
+            }
+            points.push(((p.large_batch / steps) as f64, peak as f64));
+        }
+        if !p.steps.contains(&1) {
+            full_large = measure(ctx, p.large_batch, 1, true)?;
+        }
+        if !p.steps.contains(&p.compare_steps) {
+            accum_large = measure(ctx, p.large_batch, p.compare_steps, true)?;
+        }
+        for (size, peak) in &points {
+            table.row(vec![
+                ((p.large_batch as f64 / size).round() as u64).into(),
+                (*size as u64).into(),
+                (*peak as u64).into(),
+                (peak / full_large as f64).into(),
+            ]);
+        }
+        let grad_bytes: u64 = sweep.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
+        ctx.metric("peak_full_small", full_small as f64);
+        ctx.metric("peak_accum_small", accum_small as f64);
+        ctx.metric("peak_full_large", full_large as f64);
+        ctx.metric("peak_accum_large", accum_large as f64);
+        ctx.metric("gradient_bytes", grad_bytes as f64);
+        ctx.metric("peak_adamw_step", step_peak as f64);
+        ctx.print(format!(
+            "batch {}: full {:.1} MiB, {} micro-batches {:.1} MiB",
+            p.small_batch,
+            mib(full_small),
+            p.compare_steps,
+            mib(accum_small)
+        ));
+        ctx.print(format!(
+            "batch {}: full {:.1} MiB, {} micro-batches {:.1} MiB",
+            p.large_batch,
+            mib(full_large),
+            p.compare_steps,
+            mib(accum_large)
+        ));
+        ctx.print(format!(
+            "one candle_nn::AdamW step on top of the gradients: {:.1} MiB (its out-of-place update)",
+            mib(step_peak)
+        ));
+        ctx.table(table);
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        ctx.figure(Figure {
+            id: "accumulation-sweep".into(),
+            title: format!("Peak of forward and backward, batch {}", p.large_batch),
+            x: Axis {
+                label: "micro-batch size".into(),
+                unit: Unit::Count,
+                log: true,
+            },
+            y: Axis {
+                label: "peak memory".into(),
+                unit: Unit::Bytes,
+                log: false,
+            },
+            series: vec![Series {
+                name: "measured peak".into(),
+                points,
+            }],
+            markers: Vec::new(),
+        });
+        Ok(())
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// The gradients of `from` filed under the matching variables of `to`.
+fn rebind(grads: &GradStore, from: &[Var], to: &[Var]) -> GradStore {
+    let mut out = GradStore::default();
+    for (a, b) in from.iter().zip(to) {
+        if let Some(g) = grads.get(a.as_tensor()) {
+            out.insert(b.as_tensor(), g.clone());
+        }
+    }
+    out
+}

@@ -1,0 +1,521 @@
+//! The checkpointing cell: activation checkpointing (recomputation) for
+//! candle, proven equal to plain backprop and measured.
+//!
+//! [`checkpoint_sequential`] is the reusable part. candle has no hooks into
+//! its autograd, so checkpointing is a forward and a backward of its own:
+//!
+//! * forward: run each segment, keep only its (detached) output, so the
+//!   segment's activations are freed as soon as it is done;
+//! * backward, last segment first: recompute the segment from a variable copy
+//!   of its saved input, back-propagate the upstream gradient through it as a
+//!   vector-Jacobian product `sum(out * g)`, keep the parameters' gradients
+//!   (detached) and pass the input's gradient upstream.
+//!
+//! Only one segment's activations are alive at once, plus the saved segment
+//! inputs: with `n` layers in `sqrt(n)` segments, `O(sqrt(n))` activations
+//! for one extra forward (Chen et al., 2016).
+#![warn(missing_docs)]
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use workbook_sdk::anyhow;
+use workbook_sdk::candle::backprop::GradStore;
+use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
+use workbook_sdk::output::{Axis, Marker, Series, Unit};
+use workbook_sdk::train::{
+    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
+};
+use workbook_sdk::{Category, Context, Figure, Plugin, Table};
+
+/// What [`checkpoint_sequential`] returns.
+#[derive(Debug)]
+pub struct Checkpointed {
+    /// The loss, detached.
+    pub loss: Tensor,
+    /// The gradients of the variables passed in, detached.
+    pub grads: GradStore,
+    /// The gradient of the loss with respect to the input.
+    pub input_grad: Tensor,
+}
+
+/// Splits `n` layers into `segments` contiguous ranges, as even as possible.
+pub fn segment_bounds(n: usize, segments: usize) -> Vec<std::ops::Range<usize>> {
+    let segments = segments.clamp(1, n.max(1));
+    let (base, extra) = (n / segments, n % segments);
+    let mut start = 0;
+    (0..segments)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            let r = start..start + len;
+            start += len;
+            r
+        })
+        .collect()
+}
+
+fn run_segment<M: Module>(layers: &[M], x: &Tensor) -> Result<Tensor> {
+    layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+}
+
+/// Runs `layers` on `input`, then `head` on the result to a scalar loss, and
+/// back-propagates with `segments` checkpoints: gradients are those of plain
+/// backprop, while only one segment's activations are alive at a time.
+///
+/// `vars` are the variables whose gradients are wanted (those of `layers`
+/// and `head`); a variable used by several segments gets the sum.
+///
+/// ```
+/// use workbook_checkpointing::checkpoint_sequential;
+/// use workbook_sdk::train::{Activation, Mlp, Rng};
+/// use candle_core::{DType, Device, Module};
+/// let dev = Device::Cpu;
+/// let mut rng = Rng::seeded(0);
+/// let mlp = Mlp::stack(&mut rng, 8, 4, Activation::Gelu, DType::F32, &dev)?;
+/// let x = rng.randn((2, 8), &dev)?;
+/// let head = |h: &candle_core::Tensor| h.sqr()?.sum_all();
+///
+/// let plain = head(&mlp.forward(&x)?)?.backward()?;
+/// let ckpt = checkpoint_sequential(mlp.layers(), 2, &x, &mlp.vars(), head)?;
+/// for v in mlp.vars() {
+///     let (a, b) = (plain.get(v.as_tensor()).unwrap(), ckpt.grads.get(v.as_tensor()).unwrap());
+///     assert!(workbook_sdk::train::max_abs_diff(a, b)? < 1e-6);
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn checkpoint_sequential<M: Module>(
+    layers: &[M],
+    segments: usize,
+    input: &Tensor,
+    vars: &[Var],
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Checkpointed> {
+    let bounds = segment_bounds(layers.len(), segments);
+    // Forward: keep each segment's input, detached, and nothing else.
+    let mut saved = Vec::with_capacity(bounds.len());
+    saved.push(input.detach());
+    for range in &bounds[..bounds.len() - 1] {
+        let last = saved.last().expect("saved starts with the input");
+        let out = Category::Activations.scope(|| run_segment(&layers[range.clone()], last))?;
+        saved.push(out.detach());
+    }
+
+    let mut grads = GradStore::default();
+    let mut upstream: Option<Tensor> = None;
+    let mut loss_value = None;
+    let mut head = Some(head);
+    for range in bounds.iter().rev() {
+        let _recompute = Category::Activations.enter();
+        let x = Var::from_tensor(&saved.pop().expect("one saved input per segment"))?;
+        let out = run_segment(&layers[range.clone()], x.as_tensor())?;
+        let root = match (upstream.take(), head.take()) {
+            (None, Some(head)) => {
+                let loss = head(&out)?;
+                loss_value = Some(loss.detach());
+                loss
+            }
+            // The vector-Jacobian product: d(sum(out * g))/d(.) is g pulled back.
+            (Some(g), _) => (out * g)?.sum_all()?,
+            (None, None) => unreachable!("the head runs on the last segment only"),
+        };
+        let _backward = Category::Gradients.enter();
+        let store = root.backward()?;
+        for var in vars {
+            if let Some(g) = store.get(var.as_tensor()) {
+                let g = g.detach();
+                let total = match grads.remove(var.as_tensor()) {
+                    Some(prev) => (prev + g)?.detach(),
+                    None => g,
+                };
+                grads.insert(var.as_tensor(), total);
+            }
+        }
+        let gx = match store.get(x.as_tensor()) {
+            Some(g) => g.detach(),
+            None => x.zeros_like()?,
+        };
+        upstream = Some(gx);
+    }
+    Ok(Checkpointed {
+        loss: loss_value.expect("at least one segment"),
+        grads,
+        input_grad: upstream.expect("at least one segment"),
+    })
+}
+
+/// The checkpointing tip's "heavy function": `x + a`, `adds` times.
+#[derive(Debug, Clone)]
+pub struct Heavy {
+    a: Var,
+    adds: usize,
+}
+
+impl Heavy {
+    /// A heavy function sharing the parameter `a`.
+    pub fn new(a: Var, adds: usize) -> Self {
+        Self { a, adds }
+    }
+}
+
+impl Module for Heavy {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        (0..self.adds).try_fold(x.clone(), |h, _| h.broadcast_add(self.a.as_tensor()))
+    }
+}
+
+/// Parameters of the checkpointing cell.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Params {
+    /// Width of the notebook's block.
+    pub width: usize,
+    /// The notebook's batch.
+    pub batch: usize,
+    /// The notebook's classes.
+    pub classes: usize,
+    /// Seed of weights and data.
+    pub seed: u64,
+    /// Width of the deep stack.
+    pub stack_width: usize,
+    /// Depth (Linear + GELU blocks) of the deep stack.
+    pub stack_depth: usize,
+    /// Batch of the deep stack.
+    pub stack_batch: usize,
+    /// Segment counts swept.
+    pub segments: Vec<usize>,
+    /// Timed repetitions of each variant (the median is reported).
+    pub repeats: usize,
+    /// Calls of the heavy function.
+    pub heavy_calls: usize,
+    /// Additions inside one call.
+    pub heavy_adds: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            width: 64,
+            batch: 16,
+            classes: 2,
+            seed: 47,
+            stack_width: 1024,
+            stack_depth: 16,
+            stack_batch: 1024,
+            segments: vec![1, 2, 4, 8, 16],
+            repeats: 3,
+            heavy_calls: 1000,
+            heavy_adds: 100,
+        }
+    }
+}
+
+/// The checkpointing plugin.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Checkpointing;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+impl Plugin for Checkpointing {
+    type Params = Params;
+
+    fn name(&self) -> &str {
+        "checkpointing"
+    }
+
+    fn description(&self) -> &str {
+        "activation checkpointing: equal gradients, peak per segment count, time overhead"
+    }
+
+    fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let mut rng = Rng::seeded(p.seed);
+        anyhow::ensure!(p.repeats > 0, "repeats must be at least 1");
+
+        // The notebook's cell: a checkpointed block, a head, an input that needs a gradient.
+        let block = Mlp::new(
+            &mut rng,
+            &[p.width, p.width, p.width],
+            Activation::Relu,
+            DType::F32,
+            &device,
+        )?;
+        let block_layers: Vec<_> = block
+            .layers()
+            .iter()
+            .cloned()
+            .chain(std::iter::once(workbook_sdk::train::Layer::Activation(
+                Activation::Relu,
+            )))
+            .collect();
+        let head = Mlp::new(
+            &mut rng,
+            &[p.width, p.classes],
+            Activation::Relu,
+            DType::F32,
+            &device,
+        )?;
+        let input = Var::from_tensor(&rng.randn((p.batch, p.width), &device)?)?;
+        let target = rng.labels(p.batch, p.classes as u32, &device)?;
+        let loss_of = |h: &Tensor| cross_entropy(&head.forward(h)?, &target);
+        let mut vars = block.vars();
+        vars.extend(head.vars());
+
+        let plain = loss_of(&run_segment(&block_layers, input.as_tensor())?)?;
+        let plain_store = plain.backward()?;
+        let plain_input_grad = plain_store.get(input.as_tensor()).map(|g| g.detach());
+        let ckpt = checkpoint_sequential(&block_layers, 1, input.as_tensor(), &vars, loss_of)?;
+        let loss = ckpt.loss.to_scalar::<f32>()?;
+        ctx.print(format!("{loss:.4}"));
+        ctx.metric("loss", loss as f64);
+        ctx.metric(
+            "input_grad_present",
+            f64::from(u8::from(plain_input_grad.is_some())),
+        );
+        let input_diff = match &plain_input_grad {
+            Some(g) => max_abs_diff(g, &ckpt.input_grad)?,
+            None => f64::INFINITY,
+        };
+        ctx.metric("input_grad_max_abs_diff", input_diff);
+        ctx.metric(
+            "block_grad_max_abs_diff",
+            grads_max_abs_diff(&param_grads(&plain_store, &vars), &ckpt.grads, &vars)?,
+        );
+        drop((plain, plain_store));
+
+        self.sweep(ctx, &p, &mut rng)?;
+        self.heavy(ctx, &p)?;
+        Ok(())
+    }
+}
+
+impl Checkpointing {
+    fn sweep(&self, ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let model = Mlp::stack(
+            rng,
+            p.stack_width,
+            p.stack_depth,
+            Activation::Gelu,
+            DType::F32,
+            &device,
+        )?;
+        let vars = model.vars();
+        let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+            Ok((
+                rng.randn((p.stack_batch, p.stack_width), &device)?,
+                rng.labels(p.stack_batch, p.stack_width as u32, &device)?,
+            ))
+        })?;
+        let head = |h: &Tensor| cross_entropy(h, &y);
+
+        // Plain backprop: the reference for gradients, memory and time.
+        let mut plain_grads = GradStore::default();
+        let mut plain_peak = 0;
+        let mut plain_times = Vec::new();
+        for rep in 0..p.repeats {
+            ctx.progress(&format!("plain backprop, run {}", rep + 1));
+            let mut region = ctx.region("plain backprop");
+            let start = Instant::now();
+            let loss = Category::Activations.scope(|| head(&model.forward(&x)?))?;
+            region.mark("after forward");
+            let grads = Category::Gradients
+                .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
+            drop(loss);
+            region.mark("after backward");
+            plain_times.push(start.elapsed().as_secs_f64());
+            if rep == 0 {
+                plain_peak = ctx.end_region(region).peak_above_baseline();
+            }
+            plain_grads = grads;
+        }
+        let plain_time = median(plain_times);
+
+        let mut table = Table::new(
+            format!(
+                "{} layers of Linear({w},{w}) + GELU, batch {}",
+                p.stack_depth,
+                p.stack_batch,
+                w = p.stack_width
+            ),
+            &[
+                ("segments", Unit::Count),
+                ("peak", Unit::Bytes),
+                ("vs plain", Unit::Ratio),
+                ("median time", Unit::Seconds),
+                ("time vs plain", Unit::Ratio),
+                ("max |grad diff|", Unit::None),
+            ],
+        );
+        table.row(vec![
+            "plain".into(),
+            plain_peak.into(),
+            1.0.into(),
+            plain_time.into(),
+            1.0.into(),
+            0.0.into(),
+        ]);
+        let mut points = Vec::new();
+        let mut worst_diff = 0f64;
+        let mut best = (u64::MAX, 0usize, 0f64);
+        for &segments in &p.segments {
+            let mut times = Vec::new();
+            let mut peak = 0;
+            for rep in 0..p.repeats {
+                ctx.progress(&format!("{segments} segment(s), run {}", rep + 1));
+                let mut region = ctx.region(format!("checkpointed, {segments} segment(s)"));
+                let start = Instant::now();
+                let out = checkpoint_sequential(model.layers(), segments, &x, &vars, head)?;
+                region.mark("after forward and backward");
+                times.push(start.elapsed().as_secs_f64());
+                if rep == 0 {
+                    worst_diff =
+                        worst_diff.max(grads_max_abs_diff(&plain_grads, &out.grads, &vars)?);
+                    drop(out);
+                    peak = ctx.end_region(region).peak_above_baseline();
+                }
+            }
+            let time = median(times);
+            if peak < best.0 {
+                best = (peak, segments, time);
+            }
+            points.push((segments as f64, peak as f64));
+            table.row(vec![
+                segments.into(),
+                peak.into(),
+                (peak as f64 / plain_peak as f64).into(),
+                time.into(),
+                (time / plain_time).into(),
+                worst_diff.into(),
+            ]);
+        }
+        ctx.table(table);
+        let sqrt_n = (p.stack_depth as f64).sqrt();
+        ctx.figure(Figure {
+            id: "checkpointing-segments".into(),
+            title: format!(
+                "Peak memory against checkpoint segments ({} layers)",
+                p.stack_depth
+            ),
+            x: Axis {
+                label: "segments".into(),
+                unit: Unit::Count,
+                log: true,
+            },
+            y: Axis {
+                label: "peak memory".into(),
+                unit: Unit::Bytes,
+                log: false,
+            },
+            series: vec![
+                Series {
+                    name: "checkpointed".into(),
+                    points: points.clone(),
+                },
+                Series {
+                    name: "plain backprop".into(),
+                    points: points
+                        .iter()
+                        .map(|(x, _)| (*x, plain_peak as f64))
+                        .collect(),
+                },
+            ],
+            markers: vec![Marker {
+                x: sqrt_n,
+                label: format!("sqrt(n) = {sqrt_n:.1}"),
+            }],
+        });
+        ctx.print(format!(
+            "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",
+            best_mib(plain_peak),
+            best.1,
+            best_mib(best.0),
+            100.0 * best.0 as f64 / plain_peak as f64,
+            best.2 / plain_time
+        ));
+        ctx.metric("peak_plain", plain_peak as f64);
+        ctx.metric("peak_best", best.0 as f64);
+        ctx.metric("best_segments", best.1 as f64);
+        ctx.metric("sqrt_layers", sqrt_n);
+        ctx.metric("stack_grad_max_abs_diff", worst_diff);
+        ctx.metric("time_plain", plain_time);
+        ctx.metric("time_best", best.2);
+        ctx.metric("time_overhead", best.2 / plain_time);
+        Ok(())
+    }
+
+    fn heavy(&self, ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let a = Category::Parameters.scope(|| Var::new(1f32, &device))?;
+        let layers: Vec<Heavy> = (0..p.heavy_calls)
+            .map(|_| Heavy::new(a.clone(), p.heavy_adds))
+            .collect();
+        let x0 = Var::new(0f32, &device)?;
+        let head = |h: &Tensor| Ok(h.clone());
+
+        // How many blocks one tensor made by an op occupies, measured.
+        let per_tensor = {
+            let n = 1000;
+            let mut region = ctx.region("calibration");
+            let chain = Heavy::new(a.clone(), n).forward(x0.as_tensor())?;
+            region.mark("chain");
+            // Calibration is not shown; only its block count is used.
+            let blocks = region.blocks_above_baseline();
+            drop(chain);
+            blocks as f64 / n as f64
+        };
+
+        ctx.progress("heavy function, plain");
+        let mut region = ctx.region("heavy function, plain");
+        let y = Category::Activations.scope(|| run_segment(&layers, x0.as_tensor()))?;
+        region.mark("after forward");
+        let plain_store = Category::Gradients.scope(|| y.backward())?;
+        let plain_grad = plain_store.get(a.as_tensor()).map(|g| g.detach());
+        drop((y, plain_store));
+        let plain_blocks = ctx.end_region(region).blocks_above_baseline();
+
+        ctx.progress("heavy function, checkpointed");
+        let mut region = ctx.region("heavy function, checkpointed");
+        let out =
+            checkpoint_sequential(&layers, p.heavy_calls, x0.as_tensor(), std::slice::from_ref(&a), head)?;
+        region.mark("after forward and backward");
+        let ckpt_grad = out.grads.get(a.as_tensor()).map(|g| g.detach());
+        drop(out);
+        let ckpt_blocks = ctx.end_region(region).blocks_above_baseline();
+
+        let plain_tensors = (plain_blocks as f64 / per_tensor).round();
+        let ckpt_tensors = (ckpt_blocks as f64 / per_tensor).round();
+        let ops = (p.heavy_calls * p.heavy_adds) as f64;
+        ctx.print(format!(
+            "heavy function, {} calls of {} additions: about {plain_tensors} live tensors at the peak plain, {ckpt_tensors} checkpointed",
+            p.heavy_calls, p.heavy_adds
+        ));
+        ctx.metric("heavy_ops", ops);
+        ctx.metric("heavy_blocks_per_tensor", per_tensor);
+        ctx.metric("heavy_live_tensors_plain", plain_tensors);
+        ctx.metric("heavy_live_tensors_checkpointed", ckpt_tensors);
+        ctx.metric(
+            "heavy_expected_checkpointed",
+            (p.heavy_calls + p.heavy_adds) as f64,
+        );
+        let grad_diff = match (plain_grad, ckpt_grad) {
+            (Some(a), Some(b)) => max_abs_diff(&a, &b)?,
+            _ => f64::INFINITY,
+        };
+        ctx.metric("heavy_grad_abs_diff", grad_diff);
+        Ok(())
+    }
+}
+
+fn best_mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}

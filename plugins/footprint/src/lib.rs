@@ -1,0 +1,215 @@
+//! The footprint cell: how many parameters a model has, and how many bytes
+//! training it holds (parameters, gradients, AdamW's two moments) per dtype,
+//! computed analytically and measured by materialising all of it.
+//!
+//! [`TrainingState::analytic`] is the reusable part: the same function gives
+//! the tutorial's 7B figures (112 GB in f32) and the small models' bytes.
+#![warn(missing_docs)]
+
+use serde::{Deserialize, Serialize};
+use workbook_sdk::anyhow;
+use workbook_sdk::candle::{DType, Module};
+use workbook_sdk::candle_nn::AdamW;
+use workbook_sdk::output::Unit;
+use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
+use workbook_sdk::{Category, Context, Plugin, Table};
+
+/// The bytes that training with AdamW holds, by part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainingState {
+    /// The parameters.
+    pub parameters: u64,
+    /// One gradient per parameter.
+    pub gradients: u64,
+    /// AdamW's first and second moments.
+    pub optimizer: u64,
+}
+
+impl TrainingState {
+    /// The analytic figure for `params` parameters stored in `dtype`, with
+    /// gradients and AdamW moments in the same dtype (as `candle_nn::AdamW`
+    /// keeps them).
+    ///
+    /// ```
+    /// use workbook_footprint::TrainingState;
+    /// use candle_core::DType;
+    /// let s = TrainingState::analytic(7_000_000_000, DType::F32);
+    /// assert_eq!((s.parameters, s.gradients, s.optimizer, s.total()),
+    ///            (28_000_000_000, 28_000_000_000, 56_000_000_000, 112_000_000_000));
+    /// ```
+    pub fn analytic(params: u64, dtype: DType) -> Self {
+        let bytes = params * dtype.size_in_bytes() as u64;
+        Self {
+            parameters: bytes,
+            gradients: bytes,
+            optimizer: 2 * bytes,
+        }
+    }
+
+    /// All parts together.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer
+    }
+}
+
+/// Parameters of the footprint cell.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Params {
+    /// Widths of the small model.
+    pub small: Vec<usize>,
+    /// Widths of the large model.
+    pub large: Vec<usize>,
+    /// Widths of the model whose training state is materialised.
+    pub state_model: Vec<usize>,
+    /// Batch of the backward pass that materialises the gradients.
+    pub batch: usize,
+    /// Dtypes to measure: `f32`, `f16`, `bf16`.
+    pub dtypes: Vec<String>,
+    /// Parameters of the large language model of the analytic example.
+    pub llm_params: u64,
+    /// Seed of weights and data.
+    pub seed: u64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            small: vec![128, 128, 10],
+            large: vec![128, 512, 512, 10],
+            state_model: vec![128, 512, 512, 10],
+            batch: 32,
+            dtypes: vec!["f32".into(), "f16".into(), "bf16".into()],
+            llm_params: 7_000_000_000,
+            seed: 47,
+        }
+    }
+}
+
+fn parse_dtype(name: &str) -> anyhow::Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => anyhow::bail!("unknown dtype `{other}`, expected one of `f32`, `f16`, `bf16`"),
+    }
+}
+
+/// The footprint plugin.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Footprint;
+
+impl Plugin for Footprint {
+    type Params = Params;
+
+    fn name(&self) -> &str {
+        "footprint"
+    }
+
+    fn description(&self) -> &str {
+        "parameter counts, and training-state bytes per dtype, analytic and measured"
+    }
+
+    fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let mut rng = Rng::seeded(p.seed);
+        let count = |rng: &mut Rng, widths: &[usize]| -> anyhow::Result<usize> {
+            Ok(Mlp::new(rng, widths, Activation::Relu, DType::F32, &device)?.param_count())
+        };
+        let small = count(&mut rng, &p.small)?;
+        let large = count(&mut rng, &p.large)?;
+        ctx.print(format!("small params: {small}"));
+        ctx.print(format!("large params: {large}"));
+        ctx.metric("small_params", small as f64);
+        ctx.metric("large_params", large as f64);
+
+        let mut table = Table::new(
+            "Training state with AdamW, measured against analytic",
+            &[
+                ("dtype", Unit::None),
+                ("parameters", Unit::Bytes),
+                ("gradients", Unit::Bytes),
+                ("AdamW moments", Unit::Bytes),
+                ("measured total", Unit::Bytes),
+                ("analytic total", Unit::Bytes),
+                ("measured / analytic", Unit::Ratio),
+            ],
+        );
+        for name in &p.dtypes {
+            let dtype = parse_dtype(name)?;
+            ctx.progress(&format!("materialising the training state in {name}"));
+            let mut region = ctx.region(format!("training state, {name}"));
+            let model = Mlp::new(&mut rng, &p.state_model, Activation::Relu, dtype, &device)?;
+            region.mark("parameters");
+            let (x, y) = {
+                let _inputs = Category::Inputs.enter();
+                let x = rng
+                    .randn((p.batch, p.state_model[0]), &device)?
+                    .to_dtype(dtype)?;
+                let classes = *p.state_model.last().unwrap_or(&1) as u32;
+                (x, rng.labels(p.batch, classes, &device)?)
+            };
+            let loss = Category::Activations.scope(|| cross_entropy(&model.forward(&x)?, &y))?;
+            region.mark("after forward");
+            let grads = Category::Gradients.scope(|| {
+                let store = loss.backward()?;
+                Ok::<_, anyhow::Error>(param_grads(&store, &model.vars()))
+            })?;
+            drop(loss);
+            region.mark("after backward");
+            let optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(model.vars(), 1e-3))?;
+            region.mark("optimizer state");
+            let measured = {
+                let d = region.current_above_baseline();
+                TrainingState {
+                    parameters: d.get(Category::Parameters),
+                    gradients: d.get(Category::Gradients),
+                    optimizer: d.get(Category::OptimizerState),
+                }
+            };
+            drop((optimizer, grads, x, y, model));
+            ctx.end_region(region);
+
+            let analytic = TrainingState::analytic(
+                p.state_model
+                    .windows(2)
+                    .map(|w| (w[0] * w[1] + w[1]) as u64)
+                    .sum(),
+                dtype,
+            );
+            let ratio = measured.total() as f64 / analytic.total() as f64;
+            ctx.metric(format!("params_bytes_{name}"), measured.parameters as f64);
+            ctx.metric(format!("grads_bytes_{name}"), measured.gradients as f64);
+            ctx.metric(format!("optimizer_bytes_{name}"), measured.optimizer as f64);
+            ctx.metric(format!("state_measured_{name}"), measured.total() as f64);
+            ctx.metric(format!("state_analytic_{name}"), analytic.total() as f64);
+            ctx.metric(format!("state_ratio_{name}"), ratio);
+            table.row(vec![
+                name.as_str().into(),
+                measured.parameters.into(),
+                measured.gradients.into(),
+                measured.optimizer.into(),
+                measured.total().into(),
+                analytic.total().into(),
+                ratio.into(),
+            ]);
+        }
+        ctx.table(table);
+
+        let llm = TrainingState::analytic(p.llm_params, DType::F32);
+        let gb = |b: u64| b as f64 / 1e9;
+        ctx.print(format!(
+            "{:.0}B parameters in f32 with AdamW: parameters {} GB, gradients {} GB, AdamW {} GB, total {} GB",
+            p.llm_params as f64 / 1e9,
+            gb(llm.parameters),
+            gb(llm.gradients),
+            gb(llm.optimizer),
+            gb(llm.total())
+        ));
+        ctx.metric("llm_params_gb", gb(llm.parameters));
+        ctx.metric("llm_grads_gb", gb(llm.gradients));
+        ctx.metric("llm_adam_gb", gb(llm.optimizer));
+        ctx.metric("llm_total_gb", gb(llm.total()));
+        Ok(())
+    }
+}

@@ -1,0 +1,40 @@
+//! The plugin SDK of `workbook`.
+//!
+//! A cell kind is a [`Plugin`]: a name, typed parameters read from the chapter
+//! file, and a `run` that records what it measured into a [`Context`]. This
+//! crate is the one dependency a plugin needs: it re-exports candle and holds
+//! the memory [`meter`], the recorded [`output`] types and small [`train`]ing
+//! helpers.
+//!
+//! # Why the trait lives here
+//!
+//! The `workbook` crate depends on the built-in plugins to register them, so
+//! the trait cannot live in `workbook` without a dependency cycle. Plugins
+//! depend on this crate, `workbook` depends on both: data flows one way.
+//!
+//! # Why `run` records into a context
+//!
+//! A plugin that fails or panics half-way must not lose what it printed and
+//! measured before. Recording into the context as it goes keeps every line and
+//! metric up to the failure; the runner reads them whatever happens.
+//!
+//! # Memory
+//!
+//! Plugins measure through [`Meter`], never through a particular meter, so the
+//! same plugin reads the CPU counting allocator or a GPU memory pool. They tag
+//! what they allocate with a [`Category`] and measure each variant as a
+//! [`Region`] with timeline marks.
+#![warn(missing_docs)]
+
+pub mod meter;
+pub mod output;
+pub mod plugin;
+pub mod train;
+
+pub use anyhow;
+pub use candle_core as candle;
+pub use candle_nn;
+
+pub use meter::{Category, Meter};
+pub use output::{CellOutput, Figure, RegionReport, Table, Unit};
+pub use plugin::{Context, DynPlugin, ParamError, Plugin, Region};

@@ -1,0 +1,370 @@
+//! Measuring memory: categories, snapshots, the [`Meter`] trait and the CPU
+//! counting allocator behind [`CpuMeter`].
+//!
+//! Every byte a cell reports comes from a meter, never from a formula. On the
+//! CPU that is [`CountingAllocator`], a global allocator that counts what it
+//! hands out; candle keeps CPU tensor data in `Vec`s, so every tensor passes
+//! through it. A CUDA meter reads the device memory pool instead; plugins see
+//! only the [`Meter`] trait and never know which one they have.
+//!
+//! # Attribution by category
+//!
+//! Each allocation is tagged with the [`Category`] current on the allocating
+//! thread (see [`Category::enter`]). The tag lives in a small header in front of
+//! the block, so a free is charged to the category that allocated it, wherever
+//! it is freed.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+/// What a block of memory holds, in the sense of PyTorch's memory timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    /// Model weights and biases.
+    Parameters,
+    /// Gradients produced by a backward pass, and accumulated gradients.
+    Gradients,
+    /// Optimizer state, such as AdamW's two moments.
+    OptimizerState,
+    /// Activations saved by the forward pass and temporaries of the backward.
+    Activations,
+    /// Input batches and targets.
+    Inputs,
+    /// Everything not tagged otherwise.
+    Other,
+}
+
+impl Category {
+    /// All categories, in the order tables and plots show them.
+    pub const ALL: [Category; 6] = [
+        Category::Parameters,
+        Category::Gradients,
+        Category::OptimizerState,
+        Category::Activations,
+        Category::Inputs,
+        Category::Other,
+    ];
+
+    /// The name used in JSON and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Parameters => "parameters",
+            Category::Gradients => "gradients",
+            Category::OptimizerState => "optimizer_state",
+            Category::Activations => "activations",
+            Category::Inputs => "inputs",
+            Category::Other => "other",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Tags every allocation made on this thread with `self` until the guard is
+    /// dropped; the previous tag is restored then, so scopes nest.
+    #[must_use = "the category applies only while the guard lives"]
+    pub fn enter(self) -> CategoryGuard {
+        let previous = CURRENT_CATEGORY.with(|c| c.replace(self as u8));
+        CategoryGuard { previous }
+    }
+
+    /// Runs `f` with allocations tagged as `self`.
+    pub fn scope<R>(self, f: impl FnOnce() -> R) -> R {
+        let _guard = self.enter();
+        f()
+    }
+
+    /// The category that allocations on this thread are tagged with now.
+    pub fn current() -> Category {
+        Category::ALL[current_tag() as usize]
+    }
+}
+
+/// Restores the previous category when dropped; see [`Category::enter`].
+#[derive(Debug)]
+pub struct CategoryGuard {
+    previous: u8,
+}
+
+impl Drop for CategoryGuard {
+    fn drop(&mut self) {
+        let previous = self.previous;
+        let _ = CURRENT_CATEGORY.try_with(|c| c.set(previous));
+    }
+}
+
+/// Bytes per category, indexed in the order of [`Category::ALL`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ByCategory(pub [u64; 6]);
+
+impl ByCategory {
+    /// The bytes of one category.
+    pub fn get(&self, category: Category) -> u64 {
+        self.0[category.index()]
+    }
+
+    /// The sum over all categories.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// Pairs of category and bytes, in display order.
+    pub fn iter(&self) -> impl Iterator<Item = (Category, u64)> + '_ {
+        Category::ALL.iter().map(|&c| (c, self.get(c)))
+    }
+
+    /// Each category's bytes minus `base`'s, floored at zero.
+    pub fn saturating_sub(&self, base: &ByCategory) -> ByCategory {
+        let mut out = [0; 6];
+        for (i, slot) in out.iter_mut().enumerate() {
+            *slot = self.0[i].saturating_sub(base.0[i]);
+        }
+        ByCategory(out)
+    }
+}
+
+impl Serialize for ByCategory {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(6))?;
+        for (c, b) in self.iter() {
+            map.serialize_entry(c.name(), &b)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for ByCategory {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let map = std::collections::BTreeMap::<Category, u64>::deserialize(d)?;
+        let mut out = ByCategory::default();
+        for (c, b) in map {
+            out.0[c.index()] = b;
+        }
+        Ok(out)
+    }
+}
+
+/// What a meter reads at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemorySnapshot {
+    /// Bytes live now, by category.
+    pub current: ByCategory,
+    /// The highest total since the last reset.
+    pub peak: u64,
+    /// The split by category at the moment the peak was reached.
+    pub peak_by_category: ByCategory,
+    /// Blocks (allocations) live now.
+    pub live_blocks: u64,
+    /// The most blocks live at once since the last reset.
+    pub peak_blocks: u64,
+}
+
+impl MemorySnapshot {
+    /// Total bytes live now.
+    pub fn current_total(&self) -> u64 {
+        self.current.total()
+    }
+}
+
+/// A source of memory measurements.
+///
+/// Implemented by [`CpuMeter`] (the counting allocator) and, in builds with
+/// CUDA, by a meter over the device's memory pool. Plugins take `&dyn Meter`
+/// through their context and never name an implementation.
+pub trait Meter: Send + Sync {
+    /// A short name for reports, such as `cpu-allocator`.
+    fn name(&self) -> &'static str;
+    /// Reads the counters. Implementations synchronise the device first.
+    fn snapshot(&self) -> MemorySnapshot;
+    /// Makes the peak equal the current total, so the next peak is local.
+    fn reset_peak(&self);
+}
+
+thread_local! {
+    static CURRENT_CATEGORY: Cell<u8> = const { Cell::new(Category::Other as u8) };
+}
+
+fn current_tag() -> u8 {
+    CURRENT_CATEGORY
+        .try_with(|c| c.get())
+        .unwrap_or(Category::Other as u8)
+}
+
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+static CURRENT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+static TOTAL: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+static PEAK_BY_CATEGORY: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+static BLOCKS: AtomicU64 = AtomicU64::new(0);
+static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
+
+/// The header in front of each block: big enough for the tag, and a multiple
+/// of every alignment up to 16 so the block stays aligned.
+const HEADER: usize = 16;
+
+fn outer(layout: Layout) -> Option<(Layout, usize)> {
+    let offset = layout.align().max(HEADER);
+    let size = layout.size().checked_add(offset)?;
+    let outer = Layout::from_size_align(size, layout.align().max(HEADER)).ok()?;
+    Some((outer, offset))
+}
+
+fn record_alloc(tag: u8, size: u64) {
+    CURRENT[tag as usize].fetch_add(size, Ordering::Relaxed);
+    let total = TOTAL.fetch_add(size, Ordering::Relaxed) + size;
+    let blocks = BLOCKS.fetch_add(1, Ordering::Relaxed) + 1;
+    PEAK_BLOCKS.fetch_max(blocks, Ordering::Relaxed);
+    if total > PEAK.load(Ordering::Relaxed) && PEAK.fetch_max(total, Ordering::Relaxed) < total {
+        for (peak, current) in PEAK_BY_CATEGORY.iter().zip(CURRENT.iter()) {
+            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+}
+
+fn record_free(tag: u8, size: u64) {
+    CURRENT[tag as usize].fetch_sub(size, Ordering::Relaxed);
+    TOTAL.fetch_sub(size, Ordering::Relaxed);
+    BLOCKS.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// A global allocator that counts the bytes it hands out, by [`Category`].
+///
+/// Install it in a binary (or a test binary) to make [`CpuMeter`] work:
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::CountingAllocator;
+/// ```
+///
+/// It counts the sizes callers ask for, so a 1000 x 1000 f32 tensor moves the
+/// count by exactly 4,000,000 bytes of data (the header is not counted).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CountingAllocator;
+
+// SAFETY: every block handed out is a `System` block of the `outer` layout,
+// offset by `offset` bytes, which keeps the caller's alignment; the tag byte
+// sits in the header, inside the `System` block, just before the caller's part.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        self.alloc_with(layout, |l| unsafe { System.alloc(l) })
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        self.alloc_with(layout, |l| unsafe { System.alloc_zeroed(l) })
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        let Some((outer, offset)) = outer(layout) else {
+            return;
+        };
+        let tag = unsafe { *ptr.sub(1) };
+        record_free(tag, layout.size() as u64);
+        unsafe { System.dealloc(ptr.sub(offset), outer) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let Some((old_outer, offset)) = outer(layout) else {
+            return std::ptr::null_mut();
+        };
+        let Some(new_outer_size) = new_size.checked_add(offset) else {
+            return std::ptr::null_mut();
+        };
+        // A block that grows stays what it was: keep its tag.
+        let tag = unsafe { *ptr.sub(1) };
+        let base = unsafe { System.realloc(ptr.sub(offset), old_outer, new_outer_size) };
+        if base.is_null() {
+            return base;
+        }
+        record_free(tag, layout.size() as u64);
+        record_alloc(tag, new_size as u64);
+        unsafe { base.add(offset) }
+    }
+}
+
+impl CountingAllocator {
+    unsafe fn alloc_with(&self, layout: Layout, f: impl FnOnce(Layout) -> *mut u8) -> *mut u8 {
+        INSTALLED.store(true, Ordering::Relaxed);
+        let Some((outer, offset)) = outer(layout) else {
+            return std::ptr::null_mut();
+        };
+        let base = f(outer);
+        if base.is_null() {
+            return base;
+        }
+        let tag = current_tag();
+        // SAFETY: `offset >= 1` and the outer block is `offset + size` long.
+        unsafe {
+            let user = base.add(offset);
+            *user.sub(1) = tag;
+            record_alloc(tag, layout.size() as u64);
+            user
+        }
+    }
+
+    /// Whether this allocator is the process's global allocator.
+    pub fn is_installed() -> bool {
+        INSTALLED.load(Ordering::Relaxed)
+    }
+}
+
+/// The CPU meter: reads [`CountingAllocator`]'s counters.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuMeter {
+    _private: (),
+}
+
+/// Returned when a meter is asked for but cannot measure.
+#[derive(Debug, thiserror::Error)]
+pub enum MeterError {
+    /// The counting allocator is not the global allocator of this process.
+    #[error(
+        "the counting allocator is not installed: add \
+         `#[global_allocator] static A: workbook_sdk::meter::CountingAllocator = \
+         workbook_sdk::meter::CountingAllocator;` to the binary"
+    )]
+    NotInstalled,
+}
+
+impl CpuMeter {
+    /// A meter over the counting allocator; fails when it is not installed,
+    /// since every figure would then read zero.
+    pub fn new() -> Result<Self, MeterError> {
+        if CountingAllocator::is_installed() {
+            Ok(Self { _private: () })
+        } else {
+            Err(MeterError::NotInstalled)
+        }
+    }
+}
+
+impl Meter for CpuMeter {
+    fn name(&self) -> &'static str {
+        "cpu-allocator"
+    }
+
+    fn snapshot(&self) -> MemorySnapshot {
+        let load =
+            |a: &[AtomicU64; 6]| ByCategory(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)));
+        MemorySnapshot {
+            current: load(&CURRENT),
+            peak: PEAK.load(Ordering::Relaxed),
+            peak_by_category: load(&PEAK_BY_CATEGORY),
+            live_blocks: BLOCKS.load(Ordering::Relaxed),
+            peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
+        }
+    }
+
+    fn reset_peak(&self) {
+        PEAK.store(TOTAL.load(Ordering::Relaxed), Ordering::Relaxed);
+        for (peak, current) in PEAK_BY_CATEGORY.iter().zip(CURRENT.iter()) {
+            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        PEAK_BLOCKS.store(BLOCKS.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}

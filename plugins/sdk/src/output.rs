@@ -1,0 +1,185 @@
+//! What a plugin records while it runs: printed lines, named metrics, memory
+//! regions with their timelines, tables and figures.
+//!
+//! These types are serialised as the `output` part of each cell in the JSON
+//! report (see the `workbook` crate's `report` module), so field names here
+//! are part of that contract.
+
+use indexmap::IndexMap;
+use serde::{Deserialize, Serialize};
+
+use crate::meter::ByCategory;
+
+/// Everything one cell recorded.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct CellOutput {
+    /// Lines the cell printed, in order (the notebook's `print` output).
+    pub printed: Vec<String>,
+    /// Named measurements that assertions read, in the order recorded.
+    pub metrics: IndexMap<String, f64>,
+    /// Memory regions, one per variant measured.
+    pub regions: Vec<RegionReport>,
+    /// Tables of results (sweeps, per-dtype figures).
+    pub tables: Vec<Table>,
+    /// Data for plots.
+    pub figures: Vec<Figure>,
+}
+
+/// One variant's memory, measured from a fresh peak.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct RegionReport {
+    /// The variant's name, such as `plain` or `checkpointed, 4 segments`.
+    pub name: String,
+    /// Bytes live when the region began, by category.
+    pub baseline: ByCategory,
+    /// The highest total reached inside the region (absolute, baseline included).
+    pub peak_bytes: u64,
+    /// The split by category at that peak.
+    pub peak_by_category: ByCategory,
+    /// Bytes live when the region ended, by category.
+    pub end: ByCategory,
+    /// Blocks live when the region began.
+    pub baseline_blocks: u64,
+    /// The most blocks live at once inside the region.
+    pub peak_blocks: u64,
+    /// Wall time of the region, in seconds.
+    pub seconds: f64,
+    /// Points of the memory timeline, in order.
+    pub marks: Vec<Mark>,
+}
+
+impl RegionReport {
+    /// Bytes of the peak above what was live when the region began: what the
+    /// variant itself cost at its worst moment.
+    pub fn peak_above_baseline(&self) -> u64 {
+        self.peak_bytes.saturating_sub(self.baseline.total())
+    }
+
+    /// Blocks of the peak above those live when the region began.
+    pub fn blocks_above_baseline(&self) -> u64 {
+        self.peak_blocks.saturating_sub(self.baseline_blocks)
+    }
+}
+
+/// One point of a memory timeline.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Mark {
+    /// What had just happened, such as `after forward`.
+    pub label: String,
+    /// Seconds since the region began.
+    pub seconds: f64,
+    /// Bytes live at this point, by category.
+    pub current: ByCategory,
+    /// The highest total since the region began, up to this point.
+    pub peak_so_far: u64,
+}
+
+/// What a number measures, so renderers can format it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Unit {
+    /// A plain number.
+    #[default]
+    None,
+    /// Bytes (shown as KiB, MiB, GiB).
+    Bytes,
+    /// Seconds.
+    Seconds,
+    /// A count of things.
+    Count,
+    /// A ratio (1.0 = equal).
+    Ratio,
+}
+
+/// A column of a [`Table`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Column {
+    /// The header.
+    pub name: String,
+    /// The unit of the column's numbers.
+    #[serde(default)]
+    pub unit: Unit,
+}
+
+/// A table of results. Cells are numbers or strings.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Table {
+    /// The caption.
+    pub title: String,
+    /// The columns.
+    pub columns: Vec<Column>,
+    /// The rows, each as long as `columns`.
+    pub rows: Vec<Vec<serde_json::Value>>,
+}
+
+impl Table {
+    /// A table with the given caption and columns of the given units.
+    pub fn new(title: impl Into<String>, columns: &[(&str, Unit)]) -> Self {
+        Self {
+            title: title.into(),
+            columns: columns
+                .iter()
+                .map(|(n, u)| Column {
+                    name: n.to_string(),
+                    unit: *u,
+                })
+                .collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Appends a row.
+    pub fn row(&mut self, cells: Vec<serde_json::Value>) -> &mut Self {
+        self.rows.push(cells);
+        self
+    }
+}
+
+/// An axis of a [`Figure`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Axis {
+    /// The label, without the unit.
+    pub label: String,
+    /// The unit of the values.
+    #[serde(default)]
+    pub unit: Unit,
+    /// Whether the axis is logarithmic.
+    #[serde(default)]
+    pub log: bool,
+}
+
+/// One line of a [`Figure`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Series {
+    /// The legend entry.
+    pub name: String,
+    /// `(x, y)` points in x order.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A vertical marker on a [`Figure`], such as the sqrt(n) point of a sweep.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Marker {
+    /// Where on the x axis.
+    pub x: f64,
+    /// What it marks.
+    pub label: String,
+}
+
+/// The data of a plot: renderers draw it, plugins only fill it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Figure {
+    /// A stable identifier, used for file names.
+    pub id: String,
+    /// The title.
+    pub title: String,
+    /// The x axis.
+    pub x: Axis,
+    /// The y axis.
+    pub y: Axis,
+    /// The lines.
+    pub series: Vec<Series>,
+    /// Vertical markers.
+    #[serde(default)]
+    pub markers: Vec<Marker>,
+}

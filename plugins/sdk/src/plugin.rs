@@ -1,0 +1,301 @@
+//! The [`Plugin`] trait a cell kind implements, and the [`Context`] it runs in.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Device;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::meter::{ByCategory, Category, MemorySnapshot, Meter};
+use crate::output::{CellOutput, Figure, Mark, RegionReport, Table};
+
+/// A cell kind: an experiment that runs with typed parameters and records what
+/// it measured into its [`Context`].
+///
+/// `Params` is deserialised from the cell's `params` table in the chapter
+/// file (with the `check` table laid over it in check mode). Give it
+/// `#[serde(deny_unknown_fields)]` so a misspelt parameter is an error, and
+/// `#[serde(default)]` fields for what a chapter may leave out.
+///
+/// `run` records into the context instead of returning a value, so what a
+/// plugin printed and measured before it failed or panicked is kept.
+pub trait Plugin: Send + Sync + 'static {
+    /// The parameters, read from the chapter.
+    type Params: DeserializeOwned + Serialize;
+
+    /// The name chapters use in `plugin = "..."`.
+    fn name(&self) -> &str;
+
+    /// One line on what the plugin measures, for `workbook list`.
+    fn description(&self) -> &str {
+        ""
+    }
+
+    /// Runs the experiment.
+    fn run(&self, ctx: &mut Context, params: Self::Params) -> anyhow::Result<()>;
+}
+
+/// A parameter table that does not fit a plugin's `Params`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ParamError {
+    /// The path of the field at fault (`batch`, `sizes[2]`), empty when the
+    /// table as a whole is at fault.
+    pub field: String,
+    /// What was wrong, naming the expected type or the valid fields.
+    pub message: String,
+}
+
+/// The object-safe face of [`Plugin`], used by registries. Every `Plugin`
+/// implements it.
+pub trait DynPlugin: Send + Sync {
+    /// See [`Plugin::name`].
+    fn name(&self) -> &str;
+    /// See [`Plugin::description`].
+    fn description(&self) -> &str;
+    /// Checks a parameter table and returns it with defaults filled in, as JSON.
+    fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError>;
+    /// Deserialises the parameters and runs.
+    fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()>;
+}
+
+fn parse<P: DeserializeOwned>(params: &toml::Table) -> Result<P, ParamError> {
+    serde_path_to_error::deserialize(toml::Value::Table(params.clone())).map_err(|e| {
+        let field = e.path().to_string();
+        ParamError {
+            field: if field == "." { String::new() } else { field },
+            message: e.into_inner().to_string(),
+        }
+    })
+}
+
+impl<T: Plugin> DynPlugin for T {
+    fn name(&self) -> &str {
+        Plugin::name(self)
+    }
+
+    fn description(&self) -> &str {
+        Plugin::description(self)
+    }
+
+    fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError> {
+        let typed: T::Params = parse(params)?;
+        serde_json::to_value(&typed).map_err(|e| ParamError {
+            field: String::new(),
+            message: e.to_string(),
+        })
+    }
+
+    fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()> {
+        let typed: T::Params =
+            parse(params).map_err(|e| anyhow::anyhow!("parameter `{}`: {e}", e.field))?;
+        self.run(ctx, typed)
+    }
+}
+
+type ProgressFn = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// What a plugin runs with: the device, the memory meter, the mode, and the
+/// output it records into.
+pub struct Context {
+    device: Device,
+    meter: Arc<dyn Meter>,
+    check_mode: bool,
+    progress: ProgressFn,
+    output: CellOutput,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("device", &self.device)
+            .field("meter", &self.meter.name())
+            .field("check_mode", &self.check_mode)
+            .field("output", &self.output)
+            .finish()
+    }
+}
+
+impl Context {
+    /// A context on `device`, measured by `meter`.
+    pub fn new(device: Device, meter: Arc<dyn Meter>, check_mode: bool) -> Self {
+        Self {
+            device,
+            meter,
+            check_mode,
+            progress: Arc::new(|_| {}),
+            output: CellOutput::default(),
+        }
+    }
+
+    /// Sends progress messages to `f` (the runner shows them on a spinner).
+    pub fn with_progress(mut self, f: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        self.progress = Arc::new(f);
+        self
+    }
+
+    /// The device tensors go on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The memory meter.
+    pub fn meter(&self) -> &dyn Meter {
+        self.meter.as_ref()
+    }
+
+    /// Whether the chapter runs at check sizes.
+    pub fn is_check(&self) -> bool {
+        self.check_mode
+    }
+
+    /// Reports progress of a long cell.
+    pub fn progress(&self, message: &str) {
+        (self.progress)(message)
+    }
+
+    /// Records a printed line.
+    pub fn print(&mut self, line: impl Into<String>) {
+        self.output.printed.push(line.into());
+    }
+
+    /// Records a named metric. Names are identifiers (`peak_plain`) so that
+    /// assertions can read them; a second value under a name replaces the first.
+    pub fn metric(&mut self, name: impl Into<String>, value: f64) {
+        self.output.metrics.insert(name.into(), value);
+    }
+
+    /// Records a table.
+    pub fn table(&mut self, table: Table) {
+        self.output.tables.push(table);
+    }
+
+    /// Records a figure.
+    pub fn figure(&mut self, figure: Figure) {
+        self.output.figures.push(figure);
+    }
+
+    /// Starts measuring a variant: resets the peak and records the baseline.
+    /// Regions do not nest; finish one with [`Context::end_region`].
+    pub fn region(&self, name: impl Into<String>) -> Region {
+        Region::start(name.into(), self.meter.clone())
+    }
+
+    /// Ends a region, records its report and returns a copy.
+    pub fn end_region(&mut self, region: Region) -> RegionReport {
+        let report = region.finish();
+        self.output.regions.push(report.clone());
+        report
+    }
+
+    /// Measures `f` as one region named `name`.
+    pub fn measure<R>(
+        &mut self,
+        name: impl Into<String>,
+        f: impl FnOnce(&mut Region) -> anyhow::Result<R>,
+    ) -> anyhow::Result<(R, RegionReport)> {
+        let mut region = self.region(name);
+        let value = f(&mut region)?;
+        Ok((value, self.end_region(region)))
+    }
+
+    /// What has been recorded so far.
+    pub fn output(&self) -> &CellOutput {
+        &self.output
+    }
+
+    /// Takes the recorded output.
+    pub fn into_output(self) -> CellOutput {
+        self.output
+    }
+}
+
+/// A variant being measured; see [`Context::region`].
+pub struct Region {
+    name: String,
+    meter: Arc<dyn Meter>,
+    start: Instant,
+    baseline: MemorySnapshot,
+    marks: Vec<Mark>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("name", &self.name)
+            .field("baseline", &self.baseline)
+            .field("marks", &self.marks)
+            .finish()
+    }
+}
+
+impl Region {
+    fn start(name: String, meter: Arc<dyn Meter>) -> Self {
+        meter.reset_peak();
+        let baseline = meter.snapshot();
+        let mut region = Self {
+            name,
+            meter,
+            start: Instant::now(),
+            baseline,
+            marks: Vec::with_capacity(16),
+        };
+        region.mark("start");
+        region
+    }
+
+    /// Records a point of the timeline, such as `after forward`.
+    pub fn mark(&mut self, label: impl Into<String>) {
+        // The timeline's own bookkeeping is not the experiment's memory.
+        let _other = Category::Other.enter();
+        let snap = self.meter.snapshot();
+        self.marks.push(Mark {
+            label: label.into(),
+            seconds: self.start.elapsed().as_secs_f64(),
+            current: snap.current,
+            peak_so_far: snap.peak,
+        });
+    }
+
+    /// Bytes live now minus those live when the region began, by category.
+    pub fn current_above_baseline(&self) -> ByCategory {
+        self.meter
+            .snapshot()
+            .current
+            .saturating_sub(&self.baseline.current)
+    }
+
+    /// The most blocks live at once so far, above those live at the start.
+    pub fn blocks_above_baseline(&self) -> u64 {
+        self.meter
+            .snapshot()
+            .peak_blocks
+            .saturating_sub(self.baseline.live_blocks)
+    }
+
+    /// The peak so far above the baseline, in bytes.
+    pub fn peak_above_baseline(&self) -> u64 {
+        self.meter
+            .snapshot()
+            .peak
+            .saturating_sub(self.baseline.current_total())
+    }
+
+    fn finish(mut self) -> RegionReport {
+        self.mark("end");
+        let seconds = self.start.elapsed().as_secs_f64();
+        let snap = self.meter.snapshot();
+        RegionReport {
+            name: self.name,
+            baseline: self.baseline.current,
+            peak_bytes: snap.peak,
+            peak_by_category: snap.peak_by_category,
+            end: snap.current,
+            baseline_blocks: self.baseline.live_blocks,
+            peak_blocks: snap.peak_blocks,
+            seconds,
+            marks: self.marks,
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! Small training helpers shared by plugins: seeded tensors, layers that
+//! initialise like PyTorch's, an MLP, and gradient utilities.
+//!
+//! candle's CPU random generator cannot be seeded, so everything random here
+//! comes from a seeded [`Rng`]: the same seed gives the same model and data on
+//! every run and every device.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
+use rand::{Rng as _, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::meter::Category;
+
+/// A seeded random generator for weights and data.
+#[derive(Debug, Clone)]
+pub struct Rng(rand::rngs::StdRng);
+
+impl Rng {
+    /// A generator seeded with `seed`.
+    pub fn seeded(seed: u64) -> Self {
+        Self(rand::rngs::StdRng::seed_from_u64(seed))
+    }
+
+    /// An f32 tensor of standard normal values.
+    pub fn randn(&mut self, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let data: Vec<f32> = (0..shape.elem_count())
+            .map(|_| StandardNormal.sample(&mut self.0))
+            .collect();
+        Tensor::from_vec(data, shape, device)
+    }
+
+    /// An f32 tensor of values uniform in `[low, high)`.
+    pub fn uniform(
+        &mut self,
+        shape: impl Into<Shape>,
+        low: f32,
+        high: f32,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        let data: Vec<f32> = (0..shape.elem_count())
+            .map(|_| self.0.random_range(low..high))
+            .collect();
+        Tensor::from_vec(data, shape, device)
+    }
+
+    /// A u32 tensor of `n` class labels in `[0, classes)`.
+    pub fn labels(&mut self, n: usize, classes: u32, device: &Device) -> Result<Tensor> {
+        let data: Vec<u32> = (0..n).map(|_| self.0.random_range(0..classes)).collect();
+        Tensor::from_vec(data, n, device)
+    }
+}
+
+/// A fully connected layer, `y = x W^T + b`, initialised like PyTorch's
+/// `nn.Linear`: weight and bias uniform in `±1/sqrt(in)`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Var,
+    bias: Var,
+}
+
+impl Linear {
+    /// A layer from `input` to `output` features, its parameters in `dtype`.
+    /// Its allocations are tagged [`Category::Parameters`].
+    pub fn new(
+        rng: &mut Rng,
+        input: usize,
+        output: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let _params = Category::Parameters.enter();
+        let bound = 1.0 / (input as f32).sqrt();
+        let weight = rng.uniform((output, input), -bound, bound, device)?;
+        let bias = rng.uniform(output, -bound, bound, device)?;
+        Ok(Self {
+            weight: Var::from_tensor(&weight.to_dtype(dtype)?)?,
+            bias: Var::from_tensor(&bias.to_dtype(dtype)?)?,
+        })
+    }
+
+    /// The weight, `(output, input)`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// The bias, `(output,)`.
+    pub fn bias(&self) -> &Var {
+        &self.bias
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.broadcast_matmul(&self.weight.t()?)?
+            .broadcast_add(&self.bias)
+    }
+}
+
+/// An element-wise activation. Both are differentiable in candle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// `max(x, 0)`.
+    Relu,
+    /// GELU, tanh approximation.
+    Gelu,
+}
+
+impl Module for Activation {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Activation::Relu => x.relu(),
+            Activation::Gelu => x.gelu(),
+        }
+    }
+}
+
+/// A layer of an [`Mlp`].
+#[derive(Debug, Clone)]
+pub enum Layer {
+    /// A linear layer.
+    Linear(Linear),
+    /// An activation.
+    Activation(Activation),
+}
+
+impl Module for Layer {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Layer::Linear(l) => l.forward(x),
+            Layer::Activation(a) => a.forward(x),
+        }
+    }
+}
+
+impl Layer {
+    /// The trainable variables of this layer.
+    pub fn vars(&self) -> Vec<Var> {
+        match self {
+            Layer::Linear(l) => vec![l.weight.clone(), l.bias.clone()],
+            Layer::Activation(_) => Vec::new(),
+        }
+    }
+}
+
+/// A multi-layer perceptron: linear layers of the given widths with an
+/// activation between them (none after the last).
+///
+/// ```
+/// use workbook_sdk::train::{Activation, Mlp, Rng};
+/// use candle_core::{DType, Device};
+/// // The PyTorch notebook's "small" model: Linear(128,128) ReLU Linear(128,10).
+/// let mlp = Mlp::new(&mut Rng::seeded(0), &[128, 128, 10], Activation::Relu, DType::F32, &Device::Cpu)?;
+/// assert_eq!(mlp.param_count(), 17_802);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    layers: Vec<Layer>,
+}
+
+impl Mlp {
+    /// Builds the MLP `widths[0] -> widths[1] -> ... -> widths[n]`.
+    pub fn new(
+        rng: &mut Rng,
+        widths: &[usize],
+        activation: Activation,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut layers = Vec::new();
+        for (i, pair) in widths.windows(2).enumerate() {
+            if i > 0 {
+                layers.push(Layer::Activation(activation));
+            }
+            layers.push(Layer::Linear(Linear::new(
+                rng, pair[0], pair[1], dtype, device,
+            )?));
+        }
+        Ok(Self { layers })
+    }
+
+    /// A stack of `depth` blocks of `Linear(width, width)` + activation,
+    /// the deep model of the checkpointing and accumulation sweeps.
+    pub fn stack(
+        rng: &mut Rng,
+        width: usize,
+        depth: usize,
+        activation: Activation,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut layers = Vec::new();
+        for _ in 0..depth {
+            layers.push(Layer::Linear(Linear::new(
+                rng, width, width, dtype, device,
+            )?));
+            layers.push(Layer::Activation(activation));
+        }
+        Ok(Self { layers })
+    }
+
+    /// A copy with variables of its own (same values, separate storage).
+    pub fn deep_clone(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    Layer::Linear(lin) => Layer::Linear(Linear {
+                        weight: Var::from_tensor(lin.weight.as_tensor())?,
+                        bias: Var::from_tensor(lin.bias.as_tensor())?,
+                    }),
+                    Layer::Activation(a) => Layer::Activation(*a),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { layers })
+    }
+
+    /// The layers, in order.
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// All trainable variables, in layer order.
+    pub fn vars(&self) -> Vec<Var> {
+        self.layers.iter().flat_map(Layer::vars).collect()
+    }
+
+    /// The number of trainable elements.
+    pub fn param_count(&self) -> usize {
+        self.vars().iter().map(|v| v.elem_count()).sum()
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+    }
+}
+
+/// Mean cross-entropy of `logits` (batch, classes) against u32 `targets`,
+/// computed in f32 whatever the logits' dtype.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+}
+
+/// Keeps only the gradients of `vars`, detached.
+///
+/// candle's `GradStore` holds a gradient for every node of the graph, and each
+/// entry still references the forward graph (its activations) until detached.
+/// Keeping the store alive keeps all of that alive; this keeps what an
+/// optimizer needs.
+pub fn param_grads(grads: &GradStore, vars: &[Var]) -> GradStore {
+    let mut out = GradStore::default();
+    for var in vars {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            out.insert(var.as_tensor(), g.detach());
+        }
+    }
+    out
+}
+
+/// Largest absolute element-wise difference of two tensors of one shape, in f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let d = (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?;
+    d.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
+}
+
+/// Largest absolute difference between two stores' gradients of `vars`.
+/// A gradient present in one store and missing from the other is an error.
+pub fn grads_max_abs_diff(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
+    let mut worst = 0f64;
+    for (i, var) in vars.iter().enumerate() {
+        match (a.get(var.as_tensor()), b.get(var.as_tensor())) {
+            (Some(x), Some(y)) => worst = worst.max(max_abs_diff(x, y)?),
+            (None, None) => {}
+            _ => candle_core::bail!("the gradient of variable {i} is missing from one store"),
+        }
+    }
+    Ok(worst)
+}
+
+/// The bytes of one element of `dtype`.
+pub fn dtype_bytes(dtype: DType) -> usize {
+    dtype.size_in_bytes()
+}
+
+/// Runs a few matrix products of each float dtype so that one-time
+/// allocations (gemm's per-thread packing buffers, thread pools) happen
+/// before anything is measured.
+pub fn warm_up(device: &Device) -> Result<()> {
+    let _other = Category::Other.enter();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for n in [8, 64, 512] {
+            let a = Tensor::ones((n, n), dtype, device)?;
+            let _ = a
+                .matmul(&a)?
+                .sum_all()?
+                .to_dtype(DType::F32)?
+                .to_scalar::<f32>()?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,176 @@
+//! Assertions: boolean expressions over a cell's metrics, such as
+//! `peak_checkpointed < 0.6 * peak_plain`.
+//!
+//! Expressions are parsed and evaluated by the `evalexpr` crate. Every number
+//! is a float (integer literals are read as floats too, so
+//! `micro_batches == 4` compares as expected), and three functions are added
+//! to evalexpr's built-ins: `abs(x)`, `sqrt(x)` and `is_finite(x)`.
+//!
+//! An assertion fails, with a message, when it reads a metric the cell did
+//! not produce (the message lists those it did), when a metric it reads is
+//! NaN or infinite (assertions are over finite measurements), or when it does
+//! not evaluate to true.
+
+use evalexpr::{
+    build_operator_tree, ContextWithMutableFunctions, ContextWithMutableVariables,
+    DefaultNumericTypes, EvalexprError, Function, HashMapContext, Node, Operator, Value,
+};
+use indexmap::IndexMap;
+use serde::{Deserialize, Serialize};
+
+/// A parsed assertion.
+#[derive(Debug, Clone)]
+pub struct Assertion {
+    source: String,
+    tree: Node<DefaultNumericTypes>,
+    reads: Vec<String>,
+}
+
+/// The outcome of one assertion.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AssertionResult {
+    /// The expression as written.
+    pub expr: String,
+    /// Whether it held.
+    pub passed: bool,
+    /// The metrics it read, with their values (`null` for missing or non-finite).
+    pub values: IndexMap<String, Option<f64>>,
+    /// Why it failed, when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+fn floats_only(node: &mut Node<DefaultNumericTypes>) {
+    if let Operator::Const {
+        value: Value::Int(i),
+    } = node.operator()
+    {
+        let f = *i as f64;
+        *node.operator_mut() = Operator::Const {
+            value: Value::Float(f),
+        };
+    }
+    for child in node.children_mut() {
+        floats_only(child);
+    }
+}
+
+fn one_float(v: &Value<DefaultNumericTypes>) -> Result<f64, EvalexprError<DefaultNumericTypes>> {
+    v.as_number()
+}
+
+fn functions(
+    ctx: &mut HashMapContext<DefaultNumericTypes>,
+) -> Result<(), EvalexprError<DefaultNumericTypes>> {
+    ctx.set_function(
+        "abs".into(),
+        Function::new(|v| Ok(Value::Float(one_float(v)?.abs()))),
+    )?;
+    ctx.set_function(
+        "sqrt".into(),
+        Function::new(|v| Ok(Value::Float(one_float(v)?.sqrt()))),
+    )?;
+    ctx.set_function(
+        "is_finite".into(),
+        Function::new(|v| Ok(Value::Boolean(one_float(v)?.is_finite()))),
+    )?;
+    Ok(())
+}
+
+impl Assertion {
+    /// Parses `source`; the error says why it does not parse.
+    pub fn parse(source: &str) -> Result<Self, String> {
+        if source.trim().is_empty() {
+            return Err("the expression is empty".to_string());
+        }
+        let mut tree =
+            build_operator_tree::<DefaultNumericTypes>(source).map_err(|e| e.to_string())?;
+        floats_only(&mut tree);
+        let mut reads: Vec<String> = Vec::new();
+        for name in tree.iter_read_variable_identifiers() {
+            if !reads.iter().any(|r| r == name) {
+                reads.push(name.to_string());
+            }
+        }
+        if tree.iter_write_variable_identifiers().next().is_some() {
+            return Err("assertions read metrics; they cannot assign to them".to_string());
+        }
+        Ok(Self {
+            source: source.to_string(),
+            tree,
+            reads,
+        })
+    }
+
+    /// The expression as written.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The metrics the expression reads.
+    pub fn reads(&self) -> &[String] {
+        &self.reads
+    }
+
+    /// Evaluates against `metrics`.
+    pub fn evaluate(&self, metrics: &IndexMap<String, f64>) -> AssertionResult {
+        let mut values = IndexMap::new();
+        let mut problems = Vec::new();
+        for name in &self.reads {
+            match metrics.get(name) {
+                None => {
+                    values.insert(name.clone(), None);
+                    let produced: Vec<&str> = metrics.keys().map(String::as_str).collect();
+                    problems.push(format!(
+                        "metric `{name}` was not produced; the cell produced: {}",
+                        if produced.is_empty() {
+                            "nothing".to_string()
+                        } else {
+                            produced.join(", ")
+                        }
+                    ));
+                }
+                Some(v) if !v.is_finite() => {
+                    values.insert(name.clone(), None);
+                    problems.push(format!(
+                        "metric `{name}` is {v}, where a finite value was asserted"
+                    ));
+                }
+                Some(v) => {
+                    values.insert(name.clone(), Some(*v));
+                }
+            }
+        }
+        let fail = |message: String, values| AssertionResult {
+            expr: self.source.clone(),
+            passed: false,
+            values,
+            message: Some(message),
+        };
+        if !problems.is_empty() {
+            return fail(problems.join("; "), values);
+        }
+        let mut ctx = HashMapContext::<DefaultNumericTypes>::new();
+        let setup = functions(&mut ctx).and_then(|_| {
+            values.iter().try_for_each(|(name, v)| {
+                ctx.set_value(name.clone(), Value::Float(v.unwrap_or(f64::NAN)))
+            })
+        });
+        if let Err(e) = setup {
+            return fail(format!("cannot set up the evaluation: {e}"), values);
+        }
+        match self.tree.eval_boolean_with_context(&ctx) {
+            Ok(true) => AssertionResult {
+                expr: self.source.clone(),
+                passed: true,
+                values,
+                message: None,
+            },
+            Ok(false) => fail("the expression is false".to_string(), values),
+            Err(e) => fail(
+                format!("the expression does not evaluate to true or false: {e}"),
+                values,
+            ),
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! Chapter files: their format, how they are found, and their validation.
+//!
+//! A chapter is a TOML file:
+//!
+//! ```toml
+//! format_version = 1
+//! id = "chapter2"
+//! title = "Memory Optimization"
+//! intro = "Why memory matters..."
+//!
+//! [[cells]]
+//! id = "footprint"                       # unique in the chapter
+//! title = "2.1 Parameter footprint"
+//! plugin = "footprint"                   # a registered plugin
+//! prose = "Markdown shown before the results."
+//! assertions = ["large_params > small_params"]
+//! [cells.params]                         # full-size parameters
+//! batch = 32
+//! [cells.check]                          # laid over `params` in check mode
+//! batch = 8
+//! ```
+//!
+//! Loading validates everything that can be checked without running: the
+//! format version, unique cell ids, known plugins, parameters that fit each
+//! plugin (in both modes), and assertions that parse. Each error names the
+//! file, line and column, the cell, and what was expected.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use indexmap::IndexMap;
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::assertion::Assertion;
+use crate::registry::Registry;
+
+/// The chapter format this version reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// A place in a chapter file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    /// The file.
+    pub path: PathBuf,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column.
+    pub column: usize,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.path.display(), self.line, self.column)
+    }
+}
+
+/// Why a chapter could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ChapterError {
+    /// No chapter of that name.
+    #[error("chapter `{name}` not found (looked in {searched}); available chapters: {available}")]
+    NotFound {
+        /// What was asked for.
+        name: String,
+        /// The folders searched, joined.
+        searched: String,
+        /// The chapters that exist, joined.
+        available: String,
+    },
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a valid chapter.
+    #[error("{location}: {message}")]
+    Invalid {
+        /// Where.
+        location: Location,
+        /// The cell at fault, if any.
+        cell: Option<String>,
+        /// What is wrong and what was expected.
+        message: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawChapter {
+    format_version: Spanned<u32>,
+    id: String,
+    title: String,
+    #[serde(default)]
+    intro: String,
+    #[serde(default)]
+    cells: Vec<RawCell>,
+}
+
+type SpannedTable = IndexMap<Spanned<String>, Spanned<toml::Value>>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCell {
+    id: Spanned<String>,
+    title: String,
+    #[serde(default)]
+    prose: String,
+    plugin: Spanned<String>,
+    #[serde(default)]
+    params: SpannedTable,
+    #[serde(default)]
+    check: SpannedTable,
+    #[serde(default)]
+    assertions: Vec<Spanned<String>>,
+}
+
+/// A validated chapter.
+#[derive(Debug, Clone)]
+pub struct Chapter {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// Its id, such as `chapter2`.
+    pub id: String,
+    /// Its title.
+    pub title: String,
+    /// Markdown shown before the cells.
+    pub intro: String,
+    /// The cells, in order.
+    pub cells: Vec<Cell>,
+}
+
+/// A validated cell.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    /// Unique within the chapter.
+    pub id: String,
+    /// The heading.
+    pub title: String,
+    /// Markdown shown before the results.
+    pub prose: String,
+    /// The plugin that runs it.
+    pub plugin: String,
+    /// Full-size parameters.
+    pub params: toml::Table,
+    /// Check-size parameters: `params` with the `check` table laid over it.
+    pub check_params: toml::Table,
+    /// The assertions, parsed.
+    pub assertions: Vec<Assertion>,
+}
+
+impl Cell {
+    /// The parameters of the given mode.
+    pub fn params_for(&self, check: bool) -> &toml::Table {
+        if check {
+            &self.check_params
+        } else {
+            &self.params
+        }
+    }
+}
+
+/// Byte offset to 1-based line and column (in characters).
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+fn plain(table: &SpannedTable) -> toml::Table {
+    table
+        .iter()
+        .map(|(k, v)| (k.get_ref().clone(), v.get_ref().clone()))
+        .collect()
+}
+
+struct Source<'a> {
+    path: &'a Path,
+    text: &'a str,
+}
+
+impl Source<'_> {
+    fn at(&self, span: std::ops::Range<usize>) -> Location {
+        let (line, column) = line_col(self.text, span.start);
+        Location {
+            path: self.path.to_path_buf(),
+            line,
+            column,
+        }
+    }
+
+    fn error(
+        &self,
+        span: std::ops::Range<usize>,
+        cell: Option<&str>,
+        message: String,
+    ) -> ChapterError {
+        let message = match cell {
+            Some(id) => format!("cell `{id}`: {message}"),
+            None => message,
+        };
+        ChapterError::Invalid {
+            location: self.at(span),
+            cell: cell.map(str::to_string),
+            message,
+        }
+    }
+}
+
+/// Parses and validates chapter text read from `path`.
+pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, ChapterError> {
+    let src = Source { path, text };
+    let raw: RawChapter = toml::from_str(text).map_err(|e| {
+        let span = e.span().unwrap_or(0..0);
+        src.error(span, None, e.message().trim().to_string())
+    })?;
+    if *raw.format_version.get_ref() != FORMAT_VERSION {
+        return Err(src.error(
+            raw.format_version.span(),
+            None,
+            format!(
+                "format_version {} is not supported; this workbook reads format_version {FORMAT_VERSION} (upgrade workbook for newer chapters)",
+                raw.format_version.get_ref()
+            ),
+        ));
+    }
+    let mut cells: Vec<Cell> = Vec::with_capacity(raw.cells.len());
+    let mut seen: IndexMap<String, Location> = IndexMap::new();
+    for rc in raw.cells {
+        let id = rc.id.get_ref().clone();
+        if !is_identifier(&id) {
+            return Err(src.error(
+                rc.id.span(),
+                None,
+                format!(
+                    "cell id `{id}` must be letters, digits, `_` or `-`, starting with a letter"
+                ),
+            ));
+        }
+        if let Some(first) = seen.get(&id) {
+            return Err(src.error(
+                rc.id.span(),
+                Some(&id),
+                format!("duplicate cell id; first defined at line {}", first.line),
+            ));
+        }
+        seen.insert(id.clone(), src.at(rc.id.span()));
+        let plugin_name = rc.plugin.get_ref();
+        let Some(plugin) = registry.get(plugin_name) else {
+            return Err(src.error(
+                rc.plugin.span(),
+                Some(&id),
+                format!(
+                    "unknown plugin `{plugin_name}`; registered plugins: {}",
+                    registry.names().join(", ")
+                ),
+            ));
+        };
+        let params = plain(&rc.params);
+        let mut check_params = params.clone();
+        check_params.extend(plain(&rc.check));
+        for (table, check) in [(&params, false), (&check_params, true)] {
+            if let Err(e) = plugin.check_params(table) {
+                let key = e
+                    .field
+                    .split(['.', '['])
+                    .next()
+                    .filter(|k| !k.is_empty())
+                    .map(str::to_string)
+                    .or_else(|| unknown_field(&e.message));
+                let lookup = |t: &SpannedTable| {
+                    key.as_ref()
+                        .and_then(|k| t.get_key_value(k.as_str()).map(|(k, _)| k.span()))
+                };
+                let span = (if check { lookup(&rc.check) } else { None })
+                    .or_else(|| lookup(&rc.params))
+                    .unwrap_or_else(|| rc.plugin.span());
+                let which = if check && lookup(&rc.check).is_some() {
+                    "check parameter"
+                } else {
+                    "parameter"
+                };
+                let what = match &key {
+                    Some(k) => format!("{which} `{k}`"),
+                    None => "parameters".to_string(),
+                };
+                return Err(src.error(span, Some(&id), format!("{what}: {}", e.message)));
+            }
+        }
+        let mut assertions = Vec::with_capacity(rc.assertions.len());
+        for a in &rc.assertions {
+            let parsed = Assertion::parse(a.get_ref()).map_err(|message| {
+                src.error(
+                    a.span(),
+                    Some(&id),
+                    format!("assertion `{}` does not parse: {message}", a.get_ref()),
+                )
+            })?;
+            assertions.push(parsed);
+        }
+        cells.push(Cell {
+            id,
+            title: rc.title,
+            prose: rc.prose,
+            plugin: plugin_name.clone(),
+            params,
+            check_params,
+            assertions,
+        });
+    }
+    Ok(Chapter {
+        path: path.to_path_buf(),
+        id: raw.id,
+        title: raw.title,
+        intro: raw.intro,
+        cells,
+    })
+}
+
+fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// The field named in serde's "unknown field `x`, expected ..." message.
+fn unknown_field(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("unknown field `")?;
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+/// Reads and validates the chapter at `path`.
+pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ChapterError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(path, &text, registry)
+}
+
+/// Where chapters are looked for, in order: `./chapters`, then the
+/// `chapters` folder of this source tree.
+pub fn default_dirs() -> Vec<PathBuf> {
+    let mut dirs = vec![PathBuf::from("chapters")];
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("chapters");
+    if built.canonicalize().ok() != Path::new("chapters").canonicalize().ok() {
+        dirs.push(built);
+    }
+    dirs
+}
+
+/// The chapter files in `dirs`, by id (file stem), first folder first.
+pub fn available(dirs: &[PathBuf]) -> IndexMap<String, PathBuf> {
+    let mut found = IndexMap::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut paths: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .collect();
+        paths.sort();
+        for p in paths {
+            if let Some(stem) = p.file_stem().and_then(|s| s.to_str()) {
+                found.entry(stem.to_string()).or_insert(p);
+            }
+        }
+    }
+    found
+}
+
+/// Finds a chapter by id (`chapter2`) in `dirs`, or by path to a `.toml` file.
+pub fn resolve(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ChapterError> {
+    let as_path = Path::new(name);
+    if name.ends_with(".toml") || as_path.components().count() > 1 {
+        if as_path.is_file() {
+            return Ok(as_path.to_path_buf());
+        }
+    } else if let Some(p) = available(dirs).get(name) {
+        return Ok(p.clone());
+    }
+    let names: Vec<String> = available(dirs).keys().cloned().collect();
+    Err(ChapterError::NotFound {
+        name: name.to_string(),
+        searched: dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        available: if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        },
+    })
+}

@@ -1,0 +1,232 @@
+//! The `workbook` command.
+//!
+//! Exit codes: 0 when every assertion passed, 1 when an assertion or a cell
+//! failed, 2 when the input was bad (a chapter that does not load, an unknown
+//! cell, a device that cannot be used).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use workbook::chapter::Cell;
+use workbook::render::text::TextRenderer;
+use workbook::report::{CellReport, ChapterReport};
+use workbook::{DeviceChoice, Observer, RunOptions, Workbook};
+
+#[global_allocator]
+static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::CountingAllocator;
+
+/// Chapters that teach deep-learning memory optimisation by measuring it.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// Folder to find chapters in (default: ./chapters, then this source tree's).
+    #[arg(long, global = true, env = "WORKBOOK_CHAPTERS", value_name = "DIR")]
+    chapters: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List the chapters and their cells.
+    List,
+    /// Check a chapter without running it: ids, plugins, parameters, assertions.
+    Validate {
+        /// A chapter id (`chapter2`) or a path to a .toml file.
+        chapter: String,
+    },
+    /// Run a chapter and check its assertions.
+    Run {
+        /// A chapter id (`chapter2`) or a path to a .toml file.
+        chapter: String,
+        /// Use the small check-size parameters (as CI does).
+        #[arg(long, env = "WORKBOOK_CHECK_MODE", value_parser = clap::builder::FalseyValueParser::new())]
+        check: bool,
+        /// Run only this cell (repeat for several).
+        #[arg(long = "cell", value_name = "ID")]
+        cells: Vec<String>,
+        /// Where tensors go.
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        device: DeviceChoice,
+        /// Output format on stdout.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+        /// Stop after the first cell that does not pass.
+        #[arg(long)]
+        fail_fast: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// Readable text, cell by cell.
+    Text,
+    /// The JSON report (see the `workbook::report` docs).
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let mut wb = Workbook::builtin();
+    if let Some(dir) = &cli.chapters {
+        wb = wb.with_chapter_dirs(vec![dir.clone()]);
+    }
+    match run(&cli, &wb) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
+    match &cli.command {
+        Command::List => list(wb),
+        Command::Validate { chapter } => {
+            let ch = wb.load(chapter)?;
+            let assertions: usize = ch.cells.iter().map(|c| c.assertions.len()).sum();
+            println!(
+                "{}: {} cells, {assertions} assertions, valid",
+                ch.path.display(),
+                ch.cells.len()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run {
+            chapter,
+            check,
+            cells,
+            device,
+            format,
+            fail_fast,
+        } => {
+            let ch = wb.load(chapter)?;
+            let spinner = Spinner::new(ch.cells.len());
+            let bar = spinner.bar.clone();
+            let options = RunOptions {
+                check: *check,
+                cells: cells.clone(),
+                device: *device,
+                fail_fast: *fail_fast,
+                progress: Some(Arc::new(move |m: &str| bar.set_message(m.to_string()))),
+            };
+            let report = match format {
+                Format::Text => {
+                    let mut obs = WithSpinner {
+                        spinner,
+                        inner: TextRenderer::new(std::io::stdout()),
+                    };
+                    wb.run(&ch, &options, &mut obs)?
+                }
+                Format::Json => {
+                    let mut obs = WithSpinner {
+                        spinner,
+                        inner: workbook::runner::Quiet,
+                    };
+                    let report = wb.run(&ch, &options, &mut obs)?;
+                    let mut out = std::io::stdout().lock();
+                    workbook::render::json(&mut out, &report)?;
+                    out.flush()?;
+                    eprintln!("{}", report.summary.line());
+                    report
+                }
+            };
+            Ok(if report.summary.all_passed() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+    }
+}
+
+fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
+    let found = workbook::chapter::available(wb.chapter_dirs());
+    if found.is_empty() {
+        println!("no chapters found in {:?}", wb.chapter_dirs());
+    }
+    let mut code = ExitCode::SUCCESS;
+    for (id, path) in found {
+        match workbook::chapter::load_path(&path, wb.registry()) {
+            Ok(ch) => {
+                println!("{id}  {}  ({})", ch.title, path.display());
+                for c in &ch.cells {
+                    println!("  {:<16} {:<14} {}", c.id, c.plugin, c.title);
+                }
+            }
+            Err(e) => {
+                println!("{id}  (invalid: {e})");
+                code = ExitCode::from(2);
+            }
+        }
+    }
+    println!("\nplugins:");
+    for p in wb.registry().iter() {
+        println!("  {:<16} {}", p.name(), p.description());
+    }
+    Ok(code)
+}
+
+/// A spinner on stderr while a cell runs; hidden when stderr is not a terminal.
+struct Spinner {
+    bar: ProgressBar,
+    total: usize,
+}
+
+impl Spinner {
+    fn new(total: usize) -> Self {
+        let bar = if std::io::stderr().is_terminal() {
+            ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {prefix} {msg} [{elapsed}]")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        Self { bar, total }
+    }
+}
+
+struct WithSpinner<O> {
+    spinner: Spinner,
+    inner: O,
+}
+
+impl<O: Observer> Observer for WithSpinner<O> {
+    fn started(&mut self, report: &ChapterReport) {
+        self.inner.started(report);
+    }
+
+    fn cell_started(&mut self, index: usize, cell: &Cell) {
+        self.spinner.bar.set_prefix(format!(
+            "[{}/{}] {}",
+            index + 1,
+            self.spinner.total,
+            cell.id
+        ));
+        self.spinner.bar.set_message("");
+        self.spinner
+            .bar
+            .enable_steady_tick(Duration::from_millis(120));
+        self.inner.cell_started(index, cell);
+    }
+
+    fn cell_finished(&mut self, report: &CellReport) {
+        self.spinner.bar.disable_steady_tick();
+        let inner = &mut self.inner;
+        self.spinner.bar.suspend(|| inner.cell_finished(report));
+    }
+
+    fn finished(&mut self, report: &ChapterReport) {
+        self.spinner.bar.finish_and_clear();
+        self.inner.finished(report);
+    }
+}

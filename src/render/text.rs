@@ -1,0 +1,261 @@
+//! The terminal renderer: each cell as it finishes, then the closing line.
+
+use std::io::Write;
+
+use workbook_sdk::meter::{ByCategory, Category};
+use workbook_sdk::output::{Table, Unit};
+
+use crate::chapter::Cell;
+use crate::report::{CellReport, ChapterReport, Status};
+use crate::runner::Observer;
+
+/// Formats bytes with a binary unit: `512 B`, `3.5 KiB`, `1.27 MiB`.
+pub fn bytes(b: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut v = b as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    let digits = if v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{v:.digits$} {}", UNITS[unit])
+}
+
+fn number(v: &serde_json::Value, unit: Unit) -> String {
+    match (v, unit) {
+        (serde_json::Value::Number(n), Unit::Bytes) => {
+            n.as_u64().map(bytes).unwrap_or_else(|| n.to_string())
+        }
+        (serde_json::Value::Number(n), Unit::Seconds) => n
+            .as_f64()
+            .map(|s| {
+                if s < 1.0 {
+                    format!("{:.1} ms", s * 1e3)
+                } else {
+                    format!("{s:.2} s")
+                }
+            })
+            .unwrap_or_default(),
+        (serde_json::Value::Number(n), Unit::Ratio) => {
+            n.as_f64().map(|r| format!("{r:.2}")).unwrap_or_default()
+        }
+        (serde_json::Value::Number(n), _) => match n.as_f64() {
+            Some(f) if f.fract() != 0.0 && f.abs() < 1e-3 => format!("{f:.1e}"),
+            Some(f) if f.fract() != 0.0 => format!("{f:.4}"),
+            Some(f) if f.abs() < 1e15 => format!("{}", f as i64),
+            _ => n.to_string(),
+        },
+        (serde_json::Value::String(s), _) => s.clone(),
+        (other, _) => other.to_string(),
+    }
+}
+
+/// Writes `table` with aligned columns, indented by `indent`.
+pub fn write_table(out: &mut dyn Write, table: &Table, indent: &str) -> std::io::Result<()> {
+    let header: Vec<String> = table.columns.iter().map(|c| c.name.clone()).collect();
+    let rows: Vec<Vec<String>> = table
+        .rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .zip(&table.columns)
+                .map(|(v, c)| number(v, c.unit))
+                .collect()
+        })
+        .collect();
+    grid(out, &table.title, &header, &rows, indent)
+}
+
+fn grid(
+    out: &mut dyn Write,
+    title: &str,
+    header: &[String],
+    rows: &[Vec<String>],
+    indent: &str,
+) -> std::io::Result<()> {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    if !title.is_empty() {
+        writeln!(out, "{indent}{title}")?;
+    }
+    let line = |cells: &[String]| {
+        cells
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(i, (c, w))| {
+                if i == 0 {
+                    format!("{c:<w$}")
+                } else {
+                    format!("{c:>w$}")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    writeln!(out, "{indent}  {}", line(header))?;
+    for r in rows {
+        writeln!(out, "{indent}  {}", line(r))?;
+    }
+    Ok(())
+}
+
+fn memory_table(out: &mut dyn Write, cell: &CellReport) -> std::io::Result<()> {
+    let m = &cell.memory;
+    let short = ["params", "grads", "optim", "activ", "inputs", "other"];
+    let mut header = vec!["memory (peak above start)".to_string(), "peak".to_string()];
+    header.extend(short.iter().map(|s| s.to_string()));
+    header.push("after".to_string());
+    let row =
+        |name: &str, peak: u64, at_peak: &ByCategory, base: &ByCategory, after: &ByCategory| {
+            let mut r = vec![name.to_string(), bytes(peak.saturating_sub(base.total()))];
+            r.extend(
+                Category::ALL
+                    .iter()
+                    .map(|&c| bytes(at_peak.get(c).saturating_sub(base.get(c)))),
+            );
+            r.push(bytes(after.total().saturating_sub(base.total())));
+            r
+        };
+    let mut rows: Vec<Vec<String>> = m
+        .regions
+        .iter()
+        .map(|r| {
+            row(
+                &r.name,
+                r.peak_bytes,
+                &r.peak_by_category,
+                &r.baseline,
+                &r.end,
+            )
+        })
+        .collect();
+    let whole = row(
+        "whole cell",
+        m.peak_bytes,
+        &m.peak_by_category,
+        &m.baseline_by_category,
+        &m.current_by_category,
+    );
+    rows.push(whole);
+    grid(out, "", &header, &rows, "  ")
+}
+
+/// Renders a run to a terminal or any writer, cell by cell.
+pub struct TextRenderer<W: Write> {
+    out: W,
+}
+
+impl<W: Write> TextRenderer<W> {
+    /// A renderer writing to `out`.
+    pub fn new(out: W) -> Self {
+        Self { out }
+    }
+
+    /// Writes one cell's report.
+    pub fn cell(&mut self, c: &CellReport) -> std::io::Result<()> {
+        let out = &mut self.out as &mut dyn Write;
+        if c.id == c.plugin {
+            writeln!(out, "\n== {}  [{}]", c.title, c.id)?;
+        } else {
+            writeln!(out, "\n== {}  [{}, plugin {}]", c.title, c.id, c.plugin)?;
+        }
+        for line in c.prose.trim().lines() {
+            writeln!(out, "  {line}")?;
+        }
+        if c.status == Status::Skipped {
+            writeln!(out, "  (skipped)")?;
+            return Ok(());
+        }
+        if !c.printed.is_empty() {
+            writeln!(out)?;
+            for line in &c.printed {
+                writeln!(out, "  > {line}")?;
+            }
+        }
+        for t in &c.tables {
+            writeln!(out)?;
+            write_table(out, t, "  ")?;
+        }
+        writeln!(out)?;
+        memory_table(out, c)?;
+        if let Some(e) = &c.error {
+            writeln!(out, "\n  ERROR: {e}")?;
+        }
+        writeln!(out)?;
+        for a in &c.assertions {
+            let mark = if a.passed { "✓" } else { "✗" };
+            let values: Vec<String> = a
+                .values
+                .iter()
+                .map(|(k, v)| match v {
+                    Some(v) => format!("{k} = {}", number(&serde_json::json!(v), Unit::None)),
+                    None => format!("{k} = ?"),
+                })
+                .collect();
+            let values = if values.is_empty() {
+                String::new()
+            } else {
+                format!("   ({})", values.join(", "))
+            };
+            writeln!(out, "  {mark} {}{values}", a.expr)?;
+            if let Some(m) = &a.message {
+                if !a.passed {
+                    writeln!(out, "      {m}")?;
+                }
+            }
+        }
+        writeln!(out, "  [{:.2} s]", c.seconds)?;
+        out.flush()
+    }
+}
+
+impl<W: Write> Observer for TextRenderer<W> {
+    fn started(&mut self, r: &ChapterReport) {
+        let _ = writeln!(
+            self.out,
+            "{}  ({}, {} mode, device {}, meter {})",
+            r.chapter.title,
+            r.chapter.id,
+            mode_name(r),
+            r.device,
+            r.meter
+        );
+        for line in r.chapter.intro.trim().lines() {
+            let _ = writeln!(self.out, "{line}");
+        }
+        let _ = self.out.flush();
+    }
+
+    fn cell_started(&mut self, _index: usize, _cell: &Cell) {}
+
+    fn cell_finished(&mut self, c: &CellReport) {
+        let _ = self.cell(c);
+    }
+
+    fn finished(&mut self, r: &ChapterReport) {
+        let _ = writeln!(self.out, "\n{}", r.summary.line());
+        let _ = self.out.flush();
+    }
+}
+
+fn mode_name(r: &ChapterReport) -> &'static str {
+    match r.mode {
+        crate::report::Mode::Full => "full",
+        crate::report::Mode::Check => "check",
+    }
+}
