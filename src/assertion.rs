@@ -95,6 +95,20 @@ impl Assertion {
         if tree.iter_write_variable_identifiers().next().is_some() {
             return Err("assertions read metrics; they cannot assign to them".to_string());
         }
+        // evalexpr accepts some incomplete expressions (`a >`) until it
+        // evaluates them: a dry run with every metric at 1 catches those, and
+        // expressions that are not true-or-false, before anything runs.
+        let mut ctx = HashMapContext::<DefaultNumericTypes>::new();
+        functions(&mut ctx).map_err(|e| e.to_string())?;
+        for name in &reads {
+            ctx.set_value(name.clone(), Value::Float(1.0))
+                .map_err(|e| e.to_string())?;
+        }
+        match tree.eval_with_context(&ctx) {
+            Ok(Value::Boolean(_)) => {}
+            Ok(other) => return Err(format!("it gives {other}, not true or false")),
+            Err(e) => return Err(e.to_string()),
+        }
         Ok(Self {
             source: source.to_string(),
             tree,

@@ -132,7 +132,9 @@ pub struct CellReport {
     pub params: serde_json::Value,
     /// Lines printed.
     pub printed: Vec<String>,
-    /// Metrics recorded.
+    /// Metrics recorded; NaN and infinities are written as `null` and read
+    /// back as NaN.
+    #[serde(with = "nullable_floats")]
     pub metrics: IndexMap<String, f64>,
     /// The assertions and their results.
     pub assertions: Vec<AssertionResult>,
@@ -216,5 +218,27 @@ impl ChapterReport {
             }
         }
         s
+    }
+}
+
+/// JSON has no NaN or infinity: write them as `null`, read `null` as NaN.
+mod nullable_floats {
+    use indexmap::IndexMap;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(m: &IndexMap<String, f64>, s: S) -> Result<S::Ok, S::Error> {
+        let view: IndexMap<&str, Option<f64>> = m
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.is_finite().then_some(*v)))
+            .collect();
+        view.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<IndexMap<String, f64>, D::Error> {
+        let raw = IndexMap::<String, Option<f64>>::deserialize(d)?;
+        Ok(raw
+            .into_iter()
+            .map(|(k, v)| (k, v.unwrap_or(f64::NAN)))
+            .collect())
     }
 }

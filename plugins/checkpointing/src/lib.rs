@@ -485,8 +485,13 @@ impl Checkpointing {
 
         ctx.progress("heavy function, checkpointed");
         let mut region = ctx.region("heavy function, checkpointed");
-        let out =
-            checkpoint_sequential(&layers, p.heavy_calls, x0.as_tensor(), std::slice::from_ref(&a), head)?;
+        let out = checkpoint_sequential(
+            &layers,
+            p.heavy_calls,
+            x0.as_tensor(),
+            std::slice::from_ref(&a),
+            head,
+        )?;
         region.mark("after forward and backward");
         let ckpt_grad = out.grads.get(a.as_tensor()).map(|g| g.detach());
         drop(out);

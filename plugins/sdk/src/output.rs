@@ -65,7 +65,7 @@ impl RegionReport {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Mark {
     /// What had just happened, such as `after forward`.
-    pub label: String,
+    pub label: std::borrow::Cow<'static, str>,
     /// Seconds since the region began.
     pub seconds: f64,
     /// Bytes live at this point, by category.

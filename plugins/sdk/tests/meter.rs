@@ -1,0 +1,120 @@
+//! The counting allocator, measured against allocations of known size.
+//!
+//! Each test tags its own allocations with a category nothing else on the
+//! test harness's threads uses, so parallel tests cannot disturb the counts.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor};
+use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, Meter};
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+/// Peaks are global: every test takes its turn, so no other test's
+/// allocation can set the peak one of them reads.
+static TURN: Mutex<()> = Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn bytes_of(c: Category) -> u64 {
+    CpuMeter::new().unwrap().snapshot().current.get(c)
+}
+
+#[test]
+fn installed_allocator_is_seen() {
+    assert!(CountingAllocator::is_installed());
+    assert!(CpuMeter::new().is_ok());
+}
+
+#[test]
+fn alloc_dealloc_and_zeroed_move_current_by_exactly_their_size() {
+    let _turn = turn();
+    let c = Category::Inputs;
+    let before = bytes_of(c);
+    let v: Vec<u8> = c.scope(|| Vec::with_capacity(12_345));
+    assert_eq!(bytes_of(c) - before, 12_345);
+    let z: Vec<u64> = c.scope(|| vec![0u64; 1000]);
+    assert_eq!(bytes_of(c) - before, 12_345 + 8_000);
+    drop(v);
+    assert_eq!(bytes_of(c) - before, 8_000);
+    // Freed outside the scope: still charged to the category that allocated it.
+    drop(z);
+    assert_eq!(bytes_of(c), before);
+}
+
+#[test]
+fn realloc_keeps_the_category_and_counts_the_new_size() {
+    let _turn = turn();
+    let c = Category::OptimizerState;
+    let before = bytes_of(c);
+    let mut v: Vec<u32> = c.scope(|| Vec::with_capacity(10));
+    assert_eq!(bytes_of(c) - before, 40);
+    // Grown under another category: the block stays what it was.
+    Category::Other.scope(|| v.reserve_exact(1000));
+    assert_eq!(bytes_of(c) - before, 4_000);
+    v.shrink_to(0);
+    assert_eq!(bytes_of(c), before);
+}
+
+#[test]
+fn a_tensor_moves_current_by_exactly_its_data_beyond_fixed_overhead() {
+    let _turn = turn();
+    let c = Category::Parameters;
+    let delta = |rows: usize, dtype: DType| {
+        let before = bytes_of(c);
+        let t = c.scope(|| Tensor::zeros((rows, 1000), dtype, &Device::Cpu).unwrap());
+        let d = bytes_of(c) - before;
+        drop(t);
+        assert_eq!(bytes_of(c), before, "dropping the tensor frees all of it");
+        d
+    };
+    // The same tensor bookkeeping at both sizes; the difference is the data.
+    assert_eq!(delta(1000, DType::F32) - delta(1, DType::F32), 4 * 999_000);
+    assert_eq!(delta(1000, DType::F16) - delta(1, DType::F16), 2 * 999_000);
+    // And the data of a 1000 x 1000 f32 tensor is 4,000,000 bytes.
+    let overhead = delta(1, DType::F32) - 4 * 1000;
+    assert_eq!(delta(1000, DType::F32), 4_000_000 + overhead);
+    assert!(overhead < 1024, "tensor bookkeeping is small: {overhead}");
+}
+
+#[test]
+fn peak_records_the_high_water_mark_and_resets() {
+    let _turn = turn();
+    let meter = CpuMeter::new().unwrap();
+    meter.reset_peak();
+    let start = meter.snapshot();
+    let big = Category::Activations.scope(|| vec![1u8; 5_000_000]);
+    drop(big);
+    let after = meter.snapshot();
+    assert!(after.peak >= start.current_total() + 5_000_000);
+    assert!(after.peak_by_category.get(Category::Activations) >= 5_000_000);
+    meter.reset_peak();
+    assert!(meter.snapshot().peak < after.peak);
+}
+
+#[test]
+fn region_reports_peak_above_baseline_and_marks() {
+    let _turn = turn();
+    let meter = std::sync::Arc::new(CpuMeter::new().unwrap());
+    let mut ctx = workbook_sdk::Context::new(Device::Cpu, meter, true);
+    let (_, report) = ctx
+        .measure("one buffer", |r| {
+            let v = Category::Activations.scope(|| vec![0u8; 3_000_000]);
+            r.mark("allocated");
+            drop(v);
+            Ok(())
+        })
+        .unwrap();
+    assert!(report.peak_above_baseline() >= 3_000_000);
+    assert!(
+        report.peak_by_category.get(Category::Activations)
+            - report.baseline.get(Category::Activations)
+            >= 3_000_000
+    );
+    let labels: Vec<&str> = report.marks.iter().map(|m| m.label.as_ref()).collect();
+    assert_eq!(labels, ["start", "allocated", "end"]);
+    assert_eq!(ctx.output().regions.len(), 1);
+}

@@ -1,0 +1,242 @@
+//! The library: plugins defined here, outside the built-in crates, registered
+//! through the builder and run from a chapter.
+
+use std::io::Write;
+
+use serde::{Deserialize, Serialize};
+use workbook::report::Status;
+use workbook::runner::Quiet;
+use workbook::{RunOptions, Workbook};
+use workbook_sdk::{Category, Context, Plugin};
+
+#[global_allocator]
+static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::CountingAllocator;
+
+/// Records the metrics it is given, and allocates a buffer of known size.
+struct Echo;
+
+#[derive(Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+struct EchoParams {
+    value: f64,
+    bytes: usize,
+}
+
+impl Plugin for Echo {
+    type Params = EchoParams;
+    fn name(&self) -> &str {
+        "echo"
+    }
+    fn run(&self, ctx: &mut Context, p: EchoParams) -> anyhow::Result<()> {
+        ctx.print(format!("value: {}", p.value));
+        ctx.metric("value", p.value);
+        ctx.metric("not_a_number", f64::NAN);
+        ctx.metric("infinite", f64::INFINITY);
+        let (_, region) = ctx.measure("buffer", |r| {
+            let buffer = Category::Activations.scope(|| vec![7u8; p.bytes]);
+            r.mark("allocated");
+            drop(buffer);
+            Ok(())
+        })?;
+        ctx.metric("buffer_peak", region.peak_above_baseline() as f64);
+        Ok(())
+    }
+}
+
+/// Prints, records a metric, then panics.
+struct Panics;
+
+impl Plugin for Panics {
+    type Params = ();
+    fn name(&self) -> &str {
+        "panics"
+    }
+    fn run(&self, ctx: &mut Context, _: ()) -> anyhow::Result<()> {
+        ctx.print("before the panic");
+        ctx.metric("recorded", 1.0);
+        panic!("the plugin gave up");
+    }
+}
+
+/// Returns an error.
+struct Fails;
+
+impl Plugin for Fails {
+    type Params = ();
+    fn name(&self) -> &str {
+        "fails"
+    }
+    fn run(&self, _: &mut Context, _: ()) -> anyhow::Result<()> {
+        anyhow::bail!("no data for this experiment")
+    }
+}
+
+/// The meter's peak is process-wide, as in the binary where cells run one
+/// at a time: tests that run chapters take turns.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn chapter_file(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f
+}
+
+fn workbook() -> Workbook {
+    Workbook::empty()
+        .with_plugin(Echo)
+        .and_then(|w| w.with_plugin(Panics))
+        .and_then(|w| w.with_plugin(Fails))
+        .unwrap()
+}
+
+const CHAPTER: &str = r#"
+format_version = 1
+id = "outside"
+title = "Plugins from outside"
+
+[[cells]]
+id = "first"
+title = "Echo"
+plugin = "echo"
+assertions = [
+  "value == 3",
+  "buffer_peak >= 1000000",
+  "is_finite(not_a_number)",
+  "infinite > 0",
+]
+[cells.params]
+value = 2
+bytes = 2000000
+[cells.check]
+value = 3
+bytes = 1000000
+
+[[cells]]
+id = "boom"
+title = "Panics"
+plugin = "panics"
+assertions = ["recorded == 1"]
+
+[[cells]]
+id = "error"
+title = "Fails"
+plugin = "fails"
+
+[[cells]]
+id = "last"
+title = "Echo again"
+plugin = "echo"
+assertions = ["value == 2"]
+[cells.params]
+value = 2
+"#;
+
+#[test]
+fn plugins_registered_from_outside_run_and_failures_do_not_stop_the_run() {
+    let _turn = turn();
+    let file = chapter_file(CHAPTER);
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let options = RunOptions {
+        check: true,
+        ..Default::default()
+    };
+    let report = wb.run(&chapter, &options, &mut Quiet).unwrap();
+    let [first, boom, error, last] = &report.cells[..] else {
+        panic!("four cells")
+    };
+
+    // Check-mode parameters were laid over the full ones, and the plugin's
+    // buffer was measured to the byte.
+    assert_eq!(first.printed, ["value: 3"]);
+    assert_eq!(first.metrics["buffer_peak"], 1_000_000.0);
+    let results: Vec<(bool, Option<&str>)> = first
+        .assertions
+        .iter()
+        .map(|a| (a.passed, a.message.as_deref()))
+        .collect();
+    assert_eq!(
+        results,
+        [
+            (true, None),
+            (true, None),
+            (
+                false,
+                Some("metric `not_a_number` is NaN, where a finite value was asserted")
+            ),
+            (
+                false,
+                Some("metric `infinite` is inf, where a finite value was asserted")
+            ),
+        ]
+    );
+    assert_eq!(first.status, Status::Failed);
+
+    // The panic is the cell's error; what it recorded before is kept.
+    assert_eq!(boom.status, Status::Error);
+    assert_eq!(boom.error.as_deref(), Some("panicked: the plugin gave up"));
+    assert_eq!(boom.printed, ["before the panic"]);
+    assert!(
+        boom.assertions[0].passed,
+        "assertions read what was recorded"
+    );
+    assert!(!boom.assertions[1].passed, "the error counts as a failure");
+
+    assert_eq!(error.status, Status::Error);
+    assert_eq!(error.error.as_deref(), Some("no data for this experiment"));
+
+    // The run went on after both.
+    assert_eq!(last.status, Status::Passed);
+    assert_eq!(last.printed, ["value: 2"]);
+    assert_eq!(report.summary.line(), "4 passed, 4 failed");
+}
+
+#[test]
+fn full_mode_uses_the_full_parameters() {
+    let _turn = turn();
+    let file = chapter_file(CHAPTER);
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let options = RunOptions {
+        cells: vec!["first".into()],
+        ..Default::default()
+    };
+    let report = wb.run(&chapter, &options, &mut Quiet).unwrap();
+    assert_eq!(report.cells.len(), 1);
+    assert_eq!(report.cells[0].printed, ["value: 2"]);
+    assert_eq!(report.cells[0].metrics["buffer_peak"], 2_000_000.0);
+}
+
+#[test]
+fn a_duplicate_plugin_name_is_an_error() {
+    let err = workbook().with_plugin(Echo).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "a plugin named `echo` is already registered"
+    );
+}
+
+#[test]
+fn the_json_report_round_trips() {
+    let _turn = turn();
+    let file = chapter_file(CHAPTER);
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let options = RunOptions {
+        check: true,
+        cells: vec!["first".into()],
+        ..Default::default()
+    };
+    let report = wb.run(&chapter, &options, &mut Quiet).unwrap();
+    let mut json = Vec::new();
+    workbook::render::json(&mut json, &report).unwrap();
+    let back: workbook::ChapterReport = serde_json::from_slice(&json).unwrap();
+    // NaN and infinity are written as null, so compare what JSON can hold.
+    assert_eq!(back.cells[0].memory, report.cells[0].memory);
+    assert_eq!(back.cells[0].assertions, report.cells[0].assertions);
+    assert_eq!(back.summary, report.summary);
+}
