@@ -105,14 +105,15 @@ fn select_device(choice: DeviceChoice) -> Result<Device, RunError> {
     }
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
+fn panicked(payload: &(dyn std::any::Any + Send)) -> anyhow::Error {
+    let message = if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
         s.clone()
     } else {
         "a panic with no message".to_string()
-    }
+    };
+    anyhow::anyhow!("panicked: {message}")
 }
 
 /// Runs `chapter` with `registry`'s plugins.
@@ -218,6 +219,28 @@ fn skipped(registry: &Registry, cell: &Cell, check: bool) -> CellReport {
     }
 }
 
+/// The stack of a cell's thread. candle walks and drops autograd graphs
+/// recursively, one frame per op: a graph of 100,000 ops (the checkpointing
+/// cell's "heavy function") overflows the usual 8 MiB, and a stack overflow
+/// aborts the process where a panic would not. The memory is reserved, not
+/// committed, until used.
+const CELL_STACK: usize = 1 << 30;
+
+fn run_on_cell_thread(
+    id: &str,
+    f: impl FnOnce() -> anyhow::Result<()> + Send,
+) -> anyhow::Result<()> {
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name(format!("cell {id}"))
+            .stack_size(CELL_STACK)
+            .spawn_scoped(scope, f)
+            .map_err(|e| anyhow::anyhow!("cannot start the cell's thread: {e}"))?
+            .join()
+            .unwrap_or_else(|payload| Err(panicked(payload.as_ref())))
+    })
+}
+
 /// Runs one cell; errors and panics of the plugin become its `error`.
 fn run_cell(
     registry: &Registry,
@@ -236,13 +259,10 @@ fn run_cell(
     meter.reset_peak();
     let before = meter.snapshot();
     let outcome = match registry.get(&cell.plugin) {
-        Some(plugin) => catch_unwind(AssertUnwindSafe(|| plugin.run_with(&mut ctx, params)))
-            .unwrap_or_else(|payload| {
-                Err(anyhow::anyhow!(
-                    "panicked: {}",
-                    panic_message(payload.as_ref())
-                ))
-            }),
+        Some(plugin) => run_on_cell_thread(&cell.id, || {
+            catch_unwind(AssertUnwindSafe(|| plugin.run_with(&mut ctx, params)))
+                .unwrap_or_else(|payload| Err(panicked(payload.as_ref())))
+        }),
         None => Err(anyhow::anyhow!(
             "plugin `{}` is not registered",
             cell.plugin

@@ -321,6 +321,7 @@ impl Checkpointing {
         // Plain backprop: the reference for gradients, memory and time.
         let mut plain_grads = GradStore::default();
         let mut plain_peak = 0;
+        let mut plain_act = 0;
         let mut plain_times = Vec::new();
         for rep in 0..p.repeats {
             ctx.progress(&format!("plain backprop, run {}", rep + 1));
@@ -334,7 +335,9 @@ impl Checkpointing {
             region.mark("after backward");
             plain_times.push(start.elapsed().as_secs_f64());
             if rep == 0 {
-                plain_peak = ctx.end_region(region).peak_above_baseline();
+                let r = ctx.end_region(region);
+                plain_peak = r.peak_above_baseline();
+                plain_act = r.category_peak_above_baseline(Category::Activations);
             }
             plain_grads = grads;
         }
@@ -351,6 +354,7 @@ impl Checkpointing {
                 ("segments", Unit::Count),
                 ("peak", Unit::Bytes),
                 ("vs plain", Unit::Ratio),
+                ("activations at their peak", Unit::Bytes),
                 ("median time", Unit::Seconds),
                 ("time vs plain", Unit::Ratio),
                 ("max |grad diff|", Unit::None),
@@ -360,6 +364,7 @@ impl Checkpointing {
             "plain".into(),
             plain_peak.into(),
             1.0.into(),
+            plain_act.into(),
             plain_time.into(),
             1.0.into(),
             0.0.into(),
@@ -367,9 +372,12 @@ impl Checkpointing {
         let mut points = Vec::new();
         let mut worst_diff = 0f64;
         let mut best = (u64::MAX, 0usize, 0f64);
+        let mut best_act = (u64::MAX, 0usize);
+        let mut act_points = Vec::new();
         for &segments in &p.segments {
             let mut times = Vec::new();
             let mut peak = 0;
+            let mut act = 0;
             for rep in 0..p.repeats {
                 ctx.progress(&format!("{segments} segment(s), run {}", rep + 1));
                 let mut region = ctx.region(format!("checkpointed, {segments} segment(s)"));
@@ -381,18 +389,25 @@ impl Checkpointing {
                     worst_diff =
                         worst_diff.max(grads_max_abs_diff(&plain_grads, &out.grads, &vars)?);
                     drop(out);
-                    peak = ctx.end_region(region).peak_above_baseline();
+                    let r = ctx.end_region(region);
+                    peak = r.peak_above_baseline();
+                    act = r.category_peak_above_baseline(Category::Activations);
                 }
             }
             let time = median(times);
             if peak < best.0 {
                 best = (peak, segments, time);
             }
+            if act < best_act.0 {
+                best_act = (act, segments);
+            }
             points.push((segments as f64, peak as f64));
+            act_points.push((segments as f64, act as f64));
             table.row(vec![
                 segments.into(),
                 peak.into(),
                 (peak as f64 / plain_peak as f64).into(),
+                act.into(),
                 time.into(),
                 (time / plain_time).into(),
                 worst_diff.into(),
@@ -418,8 +433,12 @@ impl Checkpointing {
             },
             series: vec![
                 Series {
-                    name: "checkpointed".into(),
+                    name: "checkpointed, total peak".into(),
                     points: points.clone(),
+                },
+                Series {
+                    name: "checkpointed, activations at their peak".into(),
+                    points: act_points,
                 },
                 Series {
                     name: "plain backprop".into(),
@@ -445,6 +464,9 @@ impl Checkpointing {
         ctx.metric("peak_plain", plain_peak as f64);
         ctx.metric("peak_best", best.0 as f64);
         ctx.metric("best_segments", best.1 as f64);
+        ctx.metric("activation_peak_plain", plain_act as f64);
+        ctx.metric("activation_peak_best", best_act.0 as f64);
+        ctx.metric("best_activation_segments", best_act.1 as f64);
         ctx.metric("sqrt_layers", sqrt_n);
         ctx.metric("stack_grad_max_abs_diff", worst_diff);
         ctx.metric("time_plain", plain_time);

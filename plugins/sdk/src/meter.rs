@@ -159,6 +159,9 @@ pub struct MemorySnapshot {
     pub peak: u64,
     /// The split by category at the moment the peak was reached.
     pub peak_by_category: ByCategory,
+    /// The highest each category reached on its own since the last reset,
+    /// each at its own moment (so they need not add up to `peak`).
+    pub peak_each: ByCategory,
     /// Blocks (allocations) live now.
     pub live_blocks: u64,
     /// The most blocks live at once since the last reset.
@@ -201,6 +204,7 @@ static CURRENT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 static TOTAL: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static PEAK_BY_CATEGORY: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+static PEAK_EACH: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 static BLOCKS: AtomicU64 = AtomicU64::new(0);
 static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
 
@@ -216,7 +220,8 @@ fn outer(layout: Layout) -> Option<(Layout, usize)> {
 }
 
 fn record_alloc(tag: u8, size: u64) {
-    CURRENT[tag as usize].fetch_add(size, Ordering::Relaxed);
+    let mine = CURRENT[tag as usize].fetch_add(size, Ordering::Relaxed) + size;
+    PEAK_EACH[tag as usize].fetch_max(mine, Ordering::Relaxed);
     let total = TOTAL.fetch_add(size, Ordering::Relaxed) + size;
     let blocks = BLOCKS.fetch_add(1, Ordering::Relaxed) + 1;
     PEAK_BLOCKS.fetch_max(blocks, Ordering::Relaxed);
@@ -355,6 +360,7 @@ impl Meter for CpuMeter {
             current: load(&CURRENT),
             peak: PEAK.load(Ordering::Relaxed),
             peak_by_category: load(&PEAK_BY_CATEGORY),
+            peak_each: load(&PEAK_EACH),
             live_blocks: BLOCKS.load(Ordering::Relaxed),
             peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
         }
@@ -362,8 +368,10 @@ impl Meter for CpuMeter {
 
     fn reset_peak(&self) {
         PEAK.store(TOTAL.load(Ordering::Relaxed), Ordering::Relaxed);
-        for (peak, current) in PEAK_BY_CATEGORY.iter().zip(CURRENT.iter()) {
-            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
+        for (i, current) in CURRENT.iter().enumerate() {
+            let now = current.load(Ordering::Relaxed);
+            PEAK_BY_CATEGORY[i].store(now, Ordering::Relaxed);
+            PEAK_EACH[i].store(now, Ordering::Relaxed);
         }
         PEAK_BLOCKS.store(BLOCKS.load(Ordering::Relaxed), Ordering::Relaxed);
     }

@@ -36,6 +36,10 @@ pub struct RegionReport {
     pub peak_bytes: u64,
     /// The split by category at that peak.
     pub peak_by_category: ByCategory,
+    /// The highest each category reached on its own (absolute), each at its
+    /// own moment.
+    #[serde(default)]
+    pub peak_each: ByCategory,
     /// Bytes live when the region ended, by category.
     pub end: ByCategory,
     /// Blocks live when the region began.
@@ -53,6 +57,14 @@ impl RegionReport {
     /// variant itself cost at its worst moment.
     pub fn peak_above_baseline(&self) -> u64 {
         self.peak_bytes.saturating_sub(self.baseline.total())
+    }
+
+    /// The highest bytes of one category above its baseline, whenever in the
+    /// region that was.
+    pub fn category_peak_above_baseline(&self, category: crate::Category) -> u64 {
+        self.peak_each
+            .get(category)
+            .saturating_sub(self.baseline.get(category))
     }
 
     /// Blocks of the peak above those live when the region began.

@@ -306,6 +306,7 @@ impl Region {
             baseline: self.baseline.current,
             peak_bytes: snap.peak,
             peak_by_category: snap.peak_by_category,
+            peak_each: snap.peak_each,
             end: snap.current,
             baseline_blocks: self.baseline.live_blocks,
             peak_blocks: snap.peak_blocks,

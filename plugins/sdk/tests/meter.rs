@@ -91,6 +91,11 @@ fn peak_records_the_high_water_mark_and_resets() {
     let after = meter.snapshot();
     assert!(after.peak >= start.current_total() + 5_000_000);
     assert!(after.peak_by_category.get(Category::Activations) >= 5_000_000);
+    assert!(
+        after.peak_each.get(Category::Activations)
+            >= start.current.get(Category::Activations) + 5_000_000
+    );
+    assert!(after.current.get(Category::Activations) < after.peak_each.get(Category::Activations));
     meter.reset_peak();
     assert!(meter.snapshot().peak < after.peak);
 }
