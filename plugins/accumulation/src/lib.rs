@@ -256,6 +256,7 @@ impl Plugin for Accumulation {
         ctx.metric("loss", loss as f64);
         ctx.metric("grad_max_abs_diff", diff);
         ctx.metric("param_max_abs_diff_after_step", param_diff);
+        ctx.metric("lr", p.lr);
 
         // The sweep, on a model where activations can outweigh the parameters.
         let sweep = Mlp::stack(

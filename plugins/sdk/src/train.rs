@@ -81,6 +81,18 @@ impl Linear {
         })
     }
 
+    /// The forward in `dtype`: parameters and input are cast first. The cast
+    /// is differentiable, so f32 master weights get f32 gradients while the
+    /// matrix product and the saved activations are in `dtype` (mixed
+    /// precision). With the parameters' own dtype this is `forward`.
+    pub fn forward_as(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let w = self.weight.to_dtype(dtype)?;
+        let b = self.bias.to_dtype(dtype)?;
+        x.to_dtype(dtype)?
+            .broadcast_matmul(&w.t()?)?
+            .broadcast_add(&b)
+    }
+
     /// The weight, `(output, input)`.
     pub fn weight(&self) -> &Var {
         &self.weight
@@ -137,6 +149,14 @@ impl Module for Layer {
 }
 
 impl Layer {
+    /// The forward in `dtype`; see [`Linear::forward_as`].
+    pub fn forward_as(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        match self {
+            Layer::Linear(l) => l.forward_as(x, dtype),
+            Layer::Activation(a) => a.forward(&x.to_dtype(dtype)?),
+        }
+    }
+
     /// The trainable variables of this layer.
     pub fn vars(&self) -> Vec<Var> {
         match self {
@@ -210,15 +230,24 @@ impl Mlp {
             .iter()
             .map(|l| {
                 Ok(match l {
+                    // `Var::from_tensor` of a variable returns that same
+                    // variable; detached, it is copied into a new one.
                     Layer::Linear(lin) => Layer::Linear(Linear {
-                        weight: Var::from_tensor(lin.weight.as_tensor())?,
-                        bias: Var::from_tensor(lin.bias.as_tensor())?,
+                        weight: Var::from_tensor(&lin.weight.as_tensor().detach())?,
+                        bias: Var::from_tensor(&lin.bias.as_tensor().detach())?,
                     }),
                     Layer::Activation(a) => Layer::Activation(*a),
                 })
             })
             .collect::<Result<_>>()?;
         Ok(Self { layers })
+    }
+
+    /// The forward in `dtype` (mixed precision); see [`Linear::forward_as`].
+    pub fn forward_as(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.layers
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward_as(&h, dtype))
     }
 
     /// The layers, in order.
@@ -306,4 +335,44 @@ pub fn warm_up(device: &Device) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deep_clone_has_storage_of_its_own() {
+        let dev = Device::Cpu;
+        let a = Mlp::new(
+            &mut Rng::seeded(1),
+            &[3, 4, 2],
+            Activation::Relu,
+            DType::F32,
+            &dev,
+        )
+        .unwrap();
+        let b = a.deep_clone().unwrap();
+        let (wa, wb) = (&a.vars()[0], &b.vars()[0]);
+        assert_eq!(max_abs_diff(wa.as_tensor(), wb.as_tensor()).unwrap(), 0.0);
+        wb.set(&wb.as_tensor().ones_like().unwrap()).unwrap();
+        assert!(
+            max_abs_diff(wa.as_tensor(), wb.as_tensor()).unwrap() > 0.0,
+            "setting the copy left the original alone"
+        );
+        assert_ne!(wa.as_tensor().id(), wb.as_tensor().id());
+    }
+
+    #[test]
+    fn param_counts_of_the_notebook_models() {
+        let dev = Device::Cpu;
+        let mut rng = Rng::seeded(0);
+        let count = |w: &[usize], rng: &mut Rng| {
+            Mlp::new(rng, w, Activation::Relu, DType::F32, &dev)
+                .unwrap()
+                .param_count()
+        };
+        assert_eq!(count(&[128, 128, 10], &mut rng), 17_802);
+        assert_eq!(count(&[128, 512, 512, 10], &mut rng), 333_834);
+    }
 }
