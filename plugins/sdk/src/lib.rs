@@ -34,6 +34,7 @@ pub mod train;
 pub use anyhow;
 pub use candle_core as candle;
 pub use candle_nn;
+pub use serde_json;
 
 pub use meter::{Category, Meter};
 pub use output::{CellOutput, Figure, RegionReport, Table, Unit};
