@@ -67,6 +67,7 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_accumulation::Accumulation),
         Box::new(workbook_checkpointing::Checkpointing),
         Box::new(workbook_precision::Precision),
+        Box::new(workbook_offload::Offload),
         Box::new(workbook_attention::AttentionCell),
     ]
 }

@@ -4,20 +4,22 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 /// Chapter 2's cells, in order.
-const CELLS: [&str; 5] = [
+const CELLS: [&str; 6] = [
     "footprint",
     "accumulation",
     "checkpointing",
     "precision",
+    "offload",
     "attention",
 ];
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 5] = [
+const PLUGINS: [&str; 6] = [
     "footprint",
     "accumulation",
     "checkpointing",
     "precision",
+    "offload",
     "attention",
 ];
 

@@ -38,7 +38,10 @@ impl Plugin for Echo {
             drop(buffer);
             Ok(())
         })?;
-        ctx.metric("buffer_peak", region.peak_above_baseline() as f64);
+        ctx.metric(
+            "buffer_peak",
+            region.category_peak_above_baseline(Category::Activations) as f64,
+        );
         Ok(())
     }
 }

@@ -36,6 +36,6 @@ pub use candle_core as candle;
 pub use candle_nn;
 pub use serde_json;
 
-pub use meter::{Category, Meter};
+pub use meter::{Category, Meter, Residency};
 pub use output::{CellOutput, Figure, RegionReport, Table, Unit};
 pub use plugin::{Context, DynPlugin, ParamError, Plugin, Region};

@@ -81,7 +81,7 @@ impl Category {
 
     /// The category that allocations on this thread are tagged with now.
     pub fn current() -> Category {
-        Category::ALL[current_tag() as usize]
+        Category::ALL[current_category() as usize]
     }
 }
 
@@ -95,6 +95,50 @@ impl Drop for CategoryGuard {
     fn drop(&mut self) {
         let previous = self.previous;
         let _ = CURRENT_CATEGORY.try_with(|c| c.set(previous));
+    }
+}
+
+/// Where a block would live: on the accelerator or in host memory.
+///
+/// On a CPU-only run both are the same RAM, and offloading code still copies
+/// what it would copy between them: the tag records which side each copy
+/// stands for, so the meter can show the shift. On a GPU the device side is
+/// read from the device's memory pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Residency {
+    /// Device memory (the default).
+    Device,
+    /// Host memory.
+    Host,
+}
+
+impl Residency {
+    /// Tags allocations on this thread as living on `self` until the guard
+    /// is dropped; scopes nest.
+    #[must_use = "the residency applies only while the guard lives"]
+    pub fn enter(self) -> ResidencyGuard {
+        let previous = CURRENT_RESIDENCY.with(|c| c.replace(self as u8));
+        ResidencyGuard { previous }
+    }
+
+    /// Runs `f` with allocations tagged as living on `self`.
+    pub fn scope<R>(self, f: impl FnOnce() -> R) -> R {
+        let _guard = self.enter();
+        f()
+    }
+}
+
+/// Restores the previous residency when dropped; see [`Residency::enter`].
+#[derive(Debug)]
+pub struct ResidencyGuard {
+    previous: u8,
+}
+
+impl Drop for ResidencyGuard {
+    fn drop(&mut self) {
+        let previous = self.previous;
+        let _ = CURRENT_RESIDENCY.try_with(|c| c.set(previous));
     }
 }
 
@@ -162,6 +206,12 @@ pub struct MemorySnapshot {
     /// The highest each category reached on its own since the last reset,
     /// each at its own moment (so they need not add up to `peak`).
     pub peak_each: ByCategory,
+    /// The part of `current` that is host-resident (see [`Residency`]).
+    pub host: ByCategory,
+    /// The highest each category reached on the device, since the last reset.
+    pub device_peak_each: ByCategory,
+    /// The highest each category reached on the host, since the last reset.
+    pub host_peak_each: ByCategory,
     /// Blocks (allocations) live now.
     pub live_blocks: u64,
     /// The most blocks live at once since the last reset.
@@ -191,12 +241,19 @@ pub trait Meter: Send + Sync {
 
 thread_local! {
     static CURRENT_CATEGORY: Cell<u8> = const { Cell::new(Category::Other as u8) };
+    static CURRENT_RESIDENCY: Cell<u8> = const { Cell::new(Residency::Device as u8) };
 }
 
-fn current_tag() -> u8 {
+fn current_category() -> u8 {
     CURRENT_CATEGORY
         .try_with(|c| c.get())
         .unwrap_or(Category::Other as u8)
+}
+
+/// The header's tag: the category, plus 6 for host residency.
+fn current_tag() -> u8 {
+    let residency = CURRENT_RESIDENCY.try_with(|c| c.get()).unwrap_or(0);
+    current_category() + 6 * residency
 }
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -205,6 +262,9 @@ static TOTAL: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static PEAK_BY_CATEGORY: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 static PEAK_EACH: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+/// By tag: category, and residency (device 0..6, host 6..12).
+static CURRENT_TAG: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
+static PEAK_EACH_TAG: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
 static BLOCKS: AtomicU64 = AtomicU64::new(0);
 static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
 
@@ -220,8 +280,11 @@ fn outer(layout: Layout) -> Option<(Layout, usize)> {
 }
 
 fn record_alloc(tag: u8, size: u64) {
-    let mine = CURRENT[tag as usize].fetch_add(size, Ordering::Relaxed) + size;
-    PEAK_EACH[tag as usize].fetch_max(mine, Ordering::Relaxed);
+    let cat = (tag % 6) as usize;
+    let mine = CURRENT[cat].fetch_add(size, Ordering::Relaxed) + size;
+    PEAK_EACH[cat].fetch_max(mine, Ordering::Relaxed);
+    let tagged = CURRENT_TAG[tag as usize].fetch_add(size, Ordering::Relaxed) + size;
+    PEAK_EACH_TAG[tag as usize].fetch_max(tagged, Ordering::Relaxed);
     let total = TOTAL.fetch_add(size, Ordering::Relaxed) + size;
     let blocks = BLOCKS.fetch_add(1, Ordering::Relaxed) + 1;
     PEAK_BLOCKS.fetch_max(blocks, Ordering::Relaxed);
@@ -233,7 +296,8 @@ fn record_alloc(tag: u8, size: u64) {
 }
 
 fn record_free(tag: u8, size: u64) {
-    CURRENT[tag as usize].fetch_sub(size, Ordering::Relaxed);
+    CURRENT[(tag % 6) as usize].fetch_sub(size, Ordering::Relaxed);
+    CURRENT_TAG[tag as usize].fetch_sub(size, Ordering::Relaxed);
     TOTAL.fetch_sub(size, Ordering::Relaxed);
     BLOCKS.fetch_sub(1, Ordering::Relaxed);
 }
@@ -356,11 +420,20 @@ impl Meter for CpuMeter {
     fn snapshot(&self) -> MemorySnapshot {
         let load =
             |a: &[AtomicU64; 6]| ByCategory(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)));
+        // The device half (tags 0..6) or the host half (6..12) of a tag array.
+        let half = |a: &[AtomicU64; 12], host: bool| {
+            ByCategory(std::array::from_fn(|i| {
+                a[i + 6 * usize::from(host)].load(Ordering::Relaxed)
+            }))
+        };
         MemorySnapshot {
             current: load(&CURRENT),
             peak: PEAK.load(Ordering::Relaxed),
             peak_by_category: load(&PEAK_BY_CATEGORY),
             peak_each: load(&PEAK_EACH),
+            host: half(&CURRENT_TAG, true),
+            device_peak_each: half(&PEAK_EACH_TAG, false),
+            host_peak_each: half(&PEAK_EACH_TAG, true),
             live_blocks: BLOCKS.load(Ordering::Relaxed),
             peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
         }
@@ -372,6 +445,9 @@ impl Meter for CpuMeter {
             let now = current.load(Ordering::Relaxed);
             PEAK_BY_CATEGORY[i].store(now, Ordering::Relaxed);
             PEAK_EACH[i].store(now, Ordering::Relaxed);
+        }
+        for (peak, current) in PEAK_EACH_TAG.iter().zip(CURRENT_TAG.iter()) {
+            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
         }
         PEAK_BLOCKS.store(BLOCKS.load(Ordering::Relaxed), Ordering::Relaxed);
     }

@@ -40,8 +40,20 @@ pub struct RegionReport {
     /// own moment.
     #[serde(default)]
     pub peak_each: ByCategory,
+    /// The host-resident part of `baseline`.
+    #[serde(default)]
+    pub baseline_host: ByCategory,
+    /// The highest each category reached on the device (absolute).
+    #[serde(default)]
+    pub device_peak_each: ByCategory,
+    /// The highest each category reached on the host (absolute).
+    #[serde(default)]
+    pub host_peak_each: ByCategory,
     /// Bytes live when the region ended, by category.
     pub end: ByCategory,
+    /// The host-resident part of `end`.
+    #[serde(default)]
+    pub end_host: ByCategory,
     /// Blocks live when the region began.
     pub baseline_blocks: u64,
     /// The most blocks live at once inside the region.
@@ -65,6 +77,19 @@ impl RegionReport {
         self.peak_each
             .get(category)
             .saturating_sub(self.baseline.get(category))
+    }
+
+    /// Like [`Self::category_peak_above_baseline`], for device-resident bytes.
+    pub fn device_peak_above_baseline(&self, category: crate::Category) -> u64 {
+        let base = self.baseline.get(category) - self.baseline_host.get(category);
+        self.device_peak_each.get(category).saturating_sub(base)
+    }
+
+    /// Like [`Self::category_peak_above_baseline`], for host-resident bytes.
+    pub fn host_peak_above_baseline(&self, category: crate::Category) -> u64 {
+        self.host_peak_each
+            .get(category)
+            .saturating_sub(self.baseline_host.get(category))
     }
 
     /// Blocks of the peak above those live when the region began.

@@ -1,0 +1,183 @@
+//! HostAdamW against candle_nn::AdamW, layer-by-layer gradients against
+//! plain backprop, streamed weights against resident ones, and where the
+//! meter files the bytes.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use workbook_offload::{layerwise_backward, HostAdamW, StreamedLinear, Transfers};
+use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, Meter};
+use workbook_sdk::train::{
+    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp,
+    Rng,
+};
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+/// The meter is process-wide: tests that read it take turns.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn setup(seed: u64) -> (Mlp, Tensor, Tensor) {
+    let dev = Device::Cpu;
+    let mut rng = Rng::seeded(seed);
+    let m = Mlp::stack(&mut rng, 24, 3, Activation::Relu, DType::F32, &dev).unwrap();
+    let x = rng.randn((8, 24), &dev).unwrap();
+    let y = rng.labels(8, 24, &dev).unwrap();
+    (m, x, y)
+}
+
+#[test]
+fn host_adamw_equals_candles_adamw_after_ten_steps() {
+    let _turn = turn();
+    let (model, x, y) = setup(1);
+    let twin = model.deep_clone().unwrap();
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut host = HostAdamW::new(model.vars(), params.clone()).unwrap();
+    let mut reference = AdamW::new(twin.vars(), params).unwrap();
+    for _ in 0..10 {
+        host.backward_step(&cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+        reference
+            .backward_step(&cross_entropy(&twin.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+    }
+    for (a, b) in model.vars().iter().zip(twin.vars().iter()) {
+        let d = max_abs_diff(a.as_tensor(), b.as_tensor()).unwrap();
+        assert!(d < 1e-6, "parameters differ by {d}");
+    }
+    let (fresh, _, _) = setup(1);
+    assert!(
+        max_abs_diff(fresh.vars()[0].as_tensor(), model.vars()[0].as_tensor()).unwrap() > 1e-3,
+        "the model trained"
+    );
+    // Each step: every gradient and parameter to the host, every parameter back.
+    let bytes: u64 = model.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
+    let t = host.transfers();
+    assert_eq!(
+        (t.to_host_bytes, t.to_device_bytes),
+        (20 * bytes, 10 * bytes)
+    );
+}
+
+#[test]
+fn host_adamw_keeps_no_optimizer_state_on_the_device() {
+    let _turn = turn();
+    let (model, _, _) = setup(2);
+    let meter = CpuMeter::new().unwrap();
+    let before = meter.snapshot();
+    let opt = HostAdamW::new(model.vars(), ParamsAdamW::default()).unwrap();
+    let after = meter.snapshot();
+    let state = |s: &workbook_sdk::meter::MemorySnapshot, host: bool| {
+        let h = s.host.get(Category::OptimizerState);
+        if host {
+            h
+        } else {
+            s.current.get(Category::OptimizerState) - h
+        }
+    };
+    let data: u64 = model.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
+    assert_eq!(
+        state(&after, false),
+        state(&before, false),
+        "nothing on the device"
+    );
+    let host = state(&after, true) - state(&before, true);
+    assert!(
+        host >= 2 * data && host < 2 * data + 4096,
+        "two moments on the host: {host} for {data}"
+    );
+    drop(opt);
+}
+
+fn units(model: &Mlp) -> (Vec<Vec<Layer>>, Vec<Vec<Var>>) {
+    let layers: Vec<Vec<Layer>> = model.layers().chunks(2).map(|c| c.to_vec()).collect();
+    let vars = layers
+        .iter()
+        .map(|c| c.iter().flat_map(Layer::vars).collect())
+        .collect();
+    (layers, vars)
+}
+
+struct Unit(Vec<Layer>);
+impl Module for Unit {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+    }
+}
+
+#[test]
+fn layerwise_gradients_equal_plain_backprop() {
+    let (model, x, y) = setup(3);
+    let plain_loss = cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+    let plain = param_grads(&plain_loss.backward().unwrap(), &model.vars());
+    let (layers, vars) = units(&model);
+    let layers: Vec<Unit> = layers.into_iter().map(Unit).collect();
+    let mut got = GradStore::default();
+    let mut order = Vec::new();
+    let loss = layerwise_backward(
+        &layers,
+        &vars,
+        &x,
+        |h| cross_entropy(h, &y),
+        |v, g| {
+            order.push(v.as_tensor().id());
+            got.insert(v.as_tensor(), g);
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        loss.to_scalar::<f32>().unwrap(),
+        plain_loss.to_scalar::<f32>().unwrap()
+    );
+    assert!(grads_max_abs_diff(&plain, &got, &model.vars()).unwrap() < 1e-6);
+    // Last layer first: its gradients are handed over before the first layer's.
+    let last = model.vars().last().unwrap().as_tensor().id();
+    let first = model.vars()[0].as_tensor().id();
+    let pos = |id| order.iter().position(|&o| o == id).unwrap();
+    assert!(pos(last) < pos(first));
+}
+
+#[test]
+fn a_layer_that_passes_no_gradient_is_an_error() {
+    let (model, x, y) = setup(4);
+    // Split as [Linear] [ReLU, Linear, ReLU, ...]: the second unit begins
+    // with an operation that uses no parameter.
+    let all = model.layers().to_vec();
+    let layers = vec![Unit(all[..1].to_vec()), Unit(all[1..].to_vec())];
+    let vars = vec![
+        all[..1].iter().flat_map(Layer::vars).collect(),
+        all[1..].iter().flat_map(Layer::vars).collect(),
+    ];
+    let err = layerwise_backward(&layers, &vars, &x, |h| cross_entropy(h, &y), |_, _| Ok(()))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("layer 1 passes no gradient to its input"),
+        "{err}"
+    );
+}
+
+#[test]
+fn streamed_weights_give_the_resident_output_and_count_their_copies() {
+    let dev = Device::Cpu;
+    let mut rng = Rng::seeded(5);
+    let lin = Linear::new(&mut rng, 16, 8, DType::F32, &dev).unwrap();
+    let x = rng.randn((4, 16), &dev).unwrap();
+    let mut t = Transfers::default();
+    let s = StreamedLinear::from_linear(&lin, &dev, &mut t).unwrap();
+    assert_eq!(t.to_host_bytes, (16 * 8 + 8) * 4);
+    let out = s.forward(&x, &mut t).unwrap();
+    assert_eq!(t.to_device_bytes, (16 * 8 + 8) * 4);
+    assert_eq!(max_abs_diff(&out, &lin.forward(&x).unwrap()).unwrap(), 0.0);
+    assert_eq!(s.bytes(), (16 * 8 + 8) * 4);
+}
