@@ -139,9 +139,6 @@ pub fn run(
     }
     let device = select_device(options.device)?;
     let meter: Arc<dyn Meter> = Arc::new(CpuMeter::new()?);
-    workbook_sdk::train::warm_up(&device)
-        .map_err(|e| RunError::Device(format!("the device does not answer: {e}")))?;
-
     let mut report = ChapterReport {
         format_version: crate::report::FORMAT_VERSION,
         workbook_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -161,27 +158,73 @@ pub fn run(
         cells: Vec::new(),
         summary: Default::default(),
     };
-    observer.started(&report);
-    let mut stop = false;
-    for (index, cell) in chapter.cells.iter().enumerate() {
-        if !options.cells.is_empty() && !options.cells.contains(&cell.id) {
-            continue;
+    let selected: Vec<(usize, &Cell)> = chapter
+        .cells
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| options.cells.is_empty() || options.cells.contains(&c.id))
+        .collect();
+
+    // Every cell runs on one worker thread: it has the large stack candle's
+    // recursive graph walks need, and it is warmed up itself, since gemm's
+    // packing buffers are per thread and must not appear in a measurement.
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel::<Event>();
+        let worker = std::thread::Builder::new()
+            .name("workbook cells".into())
+            .stack_size(CELL_STACK)
+            .spawn_scoped(scope, || {
+                let tx = tx;
+                if let Err(e) = workbook_sdk::train::warm_up(&device) {
+                    let _ = tx.send(Event::WarmUp(Err(format!(
+                        "the device does not answer: {e}"
+                    ))));
+                    return;
+                }
+                let _ = tx.send(Event::WarmUp(Ok(())));
+                let mut stop = false;
+                for &(index, cell) in &selected {
+                    let cell_report = if stop {
+                        skipped(registry, cell, options.check)
+                    } else {
+                        let _ = tx.send(Event::Started(index));
+                        run_cell(registry, cell, options, &device, &meter)
+                    };
+                    stop |= options.fail_fast && cell_report.status != Status::Passed;
+                    if tx.send(Event::Finished(Box::new(cell_report))).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| RunError::Device(format!("cannot start the cells' thread: {e}")))?;
+        for event in rx {
+            match event {
+                Event::WarmUp(Ok(())) => observer.started(&report),
+                Event::WarmUp(Err(e)) => return Err(RunError::Device(e)),
+                Event::Started(index) => observer.cell_started(index, &chapter.cells[index]),
+                Event::Finished(cell_report) => {
+                    observer.cell_finished(&cell_report);
+                    report.cells.push(*cell_report);
+                }
+            }
         }
-        let cell_report = if stop {
-            skipped(registry, cell, options.check)
-        } else {
-            observer.cell_started(index, cell);
-            run_cell(registry, cell, options, &device, &meter)
-        };
-        if options.fail_fast && cell_report.status != Status::Passed {
-            stop = true;
-        }
-        observer.cell_finished(&cell_report);
-        report.cells.push(cell_report);
-    }
+        worker.join().map_err(|payload| {
+            RunError::Device(format!(
+                "the cells' thread failed: {}",
+                panicked(payload.as_ref())
+            ))
+        })
+    })?;
     report.summary = ChapterReport::summarize(&report.cells);
     observer.finished(&report);
     Ok(report)
+}
+
+/// What the worker thread tells the observer's thread.
+enum Event {
+    WarmUp(Result<(), String>),
+    Started(usize),
+    Finished(Box<CellReport>),
 }
 
 fn params_json(registry: &Registry, cell: &Cell, check: bool) -> serde_json::Value {
@@ -226,21 +269,6 @@ fn skipped(registry: &Registry, cell: &Cell, check: bool) -> CellReport {
 /// committed, until used.
 const CELL_STACK: usize = 1 << 30;
 
-fn run_on_cell_thread(
-    id: &str,
-    f: impl FnOnce() -> anyhow::Result<()> + Send,
-) -> anyhow::Result<()> {
-    std::thread::scope(|scope| {
-        std::thread::Builder::new()
-            .name(format!("cell {id}"))
-            .stack_size(CELL_STACK)
-            .spawn_scoped(scope, f)
-            .map_err(|e| anyhow::anyhow!("cannot start the cell's thread: {e}"))?
-            .join()
-            .unwrap_or_else(|payload| Err(panicked(payload.as_ref())))
-    })
-}
-
 /// Runs one cell; errors and panics of the plugin become its `error`.
 fn run_cell(
     registry: &Registry,
@@ -259,10 +287,8 @@ fn run_cell(
     meter.reset_peak();
     let before = meter.snapshot();
     let outcome = match registry.get(&cell.plugin) {
-        Some(plugin) => run_on_cell_thread(&cell.id, || {
-            catch_unwind(AssertUnwindSafe(|| plugin.run_with(&mut ctx, params)))
-                .unwrap_or_else(|payload| Err(panicked(payload.as_ref())))
-        }),
+        Some(plugin) => catch_unwind(AssertUnwindSafe(|| plugin.run_with(&mut ctx, params)))
+            .unwrap_or_else(|payload| Err(panicked(payload.as_ref()))),
         None => Err(anyhow::anyhow!(
             "plugin `{}` is not registered",
             cell.plugin

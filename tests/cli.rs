@@ -83,6 +83,17 @@ fn chapter2_check_mode_passes_with_the_notebooks_values() {
 }
 
 #[test]
+fn footprint_at_full_size_measures_the_analytic_state() {
+    // The first backward on a fresh thread made gemm allocate its packing
+    // buffer inside the measurement (1 MiB counted as gradients): the thread
+    // that runs cells must be warmed up itself. Full size shows it.
+    let o = workbook(&["run", "chapter2", "--cell", "footprint"]);
+    let (out, _) = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("✓ abs(state_ratio_f32 - 1) < 0.05"), "{out}");
+}
+
+#[test]
 fn check_mode_is_also_set_by_the_environment() {
     let o = Command::new(env!("CARGO_BIN_EXE_workbook"))
         .args(["run", "chapter2", "--cell", "footprint", "--format", "json"])

@@ -61,6 +61,36 @@ impl Plugin for Panics {
     }
 }
 
+/// A matrix product inside a region: its activation bytes are the
+/// product's, and nothing else.
+struct Matmul;
+
+impl Plugin for Matmul {
+    type Params = ();
+    fn name(&self) -> &str {
+        "matmul"
+    }
+    fn run(&self, ctx: &mut Context, _: ()) -> anyhow::Result<()> {
+        use workbook_sdk::candle::{DType, Tensor};
+        for (dtype, name) in [(DType::F32, "f32"), (DType::F16, "f16")] {
+            // Small enough that gemm runs it on the calling thread, with
+            // that thread's own packing buffer.
+            let a = Tensor::ones((32, 512), dtype, ctx.device())?;
+            let w = Tensor::ones((512, 512), dtype, ctx.device())?;
+            let region = ctx.region("product");
+            let c = Category::Activations.scope(|| a.matmul(&w.t()?))?;
+            let held = region.current_above_baseline().get(Category::Activations);
+            drop(c);
+            ctx.metric(format!("held_{name}"), held as f64);
+            ctx.metric(
+                format!("data_{name}"),
+                (32 * 512 * dtype.size_in_bytes()) as f64,
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Returns an error.
 struct Fails;
 
@@ -93,6 +123,7 @@ fn workbook() -> Workbook {
         .with_plugin(Echo)
         .and_then(|w| w.with_plugin(Panics))
         .and_then(|w| w.with_plugin(Fails))
+        .and_then(|w| w.with_plugin(Matmul))
         .unwrap()
 }
 
@@ -242,4 +273,32 @@ fn the_json_report_round_trips() {
     assert_eq!(back.cells[0].memory, report.cells[0].memory);
     assert_eq!(back.cells[0].assertions, report.cells[0].assertions);
     assert_eq!(back.summary, report.summary);
+}
+
+#[test]
+fn a_matrix_product_holds_exactly_its_output() {
+    let _turn = turn();
+    let file = chapter_file(
+        r#"
+format_version = 1
+id = "warm"
+title = "Warm"
+
+[[cells]]
+id = "product"
+title = "A product"
+plugin = "matmul"
+assertions = [
+  "held_f32 >= data_f32 && held_f32 < data_f32 + 1024",
+  "held_f16 >= data_f16 && held_f16 < data_f16 + 1024",
+]
+"#,
+    );
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let report = wb
+        .run(&chapter, &RunOptions::default(), &mut Quiet)
+        .unwrap();
+    let cell = &report.cells[0];
+    assert_eq!(cell.status, Status::Passed, "{:?}", cell.assertions);
 }
