@@ -31,8 +31,12 @@ pub struct Assertion {
 pub struct AssertionResult {
     /// The expression as written.
     pub expr: String,
-    /// Whether it held.
+    /// Whether it held (false when skipped).
     pub passed: bool,
+    /// Whether it was not checked (its cell did not run, or it is checked at
+    /// full size only and this was a check-size run).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     /// The metrics it read, with their values (`null` for missing or non-finite).
     pub values: IndexMap<String, Option<f64>>,
     /// Why it failed, when it did.
@@ -126,6 +130,17 @@ impl Assertion {
         &self.reads
     }
 
+    /// The result of not checking it, and why.
+    pub fn skip(&self, why: &str) -> AssertionResult {
+        AssertionResult {
+            expr: self.source.clone(),
+            passed: false,
+            skipped: true,
+            values: IndexMap::new(),
+            message: Some(why.to_string()),
+        }
+    }
+
     /// Evaluates against `metrics`.
     pub fn evaluate(&self, metrics: &IndexMap<String, f64>) -> AssertionResult {
         let mut values = IndexMap::new();
@@ -158,6 +173,7 @@ impl Assertion {
         let fail = |message: String, values| AssertionResult {
             expr: self.source.clone(),
             passed: false,
+            skipped: false,
             values,
             message: Some(message),
         };
@@ -177,6 +193,7 @@ impl Assertion {
             Ok(true) => AssertionResult {
                 expr: self.source.clone(),
                 passed: true,
+                skipped: false,
                 values,
                 message: None,
             },

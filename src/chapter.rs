@@ -14,6 +14,7 @@
 //! plugin = "footprint"                   # a registered plugin
 //! prose = "Markdown shown before the results."
 //! assertions = ["large_params > small_params"]
+//! full_size_assertions = ["time_ratio < 1"]  # checked at full size only
 //! [cells.params]                         # full-size parameters
 //! batch = 32
 //! [cells.check]                          # laid over `params` in check mode
@@ -116,6 +117,8 @@ struct RawCell {
     check: SpannedTable,
     #[serde(default)]
     assertions: Vec<Spanned<String>>,
+    #[serde(default)]
+    full_size_assertions: Vec<Spanned<String>>,
 }
 
 /// A validated chapter.
@@ -150,6 +153,10 @@ pub struct Cell {
     pub check_params: toml::Table,
     /// The assertions, parsed.
     pub assertions: Vec<Assertion>,
+    /// Assertions about effects that only show at full size (timings with a
+    /// thin margin at check size, ratios that grow with size): checked in a
+    /// full-size run, reported as skipped at check size.
+    pub full_size_assertions: Vec<Assertion>,
 }
 
 impl Cell {
@@ -292,17 +299,21 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                 return Err(src.error(span, Some(&id), format!("{what}: {}", e.message)));
             }
         }
-        let mut assertions = Vec::with_capacity(rc.assertions.len());
-        for a in &rc.assertions {
-            let parsed = Assertion::parse(a.get_ref()).map_err(|message| {
-                src.error(
-                    a.span(),
-                    Some(&id),
-                    format!("assertion `{}` does not parse: {message}", a.get_ref()),
-                )
-            })?;
-            assertions.push(parsed);
-        }
+        let parse_all = |list: &[Spanned<String>]| {
+            list.iter()
+                .map(|a| {
+                    Assertion::parse(a.get_ref()).map_err(|message| {
+                        src.error(
+                            a.span(),
+                            Some(&id),
+                            format!("assertion `{}` does not parse: {message}", a.get_ref()),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let assertions = parse_all(&rc.assertions)?;
+        let full_size_assertions = parse_all(&rc.full_size_assertions)?;
         cells.push(Cell {
             id,
             title: rc.title,
@@ -311,6 +322,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             params,
             check_params,
             assertions,
+            full_size_assertions,
         });
     }
     Ok(Chapter {

@@ -60,6 +60,9 @@ enum Command {
         /// Stop after the first cell that does not pass.
         #[arg(long)]
         fail_fast: bool,
+        /// Write plots (SVG and PNG) and an HTML report into this folder.
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
     },
 }
 
@@ -106,6 +109,7 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             device,
             format,
             fail_fast,
+            out,
         } => {
             let ch = wb.load(chapter)?;
             let spinner = Spinner::new(ch.cells.len());
@@ -138,6 +142,15 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                     report
                 }
             };
+            if let Some(dir) = out {
+                let files = workbook::render::html::write_report(&report, dir)?;
+                eprintln!(
+                    "wrote {} and {} plot files in {}",
+                    files.html.display(),
+                    files.plots.len(),
+                    dir.join("plots").display()
+                );
+            }
             Ok(if report.summary.all_passed() {
                 ExitCode::SUCCESS
             } else {

@@ -20,6 +20,7 @@
 //!     "printed": ["small params: 17802"],
 //!     "metrics": { "small_params": 17802.0 },   // NaN and infinities are null
 //!     "assertions": [{ "expr": "...", "passed": true, "values": { "small_params": 17802.0 } }],
+//!                                         // "skipped": true when not checked, with a "message" saying why
 //!     "memory": {
 //!       "baseline_bytes": 0, "peak_bytes": 0, "current_bytes": 0, "baseline_by_category": {..},
 //!       "peak_by_category": { "parameters": 0, "gradients": 0, "optimizer_state": 0,
@@ -172,7 +173,8 @@ pub struct Summary {
     pub passed: usize,
     /// Assertions that failed (including those of cells that errored).
     pub failed: usize,
-    /// Assertions of cells that did not run.
+    /// Assertions not checked: of cells that did not run, or checked at
+    /// full size only in a check-size run.
     pub skipped: usize,
     /// Cells that passed.
     pub cells_passed: usize,
@@ -203,13 +205,13 @@ impl ChapterReport {
     pub fn summarize(cells: &[CellReport]) -> Summary {
         let mut s = Summary::default();
         for c in cells {
-            match c.status {
-                Status::Skipped => s.skipped += c.assertions.len(),
-                _ => {
-                    s.passed += c.assertions.iter().filter(|a| a.passed).count();
-                    s.failed += c.assertions.iter().filter(|a| !a.passed).count();
-                }
-            }
+            s.skipped += c.assertions.iter().filter(|a| a.skipped).count();
+            s.passed += c.assertions.iter().filter(|a| a.passed).count();
+            s.failed += c
+                .assertions
+                .iter()
+                .filter(|a| !a.passed && !a.skipped)
+                .count();
             match c.status {
                 Status::Passed => s.cells_passed += 1,
                 Status::Failed => s.cells_failed += 1,

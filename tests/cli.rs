@@ -23,7 +23,27 @@ const PLUGINS: [&str; 6] = [
     "attention",
 ];
 
+/// Chapter 2 times its techniques against each other: a test that runs it
+/// whole has the machine to itself (`heavy`), the others share it (`light`).
+static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn heavy() -> std::sync::RwLockWriteGuard<'static, ()> {
+    MACHINE.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn light() -> std::sync::RwLockReadGuard<'static, ()> {
+    MACHINE.read().unwrap_or_else(|e| e.into_inner())
+}
+
 fn workbook(args: &[&str]) -> Output {
+    let _light = if args.contains(&"chapter2")
+        && !args.contains(&"--cell")
+        && args.first() == Some(&"run")
+    {
+        None
+    } else {
+        Some(light())
+    };
     Command::new(env!("CARGO_BIN_EXE_workbook"))
         .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -62,6 +82,7 @@ fn bad_input(args: &[&str]) -> String {
 
 #[test]
 fn chapter2_check_mode_passes_with_the_notebooks_values() {
+    let _machine = heavy();
     let o = workbook(&["run", "chapter2", "--check"]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
@@ -77,8 +98,9 @@ fn chapter2_check_mode_passes_with_the_notebooks_values() {
         .split_once(" passed, ")
         .map(|(p, f)| (p.to_string(), f.to_string()))
         .unwrap_or_else(|| panic!("no closing line: {last}"));
-    assert!(passed.parse::<usize>().unwrap() >= 20, "{last}");
-    assert_eq!(failed, "0 failed");
+    assert!(passed.parse::<usize>().unwrap() >= 50, "{last}");
+    // Timings with a thin margin are asserted at full size only.
+    assert_eq!(failed, "0 failed, 1 skipped");
     assert!(!out.contains('✗'), "{out}");
 }
 
@@ -95,6 +117,7 @@ fn footprint_at_full_size_measures_the_analytic_state() {
 
 #[test]
 fn check_mode_is_also_set_by_the_environment() {
+    let _machine = light();
     let o = Command::new(env!("CARGO_BIN_EXE_workbook"))
         .args(["run", "chapter2", "--cell", "footprint", "--format", "json"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))

@@ -302,3 +302,50 @@ assertions = [
     let cell = &report.cells[0];
     assert_eq!(cell.status, Status::Passed, "{:?}", cell.assertions);
 }
+
+#[test]
+fn full_size_assertions_are_skipped_at_check_size_and_checked_at_full_size() {
+    let _turn = turn();
+    let file = chapter_file(
+        r#"
+format_version = 1
+id = "sizes"
+title = "Sizes"
+
+[[cells]]
+id = "echo"
+title = "Echo"
+plugin = "echo"
+assertions = ["value > 0"]
+full_size_assertions = ["value > 5"]
+[cells.params]
+value = 2
+[cells.check]
+value = 1
+"#,
+    );
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let check = wb
+        .run(
+            &chapter,
+            &RunOptions {
+                check: true,
+                ..Default::default()
+            },
+            &mut Quiet,
+        )
+        .unwrap();
+    let a = &check.cells[0].assertions[1];
+    assert!(a.skipped && !a.passed, "{a:?}");
+    assert_eq!(a.message.as_deref(), Some("checked at full size only"));
+    assert_eq!(check.cells[0].status, Status::Passed);
+    assert_eq!(check.summary.line(), "1 passed, 0 failed, 1 skipped");
+    // At full size it is checked, and here it is false.
+    let full = wb
+        .run(&chapter, &RunOptions::default(), &mut Quiet)
+        .unwrap();
+    let a = &full.cells[0].assertions[1];
+    assert!(!a.skipped && !a.passed, "{a:?}");
+    assert_eq!(full.summary.line(), "1 passed, 1 failed");
+}

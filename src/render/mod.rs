@@ -1,6 +1,8 @@
 //! Renderers: siblings that read a [`ChapterReport`](crate::report::ChapterReport)
 //! and write to any `io::Write`. They never run experiments.
 
+pub mod html;
+pub mod plot;
 pub mod text;
 
 use std::io::Write;

@@ -31,7 +31,8 @@ pub fn bytes(b: u64) -> String {
     format!("{v:.digits$} {}", UNITS[unit])
 }
 
-fn number(v: &serde_json::Value, unit: Unit) -> String {
+/// Formats a table cell or metric value for people, by its unit.
+pub fn format_value(v: &serde_json::Value, unit: Unit) -> String {
     match (v, unit) {
         (serde_json::Value::Number(n), Unit::Bytes) => {
             n.as_u64().map(bytes).unwrap_or_else(|| n.to_string())
@@ -69,7 +70,7 @@ pub fn write_table(out: &mut dyn Write, table: &Table, indent: &str) -> std::io:
         .map(|r| {
             r.iter()
                 .zip(&table.columns)
-                .map(|(v, c)| number(v, c.unit))
+                .map(|(v, c)| format_value(v, c.unit))
                 .collect()
         })
         .collect();
@@ -198,12 +199,18 @@ impl<W: Write> TextRenderer<W> {
         }
         writeln!(out)?;
         for a in &c.assertions {
-            let mark = if a.passed { "✓" } else { "✗" };
+            let mark = if a.passed {
+                "✓"
+            } else if a.skipped {
+                "-"
+            } else {
+                "✗"
+            };
             let values: Vec<String> = a
                 .values
                 .iter()
                 .map(|(k, v)| match v {
-                    Some(v) => format!("{k} = {}", number(&serde_json::json!(v), Unit::None)),
+                    Some(v) => format!("{k} = {}", format_value(&serde_json::json!(v), Unit::None)),
                     None => format!("{k} = ?"),
                 })
                 .collect();
@@ -214,7 +221,9 @@ impl<W: Write> TextRenderer<W> {
             };
             writeln!(out, "  {mark} {}{values}", a.expr)?;
             if let Some(m) = &a.message {
-                if !a.passed {
+                if a.skipped {
+                    writeln!(out, "      (skipped: {m})")?;
+                } else if !a.passed {
                     writeln!(out, "      {m}")?;
                 }
             }

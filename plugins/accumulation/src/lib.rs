@@ -384,6 +384,7 @@ impl Plugin for Accumulation {
                 points,
             }],
             markers: Vec::new(),
+            guides: Vec::new(),
         });
         Ok(())
     }

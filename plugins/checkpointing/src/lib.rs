@@ -452,6 +452,7 @@ impl Checkpointing {
                 x: sqrt_n,
                 label: format!("sqrt(n) = {sqrt_n:.1}"),
             }],
+            guides: Vec::new(),
         });
         ctx.print(format!(
             "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",

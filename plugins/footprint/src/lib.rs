@@ -168,8 +168,6 @@ impl Plugin for Footprint {
                 }
             };
             drop((optimizer, grads, x, y, model));
-            ctx.end_region(region);
-
             let analytic = TrainingState::analytic(
                 p.state_model
                     .windows(2)
@@ -177,6 +175,8 @@ impl Plugin for Footprint {
                     .sum(),
                 dtype,
             );
+            region.set_analytic(analytic.total());
+            ctx.end_region(region);
             let ratio = measured.total() as f64 / analytic.total() as f64;
             ctx.metric(format!("params_bytes_{name}"), measured.parameters as f64);
             ctx.metric(format!("grads_bytes_{name}"), measured.gradients as f64);

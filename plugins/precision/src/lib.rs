@@ -521,6 +521,7 @@ fn training(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> 
         },
         series: curves,
         markers: Vec::new(),
+        guides: Vec::new(),
     });
     ctx.figure(Figure {
         id: "precision-scale".into(),
@@ -540,6 +541,7 @@ fn training(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> 
             points: scale_history,
         }],
         markers: Vec::new(),
+        guides: Vec::new(),
     });
     Ok(())
 }

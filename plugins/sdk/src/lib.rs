@@ -29,6 +29,7 @@
 pub mod meter;
 pub mod output;
 pub mod plugin;
+pub mod timing;
 pub mod train;
 
 pub use anyhow;

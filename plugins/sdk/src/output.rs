@@ -62,6 +62,9 @@ pub struct RegionReport {
     pub seconds: f64,
     /// Points of the memory timeline, in order.
     pub marks: Vec<Mark>,
+    /// The analytic figure for this variant, in bytes, where there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub analytic: Option<u64>,
 }
 
 impl RegionReport {
@@ -203,6 +206,16 @@ pub struct Marker {
     pub label: String,
 }
 
+/// A reference line `y = c * x^power` drawn through a figure's first point,
+/// such as the N and N^2 slopes of a scaling curve.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Guide {
+    /// The power of x.
+    pub power: f64,
+    /// The legend entry, such as `N^2`.
+    pub label: String,
+}
+
 /// The data of a plot: renderers draw it, plugins only fill it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Figure {
@@ -219,4 +232,7 @@ pub struct Figure {
     /// Vertical markers.
     #[serde(default)]
     pub markers: Vec<Marker>,
+    /// Reference slopes.
+    #[serde(default)]
+    pub guides: Vec<Guide>,
 }

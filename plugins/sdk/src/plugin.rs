@@ -229,6 +229,7 @@ pub struct Region {
     start: Instant,
     baseline: MemorySnapshot,
     marks: Vec<Mark>,
+    analytic: Option<u64>,
 }
 
 impl std::fmt::Debug for Region {
@@ -254,6 +255,7 @@ impl Region {
             start: Instant::now(),
             baseline,
             marks,
+            analytic: None,
         };
         region.mark("start");
         region
@@ -271,6 +273,12 @@ impl Region {
             current: snap.current,
             peak_so_far: snap.peak,
         });
+    }
+
+    /// Records the analytic figure for this variant, to be shown beside
+    /// what was measured.
+    pub fn set_analytic(&mut self, bytes: u64) {
+        self.analytic = Some(bytes);
     }
 
     /// Bytes live now minus those live when the region began, by category.
@@ -316,6 +324,7 @@ impl Region {
             peak_blocks: snap.peak_blocks,
             seconds,
             marks: self.marks,
+            analytic: self.analytic,
         }
     }
 }

@@ -1,0 +1,296 @@
+//! The HTML report: one self-contained page with the chapter's prose, each
+//! cell's printed lines, tables, memory, assertions and plots (inline PNG,
+//! drawn with an embedded font), and each plot beside it as SVG and PNG.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use base64::Engine as _;
+use workbook_sdk::meter::Category;
+use workbook_sdk::output::{Table, Unit};
+
+use super::plot::{cell_plots, Plot};
+use super::text::{bytes, format_value};
+use crate::report::{CellReport, ChapterReport, Status};
+
+/// What [`write_report`] wrote.
+#[derive(Debug, Clone)]
+pub struct ReportFiles {
+    /// The HTML page.
+    pub html: PathBuf,
+    /// Every plot file, SVG and PNG.
+    pub plots: Vec<PathBuf>,
+}
+
+/// Draws every cell's plots and writes them and the page to `dir`.
+pub fn write_report(report: &ChapterReport, dir: &Path) -> anyhow::Result<ReportFiles> {
+    use anyhow::Context as _;
+    let plot_dir = dir.join("plots");
+    std::fs::create_dir_all(&plot_dir)
+        .with_context(|| format!("cannot create {}", plot_dir.display()))?;
+    let mut files = Vec::new();
+    let mut plots = Vec::new();
+    for cell in &report.cells {
+        let drawn = cell_plots(cell)?;
+        for p in &drawn {
+            for (ext, data) in [("svg", p.svg.as_bytes()), ("png", p.png.as_slice())] {
+                let path = plot_dir.join(format!("{}-{}.{ext}", cell.id, p.id));
+                std::fs::write(&path, data)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                files.push(path);
+            }
+        }
+        plots.push(drawn);
+    }
+    let html = dir.join("report.html");
+    std::fs::write(&html, page(report, &plots))
+        .with_context(|| format!("cannot write {}", html.display()))?;
+    Ok(ReportFiles { html, plots: files })
+}
+
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    // Infallible: writing into a String.
+    let _ = pulldown_cmark_escape::escape_html(&mut out, s);
+    out
+}
+
+fn markdown(s: &str) -> String {
+    let mut out = String::new();
+    pulldown_cmark::html::push_html(&mut out, pulldown_cmark::Parser::new(s));
+    out
+}
+
+const STYLE: &str = r#"
+body { font-family: "DejaVu Sans", "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1040px; margin: 2em auto; padding: 0 1em; color: #222; line-height: 1.5; }
+header { border-bottom: 2px solid #ddd; margin-bottom: 1em; }
+.meta { color: #666; font-size: 0.9em; }
+nav ul { list-style: none; padding: 0; display: flex; flex-wrap: wrap; gap: 0.4em 1.2em; }
+section { border-top: 1px solid #e4e4e4; padding-top: 0.5em; margin-top: 2em; }
+h2 .badge { font-size: 0.6em; vertical-align: middle; padding: 0.15em 0.5em; border-radius: 0.6em; color: white; margin-left: 0.5em; }
+.passed { background: #2e7d32; } .failed { background: #c62828; } .error { background: #6a1b9a; } .skipped { background: #757575; }
+pre.printed { background: #f6f8fa; padding: 0.6em 0.8em; border-radius: 4px; overflow-x: auto; }
+table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.9em; }
+caption { text-align: left; font-weight: bold; padding-bottom: 0.3em; }
+th, td { border-bottom: 1px solid #e4e4e4; padding: 0.2em 0.7em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+figure { margin: 1em 0; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { font-size: 0.85em; color: #555; }
+ul.assertions { list-style: none; padding-left: 0; }
+ul.assertions li { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 0.88em; margin: 0.2em 0; }
+li.ok::before { content: "✓ "; color: #2e7d32; } li.bad::before { content: "✗ "; color: #c62828; } li.skip::before { content: "– "; color: #757575; }
+.why { color: #c62828; font-family: sans-serif; }
+.values { color: #666; }
+"#;
+
+/// Marks the page with what loaded, for people and for tests: the body's
+/// `data-plots`, `data-plots-loaded`, `data-plots-non-blank` and `data-errors`.
+const SCRIPT: &str = r#"
+(function () {
+  var errors = 0;
+  window.addEventListener('error', function () { errors += 1; document.body.dataset.errors = errors; }, true);
+  window.addEventListener('load', function () {
+    var imgs = Array.prototype.slice.call(document.querySelectorAll('img[data-plot]'));
+    var loaded = 0, nonBlank = 0;
+    imgs.forEach(function (img) {
+      if (!img.complete || img.naturalWidth === 0) return;
+      loaded += 1;
+      var c = document.createElement('canvas');
+      c.width = img.naturalWidth; c.height = img.naturalHeight;
+      var g = c.getContext('2d');
+      g.drawImage(img, 0, 0);
+      var d = g.getImageData(0, 0, c.width, c.height).data, ink = 0;
+      for (var k = 0; k < d.length; k += 4) { if (d[k] < 240 || d[k + 1] < 240 || d[k + 2] < 240) ink += 1; }
+      if (ink > 2000) nonBlank += 1;
+    });
+    document.body.dataset.plots = imgs.length;
+    document.body.dataset.plotsLoaded = loaded;
+    document.body.dataset.plotsNonBlank = nonBlank;
+    document.body.dataset.errors = errors;
+  });
+})();
+"#;
+
+fn status_name(s: Status) -> &'static str {
+    match s {
+        Status::Passed => "passed",
+        Status::Failed => "failed",
+        Status::Error => "error",
+        Status::Skipped => "skipped",
+    }
+}
+
+fn table_html(out: &mut String, t: &Table) {
+    let _ = write!(out, "<table><caption>{}</caption><tr>", escape(&t.title));
+    for c in &t.columns {
+        let _ = write!(out, "<th>{}</th>", escape(&c.name));
+    }
+    out.push_str("</tr>");
+    for row in &t.rows {
+        out.push_str("<tr>");
+        for (v, c) in row.iter().zip(&t.columns) {
+            let _ = write!(out, "<td>{}</td>", escape(&format_value(v, c.unit)));
+        }
+        out.push_str("</tr>");
+    }
+    out.push_str("</table>");
+}
+
+fn memory_html(out: &mut String, c: &CellReport) {
+    let mut t = Table::new(
+        "Memory: peak above each variant's start, by category at that peak",
+        &[("variant", Unit::None), ("peak", Unit::Bytes)],
+    );
+    for cat in Category::ALL {
+        t.columns.push(workbook_sdk::output::Column {
+            name: cat.name().replace('_', " "),
+            unit: Unit::Bytes,
+        });
+    }
+    for r in &c.memory.regions {
+        let mut row = vec![r.name.as_str().into(), r.peak_above_baseline().into()];
+        row.extend(Category::ALL.iter().map(|&k| {
+            r.peak_by_category
+                .get(k)
+                .saturating_sub(r.baseline.get(k))
+                .into()
+        }));
+        t.row(row);
+    }
+    let m = &c.memory;
+    let mut row = vec![
+        "whole cell".into(),
+        m.peak_bytes.saturating_sub(m.baseline_bytes).into(),
+    ];
+    row.extend(Category::ALL.iter().map(|&k| {
+        m.peak_by_category
+            .get(k)
+            .saturating_sub(m.baseline_by_category.get(k))
+            .into()
+    }));
+    t.row(row);
+    table_html(out, &t);
+}
+
+fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
+    let status = status_name(c.status);
+    let _ = write!(
+        out,
+        "<section id=\"{id}\"><h2>{title}<span class=\"badge {status}\">{status}</span></h2>",
+        id = escape(&c.id),
+        title = escape(&c.title)
+    );
+    out.push_str(&markdown(&c.prose));
+    if let Some(e) = &c.error {
+        let _ = write!(out, "<p class=\"why\">Error: {}</p>", escape(e));
+    }
+    if !c.printed.is_empty() {
+        let _ = write!(
+            out,
+            "<pre class=\"printed\">{}</pre>",
+            escape(&c.printed.join("\n"))
+        );
+    }
+    for t in &c.tables {
+        table_html(out, t);
+    }
+    for p in plots {
+        let data = base64::engine::general_purpose::STANDARD.encode(&p.png);
+        let _ = write!(
+            out,
+            "<figure><img data-plot=\"{id}\" alt=\"{title}\" width=\"{w}\" height=\"{h}\" src=\"data:image/png;base64,{data}\">\
+             <figcaption>{title} · <a href=\"plots/{cell}-{id}.svg\">SVG</a> · <a href=\"plots/{cell}-{id}.png\">PNG</a></figcaption></figure>",
+            id = escape(&p.id),
+            title = escape(&p.title),
+            cell = escape(&c.id),
+            w = super::plot::SIZE.0,
+            h = super::plot::SIZE.1,
+        );
+    }
+    if !c.memory.regions.is_empty() || c.memory.peak_bytes > 0 {
+        memory_html(out, c);
+    }
+    out.push_str("<ul class=\"assertions\">");
+    for a in &c.assertions {
+        let values: Vec<String> = a
+            .values
+            .iter()
+            .map(|(k, v)| match v {
+                Some(v) => format!("{k} = {}", format_value(&serde_json::json!(v), Unit::None)),
+                None => format!("{k} = ?"),
+            })
+            .collect();
+        let _ = write!(
+            out,
+            "<li class=\"{}\">{} <span class=\"values\">{}</span>",
+            if a.passed {
+                "ok"
+            } else if a.skipped {
+                "skip"
+            } else {
+                "bad"
+            },
+            escape(&a.expr),
+            escape(&if values.is_empty() {
+                String::new()
+            } else {
+                format!("({})", values.join(", "))
+            })
+        );
+        if let (false, Some(m)) = (a.passed, &a.message) {
+            if a.skipped {
+                let _ = write!(
+                    out,
+                    "<br><span class=\"values\">skipped: {}</span></li>",
+                    escape(m)
+                );
+                continue;
+            }
+            let _ = write!(out, "<br><span class=\"why\">{}</span>", escape(m));
+        }
+        out.push_str("</li>");
+    }
+    let _ = write!(
+        out,
+        "</ul><p class=\"meta\">{:.2} s · peak {}</p></section>",
+        c.seconds,
+        bytes(c.memory.peak_bytes.saturating_sub(c.memory.baseline_bytes))
+    );
+}
+
+/// The page, with `plots[i]` drawn for `report.cells[i]`.
+pub fn page(report: &ChapterReport, plots: &[Vec<Plot>]) -> String {
+    let mut out = String::new();
+    let mode = match report.mode {
+        crate::report::Mode::Full => "full size",
+        crate::report::Mode::Check => "check size",
+    };
+    let _ = write!(
+        out,
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title><style>{STYLE}</style></head><body>\
+         <header><h1>{title}</h1><p class=\"meta\">{mode} · device {device} · memory measured by {meter} · workbook {version} · <strong>{summary}</strong></p></header>",
+        title = escape(&report.chapter.title),
+        device = escape(&report.device),
+        meter = escape(&report.meter),
+        version = escape(&report.workbook_version),
+        summary = escape(&report.summary.line()),
+    );
+    out.push_str(&markdown(&report.chapter.intro));
+    out.push_str("<nav><ul>");
+    for c in &report.cells {
+        let _ = write!(
+            out,
+            "<li><a href=\"#{}\">{}</a> <span class=\"meta\">{}</span></li>",
+            escape(&c.id),
+            escape(&c.title),
+            status_name(c.status)
+        );
+    }
+    out.push_str("</ul></nav>");
+    for (i, c) in report.cells.iter().enumerate() {
+        cell_html(&mut out, c, plots.get(i).map(Vec::as_slice).unwrap_or(&[]));
+    }
+    let _ = writeln!(out, "<script>{SCRIPT}</script></body></html>");
+    out
+}

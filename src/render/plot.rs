@@ -1,0 +1,637 @@
+//! Plots of a cell's outcome, drawn with plotters from the report alone:
+//!
+//! * `timeline`: memory at each mark, stacked by category, one panel per
+//!   variant (region), with the peak so far as a line;
+//! * `peaks`: each variant's peak above its start, stacked by category, with
+//!   the analytic figure marked where the variant has one;
+//! * one plot per figure the plugin declared (sweeps), with its markers and
+//!   reference slopes.
+//!
+//! Each plot is drawn twice from the same data: as SVG (text kept as text)
+//! and as PNG, whose text is drawn with DejaVu Sans embedded in the binary,
+//! so a machine with no fonts draws the same pixels. Drawing is
+//! deterministic: the same report gives the same bytes.
+
+use std::error::Error;
+use std::sync::Once;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use workbook_sdk::meter::Category;
+use workbook_sdk::output::{Figure, RegionReport, Unit};
+
+use crate::report::CellReport;
+
+/// A drawn plot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plot {
+    /// A file-name-safe id, unique within its cell (`timeline`, `peaks`, a figure's id).
+    pub id: String,
+    /// The title.
+    pub title: String,
+    /// The SVG document.
+    pub svg: String,
+    /// The PNG file.
+    pub png: Vec<u8>,
+}
+
+/// Plot size in pixels.
+pub const SIZE: (u32, u32) = (960, 540);
+/// The most variants one timeline shows.
+const MAX_PANELS: usize = 6;
+
+const FONT: &str = "sans-serif";
+
+type DrawResult = Result<(), Box<dyn Error>>;
+
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // DejaVu Sans is valid OpenType: registering it cannot fail.
+        let _ = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
+        let _ = plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold());
+    });
+}
+
+/// Colours of the categories (Okabe-Ito, readable by colour-blind readers).
+fn category_colour(c: Category) -> RGBColor {
+    match c {
+        Category::Parameters => RGBColor(0, 114, 178),
+        Category::Gradients => RGBColor(213, 94, 0),
+        Category::OptimizerState => RGBColor(0, 158, 115),
+        Category::Activations => RGBColor(230, 159, 0),
+        Category::Inputs => RGBColor(86, 180, 233),
+        Category::Other => RGBColor(160, 160, 160),
+    }
+}
+
+/// Colours of series, in order.
+const SERIES: [RGBColor; 6] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(230, 159, 0),
+    RGBColor(86, 180, 233),
+];
+
+/// The divisor and unit label for values of `unit` whose largest is `max`.
+fn scale(unit: Unit, max: f64) -> (f64, &'static str) {
+    match unit {
+        Unit::Bytes if max >= 4.0 * 1024f64.powi(3) => (1024f64.powi(3), "GiB"),
+        Unit::Bytes if max >= 4.0 * 1024f64.powi(2) => (1024f64.powi(2), "MiB"),
+        Unit::Bytes => (1024.0, "KiB"),
+        Unit::Seconds if max < 1.0 => (1e-3, "ms"),
+        Unit::Seconds => (1.0, "s"),
+        _ => (1.0, ""),
+    }
+}
+
+/// An axis tick: integers without decimals, large numbers with K/M/G.
+fn tick(v: &f64) -> String {
+    let v = *v;
+    let a = v.abs();
+    let (x, suffix) = if a >= 1e9 {
+        (v / 1e9, "G")
+    } else if a >= 1e6 {
+        (v / 1e6, "M")
+    } else if a >= 1e4 {
+        (v / 1e3, "K")
+    } else {
+        (v, "")
+    };
+    let s = if (x - x.round()).abs() < 1e-9 {
+        format!("{}", x.round() as i64)
+    } else if x.abs() >= 100.0 {
+        format!("{x:.0}")
+    } else if x.abs() >= 10.0 {
+        format!("{x:.1}")
+    } else if x.abs() >= 0.01 || x == 0.0 {
+        format!("{x:.2}")
+    } else {
+        format!("{x:.1e}")
+    };
+    let s = if s.contains('.') && !s.contains('e') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    };
+    format!("{s}{suffix}")
+}
+
+/// The corner of the plot with the fewest points, for the legend. `points`
+/// are in axis units, `(x0, x1, y0, y1)` the axis ranges.
+fn emptiest_corner(
+    points: &[(f64, f64)],
+    x: (f64, f64, bool),
+    y: (f64, f64, bool),
+) -> SeriesLabelPosition {
+    let norm = |v: f64, (lo, hi, log): (f64, f64, bool)| {
+        if log {
+            (v.ln() - lo.ln()) / (hi.ln() - lo.ln())
+        } else {
+            (v - lo) / (hi - lo)
+        }
+    };
+    let mut counts = [0usize; 4];
+    for &(px, py) in points {
+        let (nx, ny) = (norm(px, x), norm(py, y));
+        // Only the corners where a legend box would sit.
+        let left = nx < 0.45;
+        let right = nx > 0.55;
+        let top = ny > 0.6;
+        let bottom = ny < 0.4;
+        if top && left {
+            counts[0] += 1;
+        }
+        if top && right {
+            counts[1] += 1;
+        }
+        if bottom && left {
+            counts[2] += 1;
+        }
+        if bottom && right {
+            counts[3] += 1;
+        }
+    }
+    let order = [
+        SeriesLabelPosition::UpperLeft,
+        SeriesLabelPosition::UpperRight,
+        SeriesLabelPosition::LowerLeft,
+        SeriesLabelPosition::LowerRight,
+    ];
+    let best = (0..4).min_by_key(|&i| counts[i]).unwrap_or(0);
+    order
+        .into_iter()
+        .nth(best)
+        .unwrap_or(SeriesLabelPosition::UpperLeft)
+}
+
+fn with_unit(text: &str, unit: &str) -> String {
+    if unit.is_empty() {
+        text.to_string()
+    } else {
+        format!("{text} ({unit})")
+    }
+}
+
+/// Something that draws itself on any plotters backend.
+trait Draw {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static;
+}
+
+fn render(id: &str, title: &str, d: &impl Draw) -> anyhow::Result<Plot> {
+    register_font();
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        d.draw(&root)
+            .map_err(|e| anyhow::anyhow!("drawing {id}: {e}"))?;
+        root.present()
+            .map_err(|e| anyhow::anyhow!("drawing {id}: {e}"))?;
+    }
+    let (w, h) = SIZE;
+    let mut rgb = vec![0u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut rgb, SIZE).into_drawing_area();
+        d.draw(&root)
+            .map_err(|e| anyhow::anyhow!("drawing {id}: {e}"))?;
+        root.present()
+            .map_err(|e| anyhow::anyhow!("drawing {id}: {e}"))?;
+    }
+    let mut png = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut png, w, h);
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        enc.set_compression(png::Compression::Best);
+        enc.set_adaptive_filter(png::AdaptiveFilterType::Adaptive);
+        let mut writer = enc.write_header()?;
+        writer.write_image_data(&rgb)?;
+    }
+    Ok(Plot {
+        id: id.to_string(),
+        title: title.to_string(),
+        svg,
+        png,
+    })
+}
+
+/// The plots of one cell: its timeline and peaks when it measured regions,
+/// and one per figure it declared.
+pub fn cell_plots(cell: &CellReport) -> anyhow::Result<Vec<Plot>> {
+    let mut plots = Vec::new();
+    let regions = &cell.memory.regions;
+    if !regions.is_empty() {
+        let title = format!("{}: memory over time", cell.title);
+        plots.push(render(
+            "timeline",
+            &title,
+            &Timeline {
+                title: &title,
+                regions,
+            },
+        )?);
+        let title = format!("{}: peak memory per variant", cell.title);
+        plots.push(render(
+            "peaks",
+            &title,
+            &Peaks {
+                title: &title,
+                regions,
+            },
+        )?);
+    }
+    for f in &cell.figures {
+        plots.push(render(&f.id, &f.title, &FigurePlot(f))?);
+    }
+    Ok(plots)
+}
+
+fn title_font(size: u32) -> TextStyle<'static> {
+    (FONT, size).into_font().style(FontStyle::Bold).into()
+}
+
+fn text_font(size: u32) -> TextStyle<'static> {
+    (FONT, size).into_font().into()
+}
+
+/// The categories that any of `regions` ever holds, in display order.
+fn used_categories(regions: &[&RegionReport]) -> Vec<Category> {
+    Category::ALL
+        .into_iter()
+        .filter(|&c| {
+            regions.iter().any(|r| {
+                r.marks.iter().any(|m| m.current.get(c) > 0)
+                    || r.peak_by_category.get(c) > r.baseline.get(c)
+            })
+        })
+        .collect()
+}
+
+fn legend_row<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    categories: &[Category],
+) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let mut x = 10;
+    for &c in categories {
+        area.draw(&Rectangle::new(
+            [(x, 6), (x + 14, 20)],
+            category_colour(c).filled(),
+        ))?;
+        area.draw(&Text::new(
+            c.name().replace('_', " "),
+            (x + 20, 6),
+            text_font(14),
+        ))?;
+        x += 24 + 9 * c.name().len() as i32;
+    }
+    Ok(())
+}
+
+struct Timeline<'a> {
+    title: &'a str,
+    regions: &'a [RegionReport],
+}
+
+impl Draw for Timeline<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        root.fill(&WHITE)?;
+        let shown: Vec<&RegionReport> = self.regions.iter().take(MAX_PANELS).collect();
+        let title = if self.regions.len() > shown.len() {
+            format!(
+                "{} (first {} of {} variants)",
+                self.title,
+                shown.len(),
+                self.regions.len()
+            )
+        } else {
+            self.title.to_string()
+        };
+        let root = root.titled(&title, title_font(20))?;
+        let (legend, body) = root.split_vertically(28);
+        let categories = used_categories(&shown);
+        legend_row(&legend, &categories)?;
+        // The peak-so-far line's key, after the categories.
+        let x = legend.dim_in_pixel().0 as i32 - 190;
+        legend.draw(&PathElement::new(
+            vec![(x, 13), (x + 24, 13)],
+            BLACK.stroke_width(2),
+        ))?;
+        legend.draw(&Text::new("peak so far", (x + 30, 6), text_font(14)))?;
+        // What each variant allocated above its own start: memory that was
+        // there before (other cells, warm-up buffers) is not its doing.
+        let above = |r: &RegionReport, m: &workbook_sdk::output::Mark, c: Category| {
+            m.current.get(c).saturating_sub(r.baseline.get(c))
+        };
+        let max = shown
+            .iter()
+            .flat_map(|r| {
+                let base = r.baseline.total();
+                r.marks
+                    .iter()
+                    .map(move |m| m.peak_so_far.saturating_sub(base))
+            })
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64;
+        let (div, unit) = scale(Unit::Bytes, max);
+        let cols = shown.len().clamp(1, 3);
+        let rows = shown.len().div_ceil(cols).max(1);
+        for (panel, r) in body.split_evenly((rows, cols)).iter().zip(&shown) {
+            let n = r.marks.len().max(2);
+            let mut chart = ChartBuilder::on(panel)
+                .caption(&r.name, text_font(15))
+                .margin(6)
+                .x_label_area_size(22)
+                .y_label_area_size(58)
+                .build_cartesian_2d(0f64..(n - 1) as f64, 0f64..max * 1.08 / div)?;
+            let labels: Vec<String> = r.marks.iter().map(|m| m.label.to_string()).collect();
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(n.min(6))
+                .x_label_formatter(&|x| {
+                    let i = x.round() as usize;
+                    labels.get(i).map(|l| short(l)).unwrap_or_default()
+                })
+                .y_desc(unit)
+                .y_labels(6)
+                .y_label_formatter(&tick)
+                .light_line_style(TRANSPARENT)
+                .label_style(text_font(if n > 4 { 10 } else { 12 }))
+                .draw()?;
+            // Stacked areas: each category on top of the ones before it.
+            let mut below = vec![0f64; r.marks.len()];
+            for &c in &categories {
+                let top: Vec<f64> = r
+                    .marks
+                    .iter()
+                    .zip(&below)
+                    .map(|(m, b)| b + above(r, m, c) as f64 / div)
+                    .collect();
+                let mut poly: Vec<(f64, f64)> = top
+                    .iter()
+                    .enumerate()
+                    .map(|(i, y)| (i as f64, *y))
+                    .collect();
+                poly.extend(below.iter().enumerate().rev().map(|(i, y)| (i as f64, *y)));
+                chart.draw_series(std::iter::once(Polygon::new(
+                    poly,
+                    category_colour(c).mix(0.85).filled(),
+                )))?;
+                below = top;
+            }
+            chart.draw_series(LineSeries::new(
+                r.marks.iter().enumerate().map(|(i, m)| {
+                    (
+                        i as f64,
+                        m.peak_so_far.saturating_sub(r.baseline.total()) as f64 / div,
+                    )
+                }),
+                BLACK.stroke_width(2),
+            ))?;
+        }
+        Ok(())
+    }
+}
+
+/// Mark labels are short on the axis: "after forward" -> "forward",
+/// "optimizer state" -> "optimizer".
+fn short(label: &str) -> String {
+    let label = label.strip_prefix("after ").unwrap_or(label);
+    label.split_whitespace().next().unwrap_or(label).to_string()
+}
+
+struct Peaks<'a> {
+    title: &'a str,
+    regions: &'a [RegionReport],
+}
+
+impl Draw for Peaks<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        root.fill(&WHITE)?;
+        let root = root.titled(self.title, title_font(20))?;
+        let (legend, body) = root.split_vertically(28);
+        let all: Vec<&RegionReport> = self.regions.iter().collect();
+        let categories = used_categories(&all);
+        legend_row(&legend, &categories)?;
+        let max = self
+            .regions
+            .iter()
+            .map(|r| r.peak_above_baseline().max(r.analytic.unwrap_or(0)))
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64;
+        let (div, unit) = scale(Unit::Bytes, max);
+        let n = self.regions.len();
+        let names: Vec<String> = self.regions.iter().map(|r| r.name.clone()).collect();
+        let longest = names.iter().map(|s| s.chars().count()).max().unwrap_or(4) as u32;
+        let mut chart = ChartBuilder::on(&body)
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size((longest * 8 + 12).min(360))
+            .build_cartesian_2d(0f64..max * 1.1 / div, -0.5f64..(n as f64 - 0.5))?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .light_line_style(TRANSPARENT)
+            .y_labels(n.max(2) * 2 + 1)
+            .y_label_formatter(&|y| {
+                // A bar sits on each integer; the first variant at the top.
+                let i = y.round();
+                if (y - i).abs() > 1e-6 || i < 0.0 || i as usize >= n {
+                    return String::new();
+                }
+                names.get(n - 1 - i as usize).cloned().unwrap_or_default()
+            })
+            .x_label_formatter(&tick)
+            .x_desc(with_unit("peak above the variant's start", unit))
+            .label_style(text_font(13))
+            .draw()?;
+        for (i, r) in self.regions.iter().enumerate() {
+            let y = (n - 1 - i) as f64;
+            let mut left = 0f64;
+            for &c in &categories {
+                let v = r.peak_by_category.get(c).saturating_sub(r.baseline.get(c)) as f64 / div;
+                if v > 0.0 {
+                    chart.draw_series(std::iter::once(Rectangle::new(
+                        [(left, y - 0.35), (left + v, y + 0.35)],
+                        category_colour(c).filled(),
+                    )))?;
+                    left += v;
+                }
+            }
+            if let Some(a) = r.analytic {
+                let x = a as f64 / div;
+                chart.draw_series(std::iter::once(PathElement::new(
+                    vec![(x, y - 0.45), (x, y + 0.45)],
+                    BLACK.stroke_width(3),
+                )))?;
+                chart.draw_series(std::iter::once(
+                    EmptyElement::at((x, y + 0.45))
+                        + Text::new("analytic".to_string(), (4, -2), text_font(12)),
+                ))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct FigurePlot<'a>(&'a Figure);
+
+fn bounds(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for v in values.filter(|v| v.is_finite() && (!log || *v > 0.0)) {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    if !lo.is_finite() {
+        return (if log { 1.0 } else { 0.0 }, 1.0);
+    }
+    if log {
+        (lo / 1.5, hi * 1.5)
+    } else {
+        let pad = ((hi - lo) * 0.08).max(hi.abs() * 0.02).max(1e-12);
+        (
+            (lo - pad).min(if lo >= 0.0 { 0.0 } else { lo - pad }),
+            hi + pad,
+        )
+    }
+}
+
+impl Draw for FigurePlot<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult
+    where
+        DB::ErrorType: 'static,
+    {
+        let f = self.0;
+        root.fill(&WHITE)?;
+        let xs = || f.series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
+        let ys = || f.series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+        let (xdiv, xunit) = scale(f.x.unit, xs().fold(0.0, f64::max));
+        let (ydiv, yunit) = scale(f.y.unit, ys().fold(0.0, f64::max));
+        let (x0, x1) = bounds(xs().map(|x| x / xdiv), f.x.log);
+        let (y0, y1) = bounds(ys().map(|y| y / ydiv), f.y.log);
+        let scaled: Vec<(f64, f64)> = f
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|&(x, y)| (x / xdiv, y / ydiv)))
+            .collect();
+        let xlabel = with_unit(&f.x.label, xunit);
+        let ylabel = with_unit(&f.y.label, yunit);
+        let mut builder = ChartBuilder::on(root);
+        builder
+            .caption(&f.title, title_font(20))
+            .margin(14)
+            .x_label_area_size(44)
+            .y_label_area_size(70);
+        // Four axis kinds: plotters types log and linear axes apart.
+        macro_rules! body {
+            ($chart:expr) => {{
+                let mut chart = $chart;
+                chart
+                    .configure_mesh()
+                    .x_desc(&xlabel)
+                    .y_desc(&ylabel)
+                    .x_labels(10)
+                    .y_labels(8)
+                    .x_label_formatter(&tick)
+                    .y_label_formatter(&tick)
+                    .light_line_style(TRANSPARENT)
+                    .label_style(text_font(13))
+                    .axis_desc_style(text_font(15))
+                    .draw()?;
+                for m in &f.markers {
+                    let x = m.x / xdiv;
+                    chart.draw_series(DashedLineSeries::new(
+                        vec![(x, y0), (x, y1)],
+                        6,
+                        4,
+                        BLACK.mix(0.6).stroke_width(2),
+                    ))?;
+                    chart.draw_series(std::iter::once(Text::new(
+                        m.label.clone(),
+                        (x, y1),
+                        text_font(14),
+                    )))?;
+                }
+                // Reference slopes through the first point of the first series.
+                if let Some(&(gx, gy)) = f.series.first().and_then(|s| s.points.first()) {
+                    for (k, g) in f.guides.iter().enumerate() {
+                        let pts: Vec<(f64, f64)> = f.series[0]
+                            .points
+                            .iter()
+                            .map(|&(x, _)| (x / xdiv, gy * (x / gx).powf(g.power) / ydiv))
+                            .filter(|&(_, y)| y >= y0 && y <= y1)
+                            .collect();
+                        let style = RGBColor(90, 90, 90).mix(0.7).stroke_width(1);
+                        chart
+                            .draw_series(DashedLineSeries::new(pts, 3, 3 + 2 * k as u32, style))?
+                            .label(g.label.clone())
+                            .legend(move |(x, y)| {
+                                PathElement::new(vec![(x, y), (x + 20, y)], style)
+                            });
+                    }
+                }
+                for (i, s) in f.series.iter().enumerate() {
+                    let colour = SERIES[i % SERIES.len()];
+                    // Each line thinner than the one before: lines that
+                    // coincide show as nested stripes, not as the last alone.
+                    let width = if f.series.len() == 1 {
+                        3
+                    } else {
+                        [6, 4, 2][i.min(2)]
+                    };
+                    let pts: Vec<(f64, f64)> = s
+                        .points
+                        .iter()
+                        .map(|&(x, y)| (x / xdiv, y / ydiv))
+                        .collect();
+                    chart
+                        .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(width)))?
+                        .label(s.name.clone())
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(width))
+                        });
+                    if pts.len() <= 30 {
+                        chart
+                            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, colour.filled())))?;
+                    }
+                }
+                chart
+                    .configure_series_labels()
+                    .position(emptiest_corner(
+                        &scaled,
+                        (x0, x1, f.x.log),
+                        (y0, y1, f.y.log),
+                    ))
+                    .background_style(WHITE.mix(0.85))
+                    .border_style(BLACK.mix(0.3))
+                    .label_font(text_font(14))
+                    .draw()?;
+            }};
+        }
+        match (f.x.log, f.y.log) {
+            (true, true) => {
+                body!(builder.build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())?)
+            }
+            (true, false) => body!(builder.build_cartesian_2d((x0..x1).log_scale(), y0..y1)?),
+            (false, true) => body!(builder.build_cartesian_2d(x0..x1, (y0..y1).log_scale())?),
+            (false, false) => body!(builder.build_cartesian_2d(x0..x1, y0..y1)?),
+        }
+        Ok(())
+    }
+}
