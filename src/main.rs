@@ -121,10 +121,16 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                 fail_fast: *fail_fast,
                 progress: Some(Arc::new(move |m: &str| bar.set_message(m.to_string()))),
             };
+            // The report is written before the closing line, which stays last.
+            let mut writer = ReportWriter {
+                dir: out.clone(),
+                error: None,
+            };
             let report = match format {
                 Format::Text => {
                     let mut obs = WithSpinner {
                         spinner,
+                        first: &mut writer,
                         inner: TextRenderer::new(std::io::stdout()),
                     };
                     wb.run(&ch, &options, &mut obs)?
@@ -132,6 +138,7 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                 Format::Json => {
                     let mut obs = WithSpinner {
                         spinner,
+                        first: &mut writer,
                         inner: workbook::runner::Quiet,
                     };
                     let report = wb.run(&ch, &options, &mut obs)?;
@@ -142,14 +149,8 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                     report
                 }
             };
-            if let Some(dir) = out {
-                let files = workbook::render::html::write_report(&report, dir)?;
-                eprintln!(
-                    "wrote {} and {} plot files in {}",
-                    files.html.display(),
-                    files.plots.len(),
-                    dir.join("plots").display()
-                );
+            if let Some(e) = writer.error {
+                return Err(e);
             }
             Ok(if report.summary.all_passed() {
                 ExitCode::SUCCESS
@@ -208,12 +209,34 @@ impl Spinner {
     }
 }
 
-struct WithSpinner<O> {
+/// Writes the plots and the HTML report when the run ends, if asked to.
+struct ReportWriter {
+    dir: Option<PathBuf>,
+    error: Option<anyhow::Error>,
+}
+
+impl ReportWriter {
+    fn finished(&mut self, report: &ChapterReport) {
+        let Some(dir) = &self.dir else { return };
+        match workbook::render::html::write_report(report, dir) {
+            Ok(files) => eprintln!(
+                "wrote {} and {} plot files in {}",
+                files.html.display(),
+                files.plots.len(),
+                dir.join("plots").display()
+            ),
+            Err(e) => self.error = Some(e),
+        }
+    }
+}
+
+struct WithSpinner<'a, O> {
     spinner: Spinner,
+    first: &'a mut ReportWriter,
     inner: O,
 }
 
-impl<O: Observer> Observer for WithSpinner<O> {
+impl<O: Observer> Observer for WithSpinner<'_, O> {
     fn started(&mut self, report: &ChapterReport) {
         self.inner.started(report);
     }
@@ -240,6 +263,7 @@ impl<O: Observer> Observer for WithSpinner<O> {
 
     fn finished(&mut self, report: &ChapterReport) {
         self.spinner.bar.finish_and_clear();
+        self.first.finished(report);
         self.inner.finished(report);
     }
 }
