@@ -10,7 +10,7 @@ use workbook_sdk::meter::Category;
 use workbook_sdk::output::{Table, Unit};
 
 use super::plot::{cell_plots, Plot};
-use super::text::{bytes, format_value};
+use super::text::{assertion_values, bytes, format_value};
 use crate::report::{CellReport, ChapterReport, Status};
 
 /// What [`write_report`] wrote.
@@ -213,14 +213,7 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
     }
     out.push_str("<ul class=\"assertions\">");
     for a in &c.assertions {
-        let values: Vec<String> = a
-            .values
-            .iter()
-            .map(|(k, v)| match v {
-                Some(v) => format!("{k} = {}", format_value(&serde_json::json!(v), Unit::None)),
-                None => format!("{k} = ?"),
-            })
-            .collect();
+        let values = assertion_values(a);
         let _ = write!(
             out,
             "<li class=\"{}\">{} <span class=\"values\">{}</span>",
@@ -233,9 +226,9 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
             },
             escape(&a.expr),
             escape(&if values.is_empty() {
-                String::new()
+                values
             } else {
-                format!("({})", values.join(", "))
+                format!("({values})")
             })
         );
         if let (false, Some(m)) = (a.passed, &a.message) {

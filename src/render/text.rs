@@ -61,6 +61,18 @@ pub fn format_value(v: &serde_json::Value, unit: Unit) -> String {
     }
 }
 
+/// The metrics an assertion read, as `name = value, ...` (`?` for missing).
+pub fn assertion_values(a: &crate::assertion::AssertionResult) -> String {
+    a.values
+        .iter()
+        .map(|(k, v)| match v {
+            Some(v) => format!("{k} = {}", format_value(&serde_json::json!(v), Unit::None)),
+            None => format!("{k} = ?"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Writes `table` with aligned columns, indented by `indent`.
 pub fn write_table(out: &mut dyn Write, table: &Table, indent: &str) -> std::io::Result<()> {
     let header: Vec<String> = table.columns.iter().map(|c| c.name.clone()).collect();
@@ -206,18 +218,9 @@ impl<W: Write> TextRenderer<W> {
             } else {
                 "✗"
             };
-            let values: Vec<String> = a
-                .values
-                .iter()
-                .map(|(k, v)| match v {
-                    Some(v) => format!("{k} = {}", format_value(&serde_json::json!(v), Unit::None)),
-                    None => format!("{k} = ?"),
-                })
-                .collect();
-            let values = if values.is_empty() {
-                String::new()
-            } else {
-                format!("   ({})", values.join(", "))
+            let values = match assertion_values(a) {
+                v if v.is_empty() => v,
+                v => format!("   ({v})"),
             };
             writeln!(out, "  {mark} {}{values}", a.expr)?;
             if let Some(m) = &a.message {

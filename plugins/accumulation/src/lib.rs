@@ -17,7 +17,7 @@ use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer};
-use workbook_sdk::output::{Axis, Series, Unit};
+use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::train::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Table};
 
@@ -388,10 +388,6 @@ impl Plugin for Accumulation {
         });
         Ok(())
     }
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// The gradients of `from` filed under the matching variables of `to`.

@@ -515,9 +515,9 @@ impl Plugin for AttentionCell {
         ctx.metric("largest_n", n1);
         ctx.print(format!(
             "at N = {n1}: naive {:.1} MiB, chunked {:.1} MiB, tiled {:.1} MiB ({:.0}x less than naive); tiled takes {:.2}x naive's wall time, {:.2}x its CPU time",
-            last(&peaks[0]) / 1048576.0,
-            last(&peaks[1]) / 1048576.0,
-            last(&peaks[2]) / 1048576.0,
+            last(&peaks[0]) / 1_048_576.0,
+            last(&peaks[1]) / 1_048_576.0,
+            last(&peaks[2]) / 1_048_576.0,
             last(&peaks[0]) / last(&peaks[2]),
             last(&times[2]) / last(&times[0]),
             last(&cpu_times[2]) / last(&cpu_times[0]),

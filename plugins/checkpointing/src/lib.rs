@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
-use workbook_sdk::output::{Axis, Marker, Series, Unit};
+use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
 use workbook_sdk::train::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
 };
@@ -456,9 +456,9 @@ impl Checkpointing {
         });
         ctx.print(format!(
             "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",
-            best_mib(plain_peak),
+            mib(plain_peak),
             best.1,
-            best_mib(best.0),
+            mib(best.0),
             100.0 * best.0 as f64 / plain_peak as f64,
             best.2 / plain_time
         ));
@@ -542,8 +542,4 @@ impl Checkpointing {
         ctx.metric("heavy_grad_abs_diff", grad_diff);
         Ok(())
     }
-}
-
-fn best_mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }

@@ -26,7 +26,7 @@ use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use workbook_sdk::output::Unit;
+use workbook_sdk::output::{mib, Unit};
 use workbook_sdk::train::{
     cross_entropy, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp, Rng,
 };
@@ -380,10 +380,6 @@ fn units(model: &Mlp) -> Vec<Unit2> {
         }
     }
     out
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / 1048576.0
 }
 
 impl Plugin for Offload {

@@ -10,6 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::meter::ByCategory;
 
+/// Bytes in MiB (2^20 bytes), for printed lines.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / 1_048_576.0
+}
+
 /// Everything one cell recorded.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct CellOutput {
