@@ -259,16 +259,25 @@ fn text_font(size: u32) -> TextStyle<'static> {
     (FONT, size).into_font().into()
 }
 
-/// The categories that any of `regions` ever holds, in display order.
+/// The categories that take a visible share (0.5% of the largest value) of
+/// any of `regions` above its start, in display order: a category of a few
+/// bytes would only crowd the legend.
 fn used_categories(regions: &[&RegionReport]) -> Vec<Category> {
+    let above = |r: &RegionReport, c: Category| {
+        let marks = r.marks.iter().map(|m| m.current.get(c)).max().unwrap_or(0);
+        marks
+            .max(r.peak_by_category.get(c))
+            .saturating_sub(r.baseline.get(c))
+    };
+    let largest = regions
+        .iter()
+        .map(|r| r.peak_above_baseline())
+        .max()
+        .unwrap_or(0);
+    let threshold = largest / 200;
     Category::ALL
         .into_iter()
-        .filter(|&c| {
-            regions.iter().any(|r| {
-                r.marks.iter().any(|m| m.current.get(c) > 0)
-                    || r.peak_by_category.get(c) > r.baseline.get(c)
-            })
-        })
+        .filter(|&c| regions.iter().any(|r| above(r, c) > threshold))
         .collect()
 }
 
