@@ -99,8 +99,10 @@ fn chapter2_check_mode_passes_with_the_notebooks_values() {
         .map(|(p, f)| (p.to_string(), f.to_string()))
         .unwrap_or_else(|| panic!("no closing line: {last}"));
     assert!(passed.parse::<usize>().unwrap() >= 50, "{last}");
-    // Timings with a thin margin are asserted at full size only.
-    assert_eq!(failed, "0 failed, 1 skipped");
+    // Claims that only hold at scale are checked at full size, skipped here.
+    let skipped = out.matches("(skipped: checked at full size only)").count();
+    assert!(skipped > 0, "{out}");
+    assert_eq!(failed, format!("0 failed, {skipped} skipped"));
     assert!(!out.contains('✗'), "{out}");
 }
 

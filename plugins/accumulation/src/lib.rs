@@ -346,6 +346,8 @@ impl Plugin for Accumulation {
         ctx.metric("peak_accum_large", accum_large as f64);
         ctx.metric("gradient_bytes", grad_bytes as f64);
         ctx.metric("peak_adamw_step", step_peak as f64);
+        let weight_bytes = (p.sweep_width * p.sweep_width * 4) as f64;
+        ctx.metric("adamw_step_in_weights", step_peak as f64 / weight_bytes);
         ctx.print(format!(
             "batch {}: full {:.1} MiB, {} micro-batches {:.1} MiB",
             p.small_batch,

@@ -507,6 +507,9 @@ impl Plugin for AttentionCell {
             ctx.metric(format!("growth_{}", m.name()), exponent(&peaks[i]));
         }
         ctx.metric("peak_ratio_naive_tiled", last(&peaks[0]) / last(&peaks[2]));
+        // Naive's peak in units of one f32 score matrix for all heads.
+        let matrix = (p.heads as f64) * n1 * n1 * 4.0;
+        ctx.metric("naive_peak_in_score_matrices", last(&peaks[0]) / matrix);
         ctx.metric("time_ratio_tiled_naive", last(&times[2]) / last(&times[0]));
         ctx.metric(
             "cpu_time_ratio_tiled_naive",
