@@ -1,0 +1,162 @@
+//! The JSON report is a contract: plots, the HTML report and notebooks read
+//! it. This pins its shape against a golden file. A change that fails here
+//! changes the contract: add fields freely, but rename or remove one only
+//! with a new `format_version`. Regenerate with `WORKBOOK_BLESS=1`.
+
+use indexmap::IndexMap;
+use workbook::assertion::AssertionResult;
+use workbook::report::{CellMemory, CellReport, ChapterInfo, ChapterReport, Mode, Status, Summary};
+use workbook_sdk::meter::ByCategory;
+use workbook_sdk::output::{
+    Axis, Column, Figure, Guide, Mark, Marker, RegionReport, Series, Table, Unit,
+};
+
+fn sample() -> ChapterReport {
+    let region = RegionReport {
+        name: "plain".into(),
+        baseline: ByCategory([100, 0, 0, 0, 10, 5]),
+        peak_bytes: 4_000,
+        peak_by_category: ByCategory([100, 1_000, 0, 2_750, 10, 140]),
+        peak_each: ByCategory([100, 1_200, 0, 2_750, 10, 140]),
+        baseline_host: ByCategory::default(),
+        device_peak_each: ByCategory([100, 1_200, 0, 2_750, 10, 140]),
+        host_peak_each: ByCategory::default(),
+        end: ByCategory([100, 1_000, 0, 0, 10, 5]),
+        end_host: ByCategory::default(),
+        baseline_blocks: 12,
+        peak_blocks: 40,
+        seconds: 0.25,
+        marks: vec![Mark {
+            label: "after forward".into(),
+            seconds: 0.125,
+            current: ByCategory([100, 0, 0, 2_750, 10, 5]),
+            peak_so_far: 2_865,
+        }],
+        analytic: Some(3_000),
+    };
+    let mut metrics = IndexMap::new();
+    metrics.insert("peak_plain".to_string(), 3_885.0);
+    metrics.insert("not_a_number".to_string(), f64::NAN);
+    let mut values = IndexMap::new();
+    values.insert("peak_plain".to_string(), Some(3_885.0));
+    let cell = CellReport {
+        id: "checkpointing".into(),
+        title: "2.3 Activation checkpointing".into(),
+        prose: "Recompute instead of keep.".into(),
+        plugin: "checkpointing".into(),
+        status: Status::Passed,
+        error: None,
+        seconds: 0.5,
+        params: serde_json::json!({ "segments": [1, 2, 4] }),
+        printed: vec!["0.6892".into()],
+        metrics,
+        assertions: vec![
+            AssertionResult {
+                expr: "peak_plain > 0".into(),
+                passed: true,
+                skipped: false,
+                values,
+                message: None,
+            },
+            AssertionResult {
+                expr: "time_overhead < 1.4".into(),
+                passed: false,
+                skipped: true,
+                values: IndexMap::new(),
+                message: Some("checked at full size only".into()),
+            },
+        ],
+        memory: CellMemory {
+            baseline_bytes: 115,
+            baseline_by_category: ByCategory([100, 0, 0, 0, 10, 5]),
+            peak_bytes: 4_000,
+            current_bytes: 1_115,
+            peak_by_category: ByCategory([100, 1_000, 0, 2_750, 10, 140]),
+            current_by_category: ByCategory([100, 1_000, 0, 0, 10, 5]),
+            regions: vec![region],
+        },
+        tables: vec![Table {
+            title: "Sweep".into(),
+            columns: vec![Column {
+                name: "peak".into(),
+                unit: Unit::Bytes,
+            }],
+            rows: vec![vec![serde_json::json!(4_000)]],
+        }],
+        figures: vec![Figure {
+            id: "segments".into(),
+            title: "Peak against segments".into(),
+            x: Axis {
+                label: "segments".into(),
+                unit: Unit::Count,
+                log: true,
+            },
+            y: Axis {
+                label: "peak".into(),
+                unit: Unit::Bytes,
+                log: false,
+            },
+            series: vec![Series {
+                name: "checkpointed".into(),
+                points: vec![(1.0, 4_000.0), (4.0, 2_000.0)],
+            }],
+            markers: vec![Marker {
+                x: 4.0,
+                label: "sqrt(n)".into(),
+            }],
+            guides: vec![Guide {
+                power: 2.0,
+                label: "grows as N^2".into(),
+            }],
+        }],
+    };
+    let cells = vec![cell];
+    ChapterReport {
+        format_version: workbook::report::FORMAT_VERSION,
+        workbook_version: "0.0.0-golden".into(),
+        chapter: ChapterInfo {
+            id: "chapter2".into(),
+            title: "2. Memory Optimization".into(),
+            path: "chapters/chapter2.toml".into(),
+            intro: "Memory first.".into(),
+        },
+        mode: Mode::Check,
+        device: "cpu".into(),
+        meter: "cpu-allocator".into(),
+        summary: ChapterReport::summarize(&cells),
+        cells,
+    }
+}
+
+#[test]
+fn the_json_report_matches_the_golden_file() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/report.json");
+    let report = sample();
+    assert_eq!(
+        report.summary,
+        Summary {
+            passed: 1,
+            failed: 0,
+            skipped: 1,
+            cells_passed: 1,
+            cells_failed: 0,
+            cells_errored: 0
+        }
+    );
+    let mut json = Vec::new();
+    workbook::render::json(&mut json, &report).unwrap();
+    let json = String::from_utf8(json).unwrap();
+    if std::env::var_os("WORKBOOK_BLESS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &json).unwrap();
+    }
+    let golden = std::fs::read_to_string(&path)
+        .expect("tests/golden/report.json (WORKBOOK_BLESS=1 writes it)");
+    assert_eq!(json, golden, "the JSON contract changed");
+    // And it reads back: NaN comes back as NaN from null.
+    let back: ChapterReport = serde_json::from_str(&golden).unwrap();
+    assert!(back.cells[0].metrics["not_a_number"].is_nan());
+    assert_eq!(back.cells[0].memory, report.cells[0].memory);
+    assert_eq!(back.cells[0].figures, report.cells[0].figures);
+    assert_eq!(back.summary, report.summary);
+}
