@@ -351,12 +351,14 @@ fn qkv(rng: &mut Rng, batch: usize, n: usize, d: usize, device: &Device) -> Resu
     })
 }
 
-/// Forward and backward of one method: (out, dq, dk, dv).
+/// Forward and backward of one method: (out, dq, dk, dv). `after_forward`
+/// runs between the two (to mark a timeline).
 fn forward_backward(
     m: Method,
     x: &Qkv,
     causal: bool,
     p: &Params,
+    mut after_forward: impl FnMut(),
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
     match m {
         Method::Naive => {
@@ -366,6 +368,7 @@ fn forward_backward(
                 Var::from_tensor(&x.v)?,
             );
             let out = Category::Activations.scope(|| naive_attention(&q, &k, &v, causal))?;
+            after_forward();
             let grads = Category::Gradients.scope(|| (&out * &x.d_out)?.sum_all()?.backward())?;
             let get = |t: &Var| {
                 grads
@@ -385,6 +388,7 @@ fn forward_backward(
                 Method::Chunked => chunked_attention(&x.q, &x.k, &x.v, causal, p.q_block),
                 _ => tiled_attention(&x.q, &x.k, &x.v, causal, p.q_block, p.k_block),
             })?;
+            after_forward();
             let (dq, dk, dv) = Category::Gradients.scope(|| {
                 attention_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out, causal, p.q_block, k_block)
             })?;
@@ -416,9 +420,9 @@ impl Plugin for AttentionCell {
         // Equality with the naive reference, with and without the causal mask.
         let x = qkv(&mut rng, p.heads, p.check_length, p.head_dim, &device)?;
         for causal in [false, true] {
-            let (o, dq, dk, dv) = forward_backward(Method::Naive, &x, causal, &p)?;
+            let (o, dq, dk, dv) = forward_backward(Method::Naive, &x, causal, &p, || {})?;
             for m in [Method::Chunked, Method::Tiled] {
-                let (o2, dq2, dk2, dv2) = forward_backward(m, &x, causal, &p)?;
+                let (o2, dq2, dk2, dv2) = forward_backward(m, &x, causal, &p, || {})?;
                 let tag = format!("{}{}", m.name(), if causal { "_causal" } else { "" });
                 ctx.metric(format!("out_diff_{tag}"), max_abs_diff(&o, &o2)?);
                 let grad = max_abs_diff(&dq, &dq2)?
@@ -464,10 +468,13 @@ impl Plugin for AttentionCell {
                 for (i, &m) in methods.iter().enumerate() {
                     ctx.progress(&format!("{} attention, N = {n}, run {}", m.name(), rep + 1));
                     let mut region = ctx.region(format!("{}, N = {n}", m.name()));
-                    let (out, t) = timed(|| forward_backward(m, &x, false, &p));
+                    let (out, t) = timed(|| {
+                        forward_backward(m, &x, false, &p, || region.mark("after forward"))
+                    });
                     ts[i].push(t);
-                    drop(out?);
-                    region.mark("after forward and backward");
+                    let out = out?;
+                    region.mark("after backward");
+                    drop(out);
                     if rep == 0 {
                         region_peaks[i] = ctx.end_region(region).peak_above_baseline();
                     }

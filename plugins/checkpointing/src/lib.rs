@@ -90,6 +90,38 @@ pub fn checkpoint_sequential<M: Module>(
     vars: &[Var],
     head: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<Checkpointed> {
+    checkpoint_sequential_observed(layers, segments, input, vars, head, |_| {})
+}
+
+/// A step of [`checkpoint_sequential_observed`], for timelines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// A segment's first forward is done (its activations already freed).
+    Forward,
+    /// A segment was recomputed and back-propagated.
+    Backward,
+}
+
+impl Step {
+    /// A label for a memory timeline.
+    pub fn label(self) -> &'static str {
+        match self {
+            Step::Forward => "segment forward",
+            Step::Backward => "segment backward",
+        }
+    }
+}
+
+/// [`checkpoint_sequential`], calling `observe` after each segment's forward
+/// and backward (to mark a memory timeline, say).
+pub fn checkpoint_sequential_observed<M: Module>(
+    layers: &[M],
+    segments: usize,
+    input: &Tensor,
+    vars: &[Var],
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
+    mut observe: impl FnMut(Step),
+) -> Result<Checkpointed> {
     let bounds = segment_bounds(layers.len(), segments);
     // Forward: keep each segment's input, detached, and nothing else.
     let mut saved = Vec::with_capacity(bounds.len());
@@ -98,6 +130,8 @@ pub fn checkpoint_sequential<M: Module>(
         let last = saved.last().expect("saved starts with the input");
         let out = Category::Activations.scope(|| run_segment(&layers[range.clone()], last))?;
         saved.push(out.detach());
+        drop(out);
+        observe(Step::Forward);
     }
 
     let mut grads = GradStore::default();
@@ -111,6 +145,7 @@ pub fn checkpoint_sequential<M: Module>(
         let root = match (upstream.take(), head.take()) {
             (None, Some(head)) => {
                 let loss = head(&out)?;
+                drop(out);
                 loss_value = Some(loss.detach());
                 loss
             }
@@ -135,6 +170,9 @@ pub fn checkpoint_sequential<M: Module>(
             None => x.zeros_like()?,
         };
         upstream = Some(gx);
+        // The segment's recomputed activations go with its graph.
+        drop((store, root, x));
+        observe(Step::Backward);
     }
     Ok(Checkpointed {
         loss: loss_value.expect("at least one segment"),
@@ -382,8 +420,15 @@ impl Checkpointing {
                 ctx.progress(&format!("{segments} segment(s), run {}", rep + 1));
                 let mut region = ctx.region(format!("checkpointed, {segments} segment(s)"));
                 let start = Instant::now();
-                let out = checkpoint_sequential(model.layers(), segments, &x, &vars, head)?;
-                region.mark("after forward and backward");
+                let out = checkpoint_sequential_observed(
+                    model.layers(),
+                    segments,
+                    &x,
+                    &vars,
+                    head,
+                    |step| region.mark(step.label()),
+                )?;
+                region.mark("after backward");
                 times.push(start.elapsed().as_secs_f64());
                 if rep == 0 {
                     worst_diff =
@@ -515,7 +560,7 @@ impl Checkpointing {
             std::slice::from_ref(&a),
             head,
         )?;
-        region.mark("after forward and backward");
+        region.mark("after backward");
         let ckpt_grad = out.grads.get(a.as_tensor()).map(|g| g.detach());
         drop(out);
         let ckpt_blocks = ctx.end_region(region).blocks_above_baseline();

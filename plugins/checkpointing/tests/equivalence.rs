@@ -112,3 +112,38 @@ fn segments_split_layers_evenly_and_in_order() {
     );
     assert_eq!(segment_bounds(5, 0), vec![0..5], "zero segments means one");
 }
+
+#[test]
+fn the_observer_sees_each_segments_forward_and_backward() {
+    use workbook_checkpointing::{checkpoint_sequential_observed, Step};
+    let dev = Device::Cpu;
+    let mut rng = Rng::seeded(9);
+    let model = Mlp::stack(&mut rng, 8, 6, Activation::Gelu, DType::F32, &dev).unwrap();
+    let x = rng.randn((2, 8), &dev).unwrap();
+    let head = |h: &Tensor| h.sum_all();
+    let mut steps = Vec::new();
+    let observed =
+        checkpoint_sequential_observed(model.layers(), 3, &x, &model.vars(), head, |s| {
+            steps.push(s)
+        })
+        .unwrap();
+    // The last segment's forward happens only in the backward.
+    assert_eq!(
+        steps,
+        [
+            Step::Forward,
+            Step::Forward,
+            Step::Backward,
+            Step::Backward,
+            Step::Backward
+        ]
+    );
+    let plain = checkpoint_sequential(model.layers(), 3, &x, &model.vars(), head).unwrap();
+    for v in model.vars() {
+        let (a, b) = (
+            observed.grads.get(v.as_tensor()).unwrap(),
+            plain.grads.get(v.as_tensor()).unwrap(),
+        );
+        assert_eq!(max_abs_diff(a, b).unwrap(), 0.0);
+    }
+}
