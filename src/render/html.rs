@@ -6,8 +6,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
-use workbook_sdk::meter::Category;
-use workbook_sdk::output::{Table, Unit};
+use workbook_sdk::output::Table;
 
 use super::plot::{cell_plots, Plot};
 use super::text::{assertion_values, bytes, format_value};
@@ -137,42 +136,6 @@ fn table_html(out: &mut String, t: &Table) {
     out.push_str("</table>");
 }
 
-fn memory_html(out: &mut String, c: &CellReport) {
-    let mut t = Table::new(
-        "Memory: peak above each variant's start, by category at that peak",
-        &[("variant", Unit::None), ("peak", Unit::Bytes)],
-    );
-    for cat in Category::ALL {
-        t.columns.push(workbook_sdk::output::Column {
-            name: cat.name().replace('_', " "),
-            unit: Unit::Bytes,
-        });
-    }
-    for r in &c.memory.regions {
-        let mut row = vec![r.name.as_str().into(), r.peak_above_baseline().into()];
-        row.extend(Category::ALL.iter().map(|&k| {
-            r.peak_by_category
-                .get(k)
-                .saturating_sub(r.baseline.get(k))
-                .into()
-        }));
-        t.row(row);
-    }
-    let m = &c.memory;
-    let mut row = vec![
-        "whole cell".into(),
-        m.peak_bytes.saturating_sub(m.baseline_bytes).into(),
-    ];
-    row.extend(Category::ALL.iter().map(|&k| {
-        m.peak_by_category
-            .get(k)
-            .saturating_sub(m.baseline_by_category.get(k))
-            .into()
-    }));
-    t.row(row);
-    table_html(out, &t);
-}
-
 fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
     let status = status_name(c.status);
     let _ = write!(
@@ -209,7 +172,9 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
         );
     }
     if !c.memory.regions.is_empty() || c.memory.peak_bytes > 0 {
-        memory_html(out, c);
+        let mut t = super::memory_table(c);
+        t.title = "Memory: peak above each variant's start, by category at that peak".into();
+        table_html(out, &t);
     }
     out.push_str("<ul class=\"assertions\">");
     for a in &c.assertions {

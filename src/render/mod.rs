@@ -7,10 +7,59 @@ pub mod text;
 
 use std::io::Write;
 
-use crate::report::ChapterReport;
+use workbook_sdk::meter::{ByCategory, Category};
+use workbook_sdk::output::{Table, Unit};
+
+use crate::report::{CellReport, ChapterReport};
 
 /// Writes `report` as pretty JSON followed by a newline.
 pub fn json(out: &mut dyn Write, report: &ChapterReport) -> std::io::Result<()> {
     serde_json::to_writer_pretty(&mut *out, report)?;
     writeln!(out)
+}
+
+/// A cell's memory as a table, for every renderer: each variant's peak above
+/// its start, split by category at that peak, what it left behind, and the
+/// whole cell.
+pub fn memory_table(cell: &CellReport) -> Table {
+    let mut columns = vec![
+        ("memory (peak above start)", Unit::None),
+        ("peak", Unit::Bytes),
+    ];
+    columns.extend(
+        ["params", "grads", "optim", "activ", "inputs", "other"]
+            .into_iter()
+            .map(|name| (name, Unit::Bytes)),
+    );
+    columns.push(("after", Unit::Bytes));
+    let mut table = Table::new("", &columns);
+    let mut row =
+        |name: &str, peak: u64, at_peak: &ByCategory, base: &ByCategory, after: &ByCategory| {
+            let mut r = vec![name.into(), peak.saturating_sub(base.total()).into()];
+            r.extend(
+                Category::ALL
+                    .iter()
+                    .map(|&c| at_peak.get(c).saturating_sub(base.get(c)).into()),
+            );
+            r.push(after.total().saturating_sub(base.total()).into());
+            table.row(r);
+        };
+    for r in &cell.memory.regions {
+        row(
+            &r.name,
+            r.peak_bytes,
+            &r.peak_by_category,
+            &r.baseline,
+            &r.end,
+        );
+    }
+    let m = &cell.memory;
+    row(
+        "whole cell",
+        m.peak_bytes,
+        &m.peak_by_category,
+        &m.baseline_by_category,
+        &m.current_by_category,
+    );
+    table
 }

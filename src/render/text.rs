@@ -2,7 +2,6 @@
 
 use std::io::Write;
 
-use workbook_sdk::meter::{ByCategory, Category};
 use workbook_sdk::output::{Table, Unit};
 
 use crate::chapter::Cell;
@@ -127,47 +126,6 @@ fn grid(
     Ok(())
 }
 
-fn memory_table(out: &mut dyn Write, cell: &CellReport) -> std::io::Result<()> {
-    let m = &cell.memory;
-    let short = ["params", "grads", "optim", "activ", "inputs", "other"];
-    let mut header = vec!["memory (peak above start)".to_string(), "peak".to_string()];
-    header.extend(short.iter().map(|s| s.to_string()));
-    header.push("after".to_string());
-    let row =
-        |name: &str, peak: u64, at_peak: &ByCategory, base: &ByCategory, after: &ByCategory| {
-            let mut r = vec![name.to_string(), bytes(peak.saturating_sub(base.total()))];
-            r.extend(
-                Category::ALL
-                    .iter()
-                    .map(|&c| bytes(at_peak.get(c).saturating_sub(base.get(c)))),
-            );
-            r.push(bytes(after.total().saturating_sub(base.total())));
-            r
-        };
-    let mut rows: Vec<Vec<String>> = m
-        .regions
-        .iter()
-        .map(|r| {
-            row(
-                &r.name,
-                r.peak_bytes,
-                &r.peak_by_category,
-                &r.baseline,
-                &r.end,
-            )
-        })
-        .collect();
-    let whole = row(
-        "whole cell",
-        m.peak_bytes,
-        &m.peak_by_category,
-        &m.baseline_by_category,
-        &m.current_by_category,
-    );
-    rows.push(whole);
-    grid(out, "", &header, &rows, "  ")
-}
-
 /// Renders a run to a terminal or any writer, cell by cell.
 pub struct TextRenderer<W: Write> {
     out: W,
@@ -205,7 +163,7 @@ impl<W: Write> TextRenderer<W> {
             write_table(out, t, "  ")?;
         }
         writeln!(out)?;
-        memory_table(out, c)?;
+        write_table(out, &super::memory_table(c), "  ")?;
         if let Some(e) = &c.error {
             writeln!(out, "\n  ERROR: {e}")?;
         }

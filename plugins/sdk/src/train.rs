@@ -314,11 +314,6 @@ pub fn grads_max_abs_diff(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<
     Ok(worst)
 }
 
-/// The bytes of one element of `dtype`.
-pub fn dtype_bytes(dtype: DType) -> usize {
-    dtype.size_in_bytes()
-}
-
 /// Runs a few matrix products of each float dtype so that one-time
 /// allocations (gemm's per-thread packing buffers, thread pools) happen
 /// before anything is measured.
