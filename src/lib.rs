@@ -24,30 +24,49 @@
 //! println!("{}", report.summary.line());
 //! # Ok::<(), anyhow::Error>(())
 //! ```
+//!
+//! # Features
+//!
+//! - `runner` (default): running chapters, with candle and the built-in
+//!   plugins. Without it the crate only displays reports: the [`notebook`]
+//!   view and the [`render`]ers, which is what a notebook's `:dep` needs.
+//! - `evcxr`: `workbook notebook --execute`, which runs a notebook's cells
+//!   through the evcxr crate.
 #![warn(missing_docs)]
 
 pub mod assertion;
+#[cfg(feature = "runner")]
 pub mod chapter;
+pub mod notebook;
+#[cfg(feature = "runner")]
 pub mod registry;
 pub mod render;
 pub mod report;
+#[cfg(feature = "runner")]
 pub mod runner;
 
+#[cfg(feature = "runner")]
 use std::path::PathBuf;
 
+#[cfg(feature = "runner")]
 pub use chapter::{Chapter, ChapterError};
+pub use notebook::{CellView, Notebook, NotebookError};
+#[cfg(feature = "runner")]
 pub use registry::{DuplicatePlugin, Registry};
 pub use report::{CellReport, ChapterReport, Status};
+#[cfg(feature = "runner")]
 pub use runner::{DeviceChoice, Observer, RunError, RunOptions};
 pub use workbook_sdk as sdk;
 
 /// Plugins and the folders chapters are found in.
+#[cfg(feature = "runner")]
 #[derive(Debug)]
 pub struct Workbook {
     registry: Registry,
     chapter_dirs: Vec<PathBuf>,
 }
 
+#[cfg(feature = "runner")]
 impl Workbook {
     /// A workbook with no plugins.
     pub fn empty() -> Self {

@@ -64,6 +64,25 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         out: Option<PathBuf>,
     },
+    /// Write a chapter as a Jupyter notebook for the evcxr Rust kernel.
+    Notebook {
+        /// A chapter id (`chapter2`) or a path to a .toml file.
+        chapter: String,
+        /// The notebook file to write [default: CHAPTER.ipynb].
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+        /// Run the notebook's cells at check size (written into its setup cell).
+        #[arg(long, env = "WORKBOOK_CHECK_MODE", value_parser = clap::builder::FalseyValueParser::new())]
+        check: bool,
+        /// Execute the notebook through evcxr and write it with its outputs
+        /// (needs a build with `--features evcxr`).
+        #[arg(long)]
+        execute: bool,
+        /// Where evcxr builds the notebook's cells; kept so that later
+        /// executions are fast [default: ~/.cache/workbook/evcxr].
+        #[arg(long, value_name = "DIR", requires = "execute")]
+        cache_dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -75,6 +94,9 @@ enum Format {
 }
 
 fn main() -> ExitCode {
+    // evcxr runs notebook cells in a child process started from this binary.
+    #[cfg(feature = "evcxr")]
+    evcxr::runtime_hook();
     let cli = Cli::parse();
     let mut wb = Workbook::builtin();
     if let Some(dir) = &cli.chapters {
@@ -158,6 +180,96 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                 ExitCode::from(1)
             })
         }
+        Command::Notebook {
+            chapter,
+            output,
+            check,
+            execute,
+            cache_dir,
+        } => notebook(
+            wb,
+            chapter,
+            output.as_deref(),
+            *check,
+            *execute,
+            cache_dir.as_deref(),
+        ),
+    }
+}
+
+fn notebook(
+    wb: &Workbook,
+    chapter: &str,
+    output: Option<&std::path::Path>,
+    check: bool,
+    execute: bool,
+    cache_dir: Option<&std::path::Path>,
+) -> anyhow::Result<ExitCode> {
+    use anyhow::Context as _;
+    use workbook::notebook::export;
+    let ch = wb.load(chapter)?;
+    let path = output
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(format!("{}.ipynb", ch.id)));
+    let options = export::ExportOptions::current(check)
+        .context("cannot tell where this workbook binary is")?;
+    #[allow(unused_mut)]
+    let mut nb = export::notebook(&ch, &options);
+    let write = |nb: &_| -> anyhow::Result<()> {
+        std::fs::write(&path, export::to_json(nb)?)
+            .with_context(|| format!("cannot write {}", path.display()))
+    };
+    if !execute {
+        write(&nb)?;
+        println!("wrote {} ({} cells)", path.display(), nb.cells.len());
+        return Ok(ExitCode::SUCCESS);
+    }
+    #[cfg(not(feature = "evcxr"))]
+    {
+        let _ = cache_dir;
+        anyhow::bail!(
+            "this workbook was built without notebook execution; build it with \
+             `cargo build --release --features evcxr` (a long first build), or execute \
+             the notebook in Jupyter with the evcxr kernel"
+        )
+    }
+    #[cfg(feature = "evcxr")]
+    {
+        use workbook::notebook::execute::{self, ExecuteOptions, Progress};
+        let options = ExecuteOptions {
+            cache_dir: cache_dir
+                .map(PathBuf::from)
+                .or_else(execute::default_cache_dir),
+        };
+        let run = execute::execute(&mut nb, &options, &mut |p| match p {
+            Progress::Started { id, index } => eprintln!("[{index}] {id} ..."),
+            Progress::Finished {
+                id,
+                index,
+                seconds,
+                failed,
+            } => eprintln!(
+                "[{index}] {id} {} in {seconds:.1} s",
+                if failed { "FAILED" } else { "ok" }
+            ),
+        })?;
+        write(&nb)?;
+        println!(
+            "wrote {} ({} code cells executed in {:.1} s)",
+            path.display(),
+            run.cells.len(),
+            run.seconds
+        );
+        if let Some(f) = run.failure() {
+            eprintln!(
+                "error: notebook cell `{}` failed ({} later cells not run):\n{}",
+                f.id,
+                run.not_run,
+                f.error.as_deref().unwrap_or_default()
+            );
+            return Ok(ExitCode::from(1));
+        }
+        Ok(ExitCode::SUCCESS)
     }
 }
 

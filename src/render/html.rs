@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use workbook_sdk::output::Table;
 
-use super::plot::{cell_plots, Plot};
+use super::plot::{cell_plots, Formats, Plot};
 use super::text::{assertion_values, bytes, format_value};
 use crate::report::{CellReport, ChapterReport, Status};
 
@@ -30,7 +30,7 @@ pub fn write_report(report: &ChapterReport, dir: &Path) -> anyhow::Result<Report
     let mut files = Vec::new();
     let mut plots = Vec::new();
     for cell in &report.cells {
-        let drawn = cell_plots(cell)?;
+        let drawn = cell_plots(cell, Formats::SvgAndPng)?;
         for p in &drawn {
             for (ext, data) in [("svg", p.svg.as_bytes()), ("png", p.png.as_slice())] {
                 let path = plot_dir.join(format!("{}-{}.{ext}", cell.id, p.id));
@@ -47,7 +47,7 @@ pub fn write_report(report: &ChapterReport, dir: &Path) -> anyhow::Result<Report
     Ok(ReportFiles { html, plots: files })
 }
 
-fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     // Infallible: writing into a String.
     let _ = pulldown_cmark_escape::escape_html(&mut out, s);
@@ -81,6 +81,28 @@ ul.assertions li { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; 
 li.ok::before { content: "✓ "; color: #2e7d32; } li.bad::before { content: "✗ "; color: #c62828; } li.skip::before { content: "– "; color: #757575; }
 .why { color: #c62828; font-family: sans-serif; }
 .values { color: #666; }
+"#;
+
+/// The styles of a [`cell_section`] outside the report's page, scoped to an
+/// element of class `workbook` so that they leave a notebook's own alone.
+pub const NOTEBOOK_STYLE: &str = r#"
+.workbook { font-family: "DejaVu Sans", "Segoe UI", Helvetica, Arial, sans-serif; line-height: 1.45; }
+.workbook h2 { font-size: 1.2em; margin: 0.2em 0 0.6em; }
+.workbook h2 .badge { font-size: 0.7em; vertical-align: middle; padding: 0.15em 0.5em; border-radius: 0.6em; color: white; margin-left: 0.5em; }
+.workbook .passed { background: #2e7d32; } .workbook .failed { background: #c62828; } .workbook .error { background: #6a1b9a; } .workbook .skipped { background: #757575; }
+.workbook pre.printed { background: #f6f8fa; padding: 0.5em 0.8em; border-radius: 4px; overflow-x: auto; }
+.workbook table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.9em; }
+.workbook caption { text-align: left; font-weight: bold; padding-bottom: 0.3em; }
+.workbook th, .workbook td { border-bottom: 1px solid #e4e4e4; padding: 0.2em 0.7em; text-align: right; }
+.workbook th:first-child, .workbook td:first-child { text-align: left; }
+.workbook figure { margin: 0.8em 0; }
+.workbook figure svg { max-width: 100%; height: auto; border: 1px solid #eee; }
+.workbook figcaption { font-size: 0.85em; color: #555; }
+.workbook ul.assertions { list-style: none; padding-left: 0; }
+.workbook ul.assertions li { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 0.88em; margin: 0.2em 0; }
+.workbook li.ok::before { content: "✓ "; color: #2e7d32; } .workbook li.bad::before { content: "✗ "; color: #c62828; } .workbook li.skip::before { content: "– "; color: #757575; }
+.workbook .why { color: #c62828; font-family: sans-serif; }
+.workbook .values, .workbook .meta { color: #666; }
 "#;
 
 /// Marks the page with what loaded, for people and for tests: the body's
@@ -136,7 +158,27 @@ fn table_html(out: &mut String, t: &Table) {
     out.push_str("</table>");
 }
 
-fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
+/// How a cell's plots go into its HTML.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Embed {
+    /// The report: PNG data URLs, with links to the SVG and PNG files
+    /// written beside the page.
+    PngWithLinks,
+    /// A notebook: inline SVG, nothing outside the fragment.
+    Svg,
+}
+
+/// One cell as an HTML `<section>`: its title and status, prose (unless
+/// `prose` is false: a notebook shows it in its own markdown cell), printed
+/// lines, tables, plots, memory table and assertions. Styled by the report's
+/// page or by [`NOTEBOOK_STYLE`].
+pub fn cell_section(c: &CellReport, plots: &[Plot], embed: Embed, prose: bool) -> String {
+    let mut out = String::new();
+    cell_html(&mut out, c, plots, embed, prose);
+    out
+}
+
+fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot], embed: Embed, prose: bool) {
     let status = status_name(c.status);
     let _ = write!(
         out,
@@ -144,7 +186,9 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
         id = escape(&c.id),
         title = escape(&c.title)
     );
-    out.push_str(&markdown(&c.prose));
+    if prose {
+        out.push_str(&markdown(&c.prose));
+    }
     if let Some(e) = &c.error {
         let _ = write!(out, "<p class=\"why\">Error: {}</p>", escape(e));
     }
@@ -159,6 +203,16 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot]) {
         table_html(out, t);
     }
     for p in plots {
+        if embed == Embed::Svg {
+            let _ = write!(
+                out,
+                "<figure data-plot=\"{id}\">{svg}<figcaption>{title}</figcaption></figure>",
+                id = escape(&p.id),
+                svg = p.svg,
+                title = escape(&p.title),
+            );
+            continue;
+        }
         let data = base64::engine::general_purpose::STANDARD.encode(&p.png);
         let _ = write!(
             out,
@@ -247,7 +301,8 @@ pub fn page(report: &ChapterReport, plots: &[Vec<Plot>]) -> String {
     }
     out.push_str("</ul></nav>");
     for (i, c) in report.cells.iter().enumerate() {
-        cell_html(&mut out, c, plots.get(i).map(Vec::as_slice).unwrap_or(&[]));
+        let plots = plots.get(i).map(Vec::as_slice).unwrap_or(&[]);
+        cell_html(&mut out, c, plots, Embed::PngWithLinks, true);
     }
     let _ = writeln!(out, "<script>{SCRIPT}</script></body></html>");
     out

@@ -32,7 +32,7 @@ pub struct Plot {
     pub title: String,
     /// The SVG document.
     pub svg: String,
-    /// The PNG file.
+    /// The PNG file; empty when only SVG was asked for.
     pub png: Vec<u8>,
 }
 
@@ -183,7 +183,16 @@ trait Draw {
         DB::ErrorType: 'static;
 }
 
-fn render(id: &str, title: &str, d: &impl Draw) -> anyhow::Result<Plot> {
+/// Which files [`cell_plots`] draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Formats {
+    /// SVG and PNG (the report and its plot files).
+    SvgAndPng,
+    /// SVG only (a notebook inlines it).
+    Svg,
+}
+
+fn render(id: &str, title: &str, d: &impl Draw, formats: Formats) -> anyhow::Result<Plot> {
     register_font();
     let mut svg = String::new();
     {
@@ -192,6 +201,14 @@ fn render(id: &str, title: &str, d: &impl Draw) -> anyhow::Result<Plot> {
             .map_err(|e| anyhow::anyhow!("drawing {id}: {e}"))?;
         root.present()
             .map_err(|e| anyhow::anyhow!("drawing {id}: {e}"))?;
+    }
+    if formats == Formats::Svg {
+        return Ok(Plot {
+            id: id.to_string(),
+            title: title.to_string(),
+            svg,
+            png: Vec::new(),
+        });
     }
     let (w, h) = SIZE;
     let mut rgb = vec![0u8; (w * h * 3) as usize];
@@ -222,7 +239,7 @@ fn render(id: &str, title: &str, d: &impl Draw) -> anyhow::Result<Plot> {
 
 /// The plots of one cell: its timeline and peaks when it measured regions,
 /// and one per figure it declared.
-pub fn cell_plots(cell: &CellReport) -> anyhow::Result<Vec<Plot>> {
+pub fn cell_plots(cell: &CellReport, formats: Formats) -> anyhow::Result<Vec<Plot>> {
     let mut plots = Vec::new();
     let regions = &cell.memory.regions;
     if !regions.is_empty() {
@@ -234,6 +251,7 @@ pub fn cell_plots(cell: &CellReport) -> anyhow::Result<Vec<Plot>> {
                 title: &title,
                 regions,
             },
+            formats,
         )?);
         let title = format!("{}: peak memory per variant", cell.title);
         plots.push(render(
@@ -243,10 +261,11 @@ pub fn cell_plots(cell: &CellReport) -> anyhow::Result<Vec<Plot>> {
                 title: &title,
                 regions,
             },
+            formats,
         )?);
     }
     for f in &cell.figures {
-        plots.push(render(&f.id, &f.title, &FigurePlot(f))?);
+        plots.push(render(&f.id, &f.title, &FigurePlot(f), formats)?);
     }
     Ok(plots)
 }

@@ -4,9 +4,9 @@ use std::io::Write;
 
 use workbook_sdk::output::{Table, Unit};
 
-use crate::chapter::Cell;
-use crate::report::{CellReport, ChapterReport, Status};
-use crate::runner::Observer;
+#[cfg(feature = "runner")]
+use crate::report::ChapterReport;
+use crate::report::{CellReport, Status};
 
 /// Formats bytes with a binary unit: `512 B`, `3.5 KiB`, `1.27 MiB`.
 pub fn bytes(b: u64) -> String {
@@ -194,7 +194,8 @@ impl<W: Write> TextRenderer<W> {
     }
 }
 
-impl<W: Write> Observer for TextRenderer<W> {
+#[cfg(feature = "runner")]
+impl<W: Write> crate::runner::Observer for TextRenderer<W> {
     fn started(&mut self, r: &ChapterReport) {
         let _ = writeln!(
             self.out,
@@ -211,7 +212,7 @@ impl<W: Write> Observer for TextRenderer<W> {
         let _ = self.out.flush();
     }
 
-    fn cell_started(&mut self, _index: usize, _cell: &Cell) {}
+    fn cell_started(&mut self, _index: usize, _cell: &crate::chapter::Cell) {}
 
     fn cell_finished(&mut self, c: &CellReport) {
         let _ = self.cell(c);
@@ -223,6 +224,7 @@ impl<W: Write> Observer for TextRenderer<W> {
     }
 }
 
+#[cfg(feature = "runner")]
 fn mode_name(r: &ChapterReport) -> &'static str {
     match r.mode {
         crate::report::Mode::Full => "full",

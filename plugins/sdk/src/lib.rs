@@ -6,6 +6,12 @@
 //! the memory [`meter`], the recorded [`output`] types and small [`train`]ing
 //! helpers.
 //!
+//! # Features
+//!
+//! `candle` (on by default) brings the plugin API, candle and the training
+//! helpers. Without it the crate is the [`meter`] and the [`output`] types
+//! alone, which is all that displaying a report needs.
+//!
 //! # Why the trait lives here
 //!
 //! The `workbook` crate depends on the built-in plugins to register them, so
@@ -28,15 +34,20 @@
 
 pub mod meter;
 pub mod output;
+#[cfg(feature = "candle")]
 pub mod plugin;
 pub mod timing;
+#[cfg(feature = "candle")]
 pub mod train;
 
 pub use anyhow;
+#[cfg(feature = "candle")]
 pub use candle_core as candle;
+#[cfg(feature = "candle")]
 pub use candle_nn;
 pub use serde_json;
 
 pub use meter::{Category, Meter, Residency};
 pub use output::{CellOutput, Figure, RegionReport, Table, Unit};
+#[cfg(feature = "candle")]
 pub use plugin::{Context, DynPlugin, ParamError, Plugin, Region};
