@@ -26,10 +26,13 @@
 //!       "peak_by_category": { "parameters": 0, "gradients": 0, "optimizer_state": 0,
 //!                             "activations": 0, "inputs": 0, "other": 0 },
 //!       "current_by_category": { ... },
+//!       "pool": { "baseline": 0, "peak": 0, "end": 0, "reserved": 0 },
+//!                                         // on a GPU only: the CUDA memory pool's own figures
 //!       "regions": [{ "name": "plain", "baseline": {..}, "peak_bytes": 0, "peak_by_category": {..},
 //!                     "end": {..}, "baseline_blocks": 0, "peak_blocks": 0, "seconds": 0.0,
 //!                     "marks": [{ "label": "after forward", "seconds": 0.0,
-//!                                 "current": {..}, "peak_so_far": 0 }] }]
+//!                                 "current": {..}, "peak_so_far": 0 }],
+//!                     "pool": {..} }]                 // on a GPU only, as the cell's
 //!     },
 //!     "tables": [{ "title": "...", "columns": [{ "name": "...", "unit": "bytes" }], "rows": [[...]] }],
 //!     "figures": [{ "id": "...", "title": "...", "x": { "label": "...", "unit": "count", "log": true },
@@ -47,7 +50,7 @@
 use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
 use workbook_sdk::meter::ByCategory;
-use workbook_sdk::output::{Figure, RegionReport, Table};
+use workbook_sdk::output::{Figure, PoolUse, RegionReport, Table};
 
 use crate::assertion::AssertionResult;
 
@@ -162,6 +165,10 @@ pub struct CellMemory {
     pub peak_by_category: ByCategory,
     /// The split at the end.
     pub current_by_category: ByCategory,
+    /// On a GPU, the CUDA memory pool's own figures for the cell (its peak is
+    /// the highest of its regions' and the rest); absent on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolUse>,
     /// The regions the plugin measured, with their timelines.
     pub regions: Vec<RegionReport>,
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use workbook_sdk::candle::Device;
 use workbook_sdk::meter::CpuMeter;
+use workbook_sdk::output::PoolUse;
 use workbook_sdk::{Context, Meter};
 
 use crate::assertion::AssertionResult;
@@ -95,13 +96,75 @@ pub trait Observer {
 pub struct Quiet;
 impl Observer for Quiet {}
 
+#[cfg(not(feature = "cuda"))]
 fn select_device(choice: DeviceChoice) -> Result<Device, RunError> {
     match choice {
         DeviceChoice::Cpu | DeviceChoice::Auto => Ok(Device::Cpu),
         DeviceChoice::Cuda => Err(RunError::Device(
-            "this workbook was built without CUDA support; rebuild it with `--features cuda` to use `--device cuda`"
+            "this workbook was built without CUDA support; rebuild it with `--features cuda` \
+             (scripts/build-cuda.sh builds it without a CUDA toolkit) to use `--device cuda`"
                 .to_string(),
         )),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn select_device(choice: DeviceChoice) -> Result<Device, RunError> {
+    // candle's errors carry a backtrace when RUST_BACKTRACE is set: keep the
+    // first line, the driver's answer.
+    let first_line = |e: candle_core::Error| {
+        e.to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda => Device::new_cuda(0).map_err(|e| {
+            RunError::Device(format!(
+                "no CUDA GPU answered ({}); use `--device cpu`, or check the driver and \
+                 that LD_LIBRARY_PATH holds the CUDA libraries",
+                first_line(e)
+            ))
+        }),
+        DeviceChoice::Auto => Device::new_cuda(0).or_else(|e| {
+            // The one line a user of `--device auto` needs to read the numbers.
+            eprintln!(
+                "notice: no CUDA GPU answered ({}); running on the CPU",
+                first_line(e)
+            );
+            Ok(Device::Cpu)
+        }),
+    }
+}
+
+/// The meter for `device`: the CUDA memory pool on a GPU, the counting
+/// allocator on the CPU.
+fn select_meter(device: &Device) -> Result<Arc<dyn Meter>, RunError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let meter = workbook_sdk::meter::cuda::CudaMeter::new(d.cuda_stream())?;
+        return Ok(Arc::new(meter));
+    }
+    let _ = device;
+    Ok(Arc::new(CpuMeter::new()?))
+}
+
+/// How a report names `device`.
+fn device_name(device: &Device) -> String {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let stream = d.cuda_stream();
+            let ctx = stream.context();
+            match ctx.name() {
+                Ok(name) => format!("cuda:{} ({name})", ctx.ordinal()),
+                Err(_) => format!("cuda:{}", ctx.ordinal()),
+            }
+        }
+        other => format!("{other:?}").to_lowercase(),
     }
 }
 
@@ -138,7 +201,7 @@ pub fn run(
         }
     }
     let device = select_device(options.device)?;
-    let meter: Arc<dyn Meter> = Arc::new(CpuMeter::new()?);
+    let meter = select_meter(&device)?;
     let mut report = ChapterReport {
         format_version: crate::report::FORMAT_VERSION,
         workbook_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -153,7 +216,7 @@ pub fn run(
         } else {
             Mode::Full
         },
-        device: format!("{device:?}").to_lowercase(),
+        device: device_name(&device),
         meter: meter.name().to_string(),
         cells: Vec::new(),
         summary: Default::default(),
@@ -301,6 +364,14 @@ fn run_cell(
         .chain(std::iter::once((after.peak, after.peak_by_category)))
         .max_by_key(|(bytes, _)| *bytes)
         .unwrap_or((after.peak, after.peak_by_category));
+    let pool = PoolUse::between(&before, &after).map(|cell| PoolUse {
+        peak: output
+            .regions
+            .iter()
+            .filter_map(|r| r.pool)
+            .fold(cell.peak, |peak, r| peak.max(r.peak)),
+        ..cell
+    });
     let error = outcome.err().map(|e| format!("{e:#}"));
     let mut assertions: Vec<AssertionResult> = cell
         .assertions
@@ -349,6 +420,7 @@ fn run_cell(
             current_bytes: after.current_total(),
             peak_by_category,
             current_by_category: after.current,
+            pool,
             regions: output.regions,
         },
         tables: output.tables,

@@ -5,10 +5,11 @@
 
 use indexmap::IndexMap;
 use workbook::assertion::AssertionResult;
+use workbook::render::memory_table;
 use workbook::report::{CellMemory, CellReport, ChapterInfo, ChapterReport, Mode, Status, Summary};
 use workbook_sdk::meter::ByCategory;
 use workbook_sdk::output::{
-    Axis, Column, Figure, Guide, Mark, Marker, RegionReport, Series, Table, Unit,
+    Axis, Column, Figure, Guide, Mark, Marker, PoolUse, RegionReport, Series, Table, Unit,
 };
 
 fn sample() -> ChapterReport {
@@ -33,6 +34,7 @@ fn sample() -> ChapterReport {
             peak_so_far: 2_865,
         }],
         analytic: Some(3_000),
+        pool: None,
     };
     let mut metrics = IndexMap::new();
     metrics.insert("peak_plain".to_string(), 3_885.0);
@@ -73,6 +75,7 @@ fn sample() -> ChapterReport {
             current_bytes: 1_115,
             peak_by_category: ByCategory([100, 1_000, 0, 2_750, 10, 140]),
             current_by_category: ByCategory([100, 1_000, 0, 0, 10, 5]),
+            pool: None,
             regions: vec![region],
         },
         tables: vec![Table {
@@ -159,4 +162,54 @@ fn the_json_report_matches_the_golden_file() {
     assert_eq!(back.cells[0].memory, report.cells[0].memory);
     assert_eq!(back.cells[0].figures, report.cells[0].figures);
     assert_eq!(back.summary, report.summary);
+}
+
+#[test]
+fn a_gpu_report_carries_the_pools_own_figures_and_a_cpu_report_does_not() {
+    let mut report = sample();
+    let cpu = serde_json::to_value(&report).unwrap();
+    assert!(cpu["cells"][0]["memory"].get("pool").is_none());
+    assert!(cpu["cells"][0]["memory"]["regions"][0]
+        .get("pool")
+        .is_none());
+    assert_eq!(
+        memory_table(&report.cells[0]).columns.last().unwrap().name,
+        "after"
+    );
+
+    report.device = "cuda:0 (NVIDIA H100 80GB HBM3)".into();
+    report.meter = "cuda-pool".into();
+    let region_pool = PoolUse {
+        baseline: 2_097_152,
+        peak: 6_291_456,
+        end: 4_194_304,
+        reserved: 33_554_432,
+    };
+    report.cells[0].memory.regions[0].pool = Some(region_pool);
+    report.cells[0].memory.pool = Some(PoolUse {
+        baseline: 1_048_576,
+        ..region_pool
+    });
+    let gpu = serde_json::to_value(&report).unwrap();
+    assert_eq!(
+        gpu["cells"][0]["memory"]["pool"],
+        serde_json::json!({
+            "baseline": 1_048_576, "peak": 6_291_456, "end": 4_194_304, "reserved": 33_554_432
+        })
+    );
+    assert_eq!(
+        gpu["cells"][0]["memory"]["regions"][0]["pool"]["peak"],
+        6_291_456
+    );
+    let back: ChapterReport = serde_json::from_value(gpu).unwrap();
+    assert_eq!(back.cells[0].memory, report.cells[0].memory);
+
+    // The memory table sets the pool's peak above each start beside the
+    // counted one.
+    let table = memory_table(&report.cells[0]);
+    assert_eq!(table.columns.last().unwrap().name, "pool peak");
+    let last = |row: &Vec<serde_json::Value>| row.last().unwrap().as_u64().unwrap();
+    assert_eq!(table.rows.len(), 2);
+    assert_eq!(last(&table.rows[0]), 4_194_304, "region: 6 MiB - 2 MiB");
+    assert_eq!(last(&table.rows[1]), 5_242_880, "cell: 6 MiB - 1 MiB");
 }

@@ -48,6 +48,6 @@ pub use candle_nn;
 pub use serde_json;
 
 pub use meter::{Category, Meter, Residency};
-pub use output::{CellOutput, Figure, RegionReport, Table, Unit};
+pub use output::{CellOutput, Figure, PoolUse, RegionReport, Table, Unit};
 #[cfg(feature = "candle")]
 pub use plugin::{Context, DynPlugin, ParamError, Plugin, Region};

@@ -20,6 +20,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 /// What a block of memory holds, in the sense of PyTorch's memory timeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -216,6 +219,22 @@ pub struct MemorySnapshot {
     pub live_blocks: u64,
     /// The most blocks live at once since the last reset.
     pub peak_blocks: u64,
+    /// The CUDA memory pool's own figures, on a GPU; `None` on the CPU.
+    pub pool: Option<PoolReading>,
+}
+
+/// What a CUDA memory pool says of itself: the analogues of
+/// `torch.cuda.memory_allocated`, `max_memory_allocated` and
+/// `memory_reserved`. On a GPU these stand beside the bytes counted by
+/// category, as the check that every device buffer was counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolReading {
+    /// Bytes handed out from the pool now.
+    pub used: u64,
+    /// The most handed out at once since the peak was last reset.
+    pub used_high: u64,
+    /// Bytes the pool holds from the driver, in use or cached for reuse.
+    pub reserved: u64,
 }
 
 impl MemorySnapshot {
@@ -250,10 +269,39 @@ fn current_category() -> u8 {
         .unwrap_or(Category::Other as u8)
 }
 
+/// Set when tensors live on a GPU: the heap is then host memory whatever the
+/// residency asked for, and the device's bytes come from [`device_allocated`].
+static HEAP_IS_HOST: AtomicBool = AtomicBool::new(false);
+
 /// The header's tag: the category, plus 6 for host residency.
 fn current_tag() -> u8 {
-    let residency = CURRENT_RESIDENCY.try_with(|c| c.get()).unwrap_or(0);
+    let residency = if HEAP_IS_HOST.load(Ordering::Relaxed) {
+        Residency::Host as u8
+    } else {
+        CURRENT_RESIDENCY.try_with(|c| c.get()).unwrap_or(0)
+    };
     current_category() + 6 * residency
+}
+
+/// Counts `bytes` of device memory allocated outside the heap (a GPU buffer)
+/// under the current thread's category, as device-resident. Returns the tag
+/// to give [`device_freed`] when the buffer is freed, so that the free is
+/// charged to what allocated it.
+pub fn device_allocated(bytes: u64) -> u8 {
+    let tag = current_category();
+    record_alloc(tag, bytes);
+    tag
+}
+
+/// Counts the free of a buffer counted by [`device_allocated`].
+pub fn device_freed(tag: u8, bytes: u64) {
+    record_free(tag, bytes);
+}
+
+/// Declares that tensors live on a GPU: from now on the heap counts as host
+/// memory, and device memory is what [`device_allocated`] reports.
+pub fn set_heap_is_host(on: bool) {
+    HEAP_IS_HOST.store(on, Ordering::Relaxed);
 }
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -398,6 +446,9 @@ pub enum MeterError {
          workbook_sdk::meter::CountingAllocator;` to the binary"
     )]
     NotInstalled,
+    /// The CUDA device's memory could not be read.
+    #[error("cannot read CUDA memory: {0}")]
+    Cuda(String),
 }
 
 impl CpuMeter {
@@ -436,6 +487,7 @@ impl Meter for CpuMeter {
             host_peak_each: half(&PEAK_EACH_TAG, true),
             live_blocks: BLOCKS.load(Ordering::Relaxed),
             peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
+            pool: None,
         }
     }
 

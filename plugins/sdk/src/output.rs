@@ -8,7 +8,7 @@
 use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
 
-use crate::meter::ByCategory;
+use crate::meter::{ByCategory, MemorySnapshot};
 
 /// Bytes in MiB (2^20 bytes), for printed lines.
 pub fn mib(bytes: u64) -> f64 {
@@ -70,6 +70,46 @@ pub struct RegionReport {
     /// The analytic figure for this variant, in bytes, where there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub analytic: Option<u64>,
+    /// On a GPU, the CUDA memory pool's own figures for the region.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolUse>,
+}
+
+/// A stretch of a run (a region, a cell) as the CUDA memory pool saw it,
+/// beside the bytes counted by category.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolUse {
+    /// Bytes in use from the pool when it began.
+    pub baseline: u64,
+    /// The most in use at once (absolute, baseline included).
+    pub peak: u64,
+    /// Bytes in use when it ended.
+    pub end: u64,
+    /// Bytes the pool held from the driver when it ended, in use or cached
+    /// (`torch.cuda.memory_reserved`).
+    pub reserved: u64,
+}
+
+impl PoolUse {
+    /// The pool's figures between two snapshots, the peak having been reset
+    /// at `start`; `None` without a pool.
+    pub fn between(start: &MemorySnapshot, end: &MemorySnapshot) -> Option<Self> {
+        let (a, b) = (start.pool?, end.pool?);
+        Some(Self {
+            baseline: a.used,
+            // A high-water mark just reset reads zero until the next
+            // allocation: what is in use is a floor for it.
+            peak: b.used_high.max(b.used).max(a.used),
+            end: b.used,
+            reserved: b.reserved,
+        })
+    }
+
+    /// The peak above the baseline: what the stretch itself cost, as
+    /// `torch.cuda.max_memory_allocated` minus `memory_allocated` at its start.
+    pub fn peak_above_baseline(&self) -> u64 {
+        self.peak.saturating_sub(self.baseline)
+    }
 }
 
 impl RegionReport {

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::meter::{ByCategory, Category, MemorySnapshot, Meter};
-use crate::output::{CellOutput, Figure, Mark, RegionReport, Table};
+use crate::output::{CellOutput, Figure, Mark, PoolUse, RegionReport, Table};
 
 /// A cell kind: an experiment that runs with typed parameters and records what
 /// it measured into its [`Context`].
@@ -325,6 +325,7 @@ impl Region {
             seconds,
             marks: self.marks,
             analytic: self.analytic,
+            pool: PoolUse::between(&self.baseline, &snap),
         }
     }
 }

@@ -150,3 +150,59 @@ fn region_reports_peak_above_baseline_and_marks() {
     assert_eq!(labels, ["start", "allocated", "end"]);
     assert_eq!(ctx.output().regions.len(), 1);
 }
+
+#[test]
+fn device_buffers_outside_the_heap_are_counted_by_category_and_freed_by_tag() {
+    let _turn = turn();
+    let meter = CpuMeter::new().unwrap();
+    meter.reset_peak();
+    let start = meter.snapshot();
+    let c = Category::Gradients;
+    let device = |s: &workbook_sdk::meter::MemorySnapshot| s.current.get(c) - s.host.get(c);
+    // What the CUDA interposer does for each buffer the driver hands out.
+    let tag = c.scope(|| workbook_sdk::meter::device_allocated(1 << 20));
+    let s = meter.snapshot();
+    assert_eq!(device(&s) - device(&start), 1 << 20);
+    assert_eq!(s.host.get(c), start.host.get(c));
+    assert_eq!(s.peak - start.current_total(), 1 << 20);
+    assert_eq!(s.live_blocks - start.live_blocks, 1);
+    // Freed while another category is current: charged to the allocator's.
+    Category::Activations.scope(|| workbook_sdk::meter::device_freed(tag, 1 << 20));
+    let end = meter.snapshot();
+    assert_eq!(device(&end), device(&start));
+    assert_eq!(
+        end.current.get(Category::Activations),
+        start.current.get(Category::Activations)
+    );
+    assert_eq!(end.device_peak_each.get(c) - device(&start), 1 << 20);
+}
+
+#[test]
+fn pool_figures_of_a_stretch_floor_a_just_reset_high_water_mark_at_what_is_in_use() {
+    use workbook_sdk::meter::{MemorySnapshot, PoolReading};
+    use workbook_sdk::PoolUse;
+    let at = |used, used_high| MemorySnapshot {
+        pool: Some(PoolReading {
+            used,
+            used_high,
+            reserved: 1 << 25,
+        }),
+        ..Default::default()
+    };
+    let cpu = MemorySnapshot::default();
+    assert_eq!(PoolUse::between(&cpu, &cpu), None);
+    // A high-water mark reset to zero reads zero until the next allocation.
+    let idle = PoolUse::between(&at(4096, 0), &at(4096, 0)).unwrap();
+    assert_eq!((idle.peak, idle.peak_above_baseline()), (4096, 0));
+    let busy = PoolUse::between(&at(4096, 0), &at(6144, 1 << 20)).unwrap();
+    assert_eq!(
+        busy,
+        PoolUse {
+            baseline: 4096,
+            peak: 1 << 20,
+            end: 6144,
+            reserved: 1 << 25
+        }
+    );
+    assert_eq!(busy.peak_above_baseline(), (1 << 20) - 4096);
+}
