@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Chapter 2's experiments in PyTorch, at the sizes chapters/chapter2.toml gives.
+
+Prints one JSON object: {"device": ..., "mode": ..., "metrics": {name: value}},
+with the metric names the workbook's cells report, so that scripts/compare.py
+can set the two side by side. Memory is torch.cuda.max_memory_allocated above
+what was allocated when the measured step began (the workbook's region peaks
+are also measured above their start); times are the best of a few runs, in
+seconds. Needs a CUDA GPU for memory figures; on the CPU only parameter
+counts, training-state bytes and times are reported.
+
+    python3 scripts/torch_chapter2.py [--check] > torch.json
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+import tomllib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def params(chapter, cell_id, check):
+    cell = next(c for c in chapter["cells"] if c["id"] == cell_id)
+    p = dict(cell.get("params", {}))
+    if check:
+        p.update(cell.get("check", {}))
+    return p
+
+
+class Meter:
+    """Peak device memory above the start of a measured step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.peak = float("nan")
+
+
+def allocated(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+    return float("nan")
+
+
+def best_time(fn, device, repeats=3):
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def mlp(widths, act=nn.ReLU):
+    """Linear layers of the given widths, an activation between each two (the
+    workbook's `Mlp::new`)."""
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i + 2 < len(widths):
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+def stack(width, depth, act):
+    """`depth` blocks of Linear(width, width) + activation (the workbook's
+    `Mlp::stack`, the deep model of the sweeps)."""
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act())])
+
+
+def warm_up(device):
+    """Matrix products in each dtype before anything is measured, as the
+    workbook does: cuBLAS's workspace and kernels are loaded once, on first use."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for n in (8, 64, 512):
+            a = torch.ones(n, n, device=device, dtype=dtype, requires_grad=True)
+            (a @ a).float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def footprint(chapter, check, device, out):
+    p = params(chapter, "footprint", check)
+    out["small_params"] = sum(x.numel() for x in mlp(p["small"]).parameters())
+    out["large_params"] = sum(x.numel() for x in mlp(p["large"]).parameters())
+    for name, dtype in [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)]:
+        if device.type != "cuda":
+            model = mlp(p["state_model"]).to(dtype)
+            n = sum(x.numel() for x in model.parameters())
+            size = torch.tensor([], dtype=dtype).element_size()
+            out[f"params_bytes_{name}"] = n * size
+            continue
+        base = allocated(device)
+        model = mlp(p["state_model"]).to(device=device, dtype=dtype)
+        out[f"params_bytes_{name}"] = allocated(device) - base
+        x = torch.randn(p["batch"], p["state_model"][0], device=device, dtype=dtype)
+        y = torch.randint(0, p["state_model"][-1], (p["batch"],), device=device)
+        F.cross_entropy(model(x).float(), y).backward()
+        del x, y
+        out[f"grads_bytes_{name}"] = allocated(device) - base - out[f"params_bytes_{name}"]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before = allocated(device)
+        opt.step()
+        out[f"optimizer_bytes_{name}"] = allocated(device) - before
+        del model, opt
+
+
+def train_peak(model, x, y, micro, device):
+    """Peak of one step's forward and backward, in `micro` pieces."""
+    with Meter(device) as m:
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            (F.cross_entropy(model(xs), ys) / micro).backward()
+    return m.peak
+
+
+def accumulation(chapter, check, device, out):
+    p = params(chapter, "accumulation", check)
+    w = p["sweep_width"]
+    model = stack(w, p["sweep_depth"], nn.ReLU).to(device)
+    for size, batch in [("small", p["small_batch"]), ("large", p["large_batch"])]:
+        x = torch.randn(batch, w, device=device)
+        y = torch.randint(0, w, (batch,), device=device)
+        model.zero_grad(set_to_none=True)
+        out[f"peak_full_{size}"] = train_peak(model, x, y, 1, device)
+        model.zero_grad(set_to_none=True)
+        out[f"peak_accum_{size}"] = train_peak(model, x, y, p["compare_steps"], device)
+        model.zero_grad(set_to_none=True)
+
+
+def checkpointing(chapter, check, device, out):
+    p = params(chapter, "checkpointing", check)
+    w, depth, batch = p["stack_width"], p["stack_depth"], p["stack_batch"]
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.GELU()) for _ in range(depth)]).to(device)
+    x = torch.randn(batch, w, device=device, requires_grad=True)
+
+    def step(segments):
+        blocks.zero_grad(set_to_none=True)
+        x.grad = None
+        if segments is None:
+            y = blocks(x)
+        else:
+            y = checkpoint_sequential(blocks, segments, x, use_reentrant=False)
+        y.square().mean().backward()
+
+    def peak(segments):
+        step(segments)
+        blocks.zero_grad(set_to_none=True)
+        x.grad = None
+        with Meter(device) as m:
+            step(segments)
+        return m.peak
+
+    out["peak_plain"] = peak(None)
+    peaks = {s: peak(s) for s in p["segments"]}
+    best = min(peaks, key=peaks.get) if device.type == "cuda" else max(p["segments"])
+    out["peak_best"] = peaks[best]
+    out["time_plain"] = best_time(lambda: step(None), device, p["repeats"])
+    out["time_best"] = best_time(lambda: step(best), device, p["repeats"])
+    out["time_overhead"] = out["time_best"] / out["time_plain"]
+
+
+def precision(chapter, check, device, out):
+    """The forward alone, f32 master weights, computing in f32 or (autocast)
+    f16 and bf16: what it keeps for the backward, and its peak."""
+    p = params(chapter, "precision", check)
+    w, depth, batch = p["act_width"], p["act_depth"], p["act_batch"]
+    model = stack(w, depth, nn.GELU).to(device)
+    x = torch.randn(batch, w, device=device)
+    for name, dtype in [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)]:
+        with Meter(device) as m:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                y = model(x)
+            held = allocated(device) - m.start if device.type == "cuda" else float("nan")
+        out[f"act_held_{name}"] = held
+        out[f"act_peak_{name}"] = m.peak
+        del y
+    if device.type == "cuda":
+        for name in ("f16", "bf16"):
+            out[f"act_held_ratio_{name}"] = out[f"act_held_{name}"] / out["act_held_f32"]
+            out[f"act_peak_ratio_{name}"] = out[f"act_peak_{name}"] / out["act_peak_f32"]
+
+
+def offload(chapter, check, device, out):
+    p = params(chapter, "offload", check)
+    model = stack(p["width"], p["depth"], nn.ReLU).to(device)
+    out["param_bytes"] = sum(x.numel() * x.element_size() for x in model.parameters())
+    x = torch.randn(p["batch"], p["width"], device=device)
+    y = torch.randint(0, p["width"], (p["batch"],), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])
+    F.cross_entropy(model(x), y).backward()
+    before = allocated(device)
+    opt.step()
+    out["device_optimizer_bytes_plain"] = allocated(device) - before
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    out["step_seconds_device"] = best_time(step, device)
+
+
+def attention(chapter, check, device, out):
+    p = params(chapter, "attention", check)
+    h, d, n = p["heads"], p["head_dim"], max(p["lengths"])
+
+    def naive(q, k, v):
+        s = q @ k.transpose(-1, -2) / math.sqrt(d)
+        return torch.softmax(s, dim=-1) @ v
+
+    def flash(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    for name, fn in [("naive", naive), ("tiled", flash)]:
+        q, k, v = (torch.randn(1, h, n, d, device=device, requires_grad=True) for _ in range(3))
+
+        def step():
+            fn(q, k, v).square().sum().backward()
+
+        step()
+        with Meter(device) as m:
+            step()
+        out[f"peak_{name}"] = m.peak
+        out[f"time_{name}"] = best_time(step, device, p["repeats"])
+    if device.type == "cuda":
+        out["peak_ratio_naive_tiled"] = out["peak_naive"] / out["peak_tiled"]
+    out["time_ratio_tiled_naive"] = out["time_tiled"] / out["time_naive"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="check-size parameters")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    chapter = tomllib.loads((ROOT / "chapters" / "chapter2.toml").read_text())
+    device = torch.device(args.device)
+    torch.manual_seed(47)
+    warm_up(device)
+    metrics = {}
+    for experiment in [footprint, accumulation, checkpointing, precision, offload, attention]:
+        out = {}
+        experiment(chapter, args.check, device, out)
+        metrics[experiment.__name__] = out
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # What was not measured (memory on the CPU) is null, as in the workbook's report.
+    for out in metrics.values():
+        for key, value in out.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                out[key] = None
+    report = {
+        "device": name,
+        "torch": torch.__version__,
+        "mode": "check" if args.check else "full",
+        "metrics": metrics,
+    }
+    json.dump(report, fp=sys.stdout, indent=1, allow_nan=False)
+    print()
+
+
+if __name__ == "__main__":
+    main()
