@@ -3,15 +3,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// Chapter 2's cells, in order.
-const CELLS: [&str; 6] = [
-    "footprint",
-    "accumulation",
-    "checkpointing",
-    "precision",
-    "offload",
-    "attention",
-];
+mod common;
+use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
 const PLUGINS: [&str; 6] = [
@@ -22,18 +15,6 @@ const PLUGINS: [&str; 6] = [
     "offload",
     "attention",
 ];
-
-/// Chapter 2 times its techniques against each other: a test that runs it
-/// whole has the machine to itself (`heavy`), the others share it (`light`).
-static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn heavy() -> std::sync::RwLockWriteGuard<'static, ()> {
-    MACHINE.write().unwrap_or_else(|e| e.into_inner())
-}
-
-fn light() -> std::sync::RwLockReadGuard<'static, ()> {
-    MACHINE.read().unwrap_or_else(|e| e.into_inner())
-}
 
 fn workbook(args: &[&str]) -> Output {
     let _light = if args.contains(&"chapter2")
@@ -58,13 +39,6 @@ fn fixture(name: &str) -> String {
         .join(name)
         .display()
         .to_string()
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 /// Runs a bad chapter and returns stderr, asserting exit code 2 and no panic.
@@ -311,6 +285,7 @@ fn unknown_cell_lists_the_chapters_cells() {
     assert!(err.contains(&expected), "{err}");
 }
 
+#[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_on_a_cpu_build_says_how_to_get_it() {
     let err = bad_input(&["run", "chapter2", "--check", "--device", "cuda"]);

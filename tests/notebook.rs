@@ -8,18 +8,8 @@ use std::process::{Command, Output};
 use serde_json::Value;
 use workbook::{Notebook, NotebookError, Status};
 
-const CELLS: [&str; 6] = [
-    "footprint",
-    "accumulation",
-    "checkpointing",
-    "precision",
-    "offload",
-    "attention",
-];
-
-/// Chapter 2 times its techniques: the test that runs it whole has the
-/// machine to itself.
-static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+mod common;
+use common::{light, text, CELLS};
 
 fn workbook(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_workbook"))
@@ -29,13 +19,6 @@ fn workbook(args: &[&str]) -> Output {
         .env_remove("WORKBOOK_CHAPTERS")
         .output()
         .expect("the binary runs")
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 /// nbformat's multiline text: a string or a list of lines.
@@ -180,7 +163,7 @@ fn notebook() -> Notebook {
 
 #[test]
 fn a_cell_view_is_one_html_block_with_its_plots_as_inline_svg() {
-    let _light = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    let _light = light();
     let view = notebook().run("checkpointing").expect("the cell runs");
     assert!(view.passed(), "{:?}", view.failure());
     assert_eq!(view.failure(), None);
@@ -207,7 +190,7 @@ fn pulldown_escape(s: &str) -> String {
 
 #[test]
 fn a_failed_assertion_is_reported_with_its_cell_and_values_and_run_cell_panics() {
-    let _light = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    let _light = light();
     let nb = Notebook::new(chapter("tests/fixtures/notebook_fails.toml"))
         .binary(env!("CARGO_BIN_EXE_workbook"));
     let view = nb.run("wrong").expect("the cell runs");
@@ -226,7 +209,7 @@ fn a_failed_assertion_is_reported_with_its_cell_and_values_and_run_cell_panics()
 
 #[test]
 fn a_missing_binary_or_unknown_cell_is_an_error_that_says_what_to_do() {
-    let _light = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    let _light = light();
     let err = notebook()
         .binary("/nonexistent/workbook")
         .run("footprint")
@@ -355,7 +338,7 @@ mod execute {
 
     #[test]
     fn chapter2_executes_at_check_size_with_every_cell_displayed() {
-        let _heavy = MACHINE.write().unwrap_or_else(|e| e.into_inner());
+        let _heavy = common::heavy();
         let (o, nb, _dir) = execute(&["chapter2", "--check"]);
         let (out, err) = text(&o);
         assert!(o.status.success(), "{out}\n{err}");
@@ -385,7 +368,7 @@ mod execute {
 
     #[test]
     fn a_failing_assertion_fails_the_execution_and_names_the_cell_and_assertion() {
-        let _light = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+        let _light = light();
         let fixture = chapter("tests/fixtures/notebook_fails.toml");
         let (o, nb, _dir) = execute(&[&fixture]);
         let (out, err) = text(&o);

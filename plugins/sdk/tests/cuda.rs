@@ -13,9 +13,16 @@ use workbook_sdk::meter::{Category, CountingAllocator, MemorySnapshot, Meter};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-fn gpu() -> Option<Device> {
+/// The first GPU and a meter over it, or `None` where no GPU answers.
+fn gpu() -> Option<(Device, CudaMeter)> {
     match Device::new_cuda(0) {
-        Ok(d) => Some(d),
+        Ok(device) => {
+            let Device::Cuda(cuda) = &device else {
+                unreachable!("new_cuda gives a CUDA device")
+            };
+            let meter = CudaMeter::new(cuda.cuda_stream()).expect("the meter reads the device");
+            Some((device, meter))
+        }
         Err(e) => {
             let why = e.to_string();
             let why = why.lines().next().unwrap_or_default();
@@ -36,11 +43,7 @@ fn on_device(s: &MemorySnapshot, c: Category) -> u64 {
 
 #[test]
 fn a_gpu_tensor_is_counted_exactly_under_its_category_and_the_pool_agrees() {
-    let Some(device) = gpu() else { return };
-    let Device::Cuda(cuda) = &device else {
-        unreachable!("new_cuda gives a CUDA device")
-    };
-    let meter = CudaMeter::new(cuda.cuda_stream()).expect("the meter reads the device");
+    let Some((device, meter)) = gpu() else { return };
     assert_eq!(
         meter.name(),
         "cuda-pool",
@@ -82,11 +85,9 @@ fn a_gpu_tensor_is_counted_exactly_under_its_category_and_the_pool_agrees() {
 
 #[test]
 fn host_memory_stays_with_the_allocator_when_tensors_live_on_the_gpu() {
-    let Some(device) = gpu() else { return };
-    let Device::Cuda(cuda) = &device else {
-        unreachable!("new_cuda gives a CUDA device")
+    let Some((_device, meter)) = gpu() else {
+        return;
     };
-    let meter = CudaMeter::new(cuda.cuda_stream()).expect("the meter reads the device");
     let c = Category::OptimizerState;
     let start = meter.snapshot();
     let host = c
