@@ -113,8 +113,8 @@ if [ "$mode" = check ]; then
 fi
 
 cargo build --release --features cuda
-# The meter's own test on a GPU (plugins/sdk/tests/cuda.rs), to run beside it.
-meter_test="$(cargo test --release -p workbook-sdk --features cuda --test cuda --no-run \
+# The meter's own test on a GPU (tests/cuda.rs), to run beside it.
+meter_test="$(cargo test --release --features cuda --test cuda --no-run \
   --message-format=json-render-diagnostics |
   python3 -c 'import json, sys
 for line in sys.stdin:
