@@ -1,17 +1,31 @@
-//! The CUDA meter on a real GPU: a tensor's bytes counted exactly under its
-//! category through the interposed driver calls, and the memory pool's own
-//! figures agreeing with them.
+//! The CUDA meter: the interposed driver calls counting each buffer under
+//! its allocator's category, and on a real GPU a tensor's bytes counted
+//! exactly, with the memory pool's own figures agreeing.
 //!
-//! Built with `--features cuda`. Where no GPU answers, each test says so and
-//! passes, unless `WORKBOOK_REQUIRE_GPU` is set: then it fails.
+//! Built with `--features cuda`. Where no GPU answers, the GPU tests say so
+//! and pass, unless `WORKBOOK_REQUIRE_GPU` is set: then they fail. With
+//! `WORKBOOK_FAKE_DRIVER` set, the process runs against the stand-in driver
+//! that `scripts/build-cuda.sh check` builds (allocations backed by host
+//! memory, every other call failing), so the interposer is tested without a
+//! GPU.
 #![cfg(feature = "cuda")]
 
+use std::sync::{Mutex, MutexGuard};
+
+use candle_core::cuda_backend::cudarc::driver::{result, sys};
 use candle_core::{DType, Device, Tensor};
 use workbook_sdk::meter::cuda::CudaMeter;
-use workbook_sdk::meter::{Category, CountingAllocator, MemorySnapshot, Meter};
+use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, MemorySnapshot, Meter};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
+
+/// The counts and peaks are process-wide: the tests take turns.
+static TURN: Mutex<()> = Mutex::new(());
+
+fn turn() -> MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The first GPU and a meter over it, or `None` where no GPU answers.
 fn gpu() -> Option<(Device, CudaMeter)> {
@@ -42,7 +56,50 @@ fn on_device(s: &MemorySnapshot, c: Category) -> u64 {
 }
 
 #[test]
+fn driver_allocations_are_counted_under_the_callers_category_and_frees_charged_to_it() {
+    let _turn = turn();
+    // A real driver needs a current context, which the meter binds.
+    let _gpu = match std::env::var_os("WORKBOOK_FAKE_DRIVER") {
+        Some(_) => None,
+        None => match gpu() {
+            Some(gpu) => Some(gpu),
+            None => return,
+        },
+    };
+    let device = |c| {
+        let s = CpuMeter::new()
+            .expect("the allocator is installed")
+            .snapshot();
+        on_device(&s, c)
+    };
+    let (a, g) = (Category::Activations, Category::Gradients);
+    let (a0, g0) = (device(a), device(g));
+    let stream: sys::CUstream = std::ptr::null_mut();
+    let pooled = a
+        .scope(|| unsafe { result::malloc_async(stream, 1 << 20) })
+        .expect("cuMemAllocAsync");
+    let plain = g
+        .scope(|| unsafe { result::malloc_sync(3_000) })
+        .expect("cuMemAlloc");
+    assert_eq!(
+        device(a) - a0,
+        1 << 20,
+        "the interposer's own map is not counted"
+    );
+    assert_eq!(device(g) - g0, 3_000);
+    // Freed while another category is current: charged to the allocator's.
+    Category::Inputs
+        .scope(|| unsafe { result::free_async(pooled, stream) })
+        .expect("cuMemFreeAsync");
+    Category::Inputs
+        .scope(|| unsafe { result::free_sync(plain) })
+        .expect("cuMemFree");
+    assert_eq!((device(a), device(g)), (a0, g0));
+}
+
+#[test]
 fn a_gpu_tensor_is_counted_exactly_under_its_category_and_the_pool_agrees() {
+    let _turn = turn();
     let Some((device, meter)) = gpu() else { return };
     assert_eq!(
         meter.name(),
@@ -85,6 +142,7 @@ fn a_gpu_tensor_is_counted_exactly_under_its_category_and_the_pool_agrees() {
 
 #[test]
 fn host_memory_stays_with_the_allocator_when_tensors_live_on_the_gpu() {
+    let _turn = turn();
     let Some((_device, meter)) = gpu() else {
         return;
     };

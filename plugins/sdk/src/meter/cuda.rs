@@ -273,6 +273,8 @@ mod interposed {
     fn allocated(ptr: CUdeviceptr, bytes: usize) {
         let tag = crate::meter::device_allocated(bytes as u64);
         SEEN.fetch_add(1, Ordering::Relaxed);
+        // The map's own growth is bookkeeping, not the caller's memory.
+        let _other = Category::Other.enter();
         live()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
