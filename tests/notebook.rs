@@ -105,7 +105,6 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
     let setup = source(&cells[1]);
     let root = env!("CARGO_MANIFEST_DIR");
     for want in [
-        ":cache 500\n".to_string(),
         format!(":dep workbook = {{ path = \"{root}\", default-features = false }}\n"),
         ":preserve_vars_on_panic 0\n".to_string(),
         format!("workbook::Notebook::new(\"{root}/chapters/chapter2.toml\")"),

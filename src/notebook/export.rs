@@ -105,8 +105,6 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
     };
     format!(
         "// The workbook library, built without candle: it only displays results.\n\
-         // evcxr keeps its compiled dependencies for later sessions (up to 500 MiB).\n\
-         :cache 500\n\
          :dep workbook = {{ path = {dep}, default-features = false }}\n\
          // A panic fails its cell (a failed chapter cell fails its notebook cell).\n\
          :preserve_vars_on_panic 0\n\
