@@ -109,12 +109,6 @@ impl CudaMeter {
         Ok(meter)
     }
 
-    /// Whether the figures come from a memory pool (exact peaks) rather than
-    /// free/total memory (peaks seen at snapshots only).
-    pub fn has_pool(&self) -> bool {
-        matches!(self.source, Source::Pool(_))
-    }
-
     fn set_attribute(
         pool: sys::CUmemoryPool,
         attr: sys::CUmemPool_attribute,
