@@ -119,6 +119,7 @@ struct RawCell {
     assertions: Vec<Spanned<String>>,
     #[serde(default)]
     full_size_assertions: Vec<Spanned<String>>,
+    timeout: Option<Spanned<f64>>,
 }
 
 /// A validated chapter.
@@ -157,6 +158,9 @@ pub struct Cell {
     /// thin margin at check size, ratios that grow with size): checked in a
     /// full-size run, reported as skipped at check size.
     pub full_size_assertions: Vec<Assertion>,
+    /// The cell's time limit, where the chapter sets one (`timeout`, in
+    /// seconds); `--timeout` on the command line overrides it.
+    pub timeout: Option<std::time::Duration>,
 }
 
 impl Cell {
@@ -314,6 +318,16 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
         };
         let assertions = parse_all(&rc.assertions)?;
         let full_size_assertions = parse_all(&rc.full_size_assertions)?;
+        let timeout = match &rc.timeout {
+            None => None,
+            Some(t) => Some(seconds(*t.get_ref()).map_err(|allowed| {
+                src.error(
+                    t.span(),
+                    Some(&id),
+                    format!("`timeout` is {}; {allowed}", t.get_ref()),
+                )
+            })?),
+        };
         cells.push(Cell {
             id,
             title: rc.title,
@@ -323,6 +337,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             check_params,
             assertions,
             full_size_assertions,
+            timeout,
         });
     }
     Ok(Chapter {
@@ -332,6 +347,18 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
         intro: raw.intro,
         cells,
     })
+}
+
+/// A time limit in seconds, as a duration; the error says what is allowed.
+pub fn seconds(s: f64) -> Result<std::time::Duration, String> {
+    const MAX: f64 = 7.0 * 24.0 * 3600.0;
+    if s.is_finite() && s > 0.0 && s <= MAX {
+        Ok(std::time::Duration::from_secs_f64(s))
+    } else {
+        Err(format!(
+            "a time limit is a number of seconds above 0 and at most {MAX} (a week)"
+        ))
+    }
 }
 
 fn is_identifier(s: &str) -> bool {

@@ -44,6 +44,8 @@ pub mod render;
 pub mod report;
 #[cfg(feature = "runner")]
 pub mod runner;
+#[cfg(feature = "runner")]
+pub mod worker;
 
 #[cfg(feature = "runner")]
 use std::path::PathBuf;
@@ -55,7 +57,7 @@ pub use notebook::{CellView, Notebook, NotebookError};
 pub use registry::{DuplicatePlugin, Registry};
 pub use report::{CellReport, ChapterReport, Status};
 #[cfg(feature = "runner")]
-pub use runner::{DeviceChoice, Observer, RunError, RunOptions};
+pub use runner::{DeviceChoice, Isolation, Observer, RunError, RunOptions, WorkerCommand};
 pub use workbook_sdk as sdk;
 
 /// Plugins and the folders chapters are found in.

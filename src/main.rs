@@ -2,7 +2,8 @@
 //!
 //! Exit codes: 0 when every assertion passed, 1 when an assertion or a cell
 //! failed, 2 when the input was bad (a chapter that does not load, an unknown
-//! cell, a device that cannot be used).
+//! cell, a device that cannot be used) or an output could not be written,
+//! 130 when the run was interrupted (Ctrl-C).
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -13,9 +14,10 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use workbook::chapter::Cell;
+use workbook::render::html::ReportWriter as HtmlWriter;
 use workbook::render::text::TextRenderer;
 use workbook::report::{CellReport, ChapterReport};
-use workbook::{DeviceChoice, Observer, RunOptions, Workbook};
+use workbook::{DeviceChoice, Isolation, Observer, RunOptions, Workbook, WorkerCommand};
 
 #[global_allocator]
 static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::CountingAllocator;
@@ -60,10 +62,24 @@ enum Command {
         /// Stop after the first cell that does not pass.
         #[arg(long)]
         fail_fast: bool,
-        /// Write plots (SVG and PNG) and an HTML report into this folder.
+        /// Write plots (SVG and PNG) and an HTML report into this folder,
+        /// as cells finish (an earlier report there is replaced).
         #[arg(long, value_name = "DIR")]
         out: Option<PathBuf>,
+        /// A time limit for every cell, in seconds, over the chapter's own
+        /// (`timeout` in a cell; one hour where neither sets one).
+        #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+        timeout: Option<Duration>,
+        /// The most memory a cell may hold at once, such as `8GiB` or
+        /// `500MB`: an allocation past it fails that cell [default: the
+        /// machine's physical memory].
+        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+        max_memory: Option<u64>,
     },
+    /// Run one cell for a runner (the worker process; reads a request on
+    /// standard input and answers on standard output).
+    #[command(hide = true)]
+    Worker,
     /// Write a chapter as a Jupyter notebook for the evcxr Rust kernel.
     Notebook {
         /// A chapter id (`chapter2`) or a path to a .toml file.
@@ -93,11 +109,48 @@ enum Format {
     Json,
 }
 
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let value: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    workbook::chapter::seconds(value)
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let size: bytesize::ByteSize = s.parse().map_err(|e| {
+        format!("`{s}` is not a size ({e}); write it as bytes or with a unit: 8GiB, 500MB")
+    })?;
+    if size.as_u64() == 0 {
+        return Err("the memory limit must be above 0 bytes".to_string());
+    }
+    Ok(size.as_u64())
+}
+
+/// The machine's physical memory, the default cap on what a cell may hold.
+fn physical_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Writes to standard output; a failure (a closed pipe, a full disk) is an
+/// error to report, never a panic or a silent success.
+fn say(text: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|_| out.flush())
+        .map_err(|e| anyhow::anyhow!("cannot write to standard output: {e}"))
+}
+
 fn main() -> ExitCode {
     // evcxr runs notebook cells in a child process started from this binary.
     #[cfg(feature = "evcxr")]
     evcxr::runtime_hook();
     let cli = Cli::parse();
+    if let Command::Worker = cli.command {
+        return workbook::worker::serve(Workbook::builtin().registry(), std::io::stdin().lock());
+    }
     let mut wb = Workbook::builtin();
     if let Some(dir) = &cli.chapters {
         wb = wb.with_chapter_dirs(vec![dir.clone()]);
@@ -114,14 +167,15 @@ fn main() -> ExitCode {
 fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
     match &cli.command {
         Command::List => list(wb),
+        Command::Worker => Ok(ExitCode::SUCCESS),
         Command::Validate { chapter } => {
             let ch = wb.load(chapter)?;
             let assertions: usize = ch.cells.iter().map(|c| c.assertions.len()).sum();
-            println!(
-                "{}: {} cells, {assertions} assertions, valid",
+            say(&format!(
+                "{}: {} cells, {assertions} assertions, valid\n",
                 ch.path.display(),
                 ch.cells.len()
-            );
+            ))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {
@@ -132,8 +186,16 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             format,
             fail_fast,
             out,
+            timeout,
+            max_memory,
         } => {
             let ch = wb.load(chapter)?;
+            // An unwritable folder is found before any cell runs, and an
+            // earlier report there is removed.
+            let html = match out {
+                Some(dir) => Some(HtmlWriter::create(dir)?),
+                None => None,
+            };
             let spinner = Spinner::new(ch.cells.len());
             let bar = spinner.bar.clone();
             let options = RunOptions {
@@ -142,20 +204,28 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                 device: *device,
                 fail_fast: *fail_fast,
                 progress: Some(Arc::new(move |m: &str| bar.set_message(m.to_string()))),
+                isolation: Isolation::Process(WorkerCommand::current_exe().map_err(|e| {
+                    anyhow::anyhow!("cannot tell where this workbook binary is: {e}")
+                })?),
+                timeout: *timeout,
+                max_memory: max_memory.or_else(physical_memory),
+                interrupt: Some(workbook::runner::interrupt_flag()),
             };
-            // The report is written before the closing line, which stays last.
             let mut writer = ReportWriter {
+                html,
                 dir: out.clone(),
+                report: None,
                 error: None,
             };
-            let report = match format {
+            let (report, printing) = match format {
                 Format::Text => {
                     let mut obs = WithSpinner {
                         spinner,
                         first: &mut writer,
                         inner: TextRenderer::new(std::io::stdout()),
                     };
-                    wb.run(&ch, &options, &mut obs)?
+                    let report = wb.run(&ch, &options, &mut obs)?;
+                    (report, obs.inner.take_error())
                 }
                 Format::Json => {
                     let mut obs = WithSpinner {
@@ -165,16 +235,26 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                     };
                     let report = wb.run(&ch, &options, &mut obs)?;
                     let mut out = std::io::stdout().lock();
-                    workbook::render::json(&mut out, &report)?;
-                    out.flush()?;
+                    let printed =
+                        workbook::render::json(&mut out, &report).and_then(|_| out.flush());
                     eprintln!("{}", report.summary.line());
-                    report
+                    (report, printed.err())
                 }
             };
             if let Some(e) = writer.error {
                 return Err(e);
             }
-            Ok(if report.summary.all_passed() {
+            if let Some(e) = printing {
+                anyhow::bail!("cannot write to standard output: {e}");
+            }
+            Ok(if report.incomplete {
+                eprintln!(
+                    "interrupted: {} of {} cells ran",
+                    report.cells_run(),
+                    report.cells.len()
+                );
+                ExitCode::from(130)
+            } else if report.summary.all_passed() {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)
@@ -221,7 +301,11 @@ fn notebook(
     };
     if !execute {
         write(&nb)?;
-        println!("wrote {} ({} cells)", path.display(), nb.cells.len());
+        say(&format!(
+            "wrote {} ({} cells)\n",
+            path.display(),
+            nb.cells.len()
+        ))?;
         return Ok(ExitCode::SUCCESS);
     }
     #[cfg(not(feature = "evcxr"))]
@@ -254,12 +338,12 @@ fn notebook(
             ),
         })?;
         write(&nb)?;
-        println!(
-            "wrote {} ({} code cells executed in {:.1} s)",
+        say(&format!(
+            "wrote {} ({} code cells executed in {:.1} s)\n",
             path.display(),
             run.cells.len(),
             run.seconds
-        );
+        ))?;
         if let Some(f) = run.failure() {
             eprintln!(
                 "error: notebook cell `{}` failed ({} later cells not run):\n{}",
@@ -274,29 +358,32 @@ fn notebook(
 }
 
 fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
+    use std::fmt::Write as _;
     let found = workbook::chapter::available(wb.chapter_dirs());
+    let mut text = String::new();
     if found.is_empty() {
-        println!("no chapters found in {:?}", wb.chapter_dirs());
+        let _ = writeln!(text, "no chapters found in {:?}", wb.chapter_dirs());
     }
     let mut code = ExitCode::SUCCESS;
     for (id, path) in found {
         match workbook::chapter::load_path(&path, wb.registry()) {
             Ok(ch) => {
-                println!("{id}  {}  ({})", ch.title, path.display());
+                let _ = writeln!(text, "{id}  {}  ({})", ch.title, path.display());
                 for c in &ch.cells {
-                    println!("  {:<16} {:<14} {}", c.id, c.plugin, c.title);
+                    let _ = writeln!(text, "  {:<16} {:<14} {}", c.id, c.plugin, c.title);
                 }
             }
             Err(e) => {
-                println!("{id}  (invalid: {e})");
+                let _ = writeln!(text, "{id}  (invalid: {e})");
                 code = ExitCode::from(2);
             }
         }
     }
-    println!("\nplugins:");
+    let _ = writeln!(text, "\nplugins:");
     for p in wb.registry().iter() {
-        println!("  {:<16} {}", p.name(), p.description());
+        let _ = writeln!(text, "  {:<16} {}", p.name(), p.description());
     }
+    say(&text)?;
     Ok(code)
 }
 
@@ -321,16 +408,44 @@ impl Spinner {
     }
 }
 
-/// Writes the plots and the HTML report when the run ends, if asked to.
+/// Writes the plots and the HTML report as cells finish, if asked to.
 struct ReportWriter {
+    html: Option<HtmlWriter>,
     dir: Option<PathBuf>,
+    /// The run so far, as the page shows it until the run ends.
+    report: Option<ChapterReport>,
     error: Option<anyhow::Error>,
 }
 
 impl ReportWriter {
+    fn started(&mut self, report: &ChapterReport) {
+        self.report = Some(report.clone());
+    }
+
+    fn cell_finished(&mut self, cell: &CellReport) {
+        let (Some(html), Some(report)) = (&mut self.html, &mut self.report) else {
+            return;
+        };
+        if self.error.is_some() {
+            return;
+        }
+        report.cells.push(cell.clone());
+        report.summary = ChapterReport::summarize(&report.cells);
+        // Until the run ends, the page says it is not complete.
+        report.incomplete = true;
+        if let Err(e) = html.add_cell(cell).and_then(|_| html.write_page(report)) {
+            self.error = Some(e);
+        }
+    }
+
     fn finished(&mut self, report: &ChapterReport) {
-        let Some(dir) = &self.dir else { return };
-        match workbook::render::html::write_report(report, dir) {
+        let (Some(html), Some(dir)) = (&self.html, &self.dir) else {
+            return;
+        };
+        if self.error.is_some() {
+            return;
+        }
+        match html.write_page(report) {
             Ok(files) => eprintln!(
                 "wrote {} and {} plot files in {}",
                 files.html.display(),
@@ -350,6 +465,7 @@ struct WithSpinner<'a, O> {
 
 impl<O: Observer> Observer for WithSpinner<'_, O> {
     fn started(&mut self, report: &ChapterReport) {
+        self.first.started(report);
         self.inner.started(report);
     }
 
@@ -369,6 +485,7 @@ impl<O: Observer> Observer for WithSpinner<'_, O> {
 
     fn cell_finished(&mut self, report: &CellReport) {
         self.spinner.bar.disable_steady_tick();
+        self.first.cell_finished(report);
         let inner = &mut self.inner;
         self.spinner.bar.suspend(|| inner.cell_finished(report));
     }

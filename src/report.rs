@@ -18,7 +18,8 @@
 //!     "seconds": 0.01,
 //!     "params": { ... },                  // the parameters used, defaults filled in
 //!     "printed": ["small params: 17802"],
-//!     "metrics": { "small_params": 17802.0 },   // NaN and infinities are null
+//!     "metrics": { "small_params": 17802.0 },   // every float in the report: NaN and
+//!                                         // infinities as "NaN", "inf", "-inf"
 //!     "assertions": [{ "expr": "...", "passed": true, "values": { "small_params": 17802.0 } }],
 //!                                         // "skipped": true when not checked, with a "message" saying why
 //!     "memory": {
@@ -38,6 +39,7 @@
 //!     "figures": [{ "id": "...", "title": "...", "x": { "label": "...", "unit": "count", "log": true },
 //!                   "y": {..}, "series": [{ "name": "...", "points": [[1.0, 2.0]] }], "markers": [] }]
 //!   }],
+//!   "incomplete": false,                  // true when the run was stopped (Ctrl-C) before its end
 //!   "summary": { "passed": 12, "failed": 0, "skipped": 0, "cells_passed": 3, "cells_failed": 0, "cells_errored": 0 }
 //! }
 //! ```
@@ -50,7 +52,7 @@
 use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
 use workbook_sdk::meter::ByCategory;
-use workbook_sdk::output::{Figure, PoolUse, RegionReport, Table};
+use workbook_sdk::output::{json_float, Figure, PoolUse, RegionReport, Table};
 
 use crate::assertion::AssertionResult;
 
@@ -86,6 +88,10 @@ pub struct ChapterReport {
     pub cells: Vec<CellReport>,
     /// Counts over all cells.
     pub summary: Summary,
+    /// Whether the run was stopped before every cell ran (Ctrl-C): the
+    /// cells it holds are those that ran, or began to.
+    #[serde(default)]
+    pub incomplete: bool,
 }
 
 /// The chapter a report is of.
@@ -131,14 +137,15 @@ pub struct CellReport {
     /// The plugin's error or panic message.
     pub error: Option<String>,
     /// Wall time, in seconds.
+    #[serde(with = "json_float")]
     pub seconds: f64,
     /// The parameters used, with defaults filled in.
     pub params: serde_json::Value,
     /// Lines printed.
     pub printed: Vec<String>,
-    /// Metrics recorded; NaN and infinities are written as `null` and read
-    /// back as NaN.
-    #[serde(with = "nullable_floats")]
+    /// Metrics recorded; NaN and infinities are written as `"NaN"`,
+    /// `"inf"` and `"-inf"` (see [`json_float`]).
+    #[serde(with = "json_float::map")]
     pub metrics: IndexMap<String, f64>,
     /// The assertions and their results.
     pub assertions: Vec<AssertionResult>,
@@ -208,6 +215,14 @@ impl Summary {
 }
 
 impl ChapterReport {
+    /// How many cells ran, or began to (those not skipped).
+    pub fn cells_run(&self) -> usize {
+        self.cells
+            .iter()
+            .filter(|c| c.status != Status::Skipped)
+            .count()
+    }
+
     /// The summary recomputed from the cells.
     pub fn summarize(cells: &[CellReport]) -> Summary {
         let mut s = Summary::default();
@@ -227,27 +242,5 @@ impl ChapterReport {
             }
         }
         s
-    }
-}
-
-/// JSON has no NaN or infinity: write them as `null`, read `null` as NaN.
-mod nullable_floats {
-    use indexmap::IndexMap;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    pub fn serialize<S: Serializer>(m: &IndexMap<String, f64>, s: S) -> Result<S::Ok, S::Error> {
-        let view: IndexMap<&str, Option<f64>> = m
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.is_finite().then_some(*v)))
-            .collect();
-        view.serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<IndexMap<String, f64>, D::Error> {
-        let raw = IndexMap::<String, Option<f64>>::deserialize(d)?;
-        Ok(raw
-            .into_iter()
-            .map(|(k, v)| (k, v.unwrap_or(f64::NAN)))
-            .collect())
     }
 }

@@ -108,7 +108,7 @@ fn a_gpu_tensor_is_counted_exactly_under_its_category_and_the_pool_agrees() {
     );
     workbook_sdk::train::warm_up(&device).expect("the GPU computes");
 
-    meter.reset_peak();
+    meter.push_peak();
     let start = meter.snapshot();
     let c = Category::Activations;
     let t = c

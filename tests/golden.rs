@@ -101,7 +101,14 @@ fn sample() -> ChapterReport {
             },
             series: vec![Series {
                 name: "checkpointed".into(),
-                points: vec![(1.0, 4_000.0), (4.0, 2_000.0)],
+                // A diverging loss: NaN and infinities are carried, not lost.
+                points: vec![
+                    (1.0, 4_000.0),
+                    (4.0, 2_000.0),
+                    (8.0, f64::NAN),
+                    (16.0, f64::INFINITY),
+                    (32.0, f64::NEG_INFINITY),
+                ],
             }],
             markers: vec![Marker {
                 x: 4.0,
@@ -113,7 +120,42 @@ fn sample() -> ChapterReport {
             }],
         }],
     };
-    let cells = vec![cell];
+    let failed = CellReport {
+        id: "precision".into(),
+        title: "2.4 Precision".into(),
+        status: Status::Failed,
+        seconds: f64::INFINITY,
+        assertions: vec![AssertionResult {
+            expr: "loss_gap < 0.05".into(),
+            passed: false,
+            skipped: false,
+            values: IndexMap::from([("loss_gap".to_string(), None)]),
+            message: Some("metric `loss_gap` is NaN, where a finite value was asserted".into()),
+        }],
+        metrics: IndexMap::from([("loss_gap".to_string(), f64::NAN)]),
+        tables: Vec::new(),
+        figures: Vec::new(),
+        ..cell.clone()
+    };
+    let errored = CellReport {
+        id: "offload".into(),
+        title: "2.5 Offload".into(),
+        status: Status::Error,
+        error: Some("panicked: out of patience".into()),
+        assertions: vec![AssertionResult {
+            expr: "<the cell runs to completion>".into(),
+            passed: false,
+            skipped: false,
+            values: IndexMap::new(),
+            message: Some("panicked: out of patience".into()),
+        }],
+        metrics: IndexMap::new(),
+        tables: Vec::new(),
+        figures: Vec::new(),
+        memory: CellMemory::default(),
+        ..cell.clone()
+    };
+    let cells = vec![cell, failed, errored];
     ChapterReport {
         format_version: workbook::report::FORMAT_VERSION,
         workbook_version: "0.0.0-golden".into(),
@@ -128,6 +170,7 @@ fn sample() -> ChapterReport {
         meter: "cpu-allocator".into(),
         summary: ChapterReport::summarize(&cells),
         cells,
+        incomplete: false,
     }
 }
 
@@ -139,11 +182,11 @@ fn the_json_report_matches_the_golden_file() {
         report.summary,
         Summary {
             passed: 1,
-            failed: 0,
+            failed: 2,
             skipped: 1,
             cells_passed: 1,
-            cells_failed: 0,
-            cells_errored: 0
+            cells_failed: 1,
+            cells_errored: 1
         }
     );
     let mut json = Vec::new();
@@ -156,12 +199,32 @@ fn the_json_report_matches_the_golden_file() {
     let golden = std::fs::read_to_string(&path)
         .expect("tests/golden/report.json (WORKBOOK_BLESS=1 writes it)");
     assert_eq!(json, golden, "the JSON contract changed");
-    // And it reads back: NaN comes back as NaN from null.
+    // And it reads back, every float to the bit: NaN and the infinities
+    // included.
     let back: ChapterReport = serde_json::from_str(&golden).unwrap();
     assert!(back.cells[0].metrics["not_a_number"].is_nan());
+    assert!(back.cells[1].metrics["loss_gap"].is_nan());
+    assert_eq!(back.cells[1].seconds, f64::INFINITY);
+    let bits = |r: &ChapterReport| -> Vec<(u64, u64)> {
+        r.cells[0].figures[0].series[0]
+            .points
+            .iter()
+            .map(|(x, y)| (x.to_bits(), y.to_bits()))
+            .collect()
+    };
+    assert_eq!(bits(&back), bits(&report));
     assert_eq!(back.cells[0].memory, report.cells[0].memory);
-    assert_eq!(back.cells[0].figures, report.cells[0].figures);
+    assert_eq!(back.cells[2], report.cells[2]);
     assert_eq!(back.summary, report.summary);
+}
+
+#[test]
+fn reports_written_before_non_finite_floats_were_named_still_read() {
+    // Metrics were once written with NaN as null.
+    let mut old = serde_json::to_value(sample()).unwrap();
+    old["cells"][0]["metrics"]["not_a_number"] = serde_json::Value::Null;
+    let back: ChapterReport = serde_json::from_value(old).unwrap();
+    assert!(back.cells[0].metrics["not_a_number"].is_nan());
 }
 
 #[test]

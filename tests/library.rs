@@ -91,6 +91,27 @@ impl Plugin for Matmul {
     }
 }
 
+/// Allocates 10 MB and frees it before measuring a small region: the
+/// cell's peak must still hold the 10 MB.
+struct Freed;
+
+impl Plugin for Freed {
+    type Params = ();
+    fn name(&self) -> &str {
+        "freed"
+    }
+    fn run(&self, ctx: &mut Context, _: ()) -> anyhow::Result<()> {
+        let big = Category::Activations.scope(|| vec![1u8; 10_000_000]);
+        drop(big);
+        ctx.measure("small", |_| {
+            let v = Category::Activations.scope(|| vec![1u8; 1_000]);
+            drop(v);
+            Ok(())
+        })?;
+        Ok(())
+    }
+}
+
 /// Returns an error.
 struct Fails;
 
@@ -124,6 +145,7 @@ fn workbook() -> Workbook {
         .and_then(|w| w.with_plugin(Panics))
         .and_then(|w| w.with_plugin(Fails))
         .and_then(|w| w.with_plugin(Matmul))
+        .and_then(|w| w.with_plugin(Freed))
         .unwrap()
 }
 
@@ -348,4 +370,40 @@ value = 1
     let a = &full.cells[0].assertions[1];
     assert!(!a.skipped && !a.passed, "{a:?}");
     assert_eq!(full.summary.line(), "1 passed, 1 failed");
+}
+
+#[test]
+fn a_cells_peak_holds_what_it_freed_before_its_regions() {
+    let _turn = turn();
+    let file = chapter_file(
+        r#"
+format_version = 1
+id = "peaks"
+title = "Peaks"
+
+[[cells]]
+id = "freed"
+title = "Freed"
+plugin = "freed"
+"#,
+    );
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let report = wb
+        .run(&chapter, &RunOptions::default(), &mut Quiet)
+        .unwrap();
+    let memory = &report.cells[0].memory;
+    let region = &memory.regions[0];
+    assert_eq!(
+        region.category_peak_above_baseline(Category::Activations),
+        1_000
+    );
+    assert!(
+        memory.peak_bytes >= memory.baseline_bytes + 10_000_000,
+        "cell peak {} over a baseline of {}",
+        memory.peak_bytes,
+        memory.baseline_bytes
+    );
+    assert!(memory.peak_bytes >= region.peak_bytes);
+    assert!(memory.peak_by_category.get(Category::Activations) >= 10_000_000);
 }

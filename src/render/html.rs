@@ -21,30 +21,101 @@ pub struct ReportFiles {
     pub plots: Vec<PathBuf>,
 }
 
-/// Draws every cell's plots and writes them and the page to `dir`.
+/// Draws every cell's plots and writes them and the page to `dir`, after
+/// removing what an earlier report left there.
 pub fn write_report(report: &ChapterReport, dir: &Path) -> anyhow::Result<ReportFiles> {
-    use anyhow::Context as _;
-    let plot_dir = dir.join("plots");
-    std::fs::create_dir_all(&plot_dir)
-        .with_context(|| format!("cannot create {}", plot_dir.display()))?;
-    let mut files = Vec::new();
-    let mut plots = Vec::new();
+    let mut writer = ReportWriter::create(dir)?;
     for cell in &report.cells {
+        writer.add_cell(cell)?;
+    }
+    writer.write_page(report)
+}
+
+/// Writes a report as a run goes: each cell's plots when it finishes, and
+/// the page again after each, so a run that is stopped leaves a page of
+/// what it did.
+#[derive(Debug)]
+pub struct ReportWriter {
+    dir: PathBuf,
+    plots: Vec<Vec<Plot>>,
+    files: Vec<PathBuf>,
+}
+
+impl ReportWriter {
+    /// Prepares `dir`: creates it, checks that a file can be written there,
+    /// and removes the page and the plots of an earlier report (nothing
+    /// else in it is touched). Run it before the first cell, so an
+    /// unwritable folder is found at once.
+    pub fn create(dir: &Path) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the report folder {}", dir.display()))?;
+        let probe = dir.join(".workbook-write-check");
+        std::fs::write(&probe, b"")
+            .with_context(|| format!("cannot write in the report folder {}", dir.display()))?;
+        let _ = std::fs::remove_file(&probe);
+        let html = dir.join("report.html");
+        match std::fs::remove_file(&html) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("cannot remove the earlier report {}", html.display())
+                })
+            }
+        }
+        let plot_dir = dir.join("plots");
+        match std::fs::remove_dir_all(&plot_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("cannot remove the earlier plots in {}", plot_dir.display())
+                })
+            }
+        }
+        std::fs::create_dir_all(&plot_dir)
+            .with_context(|| format!("cannot create {}", plot_dir.display()))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            plots: Vec::new(),
+            files: Vec::new(),
+        })
+    }
+
+    /// Draws a finished cell's plots and writes them, SVG and PNG.
+    pub fn add_cell(&mut self, cell: &CellReport) -> anyhow::Result<()> {
+        use anyhow::Context as _;
         let drawn = cell_plots(cell, Formats::SvgAndPng)?;
+        let plot_dir = self.dir.join("plots");
         for p in &drawn {
             for (ext, data) in [("svg", p.svg.as_bytes()), ("png", p.png.as_slice())] {
                 let path = plot_dir.join(format!("{}-{}.{ext}", cell.id, p.id));
                 std::fs::write(&path, data)
                     .with_context(|| format!("cannot write {}", path.display()))?;
-                files.push(path);
+                self.files.push(path);
             }
         }
-        plots.push(drawn);
+        self.plots.push(drawn);
+        Ok(())
     }
-    let html = dir.join("report.html");
-    std::fs::write(&html, page(report, &plots))
-        .with_context(|| format!("cannot write {}", html.display()))?;
-    Ok(ReportFiles { html, plots: files })
+
+    /// Writes the page of `report`, whose cells are those added, in order.
+    /// The page is written beside and then renamed, so it is never seen
+    /// half-written.
+    pub fn write_page(&self, report: &ChapterReport) -> anyhow::Result<ReportFiles> {
+        use anyhow::Context as _;
+        let html = self.dir.join("report.html");
+        let partial = self.dir.join(".report.html.partial");
+        std::fs::write(&partial, page(report, &self.plots))
+            .with_context(|| format!("cannot write {}", partial.display()))?;
+        std::fs::rename(&partial, &html)
+            .with_context(|| format!("cannot write {}", html.display()))?;
+        Ok(ReportFiles {
+            html,
+            plots: self.files.clone(),
+        })
+    }
 }
 
 pub(crate) fn escape(s: &str) -> String {
@@ -288,6 +359,15 @@ pub fn page(report: &ChapterReport, plots: &[Vec<Plot>]) -> String {
         version = escape(&report.workbook_version),
         summary = escape(&report.summary.line()),
     );
+    if report.incomplete {
+        let _ = write!(
+            out,
+            "<p class=\"why\"><strong>This run is incomplete:</strong> it was stopped after \
+             {} of its {} cells.</p>",
+            report.cells_run(),
+            report.cells.len()
+        );
+    }
     out.push_str(&markdown(&report.chapter.intro));
     out.push_str("<nav><ul>");
     for c in &report.cells {

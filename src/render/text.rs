@@ -129,12 +129,26 @@ fn grid(
 /// Renders a run to a terminal or any writer, cell by cell.
 pub struct TextRenderer<W: Write> {
     out: W,
+    error: Option<std::io::Error>,
 }
 
 impl<W: Write> TextRenderer<W> {
     /// A renderer writing to `out`.
     pub fn new(out: W) -> Self {
-        Self { out }
+        Self { out, error: None }
+    }
+
+    /// The first write that failed, if any: the run goes on (its report is
+    /// still written with `--out`), and the caller says it and fails.
+    pub fn take_error(&mut self) -> Option<std::io::Error> {
+        self.error.take()
+    }
+
+    #[cfg(feature = "runner")]
+    fn keep(&mut self, result: std::io::Result<()>) {
+        if let Err(e) = result {
+            self.error.get_or_insert(e);
+        }
     }
 
     /// Writes one cell's report.
@@ -197,30 +211,47 @@ impl<W: Write> TextRenderer<W> {
 #[cfg(feature = "runner")]
 impl<W: Write> crate::runner::Observer for TextRenderer<W> {
     fn started(&mut self, r: &ChapterReport) {
-        let _ = writeln!(
-            self.out,
-            "{}  ({}, {} mode, device {}, meter {})",
-            r.chapter.title,
-            r.chapter.id,
-            mode_name(r),
-            r.device,
-            r.meter
-        );
-        for line in r.chapter.intro.trim().lines() {
-            let _ = writeln!(self.out, "{line}");
-        }
-        let _ = self.out.flush();
+        let out = &mut self.out;
+        let result = (|| {
+            writeln!(
+                out,
+                "{}  ({}, {} mode, device {}, meter {})",
+                r.chapter.title,
+                r.chapter.id,
+                mode_name(r),
+                r.device,
+                r.meter
+            )?;
+            for line in r.chapter.intro.trim().lines() {
+                writeln!(out, "{line}")?;
+            }
+            out.flush()
+        })();
+        self.keep(result);
     }
 
     fn cell_started(&mut self, _index: usize, _cell: &crate::chapter::Cell) {}
 
     fn cell_finished(&mut self, c: &CellReport) {
-        let _ = self.cell(c);
+        let result = self.cell(c);
+        self.keep(result);
     }
 
     fn finished(&mut self, r: &ChapterReport) {
-        let _ = writeln!(self.out, "\n{}", r.summary.line());
-        let _ = self.out.flush();
+        let out = &mut self.out;
+        let result = (|| {
+            if r.incomplete {
+                writeln!(
+                    out,
+                    "\nincomplete: the run was stopped after {} of {} cells",
+                    r.cells_run(),
+                    r.cells.len()
+                )?;
+            }
+            writeln!(out, "\n{}", r.summary.line())?;
+            out.flush()
+        })();
+        self.keep(result);
     }
 }
 

@@ -36,6 +36,7 @@ pub mod meter;
 pub mod output;
 #[cfg(feature = "candle")]
 pub mod plugin;
+pub mod protocol;
 pub mod timing;
 #[cfg(feature = "candle")]
 pub mod train;

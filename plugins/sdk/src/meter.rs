@@ -253,10 +253,21 @@ pub trait Meter: Send + Sync {
     /// A short name for reports, such as `cpu-allocator`.
     fn name(&self) -> &'static str;
     /// Reads the counters. Implementations synchronise the device first.
+    /// The peaks are those of the innermost open frame (see
+    /// [`Meter::push_peak`]), or of the whole process when none is open.
     fn snapshot(&self) -> MemorySnapshot;
-    /// Makes the peak equal the current total, so the next peak is local.
-    fn reset_peak(&self);
+    /// Opens a peak frame: from now on the peaks restart from what is live,
+    /// so the next snapshot's peak is local to the frame. The enclosing
+    /// frame's peaks are kept aside, not lost.
+    fn push_peak(&self);
+    /// Closes the innermost frame: the enclosing frame's peaks become the
+    /// higher of their own and the closed frame's, so an outer measurement is
+    /// a true high-water mark of everything inside it.
+    fn pop_peak(&self);
 }
+
+/// How deep peak frames (regions inside regions inside a cell) may nest.
+pub const MAX_PEAK_FRAMES: usize = 32;
 
 thread_local! {
     static CURRENT_CATEGORY: Cell<u8> = const { Cell::new(Category::Other as u8) };
@@ -305,6 +316,26 @@ pub fn set_heap_is_host(on: bool) {
 }
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// The most bytes the counting allocator hands out at once; 0 for no limit.
+static LIMIT: AtomicU64 = AtomicU64::new(0);
+
+/// Caps the bytes counted live at once at `bytes` (`None`: no cap). An
+/// allocation that would pass it fails as if the system had no memory left,
+/// which Rust reports as `memory allocation of N bytes failed` and answers by
+/// aborting: a cell asking for more than the machine has fails at once, in
+/// its own worker process, rather than driving the machine into swap or the
+/// kernel's out-of-memory killer.
+pub fn set_limit(bytes: Option<u64>) {
+    LIMIT.store(bytes.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// The cap set by [`set_limit`], if any.
+pub fn limit() -> Option<u64> {
+    match LIMIT.load(Ordering::Relaxed) {
+        0 => None,
+        l => Some(l),
+    }
+}
 static CURRENT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 static TOTAL: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
@@ -315,6 +346,106 @@ static CURRENT_TAG: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
 static PEAK_EACH_TAG: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
 static BLOCKS: AtomicU64 = AtomicU64::new(0);
 static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
+
+/// The peaks of an enclosing frame, kept while an inner frame is open.
+#[derive(Clone, Copy)]
+struct SavedPeaks {
+    peak: u64,
+    peak_by_category: [u64; 6],
+    peak_each: [u64; 6],
+    peak_each_tag: [u64; 12],
+    peak_blocks: u64,
+}
+
+impl SavedPeaks {
+    const ZERO: Self = Self {
+        peak: 0,
+        peak_by_category: [0; 6],
+        peak_each: [0; 6],
+        peak_each_tag: [0; 12],
+        peak_blocks: 0,
+    };
+}
+
+/// The stack of enclosing frames: a fixed array, so that opening a frame
+/// allocates nothing and never shows in what it measures.
+struct Frames {
+    depth: usize,
+    saved: [SavedPeaks; MAX_PEAK_FRAMES],
+}
+
+static FRAMES: std::sync::Mutex<Frames> = std::sync::Mutex::new(Frames {
+    depth: 0,
+    saved: [SavedPeaks::ZERO; MAX_PEAK_FRAMES],
+});
+
+fn frames() -> std::sync::MutexGuard<'static, Frames> {
+    FRAMES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn load_all<const N: usize>(a: &[AtomicU64; N]) -> [u64; N] {
+    std::array::from_fn(|i| a[i].load(Ordering::Relaxed))
+}
+
+fn restart_peaks() {
+    PEAK.store(TOTAL.load(Ordering::Relaxed), Ordering::Relaxed);
+    for (i, current) in CURRENT.iter().enumerate() {
+        let now = current.load(Ordering::Relaxed);
+        PEAK_BY_CATEGORY[i].store(now, Ordering::Relaxed);
+        PEAK_EACH[i].store(now, Ordering::Relaxed);
+    }
+    for (peak, current) in PEAK_EACH_TAG.iter().zip(CURRENT_TAG.iter()) {
+        peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+    PEAK_BLOCKS.store(BLOCKS.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// Opens a frame of the counting allocator's peaks; see [`Meter::push_peak`].
+///
+/// # Panics
+/// When frames nest deeper than [`MAX_PEAK_FRAMES`].
+fn push_cpu_frame() {
+    let mut frames = frames();
+    let depth = frames.depth;
+    assert!(
+        depth < MAX_PEAK_FRAMES,
+        "memory regions nest at most {MAX_PEAK_FRAMES} deep"
+    );
+    frames.saved[depth] = SavedPeaks {
+        peak: PEAK.load(Ordering::Relaxed),
+        peak_by_category: load_all(&PEAK_BY_CATEGORY),
+        peak_each: load_all(&PEAK_EACH),
+        peak_each_tag: load_all(&PEAK_EACH_TAG),
+        peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
+    };
+    frames.depth += 1;
+    restart_peaks();
+}
+
+/// Closes a frame, folding its peaks into the enclosing one's; a pop with no
+/// frame open leaves the process-wide peaks as they are.
+fn pop_cpu_frame() {
+    let mut frames = frames();
+    if frames.depth == 0 {
+        return;
+    }
+    frames.depth -= 1;
+    let outer = frames.saved[frames.depth];
+    if outer.peak >= PEAK.load(Ordering::Relaxed) {
+        // The enclosing frame's own peak was higher: it and its split stand.
+        PEAK.store(outer.peak, Ordering::Relaxed);
+        for (slot, v) in PEAK_BY_CATEGORY.iter().zip(outer.peak_by_category) {
+            slot.store(v, Ordering::Relaxed);
+        }
+    }
+    for (slot, v) in PEAK_EACH.iter().zip(outer.peak_each) {
+        slot.fetch_max(v, Ordering::Relaxed);
+    }
+    for (slot, v) in PEAK_EACH_TAG.iter().zip(outer.peak_each_tag) {
+        slot.fetch_max(v, Ordering::Relaxed);
+    }
+    PEAK_BLOCKS.fetch_max(outer.peak_blocks, Ordering::Relaxed);
+}
 
 /// The header in front of each block: big enough for the tag, and a multiple
 /// of every alignment up to 16 so the block stays aligned.
@@ -392,6 +523,9 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let Some(new_outer_size) = new_size.checked_add(offset) else {
             return std::ptr::null_mut();
         };
+        if new_size > layout.size() && over_limit((new_size - layout.size()) as u64) {
+            return std::ptr::null_mut();
+        }
         // A block that grows stays what it was: keep its tag.
         let tag = unsafe { *ptr.sub(1) };
         let base = unsafe { System.realloc(ptr.sub(offset), old_outer, new_outer_size) };
@@ -404,12 +538,21 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 }
 
+/// Whether `more` bytes on top of what is live would pass the cap.
+fn over_limit(more: u64) -> bool {
+    let limit = LIMIT.load(Ordering::Relaxed);
+    limit != 0 && TOTAL.load(Ordering::Relaxed).saturating_add(more) > limit
+}
+
 impl CountingAllocator {
     unsafe fn alloc_with(&self, layout: Layout, f: impl FnOnce(Layout) -> *mut u8) -> *mut u8 {
         INSTALLED.store(true, Ordering::Relaxed);
         let Some((outer, offset)) = outer(layout) else {
             return std::ptr::null_mut();
         };
+        if over_limit(layout.size() as u64) {
+            return std::ptr::null_mut();
+        }
         let base = f(outer);
         if base.is_null() {
             return base;
@@ -491,16 +634,11 @@ impl Meter for CpuMeter {
         }
     }
 
-    fn reset_peak(&self) {
-        PEAK.store(TOTAL.load(Ordering::Relaxed), Ordering::Relaxed);
-        for (i, current) in CURRENT.iter().enumerate() {
-            let now = current.load(Ordering::Relaxed);
-            PEAK_BY_CATEGORY[i].store(now, Ordering::Relaxed);
-            PEAK_EACH[i].store(now, Ordering::Relaxed);
-        }
-        for (peak, current) in PEAK_EACH_TAG.iter().zip(CURRENT_TAG.iter()) {
-            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
-        }
-        PEAK_BLOCKS.store(BLOCKS.load(Ordering::Relaxed), Ordering::Relaxed);
+    fn push_peak(&self) {
+        push_cpu_frame();
+    }
+
+    fn pop_peak(&self) {
+        pop_cpu_frame();
     }
 }

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::meter::{ByCategory, MemorySnapshot};
 
+pub mod json_float;
+
 /// Bytes in MiB (2^20 bytes), for printed lines.
 pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / 1_048_576.0
@@ -64,6 +66,7 @@ pub struct RegionReport {
     /// The most blocks live at once inside the region.
     pub peak_blocks: u64,
     /// Wall time of the region, in seconds.
+    #[serde(with = "json_float")]
     pub seconds: f64,
     /// Points of the memory timeline, in order.
     pub marks: Vec<Mark>,
@@ -152,6 +155,7 @@ pub struct Mark {
     /// What had just happened, such as `after forward`.
     pub label: std::borrow::Cow<'static, str>,
     /// Seconds since the region began.
+    #[serde(with = "json_float")]
     pub seconds: f64,
     /// Bytes live at this point, by category.
     pub current: ByCategory,
@@ -238,7 +242,9 @@ pub struct Axis {
 pub struct Series {
     /// The legend entry.
     pub name: String,
-    /// `(x, y)` points in x order.
+    /// `(x, y)` points in x order. A diverging loss is NaN or infinite:
+    /// such values are kept (see [`json_float`]).
+    #[serde(with = "json_float::points")]
     pub points: Vec<(f64, f64)>,
 }
 
@@ -246,6 +252,7 @@ pub struct Series {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Marker {
     /// Where on the x axis.
+    #[serde(with = "json_float")]
     pub x: f64,
     /// What it marks.
     pub label: String,
@@ -256,6 +263,7 @@ pub struct Marker {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Guide {
     /// The power of x.
+    #[serde(with = "json_float")]
     pub power: f64,
     /// The legend entry, such as `N^2`.
     pub label: String,

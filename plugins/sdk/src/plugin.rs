@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::meter::{ByCategory, Category, MemorySnapshot, Meter};
 use crate::output::{CellOutput, Figure, Mark, PoolUse, RegionReport, Table};
+use crate::protocol::Message;
 
 /// A cell kind: an experiment that runs with typed parameters and records what
 /// it measured into its [`Context`].
@@ -103,6 +104,7 @@ impl<T: Plugin> DynPlugin for T {
 }
 
 type ProgressFn = Arc<dyn Fn(&str) + Send + Sync>;
+type SinkFn = Arc<dyn Fn(&Message) + Send + Sync>;
 
 /// Marks a region holds without allocating inside it.
 const MARKS: usize = 64;
@@ -114,6 +116,7 @@ pub struct Context {
     meter: Arc<dyn Meter>,
     check_mode: bool,
     progress: ProgressFn,
+    sink: Option<SinkFn>,
     output: CellOutput,
 }
 
@@ -136,7 +139,22 @@ impl Context {
             meter,
             check_mode,
             progress: Arc::new(|_| {}),
+            sink: None,
             output: CellOutput::default(),
+        }
+    }
+
+    /// Sends everything the cell records to `f` as it is recorded, as well
+    /// as keeping it: a worker process streams it to the runner this way, so
+    /// what a cell recorded survives the cell's process.
+    pub fn with_sink(mut self, f: impl Fn(&Message) + Send + Sync + 'static) -> Self {
+        self.sink = Some(Arc::new(f));
+        self
+    }
+
+    fn emit(&self, message: &Message) {
+        if let Some(sink) = &self.sink {
+            sink(message);
         }
     }
 
@@ -163,32 +181,57 @@ impl Context {
 
     /// Reports progress of a long cell.
     pub fn progress(&self, message: &str) {
-        (self.progress)(message)
+        (self.progress)(message);
+        if self.sink.is_some() {
+            self.emit(&Message::Progress {
+                message: message.to_string(),
+            });
+        }
     }
 
     /// Records a printed line.
     pub fn print(&mut self, line: impl Into<String>) {
-        self.output.printed.push(line.into());
+        let message = Message::Printed { line: line.into() };
+        self.emit(&message);
+        if let Message::Printed { line } = message {
+            self.output.printed.push(line);
+        }
     }
 
     /// Records a named metric. Names are identifiers (`peak_plain`) so that
     /// assertions can read them; a second value under a name replaces the first.
     pub fn metric(&mut self, name: impl Into<String>, value: f64) {
-        self.output.metrics.insert(name.into(), value);
+        let message = Message::Metric {
+            name: name.into(),
+            value,
+        };
+        self.emit(&message);
+        if let Message::Metric { name, value } = message {
+            self.output.metrics.insert(name, value);
+        }
     }
 
     /// Records a table.
     pub fn table(&mut self, table: Table) {
-        self.output.tables.push(table);
+        let message = Message::Table(table);
+        self.emit(&message);
+        if let Message::Table(table) = message {
+            self.output.tables.push(table);
+        }
     }
 
     /// Records a figure.
     pub fn figure(&mut self, figure: Figure) {
-        self.output.figures.push(figure);
+        let message = Message::Figure(figure);
+        self.emit(&message);
+        if let Message::Figure(figure) = message {
+            self.output.figures.push(figure);
+        }
     }
 
-    /// Starts measuring a variant: resets the peak and records the baseline.
-    /// Regions do not nest; finish one with [`Context::end_region`].
+    /// Starts measuring a variant: opens a peak frame and records the
+    /// baseline. Finish it with [`Context::end_region`]. Regions nest: an
+    /// outer region's peak includes everything its inner regions reached.
     pub fn region(&self, name: impl Into<String>) -> Region {
         Region::start(name.into(), self.meter.clone())
     }
@@ -196,7 +239,11 @@ impl Context {
     /// Ends a region, records its report and returns a copy.
     pub fn end_region(&mut self, region: Region) -> RegionReport {
         let report = region.finish();
-        self.output.regions.push(report.clone());
+        let message = Message::Region(report.clone());
+        self.emit(&message);
+        if let Message::Region(report) = message {
+            self.output.regions.push(report);
+        }
         report
     }
 
@@ -230,6 +277,18 @@ pub struct Region {
     baseline: MemorySnapshot,
     marks: Vec<Mark>,
     analytic: Option<u64>,
+    /// Whether the peak frame is still open (closed by `finish` or on drop).
+    open: bool,
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // A region abandoned by an error still closes its frame, so the
+        // enclosing measurement keeps its peak.
+        if self.open {
+            self.meter.pop_peak();
+        }
+    }
 }
 
 impl std::fmt::Debug for Region {
@@ -247,7 +306,7 @@ impl Region {
         // The timeline's own storage is allocated before the baseline is
         // read, so that it is not counted as the experiment's memory.
         let marks = Category::Other.scope(|| Vec::with_capacity(MARKS));
-        meter.reset_peak();
+        meter.push_peak();
         let baseline = meter.snapshot();
         let mut region = Self {
             name,
@@ -256,6 +315,7 @@ impl Region {
             baseline,
             marks,
             analytic: None,
+            open: true,
         };
         region.mark("start");
         region
@@ -309,8 +369,10 @@ impl Region {
         self.mark("end");
         let seconds = self.start.elapsed().as_secs_f64();
         let snap = self.meter.snapshot();
+        self.open = false;
+        self.meter.pop_peak();
         RegionReport {
-            name: self.name,
+            name: std::mem::take(&mut self.name),
             baseline: self.baseline.current,
             peak_bytes: snap.peak,
             peak_by_category: snap.peak_by_category,
@@ -323,7 +385,7 @@ impl Region {
             baseline_blocks: self.baseline.live_blocks,
             peak_blocks: snap.peak_blocks,
             seconds,
-            marks: self.marks,
+            marks: std::mem::take(&mut self.marks),
             analytic: self.analytic,
             pool: PoolUse::between(&self.baseline, &snap),
         }

@@ -81,27 +81,83 @@ fn a_tensor_moves_current_by_exactly_its_data_beyond_fixed_overhead() {
 }
 
 #[test]
-fn peak_records_the_high_water_mark_and_resets() {
+fn a_frame_records_its_own_high_water_mark_and_folds_it_into_the_enclosing_one() {
     let _turn = turn();
     let meter = CpuMeter::new().unwrap();
-    meter.reset_peak();
+    let act = |s: &workbook_sdk::meter::MemorySnapshot| s.peak_each.get(Category::Activations);
+    meter.push_peak();
     let start = meter.snapshot();
+    let base = start.current.get(Category::Activations);
     let big = Category::Activations.scope(|| vec![1u8; 5_000_000]);
     drop(big);
-    let after = meter.snapshot();
     // Other threads allocate as `other` and may free at any time, so the
     // total peak is only bounded; a category's own peak is exact.
-    let act = |s: &workbook_sdk::meter::MemorySnapshot| s.current.get(Category::Activations);
+    assert_eq!(act(&meter.snapshot()), base + 5_000_000);
+    assert!(meter.snapshot().peak >= start.current_total() + 5_000_000);
+    // An inner frame starts from what is live, not from the outer peak...
+    meter.push_peak();
+    assert_eq!(act(&meter.snapshot()), base);
+    let small = Category::Activations.scope(|| vec![1u8; 1_000]);
+    assert_eq!(act(&meter.snapshot()), base + 1_000);
+    drop(small);
+    meter.pop_peak();
+    // ...and closing it gives the outer frame back its own, higher, peak.
+    let outer = meter.snapshot();
+    assert_eq!(act(&outer), base + 5_000_000);
+    assert!(outer.peak >= start.current_total() + 5_000_000);
+    // An inner peak higher than the outer one's is folded in.
+    meter.push_peak();
+    let huge = Category::Activations.scope(|| vec![1u8; 7_000_000]);
+    drop(huge);
+    meter.pop_peak();
+    assert_eq!(act(&meter.snapshot()), base + 7_000_000);
+    meter.pop_peak();
+}
+
+#[test]
+fn an_outer_region_keeps_the_peak_of_a_buffer_freed_before_an_inner_region() {
+    let _turn = turn();
+    let meter = std::sync::Arc::new(CpuMeter::new().unwrap());
+    let mut ctx = workbook_sdk::Context::new(Device::Cpu, meter, true);
+    let outer = ctx.region("outer");
+    let buffer = Category::Activations.scope(|| vec![0u8; 10_000_000]);
+    drop(buffer);
+    let (_, inner) = ctx
+        .measure("inner", |_| {
+            let v = Category::Activations.scope(|| vec![0u8; 1_000]);
+            drop(v);
+            Ok(())
+        })
+        .unwrap();
+    let outer = ctx.end_region(outer);
     assert_eq!(
-        after.peak_each.get(Category::Activations),
-        act(&start) + 5_000_000
+        inner.category_peak_above_baseline(Category::Activations),
+        1_000
     );
-    assert_eq!(act(&after), act(&start));
-    assert!(after.peak > 0);
-    meter.reset_peak();
     assert_eq!(
-        meter.snapshot().peak_each.get(Category::Activations),
-        act(&after)
+        outer.category_peak_above_baseline(Category::Activations),
+        10_000_000
+    );
+    assert!(outer.peak_above_baseline() >= 10_000_000);
+    assert!(outer.peak_bytes >= inner.peak_bytes);
+}
+
+#[test]
+fn a_region_dropped_by_an_error_closes_its_frame() {
+    let _turn = turn();
+    let meter = std::sync::Arc::new(CpuMeter::new().unwrap());
+    let mut ctx = workbook_sdk::Context::new(Device::Cpu, meter, true);
+    let outer = ctx.region("outer");
+    let buffer = Category::Activations.scope(|| vec![0u8; 4_000_000]);
+    drop(buffer);
+    let failed = ctx.measure("fails", |_| -> anyhow::Result<()> {
+        anyhow::bail!("the experiment failed")
+    });
+    assert!(failed.is_err());
+    let outer = ctx.end_region(outer);
+    assert_eq!(
+        outer.category_peak_above_baseline(Category::Activations),
+        4_000_000
     );
 }
 
@@ -109,7 +165,7 @@ fn peak_records_the_high_water_mark_and_resets() {
 fn host_and_device_residency_are_counted_apart() {
     let _turn = turn();
     let meter = CpuMeter::new().unwrap();
-    meter.reset_peak();
+    meter.push_peak();
     let start = meter.snapshot();
     let c = Category::OptimizerState;
     let on_host = workbook_sdk::Residency::Host.scope(|| c.scope(|| vec![0u8; 7_000]));
@@ -122,6 +178,7 @@ fn host_and_device_residency_are_counted_apart() {
     assert_eq!(s.device_peak_each.get(c) - device_start, 3_000);
     drop((on_host, on_device));
     assert_eq!(meter.snapshot().host.get(c), start.host.get(c));
+    meter.pop_peak();
 }
 
 #[test]
@@ -155,7 +212,7 @@ fn region_reports_peak_above_baseline_and_marks() {
 fn device_buffers_outside_the_heap_are_counted_by_category_and_freed_by_tag() {
     let _turn = turn();
     let meter = CpuMeter::new().unwrap();
-    meter.reset_peak();
+    meter.push_peak();
     let start = meter.snapshot();
     let c = Category::Gradients;
     let device = |s: &workbook_sdk::meter::MemorySnapshot| s.current.get(c) - s.host.get(c);
@@ -175,6 +232,7 @@ fn device_buffers_outside_the_heap_are_counted_by_category_and_freed_by_tag() {
         start.current.get(Category::Activations)
     );
     assert_eq!(end.device_peak_each.get(c) - device(&start), 1 << 20);
+    meter.pop_peak();
 }
 
 #[test]

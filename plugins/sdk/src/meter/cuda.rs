@@ -53,6 +53,21 @@ pub struct CudaMeter {
     host: CpuMeter,
     /// The highest device figure seen by a snapshot (the free/total fallback).
     sampled_peak: AtomicU64,
+    /// The pool's high-water mark can only be reset to zero, not restored:
+    /// the enclosing frames' device peaks are kept here instead, and the
+    /// innermost frame's floor is laid under every reading.
+    pool_frames: Mutex<PoolFrames>,
+}
+
+/// The pool's peaks of the open frames; see [`Meter::push_peak`].
+#[derive(Default)]
+struct PoolFrames {
+    /// The device peak each enclosing frame had reached when the next one
+    /// opened.
+    saved: Vec<u64>,
+    /// A floor for the innermost frame's peak: the peaks of the frames it
+    /// enclosed and that have closed.
+    floor: u64,
 }
 
 fn check(r: sys::CUresult, what: &str) -> Result<(), MeterError> {
@@ -104,6 +119,10 @@ impl CudaMeter {
             source,
             host,
             sampled_peak: AtomicU64::new(0),
+            pool_frames: Mutex::new(PoolFrames {
+                saved: Vec::with_capacity(super::MAX_PEAK_FRAMES),
+                floor: 0,
+            }),
         };
         meter.reset_device_peak()?;
         Ok(meter)
@@ -223,9 +242,10 @@ impl Meter for CudaMeter {
     fn snapshot(&self) -> MemorySnapshot {
         // A figure that cannot be read must not read as zero: the panic
         // becomes the cell's error, and the cells before it keep theirs.
-        let pool = self
+        let mut pool = self
             .device()
             .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"));
+        pool.used_high = pool.used_high.max(self.frames().floor);
         let counted = self.host.snapshot();
         if interposed::SEEN.load(Ordering::Relaxed) > 0 {
             // Device bytes by category from the interposer, host bytes from
@@ -239,11 +259,37 @@ impl Meter for CudaMeter {
         }
     }
 
-    fn reset_peak(&self) {
-        self.host.reset_peak();
-        // A peak that was not reset would be read as the next region's.
+    fn push_peak(&self) {
+        self.host.push_peak();
+        let high = self
+            .device()
+            .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"))
+            .used_high;
+        let mut frames = self.frames();
+        let reached = high.max(frames.floor);
+        frames.saved.push(reached);
+        frames.floor = 0;
+        // A peak that was not reset would be read as the new frame's.
         self.reset_device_peak()
             .unwrap_or_else(|e| panic!("resetting the CUDA pool's peak: {e}"));
+    }
+
+    fn pop_peak(&self) {
+        self.host.pop_peak();
+        let high = self
+            .device()
+            .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"))
+            .used_high;
+        let mut frames = self.frames();
+        let inner = high.max(frames.floor);
+        let outer = frames.saved.pop().unwrap_or(0);
+        frames.floor = outer.max(inner);
+    }
+}
+
+impl CudaMeter {
+    fn frames(&self) -> std::sync::MutexGuard<'_, PoolFrames> {
+        self.pool_frames.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -1,0 +1,485 @@
+//! The runner: turns a validated chapter into a [`ChapterReport`], one cell
+//! at a time. It formats nothing; an [`Observer`] sees each cell as it ends,
+//! so renderers can stream results and nothing shown is lost if a later cell
+//! fails.
+
+mod device;
+mod in_process;
+mod process;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use workbook_sdk::protocol::{Request, PROTOCOL_VERSION};
+use workbook_sdk::Context;
+
+use crate::assertion::AssertionResult;
+use crate::chapter::{Cell, Chapter};
+use crate::registry::Registry;
+use crate::report::{CellMemory, CellReport, ChapterInfo, ChapterReport, Mode, Status};
+
+pub use device::DeviceChoice;
+pub(crate) use device::{device_name, select_device, select_meter};
+pub use in_process::CellOutcome;
+pub(crate) use in_process::{execute, panicked};
+pub use process::{interrupt_flag, WorkerCommand};
+
+/// A cell's time limit when neither the chapter nor the command line sets
+/// one: far above any cell of the chapters here at full size, so that only
+/// a cell that hangs meets it.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Where cells run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Isolation {
+    /// Each cell in a worker process of its own, started with this command:
+    /// a crash or the time limit ends that cell alone, and each cell starts
+    /// from a clean allocator. What the `workbook` command does.
+    Process(WorkerCommand),
+    /// Every cell on one thread of this process: for plugins registered in
+    /// a program of one's own. A cell that aborts the process takes the run
+    /// with it, and time limits are not enforced.
+    #[default]
+    InProcess,
+}
+
+/// A receiver of progress messages.
+pub type ProgressFn = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// How to run a chapter.
+#[derive(Clone, Default)]
+pub struct RunOptions {
+    /// Check-size parameters.
+    pub check: bool,
+    /// Run only these cells (all when empty).
+    pub cells: Vec<String>,
+    /// The device.
+    pub device: DeviceChoice,
+    /// Stop after the first cell that does not pass.
+    pub fail_fast: bool,
+    /// Receives progress messages of long cells.
+    pub progress: Option<ProgressFn>,
+    /// Where cells run.
+    pub isolation: Isolation,
+    /// A time limit for every cell, over the chapter's own (`timeout`).
+    pub timeout: Option<Duration>,
+    /// A cap on the bytes a cell may hold at once, for cells in worker
+    /// processes: an allocation past it fails, and so does the cell.
+    pub max_memory: Option<u64>,
+    /// Set when the run is to stop (Ctrl-C): the cell running is stopped and
+    /// the rest are not run; the report is marked incomplete.
+    pub interrupt: Option<Arc<AtomicBool>>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("check", &self.check)
+            .field("cells", &self.cells)
+            .field("device", &self.device)
+            .field("fail_fast", &self.fail_fast)
+            .field("isolation", &self.isolation)
+            .field("timeout", &self.timeout)
+            .field("max_memory", &self.max_memory)
+            .finish()
+    }
+}
+
+/// Errors that stop a run before any cell runs.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// `--cell` named a cell the chapter does not have.
+    #[error("chapter `{chapter}` has no cell `{cell}`; its cells: {available}")]
+    UnknownCell {
+        /// The chapter.
+        chapter: String,
+        /// The cell asked for.
+        cell: String,
+        /// The cells it has.
+        available: String,
+    },
+    /// The device asked for cannot be used.
+    #[error("{0}")]
+    Device(String),
+    /// No meter can measure here.
+    #[error(transparent)]
+    Meter(#[from] workbook_sdk::meter::MeterError),
+}
+
+/// Sees a run as it goes.
+pub trait Observer {
+    /// Before the first cell.
+    fn started(&mut self, _report: &ChapterReport) {}
+    /// Before a cell runs.
+    fn cell_started(&mut self, _index: usize, _cell: &Cell) {}
+    /// After a cell, with its report.
+    fn cell_finished(&mut self, _report: &CellReport) {}
+    /// After the last cell.
+    fn finished(&mut self, _report: &ChapterReport) {}
+}
+
+/// An observer that does nothing.
+#[derive(Debug, Default)]
+pub struct Quiet;
+impl Observer for Quiet {}
+
+/// Runs `chapter` with `registry`'s plugins.
+pub fn run(
+    registry: &Registry,
+    chapter: &Chapter,
+    options: &RunOptions,
+    observer: &mut dyn Observer,
+) -> Result<ChapterReport, RunError> {
+    for id in &options.cells {
+        if !chapter.cells.iter().any(|c| &c.id == id) {
+            return Err(RunError::UnknownCell {
+                chapter: chapter.id.clone(),
+                cell: id.clone(),
+                available: chapter
+                    .cells
+                    .iter()
+                    .map(|c| c.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+    }
+    let selected: Vec<(usize, &Cell)> = chapter
+        .cells
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| options.cells.is_empty() || options.cells.contains(&c.id))
+        .collect();
+    let mut report = ChapterReport {
+        format_version: crate::report::FORMAT_VERSION,
+        workbook_version: env!("CARGO_PKG_VERSION").to_string(),
+        chapter: ChapterInfo {
+            id: chapter.id.clone(),
+            title: chapter.title.clone(),
+            path: chapter.path.display().to_string(),
+            intro: chapter.intro.clone(),
+        },
+        mode: if options.check {
+            Mode::Check
+        } else {
+            Mode::Full
+        },
+        device: options.device.name().to_string(),
+        meter: String::new(),
+        cells: Vec::new(),
+        summary: Default::default(),
+        incomplete: false,
+    };
+    match &options.isolation {
+        Isolation::InProcess => {
+            run_in_process(registry, &selected, options, &mut report, observer)?
+        }
+        Isolation::Process(command) => {
+            run_in_workers(registry, command, &selected, options, &mut report, observer)?
+        }
+    }
+    report.incomplete = interrupted(options);
+    report.summary = ChapterReport::summarize(&report.cells);
+    observer.finished(&report);
+    Ok(report)
+}
+
+fn interrupted(options: &RunOptions) -> bool {
+    options
+        .interrupt
+        .as_ref()
+        .is_some_and(|i| i.load(Ordering::SeqCst))
+}
+
+/// Whether the cells after one that ended with `status` are not run.
+fn stops(options: &RunOptions, status: Status) -> bool {
+    (options.fail_fast && status != Status::Passed) || interrupted(options)
+}
+
+/// Every cell on one thread of this process.
+fn run_in_process(
+    registry: &Registry,
+    selected: &[(usize, &Cell)],
+    options: &RunOptions,
+    report: &mut ChapterReport,
+    observer: &mut dyn Observer,
+) -> Result<(), RunError> {
+    let device = select_device(options.device)?;
+    let meter = select_meter(&device)?;
+    report.device = device_name(&device);
+    report.meter = meter.name().to_string();
+    // Every cell runs on one thread: it has the large stack candle's
+    // recursive graph walks need, and it is warmed up itself, since gemm's
+    // packing buffers are per thread and must not appear in a measurement.
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel::<Event>();
+        let worker = std::thread::Builder::new()
+            .name("workbook cells".into())
+            .stack_size(CELL_STACK)
+            .spawn_scoped(scope, || {
+                let tx = tx;
+                if let Err(e) = workbook_sdk::train::warm_up(&device) {
+                    let _ = tx.send(Event::WarmUp(Err(format!(
+                        "the device does not answer: {e}"
+                    ))));
+                    return;
+                }
+                let _ = tx.send(Event::WarmUp(Ok(())));
+                let mut stop = false;
+                for &(index, cell) in selected {
+                    let cell_report = if stop {
+                        skipped(registry, cell, options.check, not_run_reason(options))
+                    } else {
+                        let _ = tx.send(Event::Started(index));
+                        let outcome = match registry.get(&cell.plugin) {
+                            Some(plugin) => {
+                                let mut ctx =
+                                    Context::new(device.clone(), meter.clone(), options.check);
+                                if let Some(progress) = &options.progress {
+                                    let progress = progress.clone();
+                                    ctx = ctx.with_progress(move |m| progress(m));
+                                }
+                                execute(plugin, cell.params_for(options.check), ctx, &meter)
+                            }
+                            None => not_registered(cell),
+                        };
+                        assemble(registry, cell, options.check, outcome)
+                    };
+                    stop |= stops(options, cell_report.status);
+                    if tx.send(Event::Finished(Box::new(cell_report))).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| RunError::Device(format!("cannot start the cells' thread: {e}")))?;
+        for event in rx {
+            match event {
+                Event::WarmUp(Ok(())) => observer.started(report),
+                Event::WarmUp(Err(e)) => return Err(RunError::Device(e)),
+                Event::Started(index) => {
+                    observer.cell_started(index, selected_cell(selected, index))
+                }
+                Event::Finished(cell_report) => {
+                    observer.cell_finished(&cell_report);
+                    report.cells.push(*cell_report);
+                }
+            }
+        }
+        worker.join().map_err(|payload| {
+            RunError::Device(format!(
+                "the cells' thread failed: {}",
+                panicked(payload.as_ref())
+            ))
+        })
+    })
+}
+
+fn selected_cell<'a>(selected: &[(usize, &'a Cell)], index: usize) -> &'a Cell {
+    selected
+        .iter()
+        .find(|(i, _)| *i == index)
+        .map(|(_, c)| *c)
+        .unwrap_or_else(|| selected[0].1)
+}
+
+/// Each cell in a worker process of its own.
+fn run_in_workers(
+    registry: &Registry,
+    command: &WorkerCommand,
+    selected: &[(usize, &Cell)],
+    options: &RunOptions,
+    report: &mut ChapterReport,
+    observer: &mut dyn Observer,
+) -> Result<(), RunError> {
+    let mut started = false;
+    let mut stop = false;
+    let progress = |m: &str| {
+        if let Some(p) = &options.progress {
+            p(m)
+        }
+    };
+    for &(index, cell) in selected {
+        if stop {
+            let cell_report = skipped(registry, cell, options.check, not_run_reason(options));
+            if !started {
+                observer.started(report);
+                started = true;
+            }
+            observer.cell_finished(&cell_report);
+            report.cells.push(cell_report);
+            continue;
+        }
+        if started {
+            observer.cell_started(index, cell);
+        }
+        let params = cell.params_for(options.check);
+        let request = Request {
+            protocol: PROTOCOL_VERSION,
+            plugin: cell.plugin.clone(),
+            params: serde_json::to_value(params).unwrap_or(serde_json::Value::Null),
+            check: options.check,
+            device: options.device.name().to_string(),
+            max_memory: options.max_memory,
+        };
+        let watch = process::Watch {
+            limit: options.timeout.or(cell.timeout).unwrap_or(DEFAULT_TIMEOUT),
+            interrupt: options.interrupt.as_deref(),
+            progress: &progress,
+            max_memory: options.max_memory,
+        };
+        let outcome = match process::run(command, &request, &watch) {
+            process::WorkerResult::Fatal(message) => return Err(RunError::Device(message)),
+            process::WorkerResult::Ran(outcome, hello) => {
+                if let Some(h) = hello {
+                    report.device = h.device;
+                    report.meter = h.meter;
+                }
+                *outcome
+            }
+        };
+        if !started {
+            // The header names the device, which the first worker found.
+            observer.started(report);
+            observer.cell_started(index, cell);
+            started = true;
+        }
+        let cell_report = assemble(registry, cell, options.check, outcome);
+        stop |= stops(options, cell_report.status);
+        observer.cell_finished(&cell_report);
+        report.cells.push(cell_report);
+    }
+    if !started {
+        observer.started(report);
+    }
+    Ok(())
+}
+
+/// What a cell that did not run says, and why.
+fn not_run_reason(options: &RunOptions) -> &'static str {
+    if interrupted(options) {
+        "not run: the run was interrupted"
+    } else {
+        "not run: an earlier cell failed and --fail-fast is set"
+    }
+}
+
+fn not_registered(cell: &Cell) -> CellOutcome {
+    CellOutcome {
+        output: Default::default(),
+        end: workbook_sdk::protocol::CellEnd {
+            error: Some(format!("plugin `{}` is not registered", cell.plugin)),
+            seconds: 0.0,
+            baseline: Default::default(),
+            peak_bytes: 0,
+            peak_by_category: Default::default(),
+            end: Default::default(),
+            pool: None,
+        },
+    }
+}
+
+/// What the worker thread tells the observer's thread.
+enum Event {
+    WarmUp(Result<(), String>),
+    Started(usize),
+    Finished(Box<CellReport>),
+}
+
+fn params_json(registry: &Registry, cell: &Cell, check: bool) -> serde_json::Value {
+    registry
+        .get(&cell.plugin)
+        .and_then(|p| p.check_params(cell.params_for(check)).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+fn skipped(registry: &Registry, cell: &Cell, check: bool, why: &str) -> CellReport {
+    CellReport {
+        id: cell.id.clone(),
+        title: cell.title.clone(),
+        prose: cell.prose.clone(),
+        plugin: cell.plugin.clone(),
+        status: Status::Skipped,
+        error: None,
+        seconds: 0.0,
+        params: params_json(registry, cell, check),
+        printed: Vec::new(),
+        metrics: Default::default(),
+        assertions: cell
+            .assertions
+            .iter()
+            .chain(&cell.full_size_assertions)
+            .map(|a| a.skip(why))
+            .collect(),
+        memory: CellMemory::default(),
+        tables: Vec::new(),
+        figures: Vec::new(),
+    }
+}
+
+/// The stack of a cell's thread. candle walks and drops autograd graphs
+/// recursively, one frame per op: a graph of 100,000 ops (the checkpointing
+/// cell's "heavy function") overflows the usual 8 MiB, and a stack overflow
+/// aborts the process where a panic would not. The memory is reserved, not
+/// committed, until used.
+pub(crate) const CELL_STACK: usize = 1 << 30;
+
+/// A cell's report from what its run produced: its assertions are checked
+/// against the metrics it recorded.
+fn assemble(registry: &Registry, cell: &Cell, check: bool, outcome: CellOutcome) -> CellReport {
+    let CellOutcome { output, end } = outcome;
+    let error = end.error;
+    let mut assertions: Vec<AssertionResult> = cell
+        .assertions
+        .iter()
+        .map(|a| a.evaluate(&output.metrics))
+        .collect();
+    assertions.extend(cell.full_size_assertions.iter().map(|a| {
+        if check {
+            a.skip("checked at full size only")
+        } else {
+            a.evaluate(&output.metrics)
+        }
+    }));
+    if let Some(e) = &error {
+        assertions.push(AssertionResult {
+            expr: "<the cell runs to completion>".to_string(),
+            passed: false,
+            skipped: false,
+            values: Default::default(),
+            message: Some(e.clone()),
+        });
+    }
+    let status = if error.is_some() {
+        Status::Error
+    } else if assertions.iter().all(|a| a.passed || a.skipped) {
+        Status::Passed
+    } else {
+        Status::Failed
+    };
+    CellReport {
+        id: cell.id.clone(),
+        title: cell.title.clone(),
+        prose: cell.prose.clone(),
+        plugin: cell.plugin.clone(),
+        status,
+        error,
+        seconds: end.seconds,
+        params: params_json(registry, cell, check),
+        printed: output.printed,
+        metrics: output.metrics,
+        assertions,
+        memory: CellMemory {
+            baseline_bytes: end.baseline.total(),
+            baseline_by_category: end.baseline,
+            peak_bytes: end.peak_bytes,
+            current_bytes: end.end.total(),
+            peak_by_category: end.peak_by_category,
+            current_by_category: end.end,
+            pool: end.pool,
+            regions: output.regions,
+        },
+        tables: output.tables,
+        figures: output.figures,
+    }
+}

@@ -1,0 +1,348 @@
+//! Running one cell in a worker process of its own (see
+//! [`workbook_sdk::protocol`]): a crash, an abort, a signal or the time
+//! limit ends that cell alone, and what it recorded before is kept.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use workbook_sdk::output::CellOutput;
+use workbook_sdk::protocol::{CellEnd, Message, Request, PROTOCOL_VERSION};
+
+use super::in_process::CellOutcome;
+
+/// How to start a worker: a program and its arguments, which together serve
+/// one [`Request`] on standard input (`workbook worker`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerCommand {
+    /// The program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+}
+
+impl WorkerCommand {
+    /// This executable, as `workbook worker`.
+    pub fn current_exe() -> std::io::Result<Self> {
+        Ok(Self {
+            program: std::env::current_exe()?,
+            args: vec!["worker".into()],
+        })
+    }
+}
+
+/// What the worker said of itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub device: String,
+    pub meter: String,
+}
+
+/// How a worker's cell went.
+pub(crate) enum WorkerResult {
+    /// It ran (to its end or to its failure): the outcome, and the worker's
+    /// hello if it got that far.
+    Ran(Box<CellOutcome>, Option<Hello>),
+    /// The worker cannot run cells at all (no device; another protocol).
+    Fatal(String),
+}
+
+/// What the parent watches for while a worker runs.
+pub(crate) struct Watch<'a> {
+    pub limit: Duration,
+    pub interrupt: Option<&'a AtomicBool>,
+    pub progress: &'a dyn Fn(&str),
+    /// The cap the worker was given, to name when it ran out of memory.
+    pub max_memory: Option<u64>,
+}
+
+/// The last bytes of a worker's standard error kept for its error message.
+const STDERR_TAIL: usize = 4096;
+
+/// How often the parent looks at the interrupt flag while it waits.
+const TICK: Duration = Duration::from_millis(100);
+
+enum Event {
+    Message(Box<Message>),
+    Garbled(String),
+}
+
+/// Runs one cell's request in a new worker.
+pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>) -> WorkerResult {
+    let start = Instant::now();
+    let mut child = match Command::new(&command.program)
+        .args(&command.args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            return WorkerResult::Fatal(format!(
+                "cannot start the worker process {}: {e}",
+                command.program.display()
+            ))
+        }
+    };
+    // The request is small: written whole, then the pipe is closed.
+    if let Some(mut stdin) = child.stdin.take() {
+        let mut line = serde_json::to_string(request).unwrap_or_default();
+        line.push('\n');
+        // A worker that died at once is reported from its exit below.
+        let _ = stdin.write_all(line.as_bytes());
+    }
+    let (tx, rx) = mpsc::channel::<Event>();
+    let stdout = child.stdout.take();
+    let reader = std::thread::spawn(move || {
+        let Some(stdout) = stdout else { return };
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let event = match serde_json::from_str::<Message>(&line) {
+                Ok(m) => Event::Message(Box::new(m)),
+                Err(_) => Event::Garbled(excerpt(&line, 200)),
+            };
+            if tx.send(event).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr = child.stderr.take();
+    let stderr_reader = std::thread::spawn(move || {
+        let mut tail = Vec::new();
+        let Some(mut stderr) = stderr else {
+            return tail;
+        };
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            tail.extend_from_slice(&buf[..n]);
+            if tail.len() > 2 * STDERR_TAIL {
+                tail.drain(..tail.len() - STDERR_TAIL);
+            }
+        }
+        tail
+    });
+
+    let mut output = CellOutput::default();
+    let mut hello = None;
+    let mut end: Option<CellEnd> = None;
+    let mut stopped: Option<String> = None;
+    let mut garbled: Option<String> = None;
+    let deadline = start + watch.limit;
+    loop {
+        if watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst)) {
+            stopped = Some("interrupted: the run was stopped (Ctrl-C) while this cell ran".into());
+            break;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            stopped = Some(format!(
+                "stopped at the time limit of {} (set `timeout` in the cell, or `--timeout \
+                 SECONDS`)",
+                seconds_text(watch.limit)
+            ));
+            break;
+        }
+        match rx.recv_timeout(TICK.min(deadline - now)) {
+            Ok(Event::Message(m)) => match *m {
+                Message::Hello {
+                    protocol,
+                    device,
+                    meter,
+                } => {
+                    if protocol != PROTOCOL_VERSION {
+                        kill(&mut child);
+                        return WorkerResult::Fatal(format!(
+                            "the worker {} speaks protocol version {protocol}; this runner \
+                             speaks version {PROTOCOL_VERSION}",
+                            command.program.display()
+                        ));
+                    }
+                    hello = Some(Hello { device, meter });
+                }
+                Message::Printed { line } => output.printed.push(line),
+                Message::Metric { name, value } => {
+                    output.metrics.insert(name, value);
+                }
+                Message::Region(r) => output.regions.push(r),
+                Message::Table(t) => output.tables.push(t),
+                Message::Figure(f) => output.figures.push(f),
+                Message::Progress { message } => (watch.progress)(&message),
+                Message::End(e) => end = Some(e),
+                Message::Fatal { message } => {
+                    kill(&mut child);
+                    return WorkerResult::Fatal(message);
+                }
+            },
+            Ok(Event::Garbled(line)) => {
+                garbled.get_or_insert(line);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    if stopped.is_none()
+        && end.is_none()
+        && watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst))
+    {
+        // Ctrl-C reaches the worker too, which may die of it first.
+        stopped = Some("interrupted: the run was stopped (Ctrl-C) while this cell ran".into());
+    }
+    if stopped.is_some() {
+        kill(&mut child);
+    }
+    let status = child.wait();
+    let _ = reader.join();
+    let tail = stderr_reader.join().unwrap_or_default();
+    let seconds = start.elapsed().as_secs_f64();
+    let error = match (stopped, &end) {
+        (Some(why), _) => Some(why),
+        (None, Some(_)) => None,
+        (None, None) => Some(died(
+            status.ok(),
+            &tail,
+            garbled.as_deref(),
+            watch.max_memory,
+        )),
+    };
+    let end = match end {
+        Some(mut e) => {
+            if error.is_some() {
+                e.error = error;
+            }
+            e
+        }
+        None => CellEnd {
+            error,
+            seconds,
+            baseline: Default::default(),
+            peak_bytes: 0,
+            peak_by_category: Default::default(),
+            end: Default::default(),
+            pool: None,
+        },
+    };
+    WorkerResult::Ran(Box::new(CellOutcome { output, end }), hello)
+}
+
+fn kill(child: &mut Child) {
+    // It may have exited by itself in the meantime.
+    let _ = child.kill();
+}
+
+fn seconds_text(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{s} s")
+    }
+}
+
+/// At most `max` characters of `s`, marked when cut.
+pub(crate) fn excerpt(s: &str, max: usize) -> String {
+    let s = s.trim();
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}... ({} bytes in all)", &s[..i], s.len()),
+        None => s.to_string(),
+    }
+}
+
+/// Why a worker ended without ending its cell.
+fn died(
+    status: Option<ExitStatus>,
+    stderr: &[u8],
+    garbled: Option<&str>,
+    max_memory: Option<u64>,
+) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    let how = match status {
+        Some(s) if s.signal().is_some() => {
+            let sig = s.signal().unwrap_or_default();
+            match sig {
+                libc::SIGKILL => "was killed by SIGKILL (the kernel's out-of-memory killer does \
+                                  this when memory runs out)"
+                    .to_string(),
+                libc::SIGABRT => "aborted (SIGABRT)".to_string(),
+                libc::SIGSEGV => "crashed (SIGSEGV)".to_string(),
+                libc::SIGINT => "was interrupted (SIGINT)".to_string(),
+                libc::SIGTERM => "was terminated (SIGTERM)".to_string(),
+                other => format!("was killed by signal {other}"),
+            }
+        }
+        Some(s) => match s.code() {
+            Some(code) => format!("exited with status {code}"),
+            None => "ended".to_string(),
+        },
+        None => "could not be waited for".to_string(),
+    };
+    let said = String::from_utf8_lossy(stderr);
+    // What the process said of its end: the allocator's or a panic's line
+    // where there is one, else its last line that is not a backtrace's.
+    let telling = [
+        "memory allocation of",
+        "panicked at",
+        "has overflowed its stack",
+    ];
+    let last = said
+        .lines()
+        .rev()
+        .find(|l| telling.iter().any(|t| l.contains(t)))
+        .or_else(|| {
+            said.lines().rev().find(|l| {
+                let t = l.trim_start();
+                !t.is_empty()
+                    && !t.starts_with("note:")
+                    && !t.starts_with("stack backtrace")
+                    && !t.starts_with(|c: char| c.is_ascii_digit())
+                    && !t.starts_with("at ")
+            })
+        })
+        .map(|l| excerpt(l, 300));
+    let mut message = String::new();
+    let out_of_memory = said.contains("memory allocation of");
+    if out_of_memory {
+        message.push_str("out of memory: ");
+    }
+    message.push_str(&format!(
+        "the cell's worker process {how} before the cell ended"
+    ));
+    if let Some(last) = last {
+        message.push_str(&format!("; it said: {last}"));
+    }
+    if let (true, Some(limit)) = (out_of_memory, max_memory) {
+        message.push_str(&format!(
+            "; a cell may hold at most {} at once here (`--max-memory`)",
+            bytesize::ByteSize::b(limit).display().iec()
+        ));
+    }
+    if let Some(g) = garbled {
+        message.push_str(&format!(
+            "; it wrote a line that is not the protocol's: {g}"
+        ));
+    }
+    message
+}
+
+/// Sets `flag` when the process is asked to stop (Ctrl-C, SIGTERM), once
+/// per process; later calls share the first flag.
+pub fn interrupt_flag() -> Arc<AtomicBool> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicBool::new(false));
+        let set = flag.clone();
+        // Without a handler, Ctrl-C still ends the run, only without its
+        // report: not a reason to refuse to run.
+        let _ = ctrlc::set_handler(move || set.store(true, Ordering::SeqCst));
+        flag
+    })
+    .clone()
+}

@@ -1,0 +1,289 @@
+//! Each cell in a worker process of its own: time limits, crashes, memory
+//! caps and interruptions end one cell, and the others' results are kept.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+mod common;
+use common::{light, text};
+
+fn workbook() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_workbook"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("WORKBOOK_CHECK_MODE")
+        .env_remove("WORKBOOK_CHAPTERS")
+        .env_remove("RUST_BACKTRACE");
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    let _light = light();
+    workbook().args(args).output().expect("the binary runs")
+}
+
+fn report(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is the JSON report ({e}); stderr: {}",
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
+}
+
+fn cell<'a>(r: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    r["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("cell {id} in the report"))
+}
+
+#[test]
+fn a_cell_past_its_time_limit_is_stopped_and_the_others_are_kept() {
+    let start = std::time::Instant::now();
+    let o = run(&["run", "tests/fixtures/time_limit.toml", "--format", "json"]);
+    let elapsed = start.elapsed().as_secs_f64();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
+    let r = report(&o);
+    assert_eq!(cell(&r, "footprint")["status"], "passed");
+    let slow = cell(&r, "slow");
+    assert_eq!(slow["status"], "error");
+    assert_eq!(
+        slow["error"],
+        "stopped at the time limit of 1 s (set `timeout` in the cell, or `--timeout SECONDS`)"
+    );
+    // Full-size checkpointing takes far longer than the limit.
+    assert!(elapsed < 30.0, "the run took {elapsed} s");
+    // The command line's limit overrides the chapter's.
+    let o = run(&[
+        "run",
+        "tests/fixtures/time_limit.toml",
+        "--format",
+        "json",
+        "--cell",
+        "slow",
+        "--timeout",
+        "2",
+    ]);
+    assert_eq!(
+        cell(&report(&o), "slow")["error"],
+        "stopped at the time limit of 2 s (set `timeout` in the cell, or `--timeout SECONDS`)"
+    );
+}
+
+#[test]
+fn a_cell_that_asks_for_too_much_memory_fails_alone() {
+    let o = run(&[
+        "run",
+        "tests/fixtures/huge.toml",
+        "--format",
+        "json",
+        "--max-memory",
+        "2GiB",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
+    let r = report(&o);
+    assert_eq!(cell(&r, "footprint")["status"], "passed");
+    assert_eq!(cell(&r, "again")["status"], "passed");
+    let huge = cell(&r, "attention");
+    assert_eq!(huge["status"], "error");
+    let error = huge["error"].as_str().unwrap();
+    assert!(
+        error.starts_with("out of memory: the cell's worker process aborted (SIGABRT)"),
+        "{error}"
+    );
+    assert!(error.contains("memory allocation of"), "{error}");
+    assert!(
+        error.ends_with("a cell may hold at most 2.0 GiB at once here (`--max-memory`)"),
+        "{error}"
+    );
+    assert_eq!(r["summary"]["cells_errored"], 1);
+}
+
+#[test]
+fn a_bad_memory_limit_or_time_limit_is_refused() {
+    for (args, says) in [
+        (vec!["--max-memory", "lots"], "`lots` is not a size"),
+        (
+            vec!["--max-memory", "0"],
+            "the memory limit must be above 0 bytes",
+        ),
+        (
+            vec!["--timeout", "0"],
+            "a time limit is a number of seconds above 0",
+        ),
+        (
+            vec!["--timeout", "soon"],
+            "`soon` is not a number of seconds",
+        ),
+    ] {
+        let mut all = vec!["run", "chapter2", "--check"];
+        all.extend(args);
+        let o = run(&all);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{all:?}: {err}");
+        assert!(err.contains(says), "{all:?}: {err}");
+    }
+    let o = run(&["validate", "tests/fixtures/bad_timeout.toml"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("bad_timeout.toml:9:11: cell `footprint`: `timeout` is 0; a time limit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_unwritable_report_folder_is_found_before_any_cell_runs() {
+    let o = run(&[
+        "run",
+        "chapter2",
+        "--check",
+        "--out",
+        "/proc/workbook-report",
+    ]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("cannot create the report folder /proc/workbook-report"),
+        "{err}"
+    );
+    assert!(out.is_empty(), "no cell ran: {out}");
+}
+
+#[test]
+fn an_earlier_reports_files_are_removed_and_the_rest_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let plots = dir.path().join("plots");
+    std::fs::create_dir_all(&plots).unwrap();
+    std::fs::write(plots.join("gone-stale.svg"), "<svg/>").unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
+    let o = run(&[
+        "run",
+        "chapter2",
+        "--check",
+        "--cell",
+        "footprint",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
+    assert!(!plots.join("gone-stale.svg").exists());
+    assert!(dir.path().join("notes.txt").exists());
+    let page = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
+    assert!(!page.contains("This run is incomplete"));
+}
+
+#[test]
+fn output_that_cannot_be_written_is_an_error_not_a_panic_or_a_success() {
+    let _light = light();
+    let full = std::fs::File::create("/dev/full");
+    let Ok(full) = full else {
+        return;
+    };
+    for args in [
+        vec!["validate", "chapter2"],
+        vec!["list"],
+        vec!["run", "chapter2", "--check", "--cell", "footprint"],
+        vec![
+            "run",
+            "chapter2",
+            "--check",
+            "--cell",
+            "footprint",
+            "--format",
+            "json",
+        ],
+    ] {
+        let o = workbook()
+            .args(&args)
+            .stdout(full.try_clone().unwrap())
+            .output()
+            .unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot write to standard output"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        // Said once, not twice.
+        assert_eq!(err.matches("No space left on device").count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn ctrl_c_stops_the_run_and_keeps_a_report_marked_incomplete() {
+    let _light = light();
+    let dir = tempfile::tempdir().unwrap();
+    let child = workbook()
+        .args([
+            "run",
+            "chapter2",
+            "--cell",
+            "footprint",
+            "--cell",
+            "checkpointing",
+            "--cell",
+            "attention",
+            "--out",
+            dir.path().to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Footprint finishes in well under a second; full-size checkpointing
+    // runs for many.
+    let page = dir.path().join("report.html");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !page.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let o = child.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(
+        out.contains("incomplete: the run was stopped after 2 of 3 cells"),
+        "{out}"
+    );
+    assert!(err.contains("interrupted: 2 of 3 cells ran"), "{err}");
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(html.contains("This run is incomplete"), "the page says so");
+    assert!(
+        html.contains("interrupted: the run was stopped (Ctrl-C) while this cell ran"),
+        "the cell that was running says why"
+    );
+    assert!(Path::new(&dir.path().join("plots")).is_dir());
+}
+
+#[test]
+fn a_worker_of_another_protocol_version_is_named() {
+    let _light = light();
+    let mut child = workbook()
+        .arg("worker")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(br#"{"protocol": 99, "plugin": "footprint", "params": {}, "check": true, "device": "cpu"}"#)
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "{\"type\":\"fatal\",\"message\":\"the runner speaks protocol version 99; this worker \
+         speaks version 1\"}\n"
+    );
+}
