@@ -81,11 +81,44 @@ fn functions(
     Ok(())
 }
 
+/// The longest assertion, in characters. evalexpr parses and evaluates
+/// recursively: an expression of tens of thousands of terms or parentheses
+/// overflows the stack, which aborts the process. A claim longer than this is
+/// better split into several.
+pub const MAX_LENGTH: usize = 1_000;
+
+/// The deepest nesting of parentheses in an assertion.
+pub const MAX_DEPTH: usize = 32;
+
 impl Assertion {
     /// Parses `source`; the error says why it does not parse.
     pub fn parse(source: &str) -> Result<Self, String> {
         if source.trim().is_empty() {
             return Err("the expression is empty".to_string());
+        }
+        let length = source.chars().count();
+        if length > MAX_LENGTH {
+            return Err(format!(
+                "the expression is {length} characters long; an assertion is at most \
+                 {MAX_LENGTH} (split a longer claim into several assertions)"
+            ));
+        }
+        let mut depth = 0usize;
+        let mut deepest = 0usize;
+        for c in source.chars() {
+            match c {
+                '(' => {
+                    depth += 1;
+                    deepest = deepest.max(depth);
+                }
+                ')' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        if deepest > MAX_DEPTH {
+            return Err(format!(
+                "parentheses nest {deepest} deep; an assertion nests them at most {MAX_DEPTH} deep"
+            ));
         }
         let mut tree =
             build_operator_tree::<DefaultNumericTypes>(source).map_err(|e| e.to_string())?;
@@ -203,5 +236,37 @@ impl Assertion {
                 values,
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overlong_or_overdeep_assertion_is_refused_without_a_crash() {
+        let long = vec!["a"; 50_000].join(" + ") + " > 0";
+        assert_eq!(
+            Assertion::parse(&long).unwrap_err(),
+            "the expression is 200001 characters long; an assertion is at most 1000 (split a \
+             longer claim into several assertions)"
+        );
+        let deep = format!("{}a{} > 0", "(".repeat(50_000), ")".repeat(50_000));
+        assert!(Assertion::parse(&deep)
+            .unwrap_err()
+            .contains("at most 1000"));
+        let deep = format!("{}a{} > 0", "(".repeat(33), ")".repeat(33));
+        assert_eq!(
+            Assertion::parse(&deep).unwrap_err(),
+            "parentheses nest 33 deep; an assertion nests them at most 32 deep"
+        );
+        let ok = format!("{}a{} > 0", "(".repeat(32), ")".repeat(32));
+        assert!(Assertion::parse(&ok).is_ok());
+        // The longest allowed chain of terms parses and evaluates.
+        let terms = vec!["a"; 249].join(" + ") + " > 0";
+        assert!(terms.len() <= MAX_LENGTH);
+        let a = Assertion::parse(&terms).unwrap();
+        let metrics = indexmap::IndexMap::from([("a".to_string(), 1.0)]);
+        assert!(a.evaluate(&metrics).passed);
     }
 }

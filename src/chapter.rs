@@ -34,6 +34,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::assertion::Assertion;
+use crate::excerpt::quote;
 use crate::registry::Registry;
 
 /// The chapter format this version reads.
@@ -69,13 +70,22 @@ pub enum ChapterError {
         /// The chapters that exist, joined.
         available: String,
     },
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
+    /// The file could not be read. The cause is part of the message, not
+    /// a separate error source, so that it is said once.
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
+    },
+    /// The path names something that is not a chapter file.
+    #[error("{path} {what}; a chapter is a .toml file")]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead: a directory, a FIFO, a dangling link.
+        what: String,
     },
     /// The file is not a valid chapter.
     #[error("{location}: {message}")]
@@ -93,7 +103,7 @@ pub enum ChapterError {
 #[serde(deny_unknown_fields)]
 struct RawChapter {
     format_version: Spanned<u32>,
-    id: String,
+    id: Spanned<String>,
     title: String,
     #[serde(default)]
     intro: String,
@@ -240,6 +250,17 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             ),
         ));
     }
+    if !is_identifier(raw.id.get_ref()) {
+        return Err(src.error(
+            raw.id.span(),
+            None,
+            format!(
+                "chapter id `{}` must be letters, digits, `_` or `-`, starting with a letter, \
+                 at most {MAX_ID} characters (it names files such as CHAPTER.ipynb)",
+                quote(raw.id.get_ref())
+            ),
+        ));
+    }
     let mut cells: Vec<Cell> = Vec::with_capacity(raw.cells.len());
     let mut seen: IndexMap<String, Location> = IndexMap::new();
     for rc in raw.cells {
@@ -249,7 +270,9 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                 rc.id.span(),
                 None,
                 format!(
-                    "cell id `{id}` must be letters, digits, `_` or `-`, starting with a letter"
+                    "cell id `{}` must be letters, digits, `_` or `-`, starting with a letter, \
+                     at most {MAX_ID} characters",
+                    quote(&id)
                 ),
             ));
         }
@@ -267,7 +290,8 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                 rc.plugin.span(),
                 Some(&id),
                 format!(
-                    "unknown plugin `{plugin_name}`; registered plugins: {}",
+                    "unknown plugin `{}`; registered plugins: {}",
+                    quote(plugin_name),
                     registry.names().join(", ")
                 ),
             ));
@@ -300,7 +324,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                     Some(k) => format!("{which} `{k}`"),
                     None => "parameters".to_string(),
                 };
-                return Err(src.error(span, Some(&id), format!("{what}: {}", e.message)));
+                return Err(src.error(span, Some(&id), format!("{what}: {}", quote(&e.message))));
             }
         }
         let parse_all = |list: &[Spanned<String>]| {
@@ -310,7 +334,11 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                         src.error(
                             a.span(),
                             Some(&id),
-                            format!("assertion `{}` does not parse: {message}", a.get_ref()),
+                            format!(
+                                "assertion `{}` does not parse: {}",
+                                quote(a.get_ref()),
+                                quote(&message)
+                            ),
                         )
                     })
                 })
@@ -342,7 +370,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
     }
     Ok(Chapter {
         path: path.to_path_buf(),
-        id: raw.id,
+        id: raw.id.into_inner(),
         title: raw.title,
         intro: raw.intro,
         cells,
@@ -361,8 +389,14 @@ pub fn seconds(s: f64) -> Result<std::time::Duration, String> {
     }
 }
 
+/// The longest chapter or cell id.
+pub const MAX_ID: usize = 64;
+
 fn is_identifier(s: &str) -> bool {
     let mut chars = s.chars();
+    if s.len() > MAX_ID {
+        return false;
+    }
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
@@ -375,11 +409,55 @@ fn unknown_field(message: &str) -> Option<String> {
 
 /// Reads and validates the chapter at `path`.
 pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ChapterError::Io {
+    check_file(path)?;
+    let text = std::fs::read_to_string(path).map_err(|cause| ChapterError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
     parse(path, &text, registry)
+}
+
+/// That `path` is a regular file (through links), or what it is instead.
+/// Reading a FIFO would wait for a writer forever.
+fn check_file(path: &Path) -> Result<(), ChapterError> {
+    use std::os::unix::fs::FileTypeExt;
+    let not_a_file = |what: String| ChapterError::NotAFile {
+        path: path.to_path_buf(),
+        what,
+    };
+    let link = std::fs::symlink_metadata(path).map_err(|cause| ChapterError::Io {
+        path: path.to_path_buf(),
+        cause,
+    })?;
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(_) if link.file_type().is_symlink() => {
+            let target = std::fs::read_link(path)
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            return Err(not_a_file(format!(
+                "is a link to {target}, which does not exist"
+            )));
+        }
+        Err(cause) => {
+            return Err(ChapterError::Io {
+                path: path.to_path_buf(),
+                cause,
+            })
+        }
+    };
+    let kind = meta.file_type();
+    if kind.is_file() {
+        Ok(())
+    } else if kind.is_dir() {
+        Err(not_a_file("is a directory".into()))
+    } else if kind.is_fifo() {
+        Err(not_a_file("is a FIFO (a named pipe)".into()))
+    } else if kind.is_socket() {
+        Err(not_a_file("is a socket".into()))
+    } else {
+        Err(not_a_file("is a device, not a regular file".into()))
+    }
 }
 
 /// Where chapters are looked for, in order: `./chapters`, then the
@@ -400,9 +478,11 @@ pub fn available(dirs: &[PathBuf]) -> IndexMap<String, PathBuf> {
         let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
         };
+        // Regular files only (through links): a FIFO would block a read.
         let mut paths: Vec<PathBuf> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
             .collect();
         paths.sort();
         for p in paths {
@@ -418,7 +498,10 @@ pub fn available(dirs: &[PathBuf]) -> IndexMap<String, PathBuf> {
 pub fn resolve(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ChapterError> {
     let as_path = Path::new(name);
     if name.ends_with(".toml") || as_path.components().count() > 1 {
-        if as_path.is_file() {
+        // A path that names something (a directory, a FIFO, a dangling
+        // link) says what it is; only a path to nothing is "not found".
+        if std::fs::symlink_metadata(as_path).is_ok() {
+            check_file(as_path)?;
             return Ok(as_path.to_path_buf());
         }
     } else if let Some(p) = available(dirs).get(name) {
@@ -426,7 +509,7 @@ pub fn resolve(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ChapterError> {
     }
     let names: Vec<String> = available(dirs).keys().cloned().collect();
     Err(ChapterError::NotFound {
-        name: name.to_string(),
+        name: quote(name),
         searched: dirs
             .iter()
             .map(|d| d.display().to_string())

@@ -37,6 +37,7 @@
 pub mod assertion;
 #[cfg(feature = "runner")]
 pub mod chapter;
+pub mod excerpt;
 pub mod notebook;
 #[cfg(feature = "runner")]
 pub mod registry;

@@ -75,6 +75,11 @@ enum Command {
         /// machine's physical memory].
         #[arg(long, value_name = "SIZE", value_parser = parse_size)]
         max_memory: Option<u64>,
+        /// Run every cell in this process instead of a worker process per
+        /// cell: no time limit or memory cap, and a cell that crashes ends
+        /// the run (for a debugger, and to measure what isolation costs).
+        #[arg(long, conflicts_with_all = ["timeout", "max_memory"])]
+        in_process: bool,
     },
     /// Run one cell for a runner (the worker process; reads a request on
     /// standard input and answers on standard output).
@@ -188,6 +193,7 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             out,
             timeout,
             max_memory,
+            in_process,
         } => {
             let ch = wb.load(chapter)?;
             // An unwritable folder is found before any cell runs, and an
@@ -204,9 +210,13 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                 device: *device,
                 fail_fast: *fail_fast,
                 progress: Some(Arc::new(move |m: &str| bar.set_message(m.to_string()))),
-                isolation: Isolation::Process(WorkerCommand::current_exe().map_err(|e| {
-                    anyhow::anyhow!("cannot tell where this workbook binary is: {e}")
-                })?),
+                isolation: if *in_process {
+                    Isolation::InProcess
+                } else {
+                    Isolation::Process(WorkerCommand::current_exe().map_err(|e| {
+                        anyhow::anyhow!("cannot tell where this workbook binary is: {e}")
+                    })?)
+                },
                 timeout: *timeout,
                 max_memory: max_memory.or_else(physical_memory),
                 interrupt: Some(workbook::runner::interrupt_flag()),

@@ -125,10 +125,32 @@ pub(crate) fn escape(s: &str) -> String {
     out
 }
 
-fn markdown(s: &str) -> String {
+/// Markdown as HTML that is safe to open: a chapter may come from anyone,
+/// and markdown passes raw HTML through, so the result goes through
+/// ammonia's allow-list (no scripts, no event handlers, no `javascript:`
+/// links).
+pub(crate) fn markdown(s: &str) -> String {
     let mut out = String::new();
     pulldown_cmark::html::push_html(&mut out, pulldown_cmark::Parser::new(s));
-    out
+    ammonia::clean(&out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn markdown_keeps_its_formatting_and_loses_script() {
+        assert_eq!(
+            super::markdown("Some *emphasis* and `code`."),
+            "<p>Some <em>emphasis</em> and <code>code</code>.</p>\n"
+        );
+        let hostile = "Hi <script>alert(1)</script> <img src=x onerror=\"alert(2)\"> \
+                       [link](javascript:alert(3)) <a href=\"https://example.org\" onclick=\"x()\">ok</a>";
+        let html = super::markdown(hostile);
+        for gone in ["<script", "alert(1)", "onerror", "javascript:", "onclick"] {
+            assert!(!html.contains(gone), "{gone} in {html}");
+        }
+        assert!(html.contains("href=\"https://example.org\""), "{html}");
+    }
 }
 
 const STYLE: &str = r#"

@@ -15,6 +15,7 @@ use workbook_sdk::output::CellOutput;
 use workbook_sdk::protocol::{CellEnd, Message, Request, PROTOCOL_VERSION};
 
 use super::in_process::CellOutcome;
+use crate::excerpt::excerpt;
 
 /// How to start a worker: a program and its arguments, which together serve
 /// one [`Request`] on standard input (`workbook worker`).
@@ -105,7 +106,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
             let Ok(line) = line else { break };
             let event = match serde_json::from_str::<Message>(&line) {
                 Ok(m) => Event::Message(Box::new(m)),
-                Err(_) => Event::Garbled(excerpt(&line, 200)),
+                Err(_) => Event::Garbled(excerpt(line.trim(), 200)),
             };
             if tx.send(event).is_err() {
                 break;
@@ -247,15 +248,6 @@ fn seconds_text(d: Duration) -> String {
     }
 }
 
-/// At most `max` characters of `s`, marked when cut.
-pub(crate) fn excerpt(s: &str, max: usize) -> String {
-    let s = s.trim();
-    match s.char_indices().nth(max) {
-        Some((i, _)) => format!("{}... ({} bytes in all)", &s[..i], s.len()),
-        None => s.to_string(),
-    }
-}
-
 /// Why a worker ended without ending its cell.
 fn died(
     status: Option<ExitStatus>,
@@ -306,7 +298,7 @@ fn died(
                     && !t.starts_with("at ")
             })
         })
-        .map(|l| excerpt(l, 300));
+        .map(|l| excerpt(l.trim(), 300));
     let mut message = String::new();
     let out_of_memory = said.contains("memory allocation of");
     if out_of_memory {

@@ -1,0 +1,150 @@
+//! Inputs that once crashed the binary, escaped its folder or said the wrong
+//! thing: each gives a clear message and exit code 2.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+mod common;
+use common::{light, text};
+
+fn workbook(args: &[&str], dir: &Path) -> Output {
+    let _light = light();
+    Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .args(args)
+        .current_dir(dir)
+        .env_remove("WORKBOOK_CHECK_MODE")
+        .env_remove("WORKBOOK_CHAPTERS")
+        .output()
+        .expect("the binary runs")
+}
+
+/// Runs `args` in `dir`, asserts exit code 2 and no panic, returns stderr.
+fn refused(args: &[&str], dir: &Path) -> String {
+    let o = workbook(args, dir);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+const CELL: &str = r#"
+[[cells]]
+id = "footprint"
+title = "Footprint"
+plugin = "footprint"
+"#;
+
+#[test]
+fn a_chapter_id_that_is_a_path_is_refused_before_a_notebook_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let chapter = format!("format_version = 1\nid = \"../escaped\"\ntitle = \"T\"\n{CELL}");
+    std::fs::write(work.join("escape.toml"), chapter).unwrap();
+    let err = refused(&["notebook", "escape.toml"], &work);
+    assert!(
+        err.contains(
+            "escape.toml:2:6: chapter id `../escaped` must be letters, digits, `_` or `-`"
+        ),
+        "{err}"
+    );
+    assert!(!dir.path().join("escaped.ipynb").exists());
+}
+
+#[test]
+fn a_directory_a_fifo_and_a_dangling_link_say_what_they_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir(d.join("folder.toml")).unwrap();
+    let fifo = std::ffi::CString::new(d.join("pipe.toml").to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) with a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    std::os::unix::fs::symlink("nowhere.toml", d.join("dangling.toml")).unwrap();
+    for (name, says) in [
+        (
+            "folder.toml",
+            "folder.toml is a directory; a chapter is a .toml file",
+        ),
+        (
+            "pipe.toml",
+            "pipe.toml is a FIFO (a named pipe); a chapter is a .toml file",
+        ),
+        (
+            "dangling.toml",
+            "dangling.toml is a link to nowhere.toml, which does not exist",
+        ),
+    ] {
+        let err = refused(&["validate", name], d);
+        assert!(err.contains(says), "{name}: {err}");
+    }
+    // `list` skips what is not a file, and does not wait on the FIFO.
+    let o = workbook(&["list", "--chapters", d.to_str().unwrap()], d);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.starts_with("no chapters found"), "{out}");
+}
+
+#[test]
+fn an_unreadable_chapter_says_why_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("secret.toml");
+    std::fs::write(&path, "format_version = 1").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
+    if std::fs::read(&path).is_ok() {
+        // Running as root: permissions do not stop a read.
+        return;
+    }
+    let err = refused(&["validate", "secret.toml"], dir.path());
+    assert_eq!(err.matches("Permission denied").count(), 1, "{err}");
+}
+
+#[test]
+fn an_assertion_of_fifty_thousand_terms_is_refused_not_a_stack_overflow() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = vec!["large_params"; 50_000].join(" + ");
+    let chapter = format!(
+        "format_version = 1\nid = \"long\"\ntitle = \"T\"\n{CELL}assertions = [\"{long} > 0\"]\n"
+    );
+    std::fs::write(dir.path().join("long.toml"), chapter).unwrap();
+    let err = refused(&["validate", "long.toml"], dir.path());
+    assert!(
+        err.contains("an assertion is at most 1000 (split a longer claim"),
+        "{err}"
+    );
+    // The message quotes a short excerpt, not the whole expression.
+    assert!(err.len() < 1_000, "{} bytes: {err}", err.len());
+    assert!(err.contains("bytes in all)"), "{err}");
+}
+
+#[test]
+fn a_megabyte_plugin_name_is_quoted_short() {
+    let dir = tempfile::tempdir().unwrap();
+    let name = "p".repeat(1_000_000);
+    let chapter = format!(
+        "format_version = 1\nid = \"big\"\ntitle = \"T\"\n[[cells]]\nid = \"a\"\ntitle = \"A\"\nplugin = \"{name}\"\n"
+    );
+    std::fs::write(dir.path().join("big.toml"), chapter).unwrap();
+    let err = refused(&["validate", "big.toml"], dir.path());
+    assert!(err.contains("unknown plugin `ppp"), "{}", &err[..200]);
+    assert!(err.len() < 1_000, "{} bytes", err.len());
+}
+
+#[test]
+fn script_in_prose_does_not_reach_the_report_as_markup() {
+    let dir = tempfile::tempdir().unwrap();
+    let chapter =
+        "format_version = 1\nid = \"hostile\"\ntitle = \"T\"\nintro = \"<script>alert('intro')</script>\"\n\
+         [[cells]]\nid = \"footprint\"\ntitle = \"Footprint\"\nplugin = \"footprint\"\n\
+         prose = \"Hi <img src=x onerror=\\\"alert(1)\\\"> <script>alert(2)</script>\"\n";
+    std::fs::write(dir.path().join("hostile.toml"), chapter).unwrap();
+    let o = workbook(
+        &["run", "hostile.toml", "--check", "--out", "report"],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", text(&o).1);
+    let page = std::fs::read_to_string(dir.path().join("report/report.html")).unwrap();
+    for gone in ["alert('intro')", "onerror", "alert(2)"] {
+        assert!(!page.contains(gone), "{gone} reached the page");
+    }
+}
