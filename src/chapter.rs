@@ -79,6 +79,9 @@ pub enum ChapterError {
         /// The cause.
         cause: std::io::Error,
     },
+    /// Several problems in one chapter, in file order.
+    #[error("{}", several(.0))]
+    Several(Vec<ChapterError>),
     /// The path names something that is not a chapter file.
     #[error("{path} {what}; a chapter is a .toml file")]
     NotAFile {
@@ -97,6 +100,11 @@ pub enum ChapterError {
         /// What is wrong and what was expected.
         message: String,
     },
+}
+
+fn several(errors: &[ChapterError]) -> String {
+    let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    format!("{} problems:\n{}", errors.len(), lines.join("\n"))
 }
 
 #[derive(Deserialize)]
@@ -250,8 +258,11 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             ),
         ));
     }
+    // Every problem of the chapter is reported, not only the first: each
+    // cell is checked whatever its neighbours hold.
+    let mut errors: Vec<ChapterError> = Vec::new();
     if !is_identifier(raw.id.get_ref()) {
-        return Err(src.error(
+        errors.push(src.error(
             raw.id.span(),
             None,
             format!(
@@ -264,9 +275,10 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
     let mut cells: Vec<Cell> = Vec::with_capacity(raw.cells.len());
     let mut seen: IndexMap<String, Location> = IndexMap::new();
     for rc in raw.cells {
+        let before = errors.len();
         let id = rc.id.get_ref().clone();
         if !is_identifier(&id) {
-            return Err(src.error(
+            errors.push(src.error(
                 rc.id.span(),
                 None,
                 format!(
@@ -275,87 +287,78 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                     quote(&id)
                 ),
             ));
-        }
-        if let Some(first) = seen.get(&id) {
-            return Err(src.error(
+        } else if let Some(first) = seen.get(&id) {
+            errors.push(src.error(
                 rc.id.span(),
                 Some(&id),
                 format!("duplicate cell id; first defined at line {}", first.line),
             ));
+        } else {
+            seen.insert(id.clone(), src.at(rc.id.span()));
         }
-        seen.insert(id.clone(), src.at(rc.id.span()));
+        let shown_id = quote(&id);
+        let params = plain(&rc.params);
+        let mut check_params = params.clone();
+        check_params.extend(plain(&rc.check));
         let plugin_name = rc.plugin.get_ref();
-        let Some(plugin) = registry.get(plugin_name) else {
-            return Err(src.error(
+        match registry.get(plugin_name) {
+            None => errors.push(src.error(
                 rc.plugin.span(),
-                Some(&id),
+                Some(&shown_id),
                 format!(
                     "unknown plugin `{}`; registered plugins: {}",
                     quote(plugin_name),
                     registry.names().join(", ")
                 ),
-            ));
-        };
-        let params = plain(&rc.params);
-        let mut check_params = params.clone();
-        check_params.extend(plain(&rc.check));
-        for (table, check) in [(&params, false), (&check_params, true)] {
-            if let Err(e) = plugin.check_params(table) {
-                let key = e
-                    .field
-                    .split(['.', '['])
-                    .next()
-                    .filter(|k| !k.is_empty())
-                    .map(str::to_string)
-                    .or_else(|| unknown_field(&e.message));
-                let lookup = |t: &SpannedTable| {
-                    key.as_ref()
-                        .and_then(|k| t.get_key_value(k.as_str()).map(|(k, _)| k.span()))
+            )),
+            Some(plugin) => {
+                let cell = CellSource {
+                    src: &src,
+                    id: &shown_id,
+                    params: &rc.params,
+                    check: &rc.check,
+                    plugin: rc.plugin.span(),
                 };
-                let span = (if check { lookup(&rc.check) } else { None })
-                    .or_else(|| lookup(&rc.params))
-                    .unwrap_or_else(|| rc.plugin.span());
-                let which = if check && lookup(&rc.check).is_some() {
-                    "check parameter"
-                } else {
-                    "parameter"
-                };
-                let what = match &key {
-                    Some(k) => format!("{which} `{k}`"),
-                    None => "parameters".to_string(),
-                };
-                return Err(src.error(span, Some(&id), format!("{what}: {}", quote(&e.message))));
+                cell.check_params(plugin, &params, &check_params, &mut errors);
             }
         }
-        let parse_all = |list: &[Spanned<String>]| {
-            list.iter()
-                .map(|a| {
-                    Assertion::parse(a.get_ref()).map_err(|message| {
-                        src.error(
-                            a.span(),
-                            Some(&id),
-                            format!(
-                                "assertion `{}` does not parse: {}",
-                                quote(a.get_ref()),
-                                quote(&message)
-                            ),
-                        )
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()
+        let mut parse_all = |list: &[Spanned<String>]| {
+            let mut parsed = Vec::new();
+            for a in list {
+                match Assertion::parse(a.get_ref()) {
+                    Ok(assertion) => parsed.push(assertion),
+                    Err(message) => errors.push(src.error(
+                        a.span(),
+                        Some(&shown_id),
+                        format!(
+                            "assertion `{}` does not parse: {}",
+                            quote(a.get_ref()),
+                            quote(&message)
+                        ),
+                    )),
+                }
+            }
+            parsed
         };
-        let assertions = parse_all(&rc.assertions)?;
-        let full_size_assertions = parse_all(&rc.full_size_assertions)?;
+        let assertions = parse_all(&rc.assertions);
+        let full_size_assertions = parse_all(&rc.full_size_assertions);
         let timeout = match &rc.timeout {
             None => None,
-            Some(t) => Some(seconds(*t.get_ref()).map_err(|allowed| {
-                src.error(
-                    t.span(),
-                    Some(&id),
-                    format!("`timeout` is {}; {allowed}", t.get_ref()),
-                )
-            })?),
+            Some(t) => match seconds(*t.get_ref()) {
+                Ok(d) => Some(d),
+                Err(allowed) => {
+                    errors.push(src.error(
+                        t.span(),
+                        Some(&shown_id),
+                        format!("`timeout` is {}; {allowed}", t.get_ref()),
+                    ));
+                    None
+                }
+            },
         };
+        if errors.len() > before {
+            continue;
+        }
         cells.push(Cell {
             id,
             title: rc.title,
@@ -368,13 +371,114 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             timeout,
         });
     }
-    Ok(Chapter {
-        path: path.to_path_buf(),
-        id: raw.id.into_inner(),
-        title: raw.title,
-        intro: raw.intro,
-        cells,
-    })
+    match errors.len() {
+        0 => Ok(Chapter {
+            path: path.to_path_buf(),
+            id: raw.id.into_inner(),
+            title: raw.title,
+            intro: raw.intro,
+            cells,
+        }),
+        1 => Err(errors.remove(0)),
+        _ => {
+            errors.sort_by_key(|e| match e {
+                ChapterError::Invalid { location, .. } => (location.line, location.column),
+                _ => (0, 0),
+            });
+            Err(ChapterError::Several(errors))
+        }
+    }
+}
+
+/// A cell's parameter tables, where they are in the file.
+struct CellSource<'a> {
+    src: &'a Source<'a>,
+    id: &'a str,
+    params: &'a SpannedTable,
+    check: &'a SpannedTable,
+    plugin: std::ops::Range<usize>,
+}
+
+impl CellSource<'_> {
+    /// Where the parameter behind `field` (`steps[2]`, `scaler.init_scale`)
+    /// is written, and how to name it: in the check table when it is there
+    /// and `check` is set, else in the full-size table, else the plugin.
+    fn locate(&self, field: &str, check: bool) -> (std::ops::Range<usize>, String) {
+        let key = field.split(['.', '[']).next().unwrap_or_default();
+        let lookup = |t: &SpannedTable| t.get_key_value(key).map(|(k, _)| k.span());
+        if check {
+            if let Some(span) = lookup(self.check) {
+                return (span, format!("check parameter `{field}`"));
+            }
+        }
+        match lookup(self.params) {
+            Some(span) if check => (span, format!("parameter `{field}` (at check size)")),
+            Some(span) => (span, format!("parameter `{field}`")),
+            None if check => (
+                self.plugin.clone(),
+                format!("parameter `{field}` (its default, at check size)"),
+            ),
+            None => (
+                self.plugin.clone(),
+                format!("parameter `{field}` (its default)"),
+            ),
+        }
+    }
+
+    /// Checks both modes' tables: types first, then values. A violation
+    /// that a value written once gives in both modes is reported once.
+    fn check_params(
+        &self,
+        plugin: &dyn workbook_sdk::DynPlugin,
+        params: &toml::Table,
+        check_params: &toml::Table,
+        errors: &mut Vec<ChapterError>,
+    ) {
+        let mut said: Vec<(String, String)> = Vec::new();
+        for (table, check) in [(params, false), (check_params, true)] {
+            match plugin.validate_params(table) {
+                Err(e) => {
+                    let key = Some(e.field.split(['.', '[']).next().unwrap_or_default())
+                        .filter(|k| !k.is_empty())
+                        .map(str::to_string)
+                        .or_else(|| unknown_field(&e.message));
+                    let (span, what) = match &key {
+                        Some(k) => {
+                            let (span, what) = self.locate(k, check);
+                            (span, what.replace(" (at check size)", ""))
+                        }
+                        None => (self.plugin.clone(), "parameters".to_string()),
+                    };
+                    if said.contains(&(what.clone(), e.message.clone())) {
+                        continue;
+                    }
+                    said.push((what.clone(), e.message.clone()));
+                    errors.push(self.src.error(
+                        span,
+                        Some(self.id),
+                        format!("{what}: {}", quote(&e.message)),
+                    ));
+                    // Values are checked once the types are right.
+                    return;
+                }
+                Ok(violations) => {
+                    for v in violations {
+                        let seen = (v.field.clone(), v.given.clone());
+                        if said.contains(&seen) {
+                            continue;
+                        }
+                        said.push(seen);
+                        let (span, what) = self.locate(&v.field, check);
+                        errors.push(self.src.error(
+                            span,
+                            Some(self.id),
+                            format!("{what} {}", quote(&v.to_string())),
+                        ));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A time limit in seconds, as a duration; the error says what is allowed.

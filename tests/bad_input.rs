@@ -148,3 +148,33 @@ fn script_in_prose_does_not_reach_the_report_as_markup() {
         assert!(!page.contains(gone), "{gone} reached the page");
     }
 }
+
+#[test]
+fn every_bad_parameter_value_of_a_chapter_is_reported_before_anything_runs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let f = "tests/fixtures/bad_values.toml";
+    let expected = [
+        "error: 11 problems:",
+        "8:10: cell `accumulation`: parameter `compare_steps` (its default, at check size) is 4; allowed: from 1 to 1",
+        "10:1: cell `accumulation`: parameter `steps[0]` is 0; allowed: at least 1",
+        "11:1: cell `accumulation`: parameter `widths` is []; allowed: a list of at least 2 entries",
+        "12:1: cell `accumulation`: parameter `lr` is NaN; allowed: a finite number above 0",
+        "14:1: cell `accumulation`: check parameter `large_batch` is 0; allowed: at least 1",
+        "21:1: cell `checkpointing`: parameter `segments` is []; allowed: a list of at least 1 entry",
+        "24:1: cell `checkpointing`: check parameter `segments[1]` is 9; allowed: at most the 8 modules of the stack (2 × stack_depth)",
+        "31:1: cell `footprint`: parameter `dtypes[0]` is \"fp16\"; allowed: one of f32, f16, bf16",
+        "32:1: cell `footprint`: parameter `small` is a layer's weight = 4294967296 × 4294967296; allowed: a product of at most 1099511627776 elements (2^40)",
+        "39:1: cell `attention`: parameter `heads` is 0; allowed: at least 1",
+        "40:1: cell `attention`: parameter `lengths` is []; allowed: a list of at least 1 entry",
+    ];
+    for command in ["validate", "run"] {
+        let (_, err) = text(&workbook(&[command, f], root));
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines[0], expected[0], "{err}");
+        assert_eq!(lines.len(), expected.len(), "{err}");
+        for (line, want) in lines[1..].iter().zip(&expected[1..]) {
+            assert_eq!(*line, format!("{f}:{want}"));
+        }
+        refused(&[command, f], root);
+    }
+}

@@ -19,7 +19,7 @@ use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer};
 use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::train::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
-use workbook_sdk::{Category, Context, Figure, Plugin, Table};
+use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Sums the gradients of several backward passes, keeping only the
 /// parameters' gradients, detached.
@@ -201,6 +201,47 @@ impl Plugin for Accumulation {
 
     fn description(&self) -> &str {
         "gradient accumulation: equal gradients, and peak memory per micro-batch size"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.widths("widths", &p.widths, p.batch)
+            .at_least("batch", p.batch, 1)
+            .between("micro_batch", p.micro_batch, 1, p.batch.max(1))
+            .require(
+                p.micro_batch == 0 || p.batch.is_multiple_of(p.micro_batch),
+                "micro_batch",
+                format!("{} with batch = {}", p.micro_batch, p.batch),
+                "allowed: a divisor of batch (each micro-batch's loss is scaled by 1/K)",
+            )
+            .positive("lr", p.lr)
+            .at_least("sweep_width", p.sweep_width, 1)
+            .at_least("sweep_depth", p.sweep_depth, 1)
+            .at_least("small_batch", p.small_batch, 1)
+            .at_least("large_batch", p.large_batch, 1)
+            .list("steps", &p.steps, 1, 1)
+            .between(
+                "compare_steps",
+                p.compare_steps,
+                1,
+                p.small_batch.min(p.large_batch).max(1),
+            );
+        for (i, &s) in p.steps.iter().enumerate() {
+            r.between(&format!("steps[{i}]"), s, 1, p.large_batch.max(1));
+        }
+        let width = p.sweep_width as u64;
+        r.elements("sweep_width", "sweep_width × sweep_width", &[width, width])
+            .elements(
+                "large_batch",
+                "large_batch × sweep_width",
+                &[p.large_batch as u64, width],
+            )
+            .elements(
+                "small_batch",
+                "small_batch × sweep_width",
+                &[p.small_batch as u64, width],
+            );
+        r.into_violations()
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

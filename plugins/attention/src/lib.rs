@@ -30,7 +30,7 @@ use workbook_sdk::candle::{DType, Device, Result, Tensor, Var, D};
 use workbook_sdk::output::{Axis, Guide, Series, Unit};
 use workbook_sdk::timing::{timed, Timed};
 use workbook_sdk::train::{max_abs_diff, Rng};
-use workbook_sdk::{Category, Context, Figure, Plugin, Table};
+use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 fn scale(q: &Tensor) -> Result<f64> {
     Ok(1.0 / (q.dim(D::Minus1)? as f64).sqrt())
@@ -406,6 +406,27 @@ impl Plugin for AttentionCell {
 
     fn description(&self) -> &str {
         "naive, chunked and tiled attention: equal outputs and gradients, peak and time over N"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.at_least("heads", p.heads, 1)
+            .at_least("head_dim", p.head_dim, 1)
+            .list("lengths", &p.lengths, 1, 1)
+            .at_least("q_block", p.q_block, 1)
+            .at_least("k_block", p.k_block, 1)
+            .at_least("check_length", p.check_length, 1)
+            .at_least("repeats", p.repeats, 1);
+        for &n in p.lengths.iter().chain([&p.check_length]) {
+            let (h, n, d) = (p.heads as u64, n as u64, p.head_dim as u64);
+            // Naive attention holds heads × N × N scores.
+            r.elements("lengths", "heads × N × N", &[h, n, n]).elements(
+                "lengths",
+                "heads × N × head_dim",
+                &[h, n, d],
+            );
+        }
+        r.into_violations()
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

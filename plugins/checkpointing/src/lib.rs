@@ -26,7 +26,7 @@ use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
 use workbook_sdk::train::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
 };
-use workbook_sdk::{Category, Context, Figure, Plugin, Table};
+use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// What [`checkpoint_sequential`] returns.
 #[derive(Debug)]
@@ -272,6 +272,49 @@ impl Plugin for Checkpointing {
 
     fn description(&self) -> &str {
         "activation checkpointing: equal gradients, peak per segment count, time overhead"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.at_least("width", p.width, 1)
+            .at_least("batch", p.batch, 1)
+            .at_least("classes", p.classes, 2)
+            .at_least("stack_width", p.stack_width, 1)
+            .at_least("stack_depth", p.stack_depth, 1)
+            .at_least("stack_batch", p.stack_batch, 1)
+            .list("segments", &p.segments, 1, 1)
+            .at_least("repeats", p.repeats, 1)
+            .at_least("heavy_calls", p.heavy_calls, 1)
+            .at_least("heavy_adds", p.heavy_adds, 1);
+        // The stack is stack_depth blocks of Linear + GELU: 2 × stack_depth
+        // modules to cut into segments.
+        let modules = p.stack_depth.saturating_mul(2);
+        for (i, &s) in p.segments.iter().enumerate() {
+            if s > modules {
+                r.violation(
+                    format!("segments[{i}]"),
+                    s.to_string(),
+                    format!(
+                        "allowed: at most the {modules} modules of the stack (2 × stack_depth)"
+                    ),
+                );
+            }
+        }
+        let (w, sw) = (p.width as u64, p.stack_width as u64);
+        r.elements("width", "width × width", &[w, w])
+            .elements("batch", "batch × width", &[p.batch as u64, w])
+            .elements("stack_width", "stack_width × stack_width", &[sw, sw])
+            .elements(
+                "stack_batch",
+                "stack_depth × stack_batch × stack_width",
+                &[p.stack_depth as u64, p.stack_batch as u64, sw],
+            )
+            .elements(
+                "heavy_calls",
+                "heavy_calls × heavy_adds",
+                &[p.heavy_calls as u64, p.heavy_adds as u64],
+            );
+        r.into_violations()
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

@@ -12,7 +12,7 @@ use workbook_sdk::candle::{DType, Module};
 use workbook_sdk::candle_nn::AdamW;
 use workbook_sdk::output::Unit;
 use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
-use workbook_sdk::{Category, Context, Plugin, Table};
+use workbook_sdk::{Category, Context, Plugin, Rules, Table, Violation};
 
 /// The bytes that training with AdamW holds, by part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +108,28 @@ impl Plugin for Footprint {
 
     fn description(&self) -> &str {
         "parameter counts, and training-state bytes per dtype, analytic and measured"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.widths("small", &p.small, 1)
+            .widths("large", &p.large, 1)
+            .widths("state_model", &p.state_model, p.batch)
+            .at_least("batch", p.batch, 1);
+        if p.dtypes.is_empty() {
+            r.violation("dtypes", "[]", "allowed: a list of at least 1 entry");
+        }
+        for (i, d) in p.dtypes.iter().enumerate() {
+            r.one_of(&format!("dtypes[{i}]"), d, &["f32", "f16", "bf16"]);
+        }
+        // Parameters, gradients and two moments of 4 bytes each.
+        r.require(
+            p.llm_params >= 1 && p.llm_params.checked_mul(16).is_some(),
+            "llm_params",
+            p.llm_params.to_string(),
+            "allowed: from 1 to u64::MAX / 16 (its training state is 16 bytes a parameter)",
+        );
+        r.into_violations()
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

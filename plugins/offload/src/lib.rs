@@ -30,7 +30,7 @@ use workbook_sdk::output::{mib, Unit};
 use workbook_sdk::train::{
     cross_entropy, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp, Rng,
 };
-use workbook_sdk::{Category, Context, Plugin, Residency, Table};
+use workbook_sdk::{Category, Context, Plugin, Residency, Rules, Table, Violation};
 
 /// Bytes and time of the copies between device and host.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -391,6 +391,19 @@ impl Plugin for Offload {
 
     fn description(&self) -> &str {
         "optimizer state, gradients and parameters in host memory: equal results, device bytes, copies"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.at_least("width", p.width, 1)
+            .at_least("depth", p.depth, 1)
+            .at_least("batch", p.batch, 1)
+            .at_least("steps", p.steps, 1)
+            .positive("lr", p.lr);
+        let w = p.width as u64;
+        r.elements("width", "depth × width × width", &[p.depth as u64, w, w])
+            .elements("batch", "batch × width", &[p.batch as u64, w]);
+        r.into_violations()
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

@@ -22,7 +22,7 @@ use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer};
 use workbook_sdk::output::{Axis, Series, Unit};
 use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
-use workbook_sdk::{Category, Context, Figure, Plugin, Table};
+use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// The settings of a [`GradScaler`]; the defaults are torch.amp's.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -245,6 +245,42 @@ impl Plugin for Precision {
 
     fn description(&self) -> &str {
         "bytes per dtype, half-precision activations, f16 underflow and the loss scaler, mixed-precision training"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.at_least("act_width", p.act_width, 1)
+            .at_least("act_depth", p.act_depth, 1)
+            .at_least("act_batch", p.act_batch, 1)
+            .widths("train_widths", &p.train_widths, p.train_batch)
+            .at_least("train_batch", p.train_batch, 1)
+            .at_least("train_steps", p.train_steps, 1)
+            .positive("lr", p.lr)
+            .positive("max_grad_norm", p.max_grad_norm)
+            .positive("small_gradient", p.small_gradient)
+            .within("label_noise", p.label_noise, 0.0, 1.0)
+            .positive("scaler.init_scale", p.scaler.init_scale)
+            .require(
+                p.scaler.growth_factor.is_finite() && p.scaler.growth_factor > 1.0,
+                "scaler.growth_factor",
+                p.scaler.growth_factor.to_string(),
+                "allowed: a finite number above 1 (as torch.amp.GradScaler)",
+            )
+            .require(
+                p.scaler.backoff_factor > 0.0 && p.scaler.backoff_factor < 1.0,
+                "scaler.backoff_factor",
+                p.scaler.backoff_factor.to_string(),
+                "allowed: a number above 0 and below 1 (as torch.amp.GradScaler)",
+            )
+            .at_least("scaler.growth_interval", p.scaler.growth_interval, 1);
+        let w = p.act_width as u64;
+        r.elements("act_width", "act_width × act_width", &[w, w])
+            .elements(
+                "act_batch",
+                "act_depth × act_batch × act_width",
+                &[p.act_depth as u64, p.act_batch as u64, w],
+            );
+        r.into_violations()
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

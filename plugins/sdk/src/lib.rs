@@ -37,6 +37,7 @@ pub mod output;
 #[cfg(feature = "candle")]
 pub mod plugin;
 pub mod protocol;
+pub mod rules;
 pub mod timing;
 #[cfg(feature = "candle")]
 pub mod train;
@@ -52,3 +53,4 @@ pub use meter::{Category, Meter, Residency};
 pub use output::{CellOutput, Figure, PoolUse, RegionReport, Table, Unit};
 #[cfg(feature = "candle")]
 pub use plugin::{Context, DynPlugin, ParamError, Plugin, Region};
+pub use rules::{Rules, Violation};

@@ -34,6 +34,15 @@ pub trait Plugin: Send + Sync + 'static {
         ""
     }
 
+    /// Checks the parameters' values (their types are serde's to check):
+    /// every value the experiment cannot run with, with what is allowed. A
+    /// chapter is refused before anything runs while any remains. Write it
+    /// with [`Rules`](crate::Rules); the default allows every value.
+    fn validate(&self, params: &Self::Params) -> Vec<crate::Violation> {
+        let _ = params;
+        Vec::new()
+    }
+
     /// Runs the experiment.
     fn run(&self, ctx: &mut Context, params: Self::Params) -> anyhow::Result<()>;
 }
@@ -58,6 +67,9 @@ pub trait DynPlugin: Send + Sync {
     fn description(&self) -> &str;
     /// Checks a parameter table and returns it with defaults filled in, as JSON.
     fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError>;
+    /// The values of a well-typed parameter table that are not allowed; see
+    /// [`Plugin::validate`].
+    fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError>;
     /// Deserialises the parameters and runs.
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()>;
 }
@@ -96,9 +108,24 @@ impl<T: Plugin> DynPlugin for T {
         })
     }
 
+    fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError> {
+        let typed: T::Params = parse(params)?;
+        Ok(self.validate(&typed))
+    }
+
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()> {
         let typed: T::Params =
             parse(params).map_err(|e| anyhow::anyhow!("parameter `{}`: {e}", e.field))?;
+        // A caller that did not load a chapter (the library, a worker) gets
+        // the same refusal as `workbook validate`.
+        let violations = self.validate(&typed);
+        if !violations.is_empty() {
+            let said: Vec<String> = violations
+                .iter()
+                .map(|v| format!("parameter `{}` {v}", v.field))
+                .collect();
+            anyhow::bail!("{}", said.join("; "));
+        }
         self.run(ctx, typed)
     }
 }
