@@ -102,3 +102,12 @@ fn the_causal_mask_hides_the_future() {
     let v0 = c.v.as_tensor().narrow(1, 0, 1).unwrap();
     assert!(max_abs_diff(&first, &v0).unwrap() < 1e-6);
 }
+
+#[test]
+fn one_4096_by_4096_score_matrix_for_32_heads_in_f16_is_1_07_gb() {
+    use workbook_attention::score_matrix_bytes;
+    let bytes = score_matrix_bytes(32, 4096, workbook_sdk::candle::DType::F16);
+    assert_eq!(bytes, 32 * 4096 * 4096 * 2);
+    assert_eq!(bytes, 1_073_741_824);
+    assert_eq!(format!("{:.2}", bytes as f64 / 1e9), "1.07");
+}

@@ -502,7 +502,9 @@ impl Checkpointing {
             ]);
         }
         ctx.table(table);
-        let sqrt_n = (p.stack_depth as f64).sqrt();
+        // What is cut into segments is the stack's modules, a Linear and a
+        // GELU per block: n is 2 × stack_depth, not the depth.
+        let sqrt_n = (model.layers().len() as f64).sqrt();
         ctx.figure(Figure {
             id: "checkpointing-segments".into(),
             title: format!(

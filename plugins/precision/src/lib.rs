@@ -365,6 +365,7 @@ fn underflow(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()>
         "gradients of about {:.0e}: {f16_plain} of {elements} weight gradients flush to zero in f16, {f16_scaled} with the loss scaled by {scale}, {bf16_plain} in bf16 unscaled",
         p.small_gradient
     ));
+    ctx.metric("underflow_elements", elements);
     ctx.metric("flushed_f16_unscaled", f16_plain as f64);
     ctx.metric("flushed_f16_scaled", f16_scaled as f64);
     ctx.metric("flushed_bf16_unscaled", bf16_plain as f64);
@@ -514,6 +515,16 @@ fn training(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> 
         });
         if let Some(s) = scaler {
             ctx.metric("final_scale", s.scale());
+            // How often the scale a step ran with was below the one before
+            // (the scale after the last step included), read from the
+            // recorded history, not from the scaler's own count of skips.
+            let scales: Vec<f64> = scale_history
+                .iter()
+                .map(|&(_, scale)| scale)
+                .chain([s.scale()])
+                .collect();
+            let decreases = scales.windows(2).filter(|w| w[1] < w[0]).count();
+            ctx.metric("scale_decreases_f16", decreases as f64);
         }
     }
     ctx.metric("initial_loss", initial);
