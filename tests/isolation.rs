@@ -73,15 +73,8 @@ fn a_cell_past_its_time_limit_is_stopped_and_the_others_are_kept() {
 }
 
 #[test]
-fn a_cell_that_asks_for_too_much_memory_fails_alone() {
-    let o = run(&[
-        "run",
-        "tests/fixtures/huge.toml",
-        "--format",
-        "json",
-        "--max-memory",
-        "2GiB",
-    ]);
+fn a_cell_that_needs_terabytes_is_refused_before_it_runs_and_the_others_pass() {
+    let o = run(&["run", "tests/fixtures/huge.toml", "--format", "json"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
     let r = report(&o);
     assert_eq!(cell(&r, "footprint")["status"], "passed");
@@ -90,13 +83,65 @@ fn a_cell_that_asks_for_too_much_memory_fails_alone() {
     assert_eq!(huge["status"], "error");
     let error = huge["error"].as_str().unwrap();
     assert!(
+        error.starts_with(
+            "refused before running: it needs at least 3.6 TiB (the f32 scores of naive \
+             attention, 4 × 500000²), more than the "
+        ),
+        "{error}"
+    );
+    assert!(
+        error.ends_with("a cell may hold here (`--max-memory`)"),
+        "{error}"
+    );
+    assert_eq!(
+        huge["printed"].as_array().unwrap().len(),
+        0,
+        "it did not run"
+    );
+    // With a cap above the floor, the cell is no longer refused up front.
+    let o = run(&[
+        "run",
+        "tests/fixtures/huge.toml",
+        "--format",
+        "json",
+        "--cell",
+        "footprint",
+        "--max-memory",
+        "1TiB",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
+}
+
+#[test]
+fn a_cell_that_passes_the_memory_cap_while_it_runs_fails_alone() {
+    let o = run(&[
+        "run",
+        "tests/fixtures/over_cap.toml",
+        "--format",
+        "json",
+        "--max-memory",
+        "8GiB",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
+    let r = report(&o);
+    assert_eq!(cell(&r, "footprint")["status"], "passed");
+    assert_eq!(cell(&r, "again")["status"], "passed");
+    let over = cell(&r, "attention");
+    assert_eq!(over["status"], "error");
+    let error = over["error"].as_str().unwrap();
+    assert!(
         error.starts_with("out of memory: the cell's worker process aborted (SIGABRT)"),
         "{error}"
     );
     assert!(error.contains("memory allocation of"), "{error}");
     assert!(
-        error.ends_with("a cell may hold at most 2.0 GiB at once here (`--max-memory`)"),
+        error.ends_with("a cell may hold at most 8.0 GiB at once here (`--max-memory`)"),
         "{error}"
+    );
+    // What the cell measured before it ran out is kept.
+    assert!(
+        over["metrics"]["out_diff_tiled"].as_f64().unwrap() < 1e-5,
+        "{over}"
     );
     assert_eq!(r["summary"]["cells_errored"], 1);
 }

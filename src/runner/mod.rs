@@ -233,6 +233,9 @@ fn run_in_process(
                     } else {
                         let _ = tx.send(Event::Started(index));
                         let outcome = match registry.get(&cell.plugin) {
+                            Some(_) if refused(registry, cell, options).is_some() => {
+                                not_run(refused(registry, cell, options).unwrap_or_default())
+                            }
                             Some(plugin) => {
                                 let mut ctx =
                                     Context::new(device.clone(), meter.clone(), options.check);
@@ -310,6 +313,18 @@ fn run_in_workers(
             report.cells.push(cell_report);
             continue;
         }
+        if let Some(why) = refused(registry, cell, options) {
+            if !started {
+                observer.started(report);
+                started = true;
+            }
+            observer.cell_started(index, cell);
+            let cell_report = assemble(registry, cell, options.check, not_run(why));
+            stop |= stops(options, cell_report.status);
+            observer.cell_finished(&cell_report);
+            report.cells.push(cell_report);
+            continue;
+        }
         if started {
             observer.cell_started(index, cell);
         }
@@ -365,10 +380,32 @@ fn not_run_reason(options: &RunOptions) -> &'static str {
 }
 
 fn not_registered(cell: &Cell) -> CellOutcome {
+    not_run(format!("plugin `{}` is not registered", cell.plugin))
+}
+
+/// The memory pre-flight: why `cell` is refused before it runs, when the
+/// least its plugin says it must hold is more than a cell may hold.
+fn refused(registry: &Registry, cell: &Cell, options: &RunOptions) -> Option<String> {
+    let cap = options.max_memory?;
+    let plugin = registry.get(&cell.plugin)?;
+    let (floor, what) = plugin.memory_floor_of(cell.params_for(options.check))?;
+    (floor > cap).then(|| {
+        let size = |b: u64| bytesize::ByteSize::b(b).display().iec().to_string();
+        format!(
+            "refused before running: it needs at least {} ({what}), more than the {} a cell \
+             may hold here (`--max-memory`)",
+            size(floor),
+            size(cap)
+        )
+    })
+}
+
+/// A cell that ended before it began, with `error`.
+fn not_run(error: String) -> CellOutcome {
     CellOutcome {
         output: Default::default(),
         end: workbook_sdk::protocol::CellEnd {
-            error: Some(format!("plugin `{}` is not registered", cell.plugin)),
+            error: Some(error),
             seconds: 0.0,
             baseline: Default::default(),
             peak_bytes: 0,

@@ -429,6 +429,19 @@ impl Plugin for AttentionCell {
         r.into_violations()
     }
 
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // Naive attention computes the f32 scores of every head at once.
+        let n = *p.lengths.iter().chain([&p.check_length]).max()? as u64;
+        let bytes = (p.heads as u64)
+            .checked_mul(n)?
+            .checked_mul(n)?
+            .checked_mul(4)?;
+        Some((
+            bytes,
+            format!("the f32 scores of naive attention, {} × {n}²", p.heads),
+        ))
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
         anyhow::ensure!(
             p.q_block > 0 && p.k_block > 0,

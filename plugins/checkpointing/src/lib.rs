@@ -317,6 +317,21 @@ impl Plugin for Checkpointing {
         r.into_violations()
     }
 
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // Plain backprop keeps every block's output of the stack.
+        let bytes = (p.stack_depth as u64)
+            .checked_mul(p.stack_batch as u64)?
+            .checked_mul(p.stack_width as u64)?
+            .checked_mul(4)?;
+        Some((
+            bytes,
+            format!(
+                "the f32 outputs the plain stack keeps, {} × {} × {}",
+                p.stack_depth, p.stack_batch, p.stack_width
+            ),
+        ))
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
         let device = ctx.device().clone();
         let mut rng = Rng::seeded(p.seed);

@@ -406,6 +406,18 @@ impl Plugin for Offload {
         r.into_violations()
     }
 
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // Weights and AdamW's two moments, in f32.
+        let weights = (p.depth as u64).checked_mul((p.width as u64).checked_pow(2)?)?;
+        Some((
+            weights.checked_mul(12)?,
+            format!(
+                "f32 weights and two moments, 3 × {} × {}²",
+                p.depth, p.width
+            ),
+        ))
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
         let device = ctx.device().clone();
         let host = Device::Cpu;

@@ -283,6 +283,21 @@ impl Plugin for Precision {
         r.into_violations()
     }
 
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // The f32 forward keeps every block's output.
+        let bytes = (p.act_depth as u64)
+            .checked_mul(p.act_batch as u64)?
+            .checked_mul(p.act_width as u64)?
+            .checked_mul(4)?;
+        Some((
+            bytes,
+            format!(
+                "the f32 outputs the forward keeps, {} × {} × {}",
+                p.act_depth, p.act_batch, p.act_width
+            ),
+        ))
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
         let mut rng = Rng::seeded(p.seed);
         bytes_per_dtype(ctx)?;

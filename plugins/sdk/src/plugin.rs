@@ -43,6 +43,17 @@ pub trait Plugin: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// A lower bound of the memory the experiment must hold at once with
+    /// these parameters, and what it is (`4 × 500000² f32 scores`), where
+    /// the plugin can tell. A cell whose floor is above what a cell may hold
+    /// (`--max-memory`, by default the machine's memory) is refused before
+    /// it runs, and the run goes on. A floor, not an estimate: it must never
+    /// exceed what the cell really needs, so a refusal is always right.
+    fn memory_floor(&self, params: &Self::Params) -> Option<(u64, String)> {
+        let _ = params;
+        None
+    }
+
     /// Runs the experiment.
     fn run(&self, ctx: &mut Context, params: Self::Params) -> anyhow::Result<()>;
 }
@@ -70,6 +81,8 @@ pub trait DynPlugin: Send + Sync {
     /// The values of a well-typed parameter table that are not allowed; see
     /// [`Plugin::validate`].
     fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError>;
+    /// See [`Plugin::memory_floor`]; `None` for a table that does not parse.
+    fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)>;
     /// Deserialises the parameters and runs.
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()>;
 }
@@ -111,6 +124,11 @@ impl<T: Plugin> DynPlugin for T {
     fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError> {
         let typed: T::Params = parse(params)?;
         Ok(self.validate(&typed))
+    }
+
+    fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)> {
+        let typed: T::Params = parse(params).ok()?;
+        self.memory_floor(&typed)
     }
 
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()> {
