@@ -332,3 +332,56 @@ fn a_worker_of_another_protocol_version_is_named() {
          speaks version 1\"}\n"
     );
 }
+
+/// The worker processes of `parent`.
+fn children(parent: u32) -> Vec<u32> {
+    let path = format!("/proc/{parent}/task/{parent}/children");
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_worker_killed_by_a_signal_is_that_cells_error_and_the_run_goes_on() {
+    let _light = light();
+    let child = workbook()
+        .args(["run", "tests/fixtures/killed.toml", "--format", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Full-size checkpointing runs for many seconds: its worker is there.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let worker = loop {
+        if let Some(&w) = children(child.id()).first() {
+            break w;
+        }
+        assert!(std::time::Instant::now() < deadline, "no worker appeared");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: kill(2) on the worker the test's own child started.
+    unsafe {
+        libc::kill(worker as libc::pid_t, libc::SIGKILL);
+    }
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
+    let r = report(&o);
+    let killed = cell(&r, "checkpointing");
+    assert_eq!(killed["status"], "error");
+    assert!(
+        killed["error"].as_str().unwrap().starts_with(
+            "the cell's worker process was killed by SIGKILL (the kernel's out-of-memory \
+             killer does this when memory runs out) before the cell ended"
+        ),
+        "{killed}"
+    );
+    // What it printed before is kept, and the next cell ran.
+    assert!(
+        !killed["printed"].as_array().unwrap().is_empty(),
+        "{killed}"
+    );
+    assert_eq!(cell(&r, "footprint")["status"], "passed");
+}
