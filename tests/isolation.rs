@@ -385,3 +385,35 @@ fn a_worker_killed_by_a_signal_is_that_cells_error_and_the_run_goes_on() {
     );
     assert_eq!(cell(&r, "footprint")["status"], "passed");
 }
+
+#[test]
+fn each_memory_floor_is_below_what_its_cell_measured() {
+    // A floor above the real peak would refuse cells that fit: at check size
+    // each built-in plugin's floor must not exceed its cell's measured peak.
+    let _heavy = common::heavy();
+    let o = workbook()
+        .args(["run", "chapter2", "--check", "--format", "json"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
+    let r = report(&o);
+    let registry = workbook::Registry::builtin();
+    let mut without: Vec<String> = Vec::new();
+    for c in r["cells"].as_array().unwrap() {
+        let plugin = registry.get(c["plugin"].as_str().unwrap()).unwrap();
+        let params: toml::Table = serde_json::from_value(c["params"].clone()).unwrap();
+        let Some((floor, what)) = plugin.memory_floor_of(&params) else {
+            without.push(c["plugin"].to_string());
+            continue;
+        };
+        let memory = &c["memory"];
+        let peak =
+            memory["peak_bytes"].as_u64().unwrap() - memory["baseline_bytes"].as_u64().unwrap();
+        assert!(
+            floor <= peak,
+            "cell {}: floor {floor} ({what}) above its measured peak {peak}",
+            c["id"]
+        );
+    }
+    assert!(without.is_empty(), "without a floor: {without:?}");
+}

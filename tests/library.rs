@@ -398,8 +398,10 @@ plugin = "freed"
         region.category_peak_above_baseline(Category::Activations),
         1_000
     );
+    // Other test threads allocate and free small blocks at any moment: the
+    // total is exact to within them.
     assert!(
-        memory.peak_bytes >= memory.baseline_bytes + 10_000_000,
+        memory.peak_bytes + (1 << 16) >= memory.baseline_bytes + 10_000_000,
         "cell peak {} over a baseline of {}",
         memory.peak_bytes,
         memory.baseline_bytes

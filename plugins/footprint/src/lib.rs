@@ -132,6 +132,25 @@ impl Plugin for Footprint {
         r.into_violations()
     }
 
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // The state model's parameters, gradients and two moments, in the
+        // smallest dtype it is materialised in.
+        let params = p.state_model.windows(2).try_fold(0u64, |sum, w| {
+            let (i, o) = (w[0] as u64, w[1] as u64);
+            sum.checked_add(i.checked_mul(o)?.checked_add(o)?)
+        })?;
+        let bytes = p
+            .dtypes
+            .iter()
+            .filter_map(|d| parse_dtype(d).ok())
+            .map(|d| d.size_in_bytes() as u64)
+            .min()?;
+        Some((
+            params.checked_mul(4)?.checked_mul(bytes)?,
+            format!("the training state of {params} parameters, 4 × {bytes} bytes each"),
+        ))
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
         let device = ctx.device().clone();
         let mut rng = Rng::seeded(p.seed);

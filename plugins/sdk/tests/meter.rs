@@ -19,6 +19,11 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The test harness's own threads allocate and free small blocks (as
+/// `other`) at any moment, so a total is exact only to within them; a
+/// category's own figures are exact.
+const OTHERS: u64 = 1 << 16;
+
 fn bytes_of(c: Category) -> u64 {
     CpuMeter::new().unwrap().snapshot().current.get(c)
 }
@@ -93,7 +98,7 @@ fn a_frame_records_its_own_high_water_mark_and_folds_it_into_the_enclosing_one()
     // Other threads allocate as `other` and may free at any time, so the
     // total peak is only bounded; a category's own peak is exact.
     assert_eq!(act(&meter.snapshot()), base + 5_000_000);
-    assert!(meter.snapshot().peak >= start.current_total() + 5_000_000);
+    assert!(meter.snapshot().peak + OTHERS >= start.current_total() + 5_000_000);
     // An inner frame starts from what is live, not from the outer peak...
     meter.push_peak();
     assert_eq!(act(&meter.snapshot()), base);
@@ -104,7 +109,7 @@ fn a_frame_records_its_own_high_water_mark_and_folds_it_into_the_enclosing_one()
     // ...and closing it gives the outer frame back its own, higher, peak.
     let outer = meter.snapshot();
     assert_eq!(act(&outer), base + 5_000_000);
-    assert!(outer.peak >= start.current_total() + 5_000_000);
+    assert!(outer.peak + OTHERS >= start.current_total() + 5_000_000);
     // An inner peak higher than the outer one's is folded in.
     meter.push_peak();
     let huge = Category::Activations.scope(|| vec![1u8; 7_000_000]);
@@ -138,7 +143,7 @@ fn an_outer_region_keeps_the_peak_of_a_buffer_freed_before_an_inner_region() {
         outer.category_peak_above_baseline(Category::Activations),
         10_000_000
     );
-    assert!(outer.peak_above_baseline() >= 10_000_000);
+    assert!(outer.peak_above_baseline() + OTHERS >= 10_000_000);
     assert!(outer.peak_bytes >= inner.peak_bytes);
 }
 
