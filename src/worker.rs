@@ -27,15 +27,7 @@ fn fatal(message: String) -> ExitCode {
 }
 
 fn cell_error(message: String) -> ExitCode {
-    send(&Message::End(CellEnd {
-        error: Some(message),
-        seconds: 0.0,
-        baseline: Default::default(),
-        peak_bytes: 0,
-        peak_by_category: Default::default(),
-        end: Default::default(),
-        pool: None,
-    }));
+    send(&Message::End(CellEnd::failed(message, 0.0)));
     ExitCode::SUCCESS
 }
 

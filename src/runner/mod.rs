@@ -404,15 +404,7 @@ fn refused(registry: &Registry, cell: &Cell, options: &RunOptions) -> Option<Str
 fn not_run(error: String) -> CellOutcome {
     CellOutcome {
         output: Default::default(),
-        end: workbook_sdk::protocol::CellEnd {
-            error: Some(error),
-            seconds: 0.0,
-            baseline: Default::default(),
-            peak_bytes: 0,
-            peak_by_category: Default::default(),
-            end: Default::default(),
-            pool: None,
-        },
+        end: workbook_sdk::protocol::CellEnd::failed(error, 0.0),
     }
 }
 

@@ -223,12 +223,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
         }
         None => CellEnd {
             error,
-            seconds,
-            baseline: Default::default(),
-            peak_bytes: 0,
-            peak_by_category: Default::default(),
-            end: Default::default(),
-            pool: None,
+            ..CellEnd::failed(String::new(), seconds)
         },
     };
     WorkerResult::Ran(Box::new(CellOutcome { output, end }), hello)

@@ -246,17 +246,12 @@ impl Plugin for Accumulation {
 
     fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
         // The full large batch keeps every block's output of the stack.
-        let bytes = (p.sweep_depth as u64)
-            .checked_mul(p.large_batch as u64)?
-            .checked_mul(p.sweep_width as u64)?
-            .checked_mul(4)?;
-        Some((
-            bytes,
-            format!(
-                "the f32 outputs the full batch keeps, {} × {} × {}",
-                p.sweep_depth, p.large_batch, p.sweep_width
-            ),
-        ))
+        workbook_sdk::rules::f32_outputs_floor(
+            "the full batch keeps",
+            p.sweep_depth,
+            p.large_batch,
+            p.sweep_width,
+        )
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

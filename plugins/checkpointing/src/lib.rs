@@ -319,17 +319,12 @@ impl Plugin for Checkpointing {
 
     fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
         // Plain backprop keeps every block's output of the stack.
-        let bytes = (p.stack_depth as u64)
-            .checked_mul(p.stack_batch as u64)?
-            .checked_mul(p.stack_width as u64)?
-            .checked_mul(4)?;
-        Some((
-            bytes,
-            format!(
-                "the f32 outputs the plain stack keeps, {} × {} × {}",
-                p.stack_depth, p.stack_batch, p.stack_width
-            ),
-        ))
+        workbook_sdk::rules::f32_outputs_floor(
+            "the plain stack keeps",
+            p.stack_depth,
+            p.stack_batch,
+            p.stack_width,
+        )
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

@@ -285,17 +285,12 @@ impl Plugin for Precision {
 
     fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
         // The f32 forward keeps every block's output.
-        let bytes = (p.act_depth as u64)
-            .checked_mul(p.act_batch as u64)?
-            .checked_mul(p.act_width as u64)?
-            .checked_mul(4)?;
-        Some((
-            bytes,
-            format!(
-                "the f32 outputs the forward keeps, {} × {} × {}",
-                p.act_depth, p.act_batch, p.act_width
-            ),
-        ))
+        workbook_sdk::rules::f32_outputs_floor(
+            "the forward keeps",
+            p.act_depth,
+            p.act_batch,
+            p.act_width,
+        )
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

@@ -114,6 +114,21 @@ pub struct CellEnd {
     pub pool: Option<PoolUse>,
 }
 
+impl CellEnd {
+    /// A cell that ended before it measured anything, with `error`.
+    pub fn failed(error: String, seconds: f64) -> Self {
+        Self {
+            error: Some(error),
+            seconds,
+            baseline: ByCategory::default(),
+            peak_bytes: 0,
+            peak_by_category: ByCategory::default(),
+            end: ByCategory::default(),
+            pool: None,
+        }
+    }
+}
+
 impl Message {
     /// Writes the message as one line of JSON and flushes. It serialises
     /// straight into `w`: into a buffered standard output, it allocates

@@ -186,6 +186,25 @@ impl Rules {
     }
 }
 
+/// A memory floor (see `Plugin::memory_floor`): the f32 outputs of `depth`
+/// layers of `batch` × `width`, which a forward keeps for the backward;
+/// `kept` says by what, as `the plain stack keeps`.
+pub fn f32_outputs_floor(
+    kept: &str,
+    depth: usize,
+    batch: usize,
+    width: usize,
+) -> Option<(u64, String)> {
+    let bytes = (depth as u64)
+        .checked_mul(batch as u64)?
+        .checked_mul(width as u64)?
+        .checked_mul(4)?;
+    Some((
+        bytes,
+        format!("the f32 outputs {kept}, {depth} × {batch} × {width}"),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
