@@ -227,9 +227,12 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic_or_a_success() {
     let Ok(full) = full else {
         return;
     };
+    let dir = tempfile::tempdir().unwrap();
+    let notebook = dir.path().join("chapter2.ipynb");
     for args in [
         vec!["validate", "chapter2"],
         vec!["list"],
+        vec!["notebook", "chapter2", "-o", notebook.to_str().unwrap()],
         vec!["run", "chapter2", "--check", "--cell", "footprint"],
         vec![
             "run",
