@@ -218,8 +218,14 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                     })?)
                 },
                 timeout: *timeout,
-                max_memory: max_memory.or_else(physical_memory),
-                interrupt: Some(workbook::runner::interrupt_flag()),
+                // In process, there is no cap to enforce nor a worker to stop:
+                // Ctrl-C ends the process as usual.
+                max_memory: if *in_process {
+                    None
+                } else {
+                    max_memory.or_else(physical_memory)
+                },
+                interrupt: (!*in_process).then(workbook::runner::interrupt_flag),
             };
             let mut writer = ReportWriter {
                 html,

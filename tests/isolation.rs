@@ -217,7 +217,7 @@ fn an_earlier_reports_files_are_removed_and_the_rest_is_left() {
     assert!(!plots.join("gone-stale.svg").exists());
     assert!(dir.path().join("notes.txt").exists());
     let page = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
-    assert!(!page.contains("This run is incomplete"));
+    assert!(!page.contains("This report is incomplete"));
 }
 
 #[test]
@@ -303,7 +303,10 @@ fn ctrl_c_stops_the_run_and_keeps_a_report_marked_incomplete() {
     );
     assert!(err.contains("interrupted: 2 of 3 cells ran"), "{err}");
     let html = std::fs::read_to_string(&page).unwrap();
-    assert!(html.contains("This run is incomplete"), "the page says so");
+    assert!(
+        html.contains("This report is incomplete"),
+        "the page says so"
+    );
     assert!(
         html.contains("interrupted: the run was stopped (Ctrl-C) while this cell ran"),
         "the cell that was running says why"

@@ -384,10 +384,9 @@ pub fn page(report: &ChapterReport, plots: &[Vec<Plot>]) -> String {
     if report.incomplete {
         let _ = write!(
             out,
-            "<p class=\"why\"><strong>This run is incomplete:</strong> it was stopped after \
-             {} of its {} cells.</p>",
-            report.cells_run(),
-            report.cells.len()
+            "<p class=\"why\"><strong>This report is incomplete:</strong> {} cells ran; \
+             the run was stopped, or is still going.</p>",
+            report.cells_run()
         );
     }
     out.push_str(&markdown(&report.chapter.intro));

@@ -137,8 +137,11 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
     let mut end: Option<CellEnd> = None;
     let mut stopped: Option<String> = None;
     let mut garbled: Option<String> = None;
+    let mut fatal: Option<String> = None;
     let deadline = start + watch.limit;
-    loop {
+    // Until the cell's end arrives: after it, nothing the cell did can be
+    // lost, and neither the time limit nor Ctrl-C may rewrite how it ended.
+    while end.is_none() {
         if watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst)) {
             stopped = Some("interrupted: the run was stopped (Ctrl-C) while this cell ran".into());
             break;
@@ -160,12 +163,12 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
                     meter,
                 } => {
                     if protocol != PROTOCOL_VERSION {
-                        kill(&mut child);
-                        return WorkerResult::Fatal(format!(
+                        fatal = Some(format!(
                             "the worker {} speaks protocol version {protocol}; this runner \
                              speaks version {PROTOCOL_VERSION}",
                             command.program.display()
                         ));
+                        break;
                     }
                     hello = Some(Hello { device, meter });
                 }
@@ -178,9 +181,15 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
                 Message::Figure(f) => output.figures.push(f),
                 Message::Progress { message } => (watch.progress)(&message),
                 Message::End(e) => end = Some(e),
+                // Before the hello the worker cannot run cells at all; after
+                // it, whatever failed is this cell's alone.
+                Message::Fatal { message } if hello.is_none() => {
+                    fatal = Some(message);
+                    break;
+                }
                 Message::Fatal { message } => {
-                    kill(&mut child);
-                    return WorkerResult::Fatal(message);
+                    stopped = Some(message);
+                    break;
                 }
             },
             Ok(Event::Garbled(line)) => {
@@ -197,12 +206,15 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
         // Ctrl-C reaches the worker too, which may die of it first.
         stopped = Some("interrupted: the run was stopped (Ctrl-C) while this cell ran".into());
     }
-    if stopped.is_some() {
+    if stopped.is_some() || fatal.is_some() {
         kill(&mut child);
     }
-    let status = child.wait();
+    let status = wait(&mut child);
     let _ = reader.join();
     let tail = stderr_reader.join().unwrap_or_default();
+    if let Some(message) = fatal {
+        return WorkerResult::Fatal(message);
+    }
     let seconds = start.elapsed().as_secs_f64();
     let error = match (stopped, &end) {
         (Some(why), _) => Some(why),
@@ -232,6 +244,25 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
 fn kill(child: &mut Child) {
     // It may have exited by itself in the meantime.
     let _ = child.kill();
+}
+
+/// How long a worker that has ended its cell may take to exit (freeing a
+/// large heap, tearing down a CUDA context) before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(30);
+
+/// Waits for the worker to exit, killing it after [`EXIT_GRACE`].
+fn wait(child: &mut Child) -> std::io::Result<ExitStatus> {
+    let until = Instant::now() + EXIT_GRACE;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if Instant::now() >= until {
+            kill(child);
+            return child.wait();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 fn seconds_text(d: Duration) -> String {
@@ -279,19 +310,29 @@ fn died(
         "panicked at",
         "has overflowed its stack",
     ];
-    let last = said
-        .lines()
+    let lines: Vec<&str> = said.lines().collect();
+    // A panic's line ends in its location, and its message is the next line.
+    let with_next = |i: usize| match (lines[i].trim_end().ends_with(':'), lines.get(i + 1)) {
+        (true, Some(next)) => format!("{} {}", lines[i].trim(), next.trim()),
+        _ => lines[i].to_string(),
+    };
+    let last = (0..lines.len())
         .rev()
-        .find(|l| telling.iter().any(|t| l.contains(t)))
+        .find(|&i| telling.iter().any(|t| lines[i].contains(t)))
+        .map(with_next)
         .or_else(|| {
-            said.lines().rev().find(|l| {
-                let t = l.trim_start();
-                !t.is_empty()
-                    && !t.starts_with("note:")
-                    && !t.starts_with("stack backtrace")
-                    && !t.starts_with(|c: char| c.is_ascii_digit())
-                    && !t.starts_with("at ")
-            })
+            lines
+                .iter()
+                .rev()
+                .find(|l| {
+                    let t = l.trim_start();
+                    !t.is_empty()
+                        && !t.starts_with("note:")
+                        && !t.starts_with("stack backtrace")
+                        && !t.starts_with(|c: char| c.is_ascii_digit())
+                        && !t.starts_with("at ")
+                })
+                .map(|l| l.to_string())
         })
         .map(|l| excerpt(l.trim(), 300));
     let mut message = String::new();
@@ -332,4 +373,38 @@ pub fn interrupt_flag() -> Arc<AtomicBool> {
         flag
     })
     .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panics_message_is_quoted_with_its_location() {
+        let stderr = b"\nthread 'workbook cell' panicked at plugins/x/src/lib.rs:10:5:\n\
+                       the plugin gave up\nnote: run with `RUST_BACKTRACE=1`\n";
+        let said = died(None, stderr, None, None);
+        assert_eq!(
+            said,
+            "the cell's worker process could not be waited for before the cell ended; it \
+             said: thread 'workbook cell' panicked at plugins/x/src/lib.rs:10:5: the plugin \
+             gave up"
+        );
+    }
+
+    #[test]
+    fn an_allocation_failure_names_the_cap() {
+        let said = died(
+            None,
+            b"memory allocation of 4096 bytes failed\n",
+            None,
+            Some(1 << 30),
+        );
+        assert_eq!(
+            said,
+            "out of memory: the cell's worker process could not be waited for before the \
+             cell ended; it said: memory allocation of 4096 bytes failed; a cell may hold at \
+             most 1.0 GiB at once here (`--max-memory`)"
+        );
+    }
 }

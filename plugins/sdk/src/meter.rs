@@ -301,13 +301,19 @@ fn current_tag() -> u8 {
 pub fn device_allocated(bytes: u64) -> u8 {
     let tag = current_category();
     record_alloc(tag, bytes);
+    OUTSIDE_HEAP.fetch_add(bytes, Ordering::Relaxed);
     tag
 }
 
 /// Counts the free of a buffer counted by [`device_allocated`].
 pub fn device_freed(tag: u8, bytes: u64) {
     record_free(tag, bytes);
+    OUTSIDE_HEAP.fetch_sub(bytes, Ordering::Relaxed);
 }
+
+/// Bytes counted by [`device_allocated`] and not yet freed: device memory,
+/// which the heap's cap ([`set_limit`]) does not apply to.
+static OUTSIDE_HEAP: AtomicU64 = AtomicU64::new(0);
 
 /// Declares that tensors live on a GPU: from now on the heap counts as host
 /// memory, and device memory is what [`device_allocated`] reports.
@@ -319,7 +325,8 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// The most bytes the counting allocator hands out at once; 0 for no limit.
 static LIMIT: AtomicU64 = AtomicU64::new(0);
 
-/// Caps the bytes counted live at once at `bytes` (`None`: no cap). An
+/// Caps the heap bytes counted live at once at `bytes` (`None`: no cap;
+/// device buffers counted by [`device_allocated`] are not held to it). An
 /// allocation that would pass it fails as if the system had no memory left,
 /// which Rust reports as `memory allocation of N bytes failed` and answers by
 /// aborting: a cell asking for more than the machine has fails at once, in
@@ -538,10 +545,15 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 }
 
-/// Whether `more` bytes on top of what is live would pass the cap.
+/// Whether `more` bytes on top of what the heap holds would pass the cap.
 fn over_limit(more: u64) -> bool {
     let limit = LIMIT.load(Ordering::Relaxed);
-    limit != 0 && TOTAL.load(Ordering::Relaxed).saturating_add(more) > limit
+    limit != 0 && {
+        let heap = TOTAL
+            .load(Ordering::Relaxed)
+            .saturating_sub(OUTSIDE_HEAP.load(Ordering::Relaxed));
+        heap.saturating_add(more) > limit
+    }
 }
 
 impl CountingAllocator {
