@@ -401,27 +401,19 @@ struct CellSource<'a> {
 
 impl CellSource<'_> {
     /// Where the parameter behind `field` (`steps[2]`, `scaler.init_scale`)
-    /// is written, and how to name it: in the check table when it is there
-    /// and `check` is set, else in the full-size table, else the plugin.
-    fn locate(&self, field: &str, check: bool) -> (std::ops::Range<usize>, String) {
+    /// is written: in the check table when it is there and `check` is set,
+    /// else in the full-size table, else nowhere (its default: the error
+    /// points at the plugin).
+    fn locate(&self, field: &str, check: bool) -> (std::ops::Range<usize>, Written) {
         let key = field.split(['.', '[']).next().unwrap_or_default();
         let lookup = |t: &SpannedTable| t.get_key_value(key).map(|(k, _)| k.span());
-        if check {
-            if let Some(span) = lookup(self.check) {
-                return (span, format!("check parameter `{field}`"));
-            }
-        }
-        match lookup(self.params) {
-            Some(span) if check => (span, format!("parameter `{field}` (at check size)")),
-            Some(span) => (span, format!("parameter `{field}`")),
-            None if check => (
-                self.plugin.clone(),
-                format!("parameter `{field}` (its default, at check size)"),
-            ),
-            None => (
-                self.plugin.clone(),
-                format!("parameter `{field}` (its default)"),
-            ),
+        match (
+            check.then(|| lookup(self.check)).flatten(),
+            lookup(self.params),
+        ) {
+            (Some(span), _) => (span, Written::Check),
+            (None, Some(span)) => (span, Written::Full),
+            (None, None) => (self.plugin.clone(), Written::Default),
         }
     }
 
@@ -443,16 +435,12 @@ impl CellSource<'_> {
                         .map(str::to_string)
                         .or_else(|| unknown_field(&e.message));
                     let (span, what) = match &key {
-                        Some(k) => {
-                            let (span, what) = self.locate(k, check);
-                            (span, what.replace(" (at check size)", ""))
-                        }
+                        Some(k) => match self.locate(k, check) {
+                            (span, Written::Check) => (span, format!("check parameter `{k}`")),
+                            (span, _) => (span, format!("parameter `{k}`")),
+                        },
                         None => (self.plugin.clone(), "parameters".to_string()),
                     };
-                    if said.contains(&(what.clone(), e.message.clone())) {
-                        continue;
-                    }
-                    said.push((what.clone(), e.message.clone()));
                     errors.push(self.src.error(
                         span,
                         Some(self.id),
@@ -468,7 +456,21 @@ impl CellSource<'_> {
                             continue;
                         }
                         said.push(seen);
-                        let (span, what) = self.locate(&v.field, check);
+                        let f = &v.field;
+                        let (span, what) = match (self.locate(f, check), check) {
+                            ((span, Written::Check), _) => (span, format!("check parameter `{f}`")),
+                            ((span, Written::Full), false) => (span, format!("parameter `{f}`")),
+                            ((span, Written::Full), true) => {
+                                (span, format!("parameter `{f}` (at check size)"))
+                            }
+                            ((span, Written::Default), false) => {
+                                (span, format!("parameter `{f}` (its default)"))
+                            }
+                            ((span, Written::Default), true) => (
+                                span,
+                                format!("parameter `{f}` (its default, at check size)"),
+                            ),
+                        };
                         errors.push(self.src.error(
                             span,
                             Some(self.id),
@@ -479,6 +481,16 @@ impl CellSource<'_> {
             }
         }
     }
+}
+
+/// Where a cell's parameter is written.
+enum Written {
+    /// In the `check` table.
+    Check,
+    /// In the full-size `params` table.
+    Full,
+    /// Nowhere: it takes the plugin's default.
+    Default,
 }
 
 /// A time limit in seconds, as a duration; the error says what is allowed.

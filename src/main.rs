@@ -145,7 +145,11 @@ fn say(text: &str) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())
         .and_then(|_| out.flush())
-        .map_err(|e| anyhow::anyhow!("cannot write to standard output: {e}"))
+        .map_err(stdout_failed)
+}
+
+fn stdout_failed(e: std::io::Error) -> anyhow::Error {
+    anyhow::anyhow!("cannot write to standard output: {e}")
 }
 
 fn main() -> ExitCode {
@@ -229,7 +233,6 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             };
             let mut writer = ReportWriter {
                 html,
-                dir: out.clone(),
                 report: None,
                 error: None,
             };
@@ -261,7 +264,7 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
                 return Err(e);
             }
             if let Some(e) = printing {
-                anyhow::bail!("cannot write to standard output: {e}");
+                return Err(stdout_failed(e));
             }
             Ok(if report.incomplete {
                 eprintln!(
@@ -427,7 +430,6 @@ impl Spinner {
 /// Writes the plots and the HTML report as cells finish, if asked to.
 struct ReportWriter {
     html: Option<HtmlWriter>,
-    dir: Option<PathBuf>,
     /// The run so far, as the page shows it until the run ends.
     report: Option<ChapterReport>,
     error: Option<anyhow::Error>,
@@ -455,7 +457,7 @@ impl ReportWriter {
     }
 
     fn finished(&mut self, report: &ChapterReport) {
-        let (Some(html), Some(dir)) = (&self.html, &self.dir) else {
+        let Some(html) = &self.html else {
             return;
         };
         if self.error.is_some() {
@@ -466,7 +468,7 @@ impl ReportWriter {
                 "wrote {} and {} plot files in {}",
                 files.html.display(),
                 files.plots.len(),
-                dir.join("plots").display()
+                files.html.with_file_name("plots").display()
             ),
             Err(e) => self.error = Some(e),
         }

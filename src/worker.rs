@@ -31,6 +31,13 @@ fn cell_error(message: String) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+fn other_version(runner: u64) -> String {
+    format!(
+        "the runner speaks protocol version {runner}; this worker speaks version \
+         {PROTOCOL_VERSION}"
+    )
+}
+
 /// Reads one request from `input` and runs it with `registry`'s plugins,
 /// answering on standard output.
 pub fn serve(registry: &Registry, mut input: impl BufRead) -> ExitCode {
@@ -46,20 +53,13 @@ pub fn serve(registry: &Registry, mut input: impl BufRead) -> ExitCode {
                 .ok()
                 .and_then(|v| v.get("protocol").and_then(|p| p.as_u64()));
             return fatal(match version {
-                Some(v) if v != u64::from(PROTOCOL_VERSION) => format!(
-                    "the runner speaks protocol version {v}; this worker speaks version \
-                     {PROTOCOL_VERSION}"
-                ),
+                Some(v) if v != u64::from(PROTOCOL_VERSION) => other_version(v),
                 _ => format!("the request is not protocol version {PROTOCOL_VERSION}'s: {e}"),
             });
         }
     };
     if request.protocol != PROTOCOL_VERSION {
-        return fatal(format!(
-            "the runner speaks protocol version {}; this worker speaks version \
-             {PROTOCOL_VERSION}",
-            request.protocol
-        ));
+        return fatal(other_version(request.protocol.into()));
     }
     let Some(choice) = DeviceChoice::from_name(&request.device) else {
         return fatal(format!(

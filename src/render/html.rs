@@ -54,26 +54,18 @@ impl ReportWriter {
         std::fs::write(&probe, b"")
             .with_context(|| format!("cannot write in the report folder {}", dir.display()))?;
         let _ = std::fs::remove_file(&probe);
+        // Nothing to remove is as good as removed.
+        let gone = |r: std::io::Result<()>| match r {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        };
         let html = dir.join("report.html");
-        match std::fs::remove_file(&html) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(e).with_context(|| {
-                    format!("cannot remove the earlier report {}", html.display())
-                })
-            }
-        }
+        gone(std::fs::remove_file(&html))
+            .with_context(|| format!("cannot remove the earlier report {}", html.display()))?;
         let plot_dir = dir.join("plots");
-        match std::fs::remove_dir_all(&plot_dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(e).with_context(|| {
-                    format!("cannot remove the earlier plots in {}", plot_dir.display())
-                })
-            }
-        }
+        gone(std::fs::remove_dir_all(&plot_dir)).with_context(|| {
+            format!("cannot remove the earlier plots in {}", plot_dir.display())
+        })?;
         std::fs::create_dir_all(&plot_dir)
             .with_context(|| format!("cannot create {}", plot_dir.display()))?;
         Ok(Self {

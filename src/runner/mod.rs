@@ -227,16 +227,15 @@ fn run_in_process(
                 }
                 let _ = tx.send(Event::WarmUp(Ok(())));
                 let mut stop = false;
-                for &(index, cell) in selected {
+                for (position, &(_, cell)) in selected.iter().enumerate() {
                     let cell_report = if stop {
                         skipped(registry, cell, options.check, not_run_reason(options))
                     } else {
-                        let _ = tx.send(Event::Started(index));
-                        let outcome = match registry.get(&cell.plugin) {
-                            Some(_) if refused(registry, cell, options).is_some() => {
-                                not_run(refused(registry, cell, options).unwrap_or_default())
-                            }
-                            Some(plugin) => {
+                        let _ = tx.send(Event::Started(position));
+                        let plugin = registry.get(&cell.plugin);
+                        let outcome = match (refused(registry, cell, options), plugin) {
+                            (Some(why), _) => not_run(why),
+                            (None, Some(plugin)) => {
                                 let mut ctx =
                                     Context::new(device.clone(), meter.clone(), options.check);
                                 if let Some(progress) = &options.progress {
@@ -245,7 +244,7 @@ fn run_in_process(
                                 }
                                 execute(plugin, cell.params_for(options.check), ctx, &meter)
                             }
-                            None => not_registered(cell),
+                            (None, None) => not_registered(cell),
                         };
                         assemble(registry, cell, options.check, outcome)
                     };
@@ -260,8 +259,9 @@ fn run_in_process(
             match event {
                 Event::WarmUp(Ok(())) => observer.started(report),
                 Event::WarmUp(Err(e)) => return Err(RunError::Device(e)),
-                Event::Started(index) => {
-                    observer.cell_started(index, selected_cell(selected, index))
+                Event::Started(position) => {
+                    let (index, cell) = selected[position];
+                    observer.cell_started(index, cell)
                 }
                 Event::Finished(cell_report) => {
                     observer.cell_finished(&cell_report);
@@ -276,14 +276,6 @@ fn run_in_process(
             ))
         })
     })
-}
-
-fn selected_cell<'a>(selected: &[(usize, &'a Cell)], index: usize) -> &'a Cell {
-    selected
-        .iter()
-        .find(|(i, _)| *i == index)
-        .map(|(_, c)| *c)
-        .unwrap_or_else(|| selected[0].1)
 }
 
 /// Each cell in a worker process of its own.
@@ -303,71 +295,63 @@ fn run_in_workers(
         }
     };
     for &(index, cell) in selected {
-        if stop {
-            let cell_report = skipped(registry, cell, options.check, not_run_reason(options));
-            if !started {
-                observer.started(report);
-                started = true;
-            }
-            observer.cell_finished(&cell_report);
-            report.cells.push(cell_report);
-            continue;
-        }
-        if let Some(why) = refused(registry, cell, options) {
-            if !started {
-                observer.started(report);
-                started = true;
-            }
+        let cell_report = if stop {
+            skipped(registry, cell, options.check, not_run_reason(options))
+        } else if let Some(why) = refused(registry, cell, options) {
+            begin(&mut started, observer, report);
             observer.cell_started(index, cell);
-            let cell_report = assemble(registry, cell, options.check, not_run(why));
-            stop |= stops(options, cell_report.status);
-            observer.cell_finished(&cell_report);
-            report.cells.push(cell_report);
-            continue;
-        }
-        if started {
-            observer.cell_started(index, cell);
-        }
-        let params = cell.params_for(options.check);
-        let request = Request {
-            protocol: PROTOCOL_VERSION,
-            plugin: cell.plugin.clone(),
-            params: serde_json::to_value(params).unwrap_or(serde_json::Value::Null),
-            check: options.check,
-            device: options.device.name().to_string(),
-            max_memory: options.max_memory,
-        };
-        let watch = process::Watch {
-            limit: options.timeout.or(cell.timeout).unwrap_or(DEFAULT_TIMEOUT),
-            interrupt: options.interrupt.as_deref(),
-            progress: &progress,
-            max_memory: options.max_memory,
-        };
-        let outcome = match process::run(command, &request, &watch) {
-            process::WorkerResult::Fatal(message) => return Err(RunError::Device(message)),
-            process::WorkerResult::Ran(outcome, hello) => {
-                if let Some(h) = hello {
-                    report.device = h.device;
-                    report.meter = h.meter;
+            assemble(registry, cell, options.check, not_run(why))
+        } else {
+            if started {
+                observer.cell_started(index, cell);
+            }
+            let request = Request {
+                protocol: PROTOCOL_VERSION,
+                plugin: cell.plugin.clone(),
+                params: serde_json::to_value(cell.params_for(options.check))
+                    .unwrap_or(serde_json::Value::Null),
+                check: options.check,
+                device: options.device.name().to_string(),
+                max_memory: options.max_memory,
+            };
+            let watch = process::Watch {
+                limit: options.timeout.or(cell.timeout).unwrap_or(DEFAULT_TIMEOUT),
+                interrupt: options.interrupt.as_deref(),
+                progress: &progress,
+                max_memory: options.max_memory,
+            };
+            let outcome = match process::run(command, &request, &watch) {
+                process::WorkerResult::Fatal(message) => return Err(RunError::Device(message)),
+                process::WorkerResult::Ran(outcome, hello) => {
+                    if let Some(h) = hello {
+                        report.device = h.device;
+                        report.meter = h.meter;
+                    }
+                    *outcome
                 }
-                *outcome
+            };
+            if !started {
+                // The header names the device, which the first worker found.
+                begin(&mut started, observer, report);
+                observer.cell_started(index, cell);
             }
+            assemble(registry, cell, options.check, outcome)
         };
-        if !started {
-            // The header names the device, which the first worker found.
-            observer.started(report);
-            observer.cell_started(index, cell);
-            started = true;
-        }
-        let cell_report = assemble(registry, cell, options.check, outcome);
+        begin(&mut started, observer, report);
         stop |= stops(options, cell_report.status);
         observer.cell_finished(&cell_report);
         report.cells.push(cell_report);
     }
-    if !started {
-        observer.started(report);
-    }
+    begin(&mut started, observer, report);
     Ok(())
+}
+
+/// Tells the observer the run has started, once.
+fn begin(started: &mut bool, observer: &mut dyn Observer, report: &ChapterReport) {
+    if !*started {
+        observer.started(report);
+        *started = true;
+    }
 }
 
 /// What a cell that did not run says, and why.
@@ -411,6 +395,7 @@ fn not_run(error: String) -> CellOutcome {
 /// What the worker thread tells the observer's thread.
 enum Event {
     WarmUp(Result<(), String>),
+    /// The cell at this position of the selection began.
     Started(usize),
     Finished(Box<CellReport>),
 }

@@ -65,6 +65,9 @@ pub(crate) struct Watch<'a> {
 /// The last bytes of a worker's standard error kept for its error message.
 const STDERR_TAIL: usize = 4096;
 
+/// The error of the cell that was running when the run was stopped.
+const INTERRUPTED: &str = "interrupted: the run was stopped (Ctrl-C) while this cell ran";
+
 /// How often the parent looks at the interrupt flag while it waits.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -143,7 +146,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
     // lost, and neither the time limit nor Ctrl-C may rewrite how it ended.
     while end.is_none() {
         if watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst)) {
-            stopped = Some("interrupted: the run was stopped (Ctrl-C) while this cell ran".into());
+            stopped = Some(INTERRUPTED.into());
             break;
         }
         let now = Instant::now();
@@ -204,7 +207,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
         && watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst))
     {
         // Ctrl-C reaches the worker too, which may die of it first.
-        stopped = Some("interrupted: the run was stopped (Ctrl-C) while this cell ran".into());
+        stopped = Some(INTERRUPTED.into());
     }
     if stopped.is_some() || fatal.is_some() {
         kill(&mut child);

@@ -139,23 +139,17 @@ impl Message {
         w.write_all(b"\n")?;
         w.flush()
     }
-
-    /// The message as one line of JSON, newline included.
-    pub fn to_line(&self) -> String {
-        // Every field serialises: strings, numbers (non-finite ones named)
-        // and maps with string keys.
-        let mut line = serde_json::to_string(self).unwrap_or_else(|e| {
-            serde_json::json!({ "type": "fatal", "message": format!("cannot encode: {e}") })
-                .to_string()
-        });
-        line.push('\n');
-        line
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn written(m: &Message) -> String {
+        let mut out = Vec::new();
+        m.write_line(&mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
 
     #[test]
     fn messages_are_tagged_lines_that_read_back() {
@@ -163,7 +157,7 @@ mod tests {
             name: "loss".into(),
             value: f64::INFINITY,
         };
-        let line = m.to_line();
+        let line = written(&m);
         assert_eq!(
             line,
             "{\"type\":\"metric\",\"name\":\"loss\",\"value\":\"inf\"}\n"
@@ -175,7 +169,7 @@ mod tests {
             meter: "cpu-allocator".into(),
         };
         assert_eq!(
-            serde_json::from_str::<Message>(&hello.to_line()).unwrap(),
+            serde_json::from_str::<Message>(&written(&hello)).unwrap(),
             hello
         );
     }

@@ -240,12 +240,7 @@ impl Meter for CudaMeter {
     }
 
     fn snapshot(&self) -> MemorySnapshot {
-        // A figure that cannot be read must not read as zero: the panic
-        // becomes the cell's error, and the cells before it keep theirs.
-        let mut pool = self
-            .device()
-            .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"));
-        pool.used_high = pool.used_high.max(self.frames().floor);
+        let pool = self.frame_reading();
         let counted = self.host.snapshot();
         if interposed::SEEN.load(Ordering::Relaxed) > 0 {
             // Device bytes by category from the interposer, host bytes from
@@ -261,12 +256,8 @@ impl Meter for CudaMeter {
 
     fn push_peak(&self) {
         self.host.push_peak();
-        let high = self
-            .device()
-            .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"))
-            .used_high;
+        let reached = self.frame_reading().used_high;
         let mut frames = self.frames();
-        let reached = high.max(frames.floor);
         frames.saved.push(reached);
         frames.floor = 0;
         // A peak that was not reset would be read as the new frame's.
@@ -276,12 +267,8 @@ impl Meter for CudaMeter {
 
     fn pop_peak(&self) {
         self.host.pop_peak();
-        let high = self
-            .device()
-            .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"))
-            .used_high;
+        let inner = self.frame_reading().used_high;
         let mut frames = self.frames();
-        let inner = high.max(frames.floor);
         let outer = frames.saved.pop().unwrap_or(0);
         frames.floor = outer.max(inner);
     }
@@ -290,6 +277,18 @@ impl Meter for CudaMeter {
 impl CudaMeter {
     fn frames(&self) -> std::sync::MutexGuard<'_, PoolFrames> {
         self.pool_frames.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The pool's figures for the innermost open frame: its high-water mark
+    /// includes the peaks of the frames it enclosed that have closed.
+    fn frame_reading(&self) -> PoolReading {
+        // A figure that cannot be read must not read as zero: the panic
+        // becomes the cell's error, and the cells before it keep theirs.
+        let mut pool = self
+            .device()
+            .unwrap_or_else(|e| panic!("reading CUDA memory: {e}"));
+        pool.used_high = pool.used_high.max(self.frames().floor);
+        pool
     }
 }
 
