@@ -1,0 +1,176 @@
+//! Summing micro-batch gradients with row weights.
+
+use candle_core::backprop::GradStore;
+use candle_core::{bail, Result, Tensor, Var};
+use candle_observe::{within, Kind, NoObserver, Observer, Place};
+
+/// Sums the gradients of a batch's micro-batches, each weighted by its share
+/// of the batch's rows, keeping only the model's variables (detached).
+///
+/// ```
+/// use candle_accumulate::GradAccumulator;
+/// use candle_core::{Device, Tensor, Var};
+/// let dev = Device::Cpu;
+/// let w = Var::new(&[0f32], &dev)?;
+/// // Mean of (w - x) over 3 rows, in micro-batches of 2 and 1 rows.
+/// let rows = Tensor::new(&[1f32, 2.0, 6.0], &dev)?;
+/// let mut acc = GradAccumulator::new(vec![w.clone()], 3);
+/// for part in candle_accumulate::micro_batches(&rows, 2)? {
+///     let loss = w.as_tensor().broadcast_sub(&part)?.mean_all()?;
+///     acc.backward(&loss, part.dim(0)?)?;
+/// }
+/// // d/dw of the full batch's mean is 1, whatever the split.
+/// assert_eq!(acc.grads()?.get(w.as_tensor()).unwrap().to_vec1::<f32>()?, [1.0]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub struct GradAccumulator {
+    vars: Vec<Var>,
+    batch_rows: usize,
+    rows: usize,
+    micro_batches: usize,
+    sum: GradStore,
+    observer: Box<dyn Observer>,
+}
+
+impl std::fmt::Debug for GradAccumulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradAccumulator")
+            .field("vars", &self.vars.len())
+            .field("batch_rows", &self.batch_rows)
+            .field("rows", &self.rows)
+            .field("micro_batches", &self.micro_batches)
+            .finish()
+    }
+}
+
+impl GradAccumulator {
+    /// An accumulator for the gradients of `vars` over batches of
+    /// `batch_rows` rows.
+    pub fn new(vars: Vec<Var>, batch_rows: usize) -> Self {
+        Self {
+            vars,
+            batch_rows,
+            rows: 0,
+            micro_batches: 0,
+            sum: GradStore::default(),
+            observer: Box::new(NoObserver),
+        }
+    }
+
+    /// Reports the gradient sum's memory to `observer`.
+    pub fn with_observer(mut self, observer: impl Observer + 'static) -> Self {
+        self.observer = Box::new(observer);
+        self
+    }
+
+    /// Sets the rows of the next batches (a last, shorter batch of an epoch);
+    /// an error while a batch is being accumulated.
+    pub fn set_batch_rows(&mut self, batch_rows: usize) -> Result<()> {
+        if self.rows != 0 {
+            bail!(
+                "{} of the batch's {} rows are accumulated: finish the batch first",
+                self.rows,
+                self.batch_rows
+            );
+        }
+        self.batch_rows = batch_rows;
+        Ok(())
+    }
+
+    /// Back-propagates `loss`, the mean over a micro-batch of `rows` rows,
+    /// with weight `rows / batch_rows`, and adds the gradients to the sum.
+    pub fn backward(&mut self, loss: &Tensor, rows: usize) -> Result<()> {
+        self.check_rows(rows)?;
+        let weight = rows as f64 / self.batch_rows as f64;
+        let grads = within(&*self.observer, Kind::Gradients, Place::Device, || {
+            (loss * weight)?.backward()
+        })?;
+        self.add_weighted(&grads, rows)
+    }
+
+    /// Adds gradients already weighted by `rows / batch_rows` (from a
+    /// checkpointed backward of the weighted loss, say). Entries that are not
+    /// the model's variables (an input's gradient) are left out.
+    pub fn add_weighted(&mut self, grads: &GradStore, rows: usize) -> Result<()> {
+        self.check_rows(rows)?;
+        let _sum = candle_observe::scope(&*self.observer, Kind::Gradients, Place::Device);
+        for var in &self.vars {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let total = match self.sum.remove(var.as_tensor()) {
+                    Some(s) => (s + g)?,
+                    // The first gradient becomes the sum: no copy.
+                    None => g.detach(),
+                };
+                self.sum.insert(var.as_tensor(), total);
+            }
+        }
+        self.rows += rows;
+        self.micro_batches += 1;
+        Ok(())
+    }
+
+    fn check_rows(&self, rows: usize) -> Result<()> {
+        if rows == 0 {
+            bail!("a micro-batch of 0 rows has no mean loss to back-propagate");
+        }
+        if self.rows + rows > self.batch_rows {
+            bail!(
+                "{} + {rows} rows is more than the batch's {} rows",
+                self.rows,
+                self.batch_rows
+            );
+        }
+        Ok(())
+    }
+
+    /// The batch's gradients: an error until the micro-batches' rows add up
+    /// to the batch's.
+    pub fn grads(&self) -> Result<&GradStore> {
+        if self.rows != self.batch_rows {
+            bail!(
+                "only {} of the batch's {} rows are accumulated",
+                self.rows,
+                self.batch_rows
+            );
+        }
+        Ok(&self.sum)
+    }
+
+    /// Rows accumulated since the last [`take`](Self::take) or
+    /// [`reset`](Self::reset).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Micro-batches accumulated since then.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// The batch's gradients, leaving the accumulator empty for the next.
+    pub fn take(&mut self) -> Result<GradStore> {
+        self.grads()?;
+        self.rows = 0;
+        self.micro_batches = 0;
+        Ok(std::mem::take(&mut self.sum))
+    }
+
+    /// Drops what was accumulated.
+    pub fn reset(&mut self) {
+        self.sum = GradStore::default();
+        self.rows = 0;
+        self.micro_batches = 0;
+    }
+}
+
+/// Splits a batch along its first dimension into micro-batches of `size`
+/// rows (views, not copies); the last may be shorter.
+pub fn micro_batches(batch: &Tensor, size: usize) -> Result<Vec<Tensor>> {
+    if size == 0 {
+        bail!("micro-batch size must be at least 1");
+    }
+    let n = batch.dim(0)?;
+    (0..n.div_ceil(size))
+        .map(|i| batch.narrow(0, i * size, size.min(n - i * size)))
+        .collect()
+}

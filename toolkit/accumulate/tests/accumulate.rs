@@ -1,0 +1,97 @@
+//! Row weights, variables only, and the checks on rows.
+
+use candle_accumulate::{micro_batches, Accumulating, GradAccumulator};
+use candle_core::{Device, Result, Tensor, Var};
+use candle_nn::{Optimizer, SGD};
+
+fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+    r.expect_err("must fail").to_string()
+}
+
+/// The old `add` kept every entry of a store: an input's gradient too
+/// (9 entries for 8 variables).
+#[test]
+fn only_the_model_variables_are_kept() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[1f32, 2.0], &dev)?;
+    let x = Var::new(&[3f32, 4.0], &dev)?; // an input that needs a gradient
+    let mut acc = GradAccumulator::new(vec![w.clone()], 2);
+    let loss = (w.as_tensor() * x.as_tensor())?.sum_all()?;
+    acc.backward(&loss, 2)?;
+    let grads = acc.grads()?;
+    assert_eq!(grads.get_ids().count(), 1);
+    assert!(grads.get(x.as_tensor()).is_none());
+    assert_eq!(
+        grads.get(w.as_tensor()).unwrap().to_vec1::<f32>()?,
+        [3.0, 4.0]
+    );
+    Ok(())
+}
+
+#[test]
+fn uneven_micro_batches_give_the_batch_mean() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[0.5f32], &dev)?;
+    let rows = Tensor::new(&[1f32, 2.0, 3.0, 4.0, 10.0], &dev)?;
+    let full = w
+        .as_tensor()
+        .broadcast_mul(&rows)?
+        .sqr()?
+        .mean_all()?
+        .backward()?;
+    for size in 1..=5 {
+        let mut acc = GradAccumulator::new(vec![w.clone()], 5);
+        for part in micro_batches(&rows, size)? {
+            let loss = w.as_tensor().broadcast_mul(&part)?.sqr()?.mean_all()?;
+            acc.backward(&loss, part.dim(0)?)?;
+        }
+        let a = full.get(w.as_tensor()).unwrap().to_vec1::<f32>()?[0];
+        let b = acc.grads()?.get(w.as_tensor()).unwrap().to_vec1::<f32>()?[0];
+        assert!((a - b).abs() < 1e-5, "size {size}: {a} vs {b}");
+    }
+    Ok(())
+}
+
+#[test]
+fn rows_must_add_up() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[1f32], &dev)?;
+    let loss = || w.as_tensor().sum_all();
+    let mut acc = GradAccumulator::new(vec![w.clone()], 4);
+    assert!(err(acc.backward(&loss()?, 0)).starts_with("a micro-batch of 0 rows"));
+    acc.backward(&loss()?, 3)?;
+    assert!(err(acc.grads()).starts_with("only 3 of the batch's 4 rows are accumulated"));
+    assert!(
+        err(acc.backward(&loss()?, 2)).starts_with("3 + 2 rows is more than the batch's 4 rows")
+    );
+    assert!(err(acc.set_batch_rows(3)).starts_with("3 of the batch's 4 rows are accumulated"));
+    acc.backward(&loss()?, 1)?;
+    acc.take()?;
+    assert_eq!((acc.rows(), acc.micro_batches()), (0, 0));
+    acc.set_batch_rows(3)?;
+    acc.backward(&loss()?, 3)?;
+    assert_eq!(
+        acc.grads()?.get(w.as_tensor()).unwrap().to_vec1::<f32>()?,
+        [1.0]
+    );
+    assert!(err(micro_batches(&loss()?.reshape(1)?, 0))
+        .starts_with("micro-batch size must be at least 1"));
+    Ok(())
+}
+
+#[test]
+fn owning_variant_steps_resets_and_reports_pending() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[0f32], &dev)?;
+    let mut acc = Accumulating::new(SGD::new(vec![w.clone()], 1.0)?, vec![w.clone()], 2);
+    acc.accumulate(&(w.as_tensor() * 4.0)?.sum_all()?, 1)?;
+    acc.reset();
+    assert_eq!(acc.pending(), 0);
+    acc.accumulate(&(w.as_tensor() * 4.0)?.sum_all()?, 1)?;
+    acc.accumulate(&(w.as_tensor() * 2.0)?.sum_all()?, 1)?;
+    acc.step()?;
+    // Half of 4 plus half of 2.
+    assert_eq!(w.to_vec1::<f32>()?, [-3.0]);
+    assert_eq!(acc.optimizer().learning_rate(), 1.0);
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! The scaler's protocol, as torch.amp's, and the bugs of the old one: a
+//! caller-supplied finite flag, no unscale tracking, `step` that also
+//! updated, an f64 copy of every gradient.
+
+use candle_amp::{GradScaler, MasterWeights, ScaleChange, ScalerConfig, ScalerState, StepOutcome};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::{Optimizer, SGD};
+
+fn setup() -> Result<(Var, SGD)> {
+    let w = Var::new(&[1f32, 2.0, 3.0], &Device::Cpu)?;
+    let sgd = SGD::new(vec![w.clone()], 1.0)?;
+    Ok((w, sgd))
+}
+
+fn grads_of(scaler: &GradScaler, w: &Var, g: [f32; 3]) -> Result<GradStore> {
+    let g = Tensor::new(&g, &Device::Cpu)?;
+    scaler.scale(&(w.as_tensor() * g)?.sum_all()?)?.backward()
+}
+
+fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+    r.expect_err("must fail").to_string()
+}
+
+#[test]
+fn step_unscales_when_unscale_was_not_called() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut grads = grads_of(&s, &w, [0.5, -1.0, 2.0])?;
+    assert_eq!(
+        s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?,
+        StepOutcome::Stepped
+    );
+    assert_eq!(w.to_vec1::<f32>()?, [0.5, 3.0, 1.0]);
+    Ok(())
+}
+
+#[test]
+fn unscale_then_step_divides_once() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut grads = grads_of(&s, &w, [0.5, -1.0, 2.0])?;
+    assert!(!s.unscale(&mut grads, std::slice::from_ref(&w))?);
+    assert_eq!(
+        grads.get(w.as_tensor()).unwrap().to_vec1::<f32>()?,
+        [0.5, -1.0, 2.0]
+    );
+    s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?;
+    assert_eq!(w.to_vec1::<f32>()?, [0.5, 3.0, 1.0]);
+    Ok(())
+}
+
+#[test]
+fn misuse_is_an_error() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let vars = [w.clone()];
+    let mut s = GradScaler::new(ScalerConfig::default());
+    assert!(err(s.update()).starts_with("update needs an inf check first"));
+    let mut grads = grads_of(&s, &w, [1.0, 1.0, 1.0])?;
+    s.unscale(&mut grads, &vars)?;
+    assert!(err(s.unscale(&mut grads, &vars)).starts_with("unscale was already called"));
+    s.step(&mut sgd, &mut grads, &vars)?;
+    assert!(err(s.step(&mut sgd, &mut grads, &vars)).starts_with("step was already called"));
+    s.update()?;
+    assert!(err(s.update()).starts_with("update needs an inf check first"));
+    Ok(())
+}
+
+/// The old `step` also updated the scale: a torch user calling `update`
+/// after it counted every step twice. Here the scale moves in `update` only.
+#[test]
+fn growth_and_backoff_follow_torch() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let vars = [w.clone()];
+    let mut s = GradScaler::new(ScalerConfig {
+        init_scale: 8.0,
+        growth_factor: 2.0,
+        backoff_factor: 0.25,
+        growth_interval: 3,
+    });
+    // torch.amp.GradScaler with these settings, gradients clean except at
+    // steps 4 and 5: scales after each update.
+    let infs = [false, false, false, true, true, false, false, false, false];
+    let expected = [8.0, 8.0, 16.0, 4.0, 1.0, 1.0, 1.0, 2.0, 2.0];
+    let changes = [
+        ScaleChange::Kept,
+        ScaleChange::Kept,
+        ScaleChange::Grew,
+        ScaleChange::BackedOff,
+        ScaleChange::BackedOff,
+        ScaleChange::Kept,
+        ScaleChange::Kept,
+        ScaleChange::Grew,
+        ScaleChange::Kept,
+    ];
+    for ((&inf, &scale), &change) in infs.iter().zip(&expected).zip(&changes) {
+        let g = if inf { f32::INFINITY } else { 1.0 };
+        let mut grads = grads_of(&s, &w, [g, 1.0, 1.0])?;
+        let before = w.to_vec1::<f32>()?;
+        let outcome = s.step(&mut sgd, &mut grads, &vars)?;
+        assert_eq!(
+            s.scale_factor(),
+            s.state().scale,
+            "step leaves the scale alone"
+        );
+        assert_eq!(
+            outcome,
+            if inf {
+                StepOutcome::Skipped
+            } else {
+                StepOutcome::Stepped
+            }
+        );
+        if inf {
+            assert_eq!(
+                w.to_vec1::<f32>()?,
+                before,
+                "a skipped step leaves the weights"
+            );
+        }
+        assert_eq!(s.update()?, change);
+        assert_eq!(s.scale_factor(), scale);
+    }
+    Ok(())
+}
+
+#[test]
+fn nan_or_inf_in_any_gradient_is_found() -> Result<()> {
+    let dev = Device::Cpu;
+    let vars: Vec<Var> = (0..4)
+        .map(|_| Var::ones(5, DType::F32, &dev).unwrap())
+        .collect();
+    for (bad, value) in [(0, f32::NAN), (3, f32::INFINITY), (2, f32::NEG_INFINITY)] {
+        let mut grads = GradStore::default();
+        for (i, v) in vars.iter().enumerate() {
+            let mut g = vec![1f32; 5];
+            if i == bad {
+                g[4] = value;
+            }
+            grads.insert(v.as_tensor(), Tensor::new(g.as_slice(), &dev)?);
+        }
+        let mut s = GradScaler::new(ScalerConfig::default());
+        assert!(s.unscale(&mut grads, &vars)?, "{value} in gradient {bad}");
+    }
+    // Large but finite: not an overflow.
+    let mut grads = GradStore::default();
+    grads.insert(vars[0].as_tensor(), Tensor::new(&[3e38f32; 5], &dev)?);
+    let mut s = GradScaler::new(ScalerConfig {
+        init_scale: 1.0,
+        ..Default::default()
+    });
+    assert!(!s.unscale(&mut grads, &vars)?);
+    Ok(())
+}
+
+#[test]
+fn state_round_trips() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let mut s = GradScaler::new(ScalerConfig {
+        growth_interval: 5,
+        ..Default::default()
+    });
+    for _ in 0..3 {
+        let mut grads = grads_of(&s, &w, [1.0, 1.0, 1.0])?;
+        s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?;
+        s.update()?;
+    }
+    let json = serde_json::to_string(&s.state()).unwrap();
+    let read: ScalerState = serde_json::from_str(&json).unwrap();
+    let back = GradScaler::from_state(read);
+    assert_eq!(back.state(), s.state());
+    assert_eq!(back.growth_tracker(), 3);
+    assert_eq!(back.scale_factor(), 65536.0);
+    Ok(())
+}
+
+/// A gradient below f16's smallest subnormal is lost without scaling and
+/// kept with it: what the scaler is for.
+#[test]
+fn scaling_keeps_gradients_that_f16_would_flush() -> Result<()> {
+    let dev = Device::Cpu;
+    let masters = MasterWeights::new(DType::F16);
+    let vb = masters.var_builder(&dev);
+    let w = vb.get_with_hints(4, "w", candle_nn::Init::Const(1.0))?;
+    let x = Tensor::full(1e-4f32, 4, &dev)?.to_dtype(DType::F16)?;
+    // d/dw of sum(w * x) * 1e-4 is 1e-8 per element: under f16's 6e-8.
+    let loss = ((&w * &x)?.to_dtype(DType::F32)?.sum_all()? * 1e-4)?;
+    let vars = masters.vars();
+    let plain = loss.backward()?;
+    assert_eq!(
+        plain.get(vars[0].as_tensor()).unwrap().to_vec1::<f32>()?,
+        [0.0; 4]
+    );
+    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut grads = s.scale(&loss)?.backward()?;
+    assert!(!s.unscale(&mut grads, &vars)?);
+    for g in grads.get(vars[0].as_tensor()).unwrap().to_vec1::<f32>()? {
+        assert!((g - 1e-8).abs() < 1e-10, "{g}");
+    }
+    Ok(())
+}
+
+#[test]
+fn an_f16_loss_is_refused() -> Result<()> {
+    let s = GradScaler::new(ScalerConfig::default());
+    let loss = Tensor::new(1f32, &Device::Cpu)?.to_dtype(DType::F16)?;
+    assert!(err(s.scale(&loss)).starts_with("the loss is f16, in which a scale of 65536 overflows"));
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! Memory-efficient attention for candle 0.11, on any device and dtype.
+//!
+//! `softmax(Q K^T * s) V` without the `n x n` score matrix: queries in blocks
+//! against keys in blocks with an online softmax (a running maximum and sum
+//! per row), as FlashAttention does. The forward keeps only its output and
+//! each row's log-sum-exp; the backward recomputes each block of
+//! probabilities from them (FlashAttention-2):
+//!
+//! ```text
+//! P  = exp(Q K^T * s - L)         (one block)
+//! dV += P^T dO
+//! dP = dO V^T
+//! dS = P * (dP - rowsum(dO * O))
+//! dQ += dS K * s,   dK += dS^T Q * s
+//! ```
+//!
+//! * [`flash_attention`]: the attention as one autograd operation, so a
+//!   model's `loss.backward()` goes through the recomputing backward.
+//! * [`flash_forward`] / [`flash_backward`]: the two halves, for a training
+//!   loop of one's own.
+//! * [`naive_attention`]: the plain computation, the reference.
+//!
+//! Tensors are `(batch, heads, seq, head_dim)`. Keys and values may have
+//! fewer heads than queries (grouped-query and multi-query attention): query
+//! head `h` reads key head `h / (q_heads / kv_heads)`. f16, bf16 and f32
+//! inputs are computed with f32 accumulation (f64 in f64) and the results
+//! cast back. The causal mask is top-left aligned, as PyTorch's
+//! `is_causal`: query `i` sees keys `0..=i`.
+#![warn(missing_docs)]
+
+mod backward;
+mod config;
+mod forward;
+mod op;
+mod shapes;
+
+pub use backward::flash_backward;
+pub use config::FlashConfig;
+pub use forward::{flash_forward, naive_attention, Forward};
+pub use op::flash_attention;
+
+/// Bytes of the score matrices a naive attention materialises: `heads`
+/// matrices of `n x n` elements of `dtype`.
+///
+/// ```
+/// use candle_tiled_attention::score_matrix_bytes;
+/// use candle_core::DType;
+/// // 32 heads at 4096 tokens in f16: 1 GiB.
+/// assert_eq!(score_matrix_bytes(32, 4096, DType::F16), 1 << 30);
+/// ```
+pub fn score_matrix_bytes(heads: u64, n: u64, dtype: candle_core::DType) -> u64 {
+    heads * n * n * dtype.size_in_bytes() as u64
+}

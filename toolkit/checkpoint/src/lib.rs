@@ -1,0 +1,31 @@
+//! Activation checkpointing for candle.
+//!
+//! candle's autograd keeps every intermediate tensor of a forward until the
+//! backward. Checkpointing keeps only the inputs of chosen functions and
+//! recomputes the rest during the backward, one function at a time: memory
+//! for time.
+//!
+//! candle has no hooks into its autograd, so this crate drives the backward
+//! itself. Its one primitive is [`recompute`]: run a function again from
+//! saved input(s) and back-propagate an upstream gradient through it, giving
+//! the inputs' gradients and the parameters' gradients (a vector-Jacobian
+//! product). On it:
+//!
+//! * [`checkpoint_sequential`]: a stack of layers in `k` segments, as
+//!   PyTorch's `checkpoint_sequential`;
+//! * [`layerwise_backward`]: one layer at a time, each parameter gradient
+//!   handed over as soon as it exists (to move it off the device);
+//! * [`missing_grads`] / [`ensure_grads`]: that no trainable variable of a
+//!   `VarMap` was left without a gradient.
+//!
+//! Supports candle 0.11. Measurement attaches through a
+//! [`candle_observe::Observer`] (pass `&NoObserver` when none).
+#![warn(missing_docs)]
+
+mod grads;
+mod sequential;
+mod vjp;
+
+pub use grads::{accumulate, ensure_grads, missing_grads, named_vars};
+pub use sequential::{checkpoint_sequential, layerwise_backward, segment_bounds, Checkpointed};
+pub use vjp::{pull_back, recompute, Arg, Seed, Vjp};

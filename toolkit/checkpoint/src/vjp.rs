@@ -1,0 +1,169 @@
+//! The vector-Jacobian product through a recomputed function.
+
+use candle_core::backprop::GradStore;
+use candle_core::{bail, Result, Tensor, Var};
+use candle_observe::{scope, Kind, Observer, Place};
+
+/// An input of a recomputed function.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg<'a> {
+    /// An input whose gradient is wanted (the residual stream, say).
+    Grad(&'a Tensor),
+    /// An input that is only read (an attention mask, token ids).
+    Const(&'a Tensor),
+}
+
+impl Arg<'_> {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Arg::Grad(t) | Arg::Const(t) => t,
+        }
+    }
+}
+
+/// What the output of a function is pulled back with.
+#[derive(Debug, Clone, Copy)]
+pub enum Seed<'a> {
+    /// The output is the scalar loss itself.
+    Loss,
+    /// The gradient of the loss with respect to the output, of its shape.
+    Grad(&'a Tensor),
+}
+
+/// What [`recompute`] and [`pull_back`] return. Everything is detached.
+#[derive(Debug)]
+pub struct Vjp {
+    /// The gradient of each input, in order: `None` for [`Arg::Const`].
+    /// An input the output does not depend on gets zeros.
+    pub inputs: Vec<Option<Tensor>>,
+    /// The gradients of the variables passed in that the output depends on.
+    pub params: GradStore,
+    /// The loss, when seeded with [`Seed::Loss`].
+    pub loss: Option<Tensor>,
+}
+
+/// Back-propagates `output`, whose graph starts at the variables `inputs`,
+/// with `seed`: the gradients of `inputs` and of `vars`.
+///
+/// `inputs` are variables made from the function's inputs (`None` for an
+/// input that needs no gradient). The output and its graph are dropped
+/// before this returns.
+pub fn pull_back(
+    output: Tensor,
+    seed: Seed<'_>,
+    inputs: &[Option<&Var>],
+    vars: &[Var],
+    observer: &dyn Observer,
+) -> Result<Vjp> {
+    let _grads = scope(observer, Kind::Gradients, Place::Device);
+    let (root, loss) = match seed {
+        Seed::Loss => {
+            if output.elem_count() != 1 {
+                bail!(
+                    "Seed::Loss needs a scalar output, the function returned shape {:?}",
+                    output.dims()
+                );
+            }
+            let loss = output.detach();
+            (output, Some(loss))
+        }
+        Seed::Grad(g) => {
+            if g.dims() != output.dims() {
+                bail!(
+                    "the upstream gradient has shape {:?}, the function's output {:?}",
+                    g.dims(),
+                    output.dims()
+                );
+            }
+            // d(sum(out * g))/d(.) is g pulled back through the function.
+            let g = g.detach().to_dtype(output.dtype())?;
+            ((output * g)?.sum_all()?, None)
+        }
+    };
+    let store = root.backward()?;
+    drop(root);
+    let mut params = GradStore::default();
+    for var in vars {
+        if let Some(g) = store.get(var.as_tensor()) {
+            params.insert(var.as_tensor(), g.detach());
+        }
+    }
+    let inputs = inputs
+        .iter()
+        .map(|x| {
+            x.map(|x| match store.get(x.as_tensor()) {
+                Some(g) => Ok(g.detach()),
+                None => x.zeros_like(),
+            })
+            .transpose()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Vjp {
+        inputs,
+        params,
+        loss,
+    })
+}
+
+/// Recomputes `f` from `args` and back-propagates `seed` through it: the
+/// gradients of the [`Arg::Grad`] inputs and of `vars` (the parameters `f`
+/// uses; others are ignored).
+///
+/// This is the step checkpointing repeats: the forward kept only `args`, the
+/// backward runs `f` again on them and pulls the upstream gradient back.
+/// Only `f`'s activations of this one call are alive meanwhile.
+///
+/// ```
+/// use candle_checkpoint::{recompute, Arg, Seed};
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_observe::NoObserver;
+/// let dev = Device::Cpu;
+/// let w = Var::new(&[2f32, 3.0], &dev)?;
+/// let x = Tensor::new(&[1f32, 4.0], &dev)?;
+/// let mask = Tensor::new(&[1f32, 0.0], &dev)?;
+/// // f(x, mask) = (x * w * mask), pulled back with ones: d/dx = w * mask, d/dw = x * mask.
+/// let f = |a: &[Tensor]| (&a[0] * w.as_tensor())? * &a[1];
+/// let ones = Tensor::ones(2, candle_core::DType::F32, &dev)?;
+/// let vjp = recompute(f, &[Arg::Grad(&x), Arg::Const(&mask)], Seed::Grad(&ones), &[w.clone()], &NoObserver)?;
+/// assert_eq!(vjp.inputs[0].as_ref().unwrap().to_vec1::<f32>()?, [2.0, 0.0]);
+/// assert!(vjp.inputs[1].is_none());
+/// assert_eq!(vjp.params.get(w.as_tensor()).unwrap().to_vec1::<f32>()?, [1.0, 0.0]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn recompute(
+    f: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+    args: &[Arg<'_>],
+    seed: Seed<'_>,
+    vars: &[Var],
+    observer: &dyn Observer,
+) -> Result<Vjp> {
+    let _acts = scope(observer, Kind::Activations, Place::Device);
+    let mut leaves = Vec::with_capacity(args.len());
+    for (i, arg) in args.iter().enumerate() {
+        leaves.push(match arg {
+            Arg::Grad(t) => {
+                if !t.dtype().is_float() {
+                    bail!(
+                        "argument {i} is {:?}: only a float input can have a gradient (pass it as Arg::Const)",
+                        t.dtype()
+                    );
+                }
+                // A fresh variable: the recomputed graph starts here.
+                Some(Var::from_tensor(&t.detach())?)
+            }
+            Arg::Const(_) => None,
+        });
+    }
+    let tensors: Vec<Tensor> = args
+        .iter()
+        .zip(&leaves)
+        .map(|(arg, leaf)| match leaf {
+            Some(v) => v.as_tensor().clone(),
+            None => arg.tensor().detach(),
+        })
+        .collect();
+    let output = f(&tensors)?;
+    drop(tensors);
+    let leaf_refs: Vec<Option<&Var>> = leaves.iter().map(Option::as_ref).collect();
+    pull_back(output, seed, &leaf_refs, vars, observer)
+}

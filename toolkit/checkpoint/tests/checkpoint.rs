@@ -1,0 +1,243 @@
+//! Checkpointing against plain backprop, on closures and candle-nn layers,
+//! and every misuse with its message.
+
+use candle_checkpoint::{
+    checkpoint_sequential, layerwise_backward, recompute, segment_bounds, Arg, Seed,
+};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use candle_observe::{Kind, NoObserver, Observer, Place, Token};
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
+    let mut w = 0f64;
+    for v in vars {
+        w = w.max(max_diff(
+            a.get(v.as_tensor()).unwrap(),
+            b.get(v.as_tensor()).unwrap(),
+        )?);
+    }
+    Ok(w)
+}
+
+fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+    r.expect_err("must fail").to_string()
+}
+
+/// Layers of Linear and GELU in candle-nn, GELU first: the old layer-wise
+/// backward demanded that each layer's first operation use a parameter.
+struct GeluLinear(candle_nn::Linear);
+
+impl Module for GeluLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(&x.gelu()?)
+    }
+}
+
+fn stack(map: &VarMap, depth: usize) -> Result<Vec<GeluLinear>> {
+    let vb = VarBuilder::from_varmap(map, DType::F32, &Device::Cpu);
+    (0..depth)
+        .map(|i| Ok(GeluLinear(candle_nn::linear(6, 6, vb.pp(i))?)))
+        .collect()
+}
+
+#[test]
+fn every_segment_count_gives_plain_gradients() -> Result<()> {
+    let map = VarMap::new();
+    let layers = stack(&map, 5)?;
+    let vars = map.all_vars();
+    let x = Tensor::randn(0f32, 1.0, (3, 6), &Device::Cpu)?;
+    let xv = Var::from_tensor(&x)?;
+    let head = |h: &Tensor| h.sqr()?.mean_all();
+    let run = |h: &Tensor| layers.iter().try_fold(h.clone(), |h, l| l.forward(&h));
+    let plain = head(&run(xv.as_tensor())?)?.backward()?;
+    for segments in 1..=5 {
+        let out = checkpoint_sequential(&layers, segments, &x, &vars, head, &NoObserver)?;
+        assert!(worst(&plain, &out.grads, &vars)? < 1e-6);
+        let gx = out.input_grad.expect("a float input has a gradient");
+        assert!(max_diff(plain.get(xv.as_tensor()).unwrap(), &gx)? < 1e-6);
+    }
+    Ok(())
+}
+
+#[test]
+fn layerwise_backward_needs_no_parameter_first() -> Result<()> {
+    let map = VarMap::new();
+    let layers = stack(&map, 4)?;
+    let vars = map.all_vars();
+    let x = Tensor::randn(0f32, 1.0, (2, 6), &Device::Cpu)?;
+    let head = |h: &Tensor| h.sqr()?.mean_all();
+    let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?)?.backward()?;
+    let mut got = GradStore::default();
+    let mut order = Vec::new();
+    layerwise_backward(
+        &layers,
+        &x,
+        &vars,
+        head,
+        |v, g| {
+            order.push(v.as_tensor().id());
+            got.insert(v.as_tensor(), g);
+            Ok(())
+        },
+        &NoObserver,
+    )?;
+    assert!(worst(&plain, &got, &vars)? < 1e-6);
+    assert_eq!(order.len(), vars.len());
+    Ok(())
+}
+
+#[test]
+fn a_variable_shared_by_segments_gets_the_sum() -> Result<()> {
+    let a = Var::new(&[0.5f32], &Device::Cpu)?;
+    let layers: Vec<_> = (0..6)
+        .map(|_| {
+            let a = a.clone();
+            move |x: &Tensor| x.broadcast_mul(a.as_tensor())?.tanh()
+        })
+        .collect();
+    let x = Tensor::new(&[1f32, -2.0], &Device::Cpu)?;
+    let head = |h: &Tensor| h.sum_all();
+    let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l(&h))?)?.backward()?;
+    let out = checkpoint_sequential(&layers, 3, &x, std::slice::from_ref(&a), head, &NoObserver)?;
+    assert!(worst(&plain, &out.grads, &[a])? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn recompute_takes_several_inputs_and_constants() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[[1f32, 2.0], [3.0, 4.0]], &dev)?;
+    let (h, r) = (
+        Tensor::new(&[[1f32, -1.0]], &dev)?,
+        Tensor::new(&[[0.5f32, 0.25]], &dev)?,
+    );
+    let mask = Tensor::new(&[[1f32, 0.0]], &dev)?;
+    let f = |a: &[Tensor]| (a[0].matmul(w.as_tensor())? + &a[1])?.tanh()? * &a[2];
+    let g = Tensor::new(&[[2f32, 3.0]], &dev)?;
+    let vjp = recompute(
+        f,
+        &[Arg::Grad(&h), Arg::Grad(&r), Arg::Const(&mask)],
+        Seed::Grad(&g),
+        std::slice::from_ref(&w),
+        &NoObserver,
+    )?;
+    // The same through candle directly.
+    let (hv, rv) = (Var::from_tensor(&h)?, Var::from_tensor(&r)?);
+    let out = f(&[hv.as_tensor().clone(), rv.as_tensor().clone(), mask.clone()])?;
+    let store = (out * &g)?.sum_all()?.backward()?;
+    assert!(
+        max_diff(
+            vjp.inputs[0].as_ref().unwrap(),
+            store.get(hv.as_tensor()).unwrap()
+        )? < 1e-6
+    );
+    assert!(
+        max_diff(
+            vjp.inputs[1].as_ref().unwrap(),
+            store.get(rv.as_tensor()).unwrap()
+        )? < 1e-6
+    );
+    assert!(vjp.inputs[2].is_none());
+    assert!(
+        max_diff(
+            vjp.params.get(w.as_tensor()).unwrap(),
+            store.get(w.as_tensor()).unwrap()
+        )? < 1e-6
+    );
+    assert!(vjp.loss.is_none());
+    Ok(())
+}
+
+#[test]
+fn misuse_is_an_error_that_says_why() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::new(&[1f32, 2.0], &dev)?;
+    let ids = Tensor::new(&[1u32, 2], &dev)?;
+    let id = |a: &[Tensor]| Ok(a[0].clone());
+    assert!(err(recompute(
+        id,
+        &[Arg::Grad(&ids)],
+        Seed::Loss,
+        &[],
+        &NoObserver
+    ))
+    .starts_with("argument 0 is U32: only a float input can have a gradient"));
+    assert!(err(recompute(
+        id,
+        &[Arg::Grad(&x)],
+        Seed::Loss,
+        &[],
+        &NoObserver
+    ))
+    .starts_with("Seed::Loss needs a scalar output, the function returned shape [2]"));
+    let g = Tensor::new(&[1f32, 2.0, 3.0], &dev)?;
+    assert!(err(recompute(
+        id,
+        &[Arg::Grad(&x)],
+        Seed::Grad(&g),
+        &[],
+        &NoObserver
+    ))
+    .starts_with("the upstream gradient has shape [3], the function's output [2]"));
+    assert!(err(segment_bounds(0, 1)).starts_with("there are no layers to checkpoint"));
+    assert!(err(segment_bounds(3, 0))
+        .starts_with("segments is 0: it must be between 1 and the number of layers, 3"));
+    assert!(err(segment_bounds(3, 4)).starts_with("segments is 4"));
+    let layers = [|x: &Tensor| x.exp()];
+    assert!(err(checkpoint_sequential(
+        &layers,
+        2,
+        &x,
+        &[],
+        |h| h.sum_all(),
+        &NoObserver
+    ))
+    .starts_with("segments is 2: it must be between 1 and the number of layers, 1"));
+    Ok(())
+}
+
+/// What the observer is told: segment forwards and backwards in order, and
+/// scopes that nest.
+#[derive(Default)]
+struct Log(std::cell::RefCell<Vec<String>>);
+
+impl Observer for Log {
+    fn enter(&self, kind: Kind, place: Place) -> Token {
+        self.0.borrow_mut().push(format!("{kind:?}/{place:?}"));
+        Token(self.0.borrow().len() as u64)
+    }
+    fn leave(&self, _: Token) {
+        self.0.borrow_mut().push("leave".into());
+    }
+    fn mark(&self, label: &'static str) {
+        self.0.borrow_mut().push(label.into());
+    }
+}
+
+#[test]
+fn the_observer_sees_each_segment() -> Result<()> {
+    let layers = [|x: &Tensor| x.exp(), |x: &Tensor| x.sin()];
+    let x = Tensor::new(&[0.5f32], &Device::Cpu)?;
+    let log = Log::default();
+    checkpoint_sequential(&layers, 2, &x, &[], |h| h.sum_all(), &log)?;
+    let log = log.0.into_inner();
+    let marks: Vec<_> = log.iter().filter(|l| l.starts_with("segment")).collect();
+    assert_eq!(
+        marks,
+        ["segment forward", "segment backward", "segment backward"]
+    );
+    let enters = log.iter().filter(|l| l.contains('/')).count();
+    assert_eq!(enters, log.iter().filter(|l| *l == "leave").count());
+    assert!(log.contains(&"Activations/Device".to_string()));
+    assert!(log.contains(&"Gradients/Device".to_string()));
+    Ok(())
+}

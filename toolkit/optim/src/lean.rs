@@ -1,0 +1,187 @@
+//! AdamW updating in place.
+
+use std::path::Path;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Result, Tensor, Var};
+use candle_nn::{Optimizer, ParamsAdamW};
+use candle_observe::{scope, Kind, NoObserver, Observer, Place};
+
+use crate::kernel::{Moment1, Moment2, Step, Theta};
+use crate::state::{save, Loaded};
+
+struct Slot {
+    var: Var,
+    m: Var,
+    v: Var,
+}
+
+/// `candle_nn::AdamW`'s update without its temporaries: on the CPU each
+/// step rewrites the moments and the parameter in place, allocating
+/// nothing. On other devices it falls back to candle's own operations.
+///
+/// ```
+/// use candle_core::{Device, Var};
+/// use candle_lean_optim::LeanAdamW;
+/// use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+/// let dev = Device::Cpu;
+/// let (a, b) = (Var::new(&[1f32, -2.0, 3.0], &dev)?, Var::new(&[1f32, -2.0, 3.0], &dev)?);
+/// let p = ParamsAdamW { lr: 0.1, weight_decay: 0.1, ..Default::default() };
+/// let mut lean = LeanAdamW::new(vec![a.clone()], p.clone())?;
+/// let mut reference = AdamW::new(vec![b.clone()], p)?;
+/// for _ in 0..10 {
+///     lean.backward_step(&a.sqr()?.sum_all()?)?;
+///     reference.backward_step(&b.sqr()?.sum_all()?)?;
+/// }
+/// assert_eq!(a.to_vec1::<f32>()?, b.to_vec1::<f32>()?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub struct LeanAdamW {
+    slots: Vec<Slot>,
+    step_t: usize,
+    params: ParamsAdamW,
+    observer: Box<dyn Observer>,
+}
+
+impl std::fmt::Debug for LeanAdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeanAdamW")
+            .field("params", &self.params)
+            .field("step", &self.step_t)
+            .field("vars", &self.slots.len())
+            .finish()
+    }
+}
+
+impl LeanAdamW {
+    /// An optimizer for the float variables of `vars`, reporting its state's
+    /// memory to `observer`.
+    pub fn with_observer(
+        vars: Vec<Var>,
+        params: ParamsAdamW,
+        observer: impl Observer + 'static,
+    ) -> Result<Self> {
+        let slots = {
+            let _state = scope(&observer, Kind::OptimizerState, Place::Device);
+            vars.into_iter()
+                .filter(|v| v.dtype().is_float())
+                .map(|var| {
+                    let m = Var::zeros(var.shape(), var.dtype(), var.device())?;
+                    let v = Var::zeros(var.shape(), var.dtype(), var.device())?;
+                    Ok(Slot { var, m, v })
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(Self {
+            slots,
+            step_t: 0,
+            params,
+            observer: Box::new(observer),
+        })
+    }
+
+    /// The hyper-parameters.
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.params
+    }
+
+    /// Sets the hyper-parameters (a schedule, say).
+    pub fn set_params(&mut self, params: ParamsAdamW) {
+        self.params = params;
+    }
+
+    /// Steps taken.
+    pub fn step_count(&self) -> usize {
+        self.step_t
+    }
+
+    /// Writes the step count, hyper-parameters and moments to `path`
+    /// (safetensors).
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let tensors = self.slots.iter().enumerate().flat_map(|(i, s)| {
+            [
+                (format!("m.{i}"), s.m.as_tensor().clone()),
+                (format!("v.{i}"), s.v.as_tensor().clone()),
+            ]
+        });
+        save(path.as_ref(), self.step_t, &self.params, tensors)
+    }
+
+    /// Restores what [`save`](Self::save) wrote, for the same variables in
+    /// the same order.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let mut loaded = Loaded::read(path.as_ref())?;
+        for (i, s) in self.slots.iter().enumerate() {
+            loaded.restore(&format!("m.{i}"), &s.m)?;
+            loaded.restore(&format!("v.{i}"), &s.v)?;
+        }
+        self.step_t = loaded.step;
+        self.params = loaded.params.clone();
+        loaded.finish()
+    }
+}
+
+/// One variable's update with candle's operations, for devices without an
+/// in-place kernel.
+fn out_of_place(s: &Slot, g: &Tensor, k: &Step) -> Result<()> {
+    let next_m = ((s.m.as_tensor() * k.beta1)? + (g * (1.0 - k.beta1))?)?;
+    s.m.set(&next_m)?;
+    drop(next_m);
+    let next_v = ((s.v.as_tensor() * k.beta2)? + (g.sqr()? * (1.0 - k.beta2))?)?;
+    s.v.set(&next_v)?;
+    drop(next_v);
+    let adjusted =
+        ((s.m.as_tensor() * k.scale_m)? / ((s.v.as_tensor() * k.scale_v)?.sqrt()? + k.eps)?)?;
+    let next = ((s.var.as_tensor() * (1.0 - k.lr * k.weight_decay))? - (adjusted * k.lr)?)?;
+    s.var.set(&next)
+}
+
+/// Updates one variable in place from its gradient (CPU), or through
+/// candle's operations elsewhere.
+pub(crate) fn update(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &Step) -> Result<()> {
+    let g = if g.dtype() == var.dtype() {
+        g.contiguous()?
+    } else {
+        g.to_dtype(var.dtype())?
+    };
+    if var.device().is_cpu() {
+        m.inplace_op2(&g, &Moment1(*k))?;
+        v.inplace_op2(&g, &Moment2(*k))?;
+        var.inplace_op3(m, v, &Theta(*k))
+    } else {
+        let slot = Slot {
+            var: var.clone(),
+            m: m.clone(),
+            v: v.clone(),
+        };
+        out_of_place(&slot, &g, k)
+    }
+}
+
+impl Optimizer for LeanAdamW {
+    type Config = ParamsAdamW;
+
+    fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
+        Self::with_observer(vars, params, NoObserver)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step_t += 1;
+        let k = Step::new(&self.params, self.step_t);
+        let _state = scope(&*self.observer, Kind::OptimizerState, Place::Device);
+        for s in &self.slots {
+            if let Some(g) = grads.get(s.var.as_tensor()) {
+                update(&s.var, &s.m, &s.v, g, &k)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr
+    }
+}

@@ -1,0 +1,95 @@
+//! Saving and loading optimizer state as safetensors.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_nn::ParamsAdamW;
+
+/// Writes the step count, the hyper-parameters and `tensors` to `path`.
+pub(crate) fn save(
+    path: &Path,
+    step: usize,
+    params: &ParamsAdamW,
+    tensors: impl IntoIterator<Item = (String, Tensor)>,
+) -> Result<()> {
+    let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
+    map.insert(
+        "step".into(),
+        Tensor::new(&[step as u64 as f64], &Device::Cpu)?,
+    );
+    map.insert(
+        "hyper".into(),
+        Tensor::new(
+            &[
+                params.lr,
+                params.beta1,
+                params.beta2,
+                params.eps,
+                params.weight_decay,
+            ],
+            &Device::Cpu,
+        )?,
+    );
+    candle_core::safetensors::save(&map, path)
+}
+
+/// What [`save`] wrote.
+pub(crate) struct Loaded {
+    pub step: usize,
+    pub params: ParamsAdamW,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl Loaded {
+    pub fn read(path: &Path) -> Result<Self> {
+        let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let (Some(step), Some(hyper)) = (tensors.remove("step"), tensors.remove("hyper")) else {
+            bail!("{} holds no AdamW state (no step or hyper)", path.display());
+        };
+        let step = step.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        let h = hyper.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        if step.len() != 1 || h.len() != 5 {
+            bail!("{}: malformed AdamW state", path.display());
+        }
+        Ok(Self {
+            step: step[0] as usize,
+            params: ParamsAdamW {
+                lr: h[0],
+                beta1: h[1],
+                beta2: h[2],
+                eps: h[3],
+                weight_decay: h[4],
+            },
+            tensors,
+        })
+    }
+
+    /// Sets `into` from the tensor `name`, which must match its shape.
+    pub fn restore(&mut self, name: &str, into: &Var) -> Result<()> {
+        let Some(t) = self.tensors.remove(name) else {
+            bail!("the saved state has no {name}: was it saved for the same variables?");
+        };
+        if t.dims() != into.dims() {
+            bail!(
+                "saved {name} has shape {:?}, the variable {:?}",
+                t.dims(),
+                into.dims()
+            );
+        }
+        into.set(&t.to_dtype(into.dtype())?.to_device(into.device())?)
+    }
+
+    /// An error if tensors are left over (saved for more variables).
+    pub fn finish(self) -> Result<()> {
+        if !self.tensors.is_empty() {
+            let mut extra: Vec<_> = self.tensors.into_keys().collect();
+            extra.sort();
+            bail!(
+                "the saved state has tensors for variables this optimizer lacks: {}",
+                extra.join(", ")
+            );
+        }
+        Ok(())
+    }
+}

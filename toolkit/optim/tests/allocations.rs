@@ -1,0 +1,67 @@
+//! LeanAdamW's step allocates nothing; candle_nn::AdamW's allocates about
+//! ten times the parameters. Measured with a counting allocator.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_lean_optim::LeanAdamW;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        }
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Bytes allocated by `f` (one test in this file, so no other thread of the
+/// harness allocates meanwhile).
+fn allocated(f: impl FnOnce() -> Result<()>) -> Result<u64> {
+    BYTES.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    let r = f();
+    COUNTING.store(false, Ordering::SeqCst);
+    r?;
+    Ok(BYTES.load(Ordering::SeqCst))
+}
+
+#[test]
+fn lean_step_allocates_nothing_where_candle_allocates_ten_parameters() -> Result<()> {
+    let n = 1 << 18; // 1 MiB of f32
+    let dev = Device::Cpu;
+    let make = || -> Result<(Var, candle_core::backprop::GradStore)> {
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, n, &dev)?)?;
+        let grads = w.as_tensor().sqr()?.sum_all()?.backward()?;
+        Ok((w, grads))
+    };
+    let (w, grads) = make()?;
+    let mut lean = LeanAdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+    lean.step(&grads)?; // warm: nothing lazily allocated on first use
+    let lean_bytes = allocated(|| lean.step(&grads))?;
+
+    let (w, grads) = make()?;
+    let mut adamw = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+    let candle_bytes = allocated(|| adamw.step(&grads))?;
+    let param = (n * DType::F32.size_in_bytes()) as u64;
+    assert!(lean_bytes < 1024, "LeanAdamW allocated {lean_bytes} bytes");
+    assert!(
+        candle_bytes >= 10 * param,
+        "candle's AdamW allocated {candle_bytes} bytes"
+    );
+    println!("per step: LeanAdamW {lean_bytes} bytes, candle_nn::AdamW {candle_bytes} bytes ({:.1}x the parameter)", candle_bytes as f64 / param as f64);
+    Ok(())
+}

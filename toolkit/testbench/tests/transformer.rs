@@ -1,0 +1,166 @@
+//! The toolkit on a candle-nn transformer: checkpointing, layer-wise
+//! offload, mixed precision and uneven accumulation give the gradients of
+//! plain training.
+
+use candle_accumulate::GradAccumulator;
+use candle_amp::MasterWeights;
+use candle_checkpoint::{checkpoint_sequential, ensure_grads, layerwise_backward};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Var};
+use candle_lean_optim::HostAdamW;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_observe::NoObserver;
+use candle_toolkit_testbench::{batch, max_abs_diff, Config, Transformer};
+
+fn model(cfg: &Config) -> Result<(VarMap, Transformer)> {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let m = Transformer::new(cfg, vb)?;
+    Ok((map, m))
+}
+
+fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
+    let mut worst = 0f64;
+    for v in vars {
+        let (x, y) = (a.get(v.as_tensor()), b.get(v.as_tensor()));
+        worst = worst.max(max_abs_diff(
+            x.expect("plain grad"),
+            y.expect("toolkit grad"),
+        )?);
+    }
+    Ok(worst)
+}
+
+#[test]
+fn checkpointed_transformer_has_plain_gradients() -> Result<()> {
+    for tiled in [None, Some((3, 5))] {
+        let cfg = Config {
+            tiled,
+            ..Config::tiny()
+        };
+        let (map, m) = model(&cfg)?;
+        let vars = map.all_vars();
+        let (ids, targets) = batch(1, 3, 12, cfg.vocab, &Device::Cpu)?;
+        let plain = m.forward_loss(&ids, &targets)?.backward()?;
+        ensure_grads(&map, &plain)?;
+        for segments in 1..=m.layers().len() {
+            let out = checkpoint_sequential(
+                m.layers(),
+                segments,
+                &ids,
+                &vars,
+                |h| m.loss(h, &targets),
+                &NoObserver,
+            )?;
+            ensure_grads(&map, &out.grads)?;
+            assert!(out.input_grad.is_none(), "token ids have no gradient");
+            let d = worst(&plain, &out.grads, &vars)?;
+            assert!(d < 1e-5, "tiled {tiled:?}, {segments} segments: {d}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn layerwise_offload_steps_like_adamw() -> Result<()> {
+    let cfg = Config::tiny();
+    let (map_a, a) = model(&cfg)?;
+    let (map_b, _) = model(&cfg)?;
+    // Same weights in both maps.
+    for (name, var) in candle_checkpoint::named_vars(&map_a) {
+        let other = map_b.data().lock().unwrap()[&name].clone();
+        other.set(var.as_tensor())?;
+    }
+    let b = Transformer::new(
+        &cfg,
+        VarBuilder::from_varmap(&map_b, DType::F32, &Device::Cpu),
+    )?;
+    let (ids, targets) = batch(2, 2, 10, cfg.vocab, &Device::Cpu)?;
+    let p = ParamsAdamW {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let mut reference = AdamW::new(map_a.all_vars(), p.clone())?;
+    reference.backward_step(&a.forward_loss(&ids, &targets)?)?;
+
+    let vars = map_b.all_vars();
+    let mut host = HostAdamW::new(vars.clone(), p)?;
+    let before = host.transfers();
+    let mut handed = 0;
+    layerwise_backward(
+        b.layers(),
+        &ids,
+        &vars,
+        |h| b.loss(h, &targets),
+        |var, g| {
+            handed += 1;
+            host.receive(var, &g)
+        },
+        &NoObserver,
+    )?;
+    host.step_received()?;
+    assert_eq!(
+        handed,
+        vars.len(),
+        "each variable's gradient handed over once"
+    );
+    let param_bytes: usize = vars.iter().map(|v| v.elem_count() * 4).sum();
+    assert_eq!(
+        host.transfers().since(&before).bytes(),
+        2 * param_bytes as u64
+    );
+    for (name, var) in candle_checkpoint::named_vars(&map_a) {
+        let other = map_b.data().lock().unwrap()[&name].clone();
+        let d = max_abs_diff(var.as_tensor(), other.as_tensor())?;
+        // The same update from gradients equal to rounding.
+        assert!(d < 1e-6, "{name}: {d}");
+    }
+    Ok(())
+}
+
+#[test]
+fn mixed_precision_gradients_reach_f32_masters() -> Result<()> {
+    let cfg = Config::tiny();
+    let (map, m) = model(&cfg)?;
+    let (ids, targets) = batch(3, 2, 8, cfg.vocab, &Device::Cpu)?;
+    let plain = m.forward_loss(&ids, &targets)?.backward()?;
+    for (dtype, tol) in [(DType::F16, 2e-3), (DType::BF16, 2e-2)] {
+        let masters = MasterWeights::from_varmap(map.clone(), dtype);
+        let half = Transformer::new(&cfg, masters.var_builder(&Device::Cpu))?;
+        let grads = half.forward_loss(&ids, &targets)?.backward()?;
+        ensure_grads(masters.varmap(), &grads)?;
+        for v in masters.vars() {
+            assert_eq!(grads.get(v.as_tensor()).unwrap().dtype(), DType::F32);
+        }
+        let d = worst(&plain, &grads, &map.all_vars())?;
+        assert!(d < tol, "{dtype:?}: {d}");
+    }
+    Ok(())
+}
+
+/// Weights n_i / N: a batch of 10 rows in micro-batches of 4, 4 and 2 gives
+/// the full batch's gradients; the old 1/K weighting does not.
+#[test]
+fn uneven_accumulation_equals_the_full_batch() -> Result<()> {
+    let cfg = Config::tiny();
+    let (map, m) = model(&cfg)?;
+    let vars = map.all_vars();
+    let (ids, targets) = batch(4, 10, 8, cfg.vocab, &Device::Cpu)?;
+    let full = m.forward_loss(&ids, &targets)?.backward()?;
+    let mut acc = GradAccumulator::new(vars.clone(), 10);
+    let mut one_over_k = GradStore::default();
+    for (start, rows) in [(0, 4), (4, 4), (8, 2)] {
+        let loss = m.forward_loss(
+            &ids.narrow(0, start, rows)?,
+            &targets.narrow(0, start, rows)?,
+        )?;
+        acc.backward(&loss, rows)?;
+        let g = (loss / 3.0)?.backward()?;
+        candle_checkpoint::accumulate(&mut one_over_k, &g, &vars)?;
+    }
+    let d = worst(&full, acc.grads()?, &vars)?;
+    assert!(d < 1e-6, "{d}");
+    let wrong = worst(&full, &one_over_k, &vars)?;
+    assert!(wrong > 100.0 * d.max(1e-7), "1/K differs: {wrong}");
+    Ok(())
+}
