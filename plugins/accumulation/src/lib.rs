@@ -1,8 +1,11 @@
 //! The accumulation cell: gradient accumulation over micro-batches, shown to
 //! give the full batch's gradients, and measured against the full batch.
 //!
-//! [`GradAccumulator`] is the reusable part: feed it each micro-batch's loss,
-//! then step any candle optimizer with the sum.
+//! The technique is the toolkit's `candle_accumulate::GradAccumulator`: each
+//! micro-batch's mean loss enters with weight `rows / batch`, so an uneven
+//! last micro-batch still gives the batch's gradients. The cell also
+//! measures a whole training step with candle's AdamW against the toolkit's
+//! in-place `candle_lean_optim::LeanAdamW`.
 //!
 //! Accumulation does not always save memory. It keeps one gradient per
 //! parameter across micro-batches, and while a micro-batch's own gradients
@@ -12,108 +15,17 @@
 //! of that crossover.
 #![warn(missing_docs)]
 
+use candle_accumulate::{micro_batches, GradAccumulator};
+use candle_lean_optim::LeanAdamW;
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
-use workbook_sdk::candle_nn::{AdamW, Optimizer};
+use workbook_sdk::candle::{DType, Module, Tensor, Var};
+use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::train::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
-
-/// Sums the gradients of several backward passes, keeping only the
-/// parameters' gradients, detached.
-///
-/// ```
-/// use workbook_accumulation::GradAccumulator;
-/// use candle_core::{Device, Tensor, Var};
-/// let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
-/// let mut acc = GradAccumulator::new(vec![w.clone()]);
-/// for x in [1f32, 3.0] {
-///     // d/dw of sum(w * x) is x, for each element of w.
-///     let loss = (w.as_tensor() * x as f64)?.sum_all()?;
-///     acc.backward(&loss)?;
-/// }
-/// let g = acc.grads().unwrap().get(w.as_tensor()).unwrap();
-/// assert_eq!(g.to_vec1::<f32>()?, vec![4.0, 4.0]);
-/// assert_eq!(acc.micro_batches(), 2);
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-#[derive(Debug)]
-pub struct GradAccumulator {
-    vars: Vec<Var>,
-    sum: Option<GradStore>,
-    micro_batches: usize,
-}
-
-impl GradAccumulator {
-    /// An accumulator for the gradients of `vars`.
-    pub fn new(vars: Vec<Var>) -> Self {
-        Self {
-            vars,
-            sum: None,
-            micro_batches: 0,
-        }
-    }
-
-    /// Runs `loss.backward()` and adds the parameters' gradients to the sum.
-    /// Scale the loss by `1 / micro_batches` first for a mean over the batch.
-    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
-        let grads = param_grads(&loss.backward()?, &self.vars);
-        self.add(grads)
-    }
-
-    /// Adds a store of gradients (already detached) to the sum.
-    pub fn add(&mut self, mut grads: GradStore) -> Result<()> {
-        self.micro_batches += 1;
-        let Some(sum) = self.sum.as_mut() else {
-            // The first micro-batch's gradients become the sum: no copy.
-            self.sum = Some(grads);
-            return Ok(());
-        };
-        for var in &self.vars {
-            if let Some(g) = grads.remove(var.as_tensor()) {
-                let total = match sum.remove(var.as_tensor()) {
-                    Some(s) => (s + g)?,
-                    None => g,
-                };
-                sum.insert(var.as_tensor(), total);
-            }
-        }
-        Ok(())
-    }
-
-    /// The sum so far, if any micro-batch was added.
-    pub fn grads(&self) -> Option<&GradStore> {
-        self.sum.as_ref()
-    }
-
-    /// How many micro-batches were added since the last step.
-    pub fn micro_batches(&self) -> usize {
-        self.micro_batches
-    }
-
-    /// Steps `optimizer` with the sum and starts again from nothing.
-    pub fn step<O: Optimizer>(&mut self, optimizer: &mut O) -> Result<()> {
-        if let Some(sum) = self.sum.take() {
-            optimizer.step(&sum)?;
-        }
-        self.micro_batches = 0;
-        Ok(())
-    }
-}
-
-/// Splits a batch along its first dimension into micro-batches of `size`
-/// rows (views, not copies); the last may be shorter.
-pub fn micro_batches(batch: &Tensor, size: usize) -> Result<Vec<Tensor>> {
-    let n = batch.dim(0)?;
-    if size == 0 {
-        workbook_sdk::candle::bail!("micro-batch size must be at least 1");
-    }
-    (0..n.div_ceil(size))
-        .map(|i| batch.narrow(0, i * size, size.min(n - i * size)))
-        .collect()
-}
 
 /// Parameters of the accumulation cell.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -175,21 +87,142 @@ fn accumulate(
     steps: usize,
     region: &mut workbook_sdk::Region,
 ) -> anyhow::Result<GradAccumulator> {
-    let size = x.dim(0)?.div_ceil(steps);
-    let mut acc = GradAccumulator::new(model.vars());
+    let rows = x.dim(0)?;
+    let size = rows.div_ceil(steps);
+    let mut acc = GradAccumulator::new(model.vars(), rows).with_observer(Tags);
     for (xb, yb) in micro_batches(x, size)?
         .iter()
         .zip(micro_batches(y, size)?.iter())
     {
-        let loss = Category::Activations.scope(|| -> anyhow::Result<Tensor> {
-            Ok((cross_entropy(&model.forward(xb)?, yb)? / steps as f64)?)
-        })?;
+        let loss = Category::Activations.scope(|| cross_entropy(&model.forward(xb)?, yb))?;
         region.mark("after forward");
-        Category::Gradients.scope(|| acc.backward(&loss))?;
+        acc.backward(&loss, xb.dim(0)?)?;
         drop(loss);
         region.mark("after backward");
     }
     Ok(acc)
+}
+
+/// One whole training step (forward, backward, optimizer step) as a region.
+fn training_step<O: Optimizer>(
+    ctx: &mut Context,
+    name: &str,
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+    optimizer: &mut O,
+) -> anyhow::Result<workbook_sdk::RegionReport> {
+    let mut region = ctx.region(name);
+    let loss = Category::Activations.scope(|| cross_entropy(&model.forward(x)?, y))?;
+    region.mark("after forward");
+    let grads = Category::Gradients.scope(|| -> anyhow::Result<GradStore> {
+        Ok(param_grads(&loss.backward()?, &model.vars()))
+    })?;
+    drop(loss);
+    region.mark("after backward");
+    Category::OptimizerState.scope(|| optimizer.step(&grads))?;
+    drop(grads);
+    region.mark("after step");
+    Ok(ctx.end_region(region))
+}
+
+impl Accumulation {
+    /// A whole training step of the sweep's model with candle's AdamW and
+    /// with the in-place LeanAdamW: peaks against the analytic minimum,
+    /// parameters + gradients + two moments + the forward's activations.
+    fn lean_step(
+        &self,
+        ctx: &mut Context,
+        p: &Params,
+        sweep: &Mlp,
+        rng: &mut Rng,
+    ) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+            Ok((
+                rng.randn((p.small_batch, p.sweep_width), &device)?,
+                rng.labels(p.small_batch, p.sweep_width as u32, &device)?,
+            ))
+        })?;
+        let params = ParamsAdamW {
+            lr: p.lr,
+            ..Default::default()
+        };
+        let (a, b) = Category::Parameters
+            .scope(|| -> anyhow::Result<_> { Ok((sweep.deep_clone()?, sweep.deep_clone()?)) })?;
+        let (mut candle, mut lean) = Category::OptimizerState.scope(|| -> anyhow::Result<_> {
+            Ok((
+                AdamW::new(a.vars(), params.clone())?,
+                LeanAdamW::with_observer(b.vars(), params, Tags)?,
+            ))
+        })?;
+        let param_bytes: u64 = a.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
+        let mut rows = Vec::new();
+        for step in 0..2 {
+            let c = training_step(
+                ctx,
+                "training step, candle_nn::AdamW",
+                &a,
+                &x,
+                &y,
+                &mut candle,
+            )?;
+            let l = training_step(ctx, "training step, LeanAdamW", &b, &x, &y, &mut lean)?;
+            // The first step of each is a warm-up: the second is reported.
+            if step == 1 {
+                rows = vec![("candle_nn::AdamW", c), ("LeanAdamW", l)];
+            }
+        }
+        let mut diff = 0f64;
+        for (u, v) in a.vars().iter().zip(b.vars().iter()) {
+            diff = diff.max(workbook_sdk::train::max_abs_diff(
+                u.as_tensor(),
+                v.as_tensor(),
+            )?);
+        }
+        let mut table = Table::new(
+            format!(
+                "One training step, batch {} on {} Linear({w},{w}) + ReLU",
+                p.small_batch,
+                p.sweep_depth,
+                w = p.sweep_width
+            ),
+            &[
+                ("optimizer", Unit::None),
+                ("peak, state included", Unit::Bytes),
+                ("analytic minimum", Unit::Bytes),
+                ("peak / analytic", Unit::Ratio),
+            ],
+        );
+        for (name, r) in &rows {
+            let acts = r.category_peak_above_baseline(Category::Activations);
+            // Parameters and both moments are live before the step: 3P.
+            let whole = 3 * param_bytes + r.peak_above_baseline();
+            let analytic = 4 * param_bytes + acts;
+            let ratio = whole as f64 / analytic as f64;
+            table.row(vec![
+                (*name).into(),
+                whole.into(),
+                analytic.into(),
+                ratio.into(),
+            ]);
+            let key = if *name == "LeanAdamW" {
+                "lean"
+            } else {
+                "candle"
+            };
+            ctx.metric(format!("step_peak_{key}"), whole as f64);
+            ctx.metric(format!("step_ratio_{key}"), ratio);
+            ctx.metric(
+                format!("step_optimizer_peak_{key}"),
+                r.category_peak_above_baseline(Category::OptimizerState) as f64,
+            );
+            ctx.metric("step_analytic", analytic as f64);
+        }
+        ctx.table(table);
+        ctx.metric("lean_adamw_max_abs_diff", diff);
+        Ok(())
+    }
 }
 
 impl Plugin for Accumulation {
@@ -208,12 +241,6 @@ impl Plugin for Accumulation {
         r.widths("widths", &p.widths, p.batch)
             .at_least("batch", p.batch, 1)
             .between("micro_batch", p.micro_batch, 1, p.batch.max(1))
-            .require(
-                p.micro_batch == 0 || p.batch.is_multiple_of(p.micro_batch),
-                "micro_batch",
-                format!("{} with batch = {}", p.micro_batch, p.batch),
-                "allowed: a divisor of batch (each micro-batch's loss is scaled by 1/K)",
-            )
             .positive("lr", p.lr)
             .at_least("sweep_width", p.sweep_width, 1)
             .at_least("sweep_depth", p.sweep_depth, 1)
@@ -264,33 +291,31 @@ impl Plugin for Accumulation {
         let x = rng.randn((p.batch, p.widths[0]), &device)?;
         let y = rng.labels(p.batch, classes, &device)?;
         anyhow::ensure!(p.micro_batch > 0, "micro_batch must be at least 1");
-        let accumulation_steps = p.batch / p.micro_batch;
-        let mut acc = GradAccumulator::new(model.vars());
+        let mut acc = GradAccumulator::new(model.vars(), p.batch);
         let mut loss = f32::NAN;
+        let mut sizes = Vec::new();
         for (xb, yb) in micro_batches(&x, p.micro_batch)?
             .iter()
             .zip(micro_batches(&y, p.micro_batch)?.iter())
         {
-            let l = (cross_entropy(&model.forward(xb)?, yb)? / accumulation_steps as f64)?;
-            acc.backward(&l)?;
+            let l = cross_entropy(&model.forward(xb)?, yb)?;
+            let rows = xb.dim(0)?;
+            acc.backward(&l, rows)?;
             loss = l.to_scalar::<f32>()?;
+            sizes.push(rows.to_string());
         }
         let full = param_grads(
             &cross_entropy(&model.forward(&x)?, &y)?.backward()?,
             &model.vars(),
         );
-        let accumulated = acc
-            .grads()
-            .map(|g| param_grads(g, &model.vars()))
-            .unwrap_or_default();
-        let diff = grads_max_abs_diff(&full, &accumulated, &model.vars())?;
+        let diff = grads_max_abs_diff(&full, acc.grads()?, &model.vars())?;
 
         // The same step through candle's AdamW, from the two gradient sets.
         let twin = model.deep_clone()?;
         let mut opt_acc = AdamW::new_lr(model.vars(), p.lr)?;
         let mut opt_full = AdamW::new_lr(twin.vars(), p.lr)?;
         let micro = acc.micro_batches();
-        acc.step(&mut opt_acc)?;
+        opt_acc.step(&acc.take()?)?;
         opt_full.step(&rebind(&full, &model.vars(), &twin.vars()))?;
         let mut param_diff = 0f64;
         for (a, b) in model.vars().iter().zip(twin.vars().iter()) {
@@ -299,10 +324,11 @@ impl Plugin for Accumulation {
                 b.as_tensor(),
             )?);
         }
-        ctx.print(format!("micro-batches: {micro}"));
         ctx.print(format!(
-            "last micro-batch loss (scaled by 1/{micro}): {loss:.4}"
+            "micro-batches: {micro} of {} rows",
+            sizes.join(", ")
         ));
+        ctx.print(format!("last micro-batch's mean loss: {loss:.4}"));
         ctx.metric("micro_batches", micro as f64);
         ctx.metric("loss", loss as f64);
         ctx.metric("grad_max_abs_diff", diff);
@@ -339,7 +365,9 @@ impl Plugin for Accumulation {
                 };
                 // The step is the same whatever the micro-batching: measured on its own.
                 let mut region = ctx.region("AdamW step (candle_nn)");
-                Category::OptimizerState.scope(|| acc.step(&mut optimizer))?;
+                let grads = acc.take()?;
+                Category::OptimizerState.scope(|| optimizer.step(&grads))?;
+                drop(grads);
                 region.mark("after step");
                 if record && !step_recorded {
                     step_peak = ctx.end_region(region).peak_above_baseline();
@@ -390,6 +418,7 @@ impl Plugin for Accumulation {
                 (peak / full_large as f64).into(),
             ]);
         }
+        self.lean_step(ctx, &p, &sweep, &mut rng)?;
         let grad_bytes: u64 = sweep.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
         ctx.metric("peak_full_small", full_small as f64);
         ctx.metric("peak_accum_small", accum_small as f64);

@@ -1,286 +1,29 @@
 //! The attention cell: scaled dot-product attention three ways, with a
 //! backward that never holds the N x N score matrix.
 //!
-//! * [`naive_attention`]: `softmax(Q K^T / sqrt(d)) V`, the whole score matrix
-//!   materialised; differentiable through candle's autograd. The reference.
-//! * [`chunked_attention`]: the same, one block of queries at a time against
-//!   all keys (the memory-efficient attention of the tutorials).
-//! * [`tiled_attention`]: blocks of queries against blocks of keys, with an
-//!   online softmax: a running maximum and sum per row, so no row of scores is
-//!   ever whole (the FlashAttention idea).
-//!
-//! The memory-efficient versions save only their output and the log-sum-exp
-//! of each row's scores. [`attention_backward`] recomputes each block of
-//! probabilities from those, as FlashAttention-2 does:
-//!
-//! ```text
-//! P  = exp(Q K^T * s - L)         (one block)
-//! dV += P^T dO
-//! dP = dO V^T
-//! dS = P * (dP - rowsum(dO * O))
-//! dQ += dS K * s,   dK += dS^T Q * s
-//! ```
-//!
-//! Tensors are `(batch, seq, dim)`; fold heads into the batch.
+//! The techniques are the toolkit's `candle_tiled_attention`: naive
+//! attention (the whole score matrix, through candle's autograd) as the
+//! reference, and the tiled forward with its recomputing backward. Chunked
+//! attention, a block of queries against all keys at once, is the tiled one
+//! with the key block as long as the sequence.
 #![warn(missing_docs)]
 
+use candle_tiled_attention::{
+    flash_backward, flash_forward, naive_attention, score_matrix_bytes, FlashConfig,
+};
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
-use workbook_sdk::candle::{DType, Device, Result, Tensor, Var, D};
+use workbook_sdk::candle::{DType, Device, Result, Tensor, Var};
 use workbook_sdk::output::{Axis, Guide, Series, Unit};
 use workbook_sdk::timing::{timed, Timed};
 use workbook_sdk::train::{max_abs_diff, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
-fn scale(q: &Tensor) -> Result<f64> {
-    Ok(1.0 / (q.dim(D::Minus1)? as f64).sqrt())
-}
-
-/// A `(rows, cols)` f32 mask: 0 where key `ks + j` may be seen from query
-/// `qs + i` (`j <= i` in absolute positions), minus infinity elsewhere.
-fn causal_mask(qs: usize, rows: usize, ks: usize, cols: usize, device: &Device) -> Result<Tensor> {
-    let data: Vec<f32> = (0..rows)
-        .flat_map(|i| {
-            (0..cols).map(move |j| {
-                if ks + j <= qs + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(data, (rows, cols), device)
-}
-
-/// Scores of a block, scaled and masked: `(batch, rows, cols)`.
-fn block_scores(
-    q: &Tensor,
-    k: &Tensor,
-    qs: usize,
-    ks: usize,
-    causal: bool,
-    s: f64,
-) -> Result<Tensor> {
-    let scores = (q.matmul(&k.transpose(1, 2)?.contiguous()?)? * s)?;
-    if causal && ks + k.dim(1)? > qs + 1 {
-        let mask = causal_mask(qs, q.dim(1)?, ks, k.dim(1)?, q.device())?;
-        scores.broadcast_add(&mask)
-    } else {
-        Ok(scores)
-    }
-}
-
-/// Attention with the whole `(batch, n, n)` score matrix: the reference.
-/// Differentiable through candle's autograd.
-pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-    let scores = block_scores(q, k, 0, 0, causal, scale(q)?)?;
-    let p = workbook_sdk::candle_nn::ops::softmax(&scores, D::Minus1)?;
-    p.matmul(v)
-}
-
-/// What the memory-efficient forwards return: the output and, per row, the
-/// log-sum-exp of its scores, which is all the backward needs.
-#[derive(Debug, Clone)]
-pub struct Attention {
-    /// `(batch, n, dim)`.
-    pub out: Tensor,
-    /// `(batch, n, 1)`.
-    pub lse: Tensor,
-}
-
-/// Attention one block of `chunk` queries at a time against all keys; only a
-/// `(batch, chunk, n)` block of scores exists at once. No autograd graph is
-/// kept: use [`attention_backward`] for gradients.
-pub fn chunked_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    causal: bool,
-    chunk: usize,
-) -> Result<Attention> {
-    let (q, k, v) = (q.detach(), k.detach(), v.detach());
-    let (n, s) = (q.dim(1)?, scale(&q)?);
-    let mut outs = Vec::new();
-    let mut lses = Vec::new();
-    for qs in (0..n).step_by(chunk.max(1)) {
-        let rows = chunk.min(n - qs);
-        let qb = q.narrow(1, qs, rows)?;
-        // Keys past the last query of the block are all masked: skip them.
-        let cols = if causal { qs + rows } else { n };
-        let scores = block_scores(&qb, &k.narrow(1, 0, cols)?, qs, 0, causal, s)?;
-        let m = scores.max_keepdim(D::Minus1)?;
-        let e = scores.broadcast_sub(&m)?.exp()?;
-        let sum = e.sum_keepdim(D::Minus1)?;
-        outs.push(e.matmul(&v.narrow(1, 0, cols)?)?.broadcast_div(&sum)?);
-        lses.push((m + sum.log()?)?);
-    }
-    Ok(Attention {
-        out: Tensor::cat(&outs, 1)?,
-        lse: Tensor::cat(&lses, 1)?,
-    })
-}
-
-/// Attention by `(q_block x k_block)` tiles with an online softmax: per row a
-/// running maximum `m`, sum `l` and output accumulator, rescaled as each key
-/// block arrives. No autograd graph is kept: use [`attention_backward`].
-pub fn tiled_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    causal: bool,
-    q_block: usize,
-    k_block: usize,
-) -> Result<Attention> {
-    let (q, k, v) = (q.detach(), k.detach(), v.detach());
-    let (n, s) = (q.dim(1)?, scale(&q)?);
-    let mut outs = Vec::new();
-    let mut lses = Vec::new();
-    for qs in (0..n).step_by(q_block.max(1)) {
-        let rows = q_block.min(n - qs);
-        let qb = q.narrow(1, qs, rows)?;
-        let mut m: Option<Tensor> = None;
-        let mut l: Option<Tensor> = None;
-        let mut acc: Option<Tensor> = None;
-        let k_end = if causal { qs + rows } else { n };
-        for ks in (0..k_end).step_by(k_block.max(1)) {
-            let cols = k_block.min(k_end - ks);
-            let scores = block_scores(&qb, &k.narrow(1, ks, cols)?, qs, ks, causal, s)?;
-            let block_max = scores.max_keepdim(D::Minus1)?;
-            let new_m = match &m {
-                Some(m) => m.maximum(&block_max)?,
-                None => block_max,
-            };
-            let p = scores.broadcast_sub(&new_m)?.exp()?;
-            let pv = p.matmul(&v.narrow(1, ks, cols)?)?;
-            let p_sum = p.sum_keepdim(D::Minus1)?;
-            (l, acc) = match (l, acc, &m) {
-                (Some(l), Some(acc), Some(old_m)) => {
-                    // Earlier blocks were exponentiated against the old maximum.
-                    let correction = (old_m - &new_m)?.exp()?;
-                    (
-                        Some((l * &correction)?.add(&p_sum)?),
-                        Some(acc.broadcast_mul(&correction)?.add(&pv)?),
-                    )
-                }
-                _ => (Some(p_sum), Some(pv)),
-            };
-            m = Some(new_m);
-        }
-        let (m, l, acc) = match (m, l, acc) {
-            (Some(m), Some(l), Some(acc)) => (m, l, acc),
-            _ => workbook_sdk::candle::bail!("empty key range for queries {qs}.."),
-        };
-        outs.push(acc.broadcast_div(&l)?);
-        lses.push((m + l.log()?)?);
-    }
-    Ok(Attention {
-        out: Tensor::cat(&outs, 1)?,
-        lse: Tensor::cat(&lses, 1)?,
-    })
-}
-
-/// Gradients of attention with respect to `q`, `k` and `v`, given the
-/// output gradient `d_out`, recomputing each `(q_block x k_block)` block of
-/// probabilities from the saved log-sum-exp. Holds one block of scores at a
-/// time, never the whole matrix.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    fwd: &Attention,
-    d_out: &Tensor,
-    causal: bool,
-    q_block: usize,
-    k_block: usize,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (q, k, v, d_out) = (q.detach(), k.detach(), v.detach(), d_out.detach());
-    let (n, s) = (q.dim(1)?, scale(&q)?);
-    // rowsum(dO * O): the softmax backward's correction term, (batch, n, 1).
-    let delta = (&d_out * &fwd.out)?.sum_keepdim(D::Minus1)?;
-    let q_starts: Vec<usize> = (0..n).step_by(q_block.max(1)).collect();
-    let mut dqs: Vec<Option<Tensor>> = vec![None; q_starts.len()];
-    let mut dks = Vec::new();
-    let mut dvs = Vec::new();
-    // Outer loop over key blocks, as FlashAttention-2: dK and dV of a block
-    // are finished before the next, dQ is summed block by block.
-    for ks in (0..n).step_by(k_block.max(1)) {
-        let cols = k_block.min(n - ks);
-        let kb = k.narrow(1, ks, cols)?;
-        let vb = v.narrow(1, ks, cols)?;
-        let vt = vb.transpose(1, 2)?.contiguous()?;
-        let mut dk: Option<Tensor> = None;
-        let mut dv: Option<Tensor> = None;
-        for (i, &qs) in q_starts.iter().enumerate() {
-            let rows = q_block.min(n - qs);
-            if causal && ks >= qs + rows {
-                continue; // every key of the block is after every query
-            }
-            let qb = q.narrow(1, qs, rows)?;
-            let dob = d_out.narrow(1, qs, rows)?;
-            let p = block_scores(&qb, &kb, qs, ks, causal, s)?
-                .broadcast_sub(&fwd.lse.narrow(1, qs, rows)?)?
-                .exp()?;
-            let dv_part = p.transpose(1, 2)?.matmul(&dob)?;
-            let dp = dob.matmul(&vt)?;
-            let ds = (p * dp.broadcast_sub(&delta.narrow(1, qs, rows)?)?)?;
-            let dq_part = (ds.matmul(&kb)? * s)?;
-            let dk_part = (ds.transpose(1, 2)?.matmul(&qb)? * s)?;
-            dqs[i] = Some(match dqs[i].take() {
-                Some(acc) => (acc + dq_part)?,
-                None => dq_part,
-            });
-            dk = Some(match dk {
-                Some(acc) => (acc + dk_part)?,
-                None => dk_part,
-            });
-            dv = Some(match dv {
-                Some(acc) => (acc + dv_part)?,
-                None => dv_part,
-            });
-        }
-        dks.push(match dk {
-            Some(t) => t,
-            None => kb.zeros_like()?,
-        });
-        dvs.push(match dv {
-            Some(t) => t,
-            None => vb.zeros_like()?,
-        });
-    }
-    let dqs = dqs
-        .into_iter()
-        .zip(&q_starts)
-        .map(|(dq, &qs)| match dq {
-            Some(t) => Ok(t),
-            None => q.narrow(1, qs, q_block.min(n - qs))?.zeros_like(),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((
-        Tensor::cat(&dqs, 1)?,
-        Tensor::cat(&dks, 1)?,
-        Tensor::cat(&dvs, 1)?,
-    ))
-}
-
-/// Bytes of one `n x n` score matrix per head, for `heads` heads in `dtype`.
-///
-/// ```
-/// use workbook_attention::score_matrix_bytes;
-/// use candle_core::DType;
-/// // The tutorial's figure: 32 heads at 4096 tokens in f16 is 1.07 GB.
-/// assert_eq!(score_matrix_bytes(32, 4096, DType::F16), 1_073_741_824);
-/// ```
-pub fn score_matrix_bytes(heads: u64, n: u64, dtype: DType) -> u64 {
-    heads * n * n * dtype.size_in_bytes() as u64
-}
-
 /// Parameters of the attention cell.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// Heads (folded into the batch).
+    /// Heads.
     pub heads: usize,
     /// Dimension per head.
     pub head_dim: usize,
@@ -344,10 +87,10 @@ struct Qkv {
 fn qkv(rng: &mut Rng, batch: usize, n: usize, d: usize, device: &Device) -> Result<Qkv> {
     let _inputs = Category::Inputs.enter();
     Ok(Qkv {
-        q: rng.randn((batch, n, d), device)?,
-        k: rng.randn((batch, n, d), device)?,
-        v: rng.randn((batch, n, d), device)?,
-        d_out: rng.randn((batch, n, d), device)?,
+        q: rng.randn((1, batch, n, d), device)?,
+        k: rng.randn((1, batch, n, d), device)?,
+        v: rng.randn((1, batch, n, d), device)?,
+        d_out: rng.randn((1, batch, n, d), device)?,
     })
 }
 
@@ -367,7 +110,8 @@ fn forward_backward(
                 Var::from_tensor(&x.k)?,
                 Var::from_tensor(&x.v)?,
             );
-            let out = Category::Activations.scope(|| naive_attention(&q, &k, &v, causal))?;
+            let cfg = FlashConfig::causal(causal);
+            let out = Category::Activations.scope(|| naive_attention(&q, &k, &v, &cfg))?;
             after_forward();
             let grads = Category::Gradients.scope(|| (&out * &x.d_out)?.sum_all()?.backward())?;
             let get = |t: &Var| {
@@ -379,19 +123,20 @@ fn forward_backward(
             Ok((out.detach(), get(&q)?, get(&k)?, get(&v)?))
         }
         Method::Chunked | Method::Tiled => {
-            let k_block = if m == Method::Chunked {
-                x.k.dim(1)?
-            } else {
-                p.k_block
+            let cfg = FlashConfig {
+                causal,
+                q_block: p.q_block,
+                k_block: if m == Method::Chunked {
+                    x.k.dim(2)?
+                } else {
+                    p.k_block
+                },
+                scale: None,
             };
-            let fwd = Category::Activations.scope(|| match m {
-                Method::Chunked => chunked_attention(&x.q, &x.k, &x.v, causal, p.q_block),
-                _ => tiled_attention(&x.q, &x.k, &x.v, causal, p.q_block, p.k_block),
-            })?;
+            let fwd = Category::Activations.scope(|| flash_forward(&x.q, &x.k, &x.v, &cfg))?;
             after_forward();
-            let (dq, dk, dv) = Category::Gradients.scope(|| {
-                attention_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out, causal, p.q_block, k_block)
-            })?;
+            let (dq, dk, dv) = Category::Gradients
+                .scope(|| flash_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out, &cfg))?;
             Ok((fwd.out, dq, dk, dv))
         }
     }
@@ -463,6 +208,30 @@ impl Plugin for AttentionCell {
                     .max(max_abs_diff(&dk, &dk2)?)
                     .max(max_abs_diff(&dv, &dv2)?);
                 ctx.metric(format!("grad_diff_{tag}"), grad);
+            }
+            // The tiled attention in f16 and bf16 (f32 accumulation inside)
+            // against the f32 reference.
+            if causal {
+                for (dtype, name) in [(DType::F16, "f16"), (DType::BF16, "bf16")] {
+                    let cast = |t: &Tensor| t.to_dtype(dtype);
+                    let cfg = FlashConfig {
+                        causal,
+                        q_block: p.q_block,
+                        k_block: p.k_block,
+                        scale: None,
+                    };
+                    let (q, k, v) = (cast(&x.q)?, cast(&x.k)?, cast(&x.v)?);
+                    let fwd = flash_forward(&q, &k, &v, &cfg)?;
+                    let (dq2, dk2, dv2) = flash_backward(&q, &k, &v, &fwd, &cast(&x.d_out)?, &cfg)?;
+                    ctx.metric(
+                        format!("out_diff_tiled_causal_{name}"),
+                        max_abs_diff(&o, &fwd.out)?,
+                    );
+                    let grad = max_abs_diff(&dq, &dq2)?
+                        .max(max_abs_diff(&dk, &dk2)?)
+                        .max(max_abs_diff(&dv, &dv2)?);
+                    ctx.metric(format!("grad_diff_tiled_causal_{name}"), grad);
+                }
             }
         }
         drop(x);

@@ -1,184 +1,29 @@
 //! The checkpointing cell: activation checkpointing (recomputation) for
 //! candle, proven equal to plain backprop and measured.
 //!
-//! [`checkpoint_sequential`] is the reusable part. candle has no hooks into
-//! its autograd, so checkpointing is a forward and a backward of its own:
-//!
-//! * forward: run each segment, keep only its (detached) output, so the
-//!   segment's activations are freed as soon as it is done;
-//! * backward, last segment first: recompute the segment from a variable copy
-//!   of its saved input, back-propagate the upstream gradient through it as a
-//!   vector-Jacobian product `sum(out * g)`, keep the parameters' gradients
-//!   (detached) and pass the input's gradient upstream.
-//!
-//! Only one segment's activations are alive at once, plus the saved segment
-//! inputs: with `n` layers in `sqrt(n)` segments, `O(sqrt(n))` activations
-//! for one extra forward (Chen et al., 2016).
+//! The technique is `candle_checkpoint::checkpoint_sequential` from the
+//! toolkit; this cell is its experiment. With `n` layers in `sqrt(n)`
+//! segments, `O(sqrt(n))` activations for one extra forward (Chen et al.,
+//! 2016).
 #![warn(missing_docs)]
 
 use std::time::Instant;
+
+use candle_checkpoint::checkpoint_sequential;
 
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
+use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
 use workbook_sdk::train::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
 };
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
-/// What [`checkpoint_sequential`] returns.
-#[derive(Debug)]
-pub struct Checkpointed {
-    /// The loss, detached.
-    pub loss: Tensor,
-    /// The gradients of the variables passed in, detached.
-    pub grads: GradStore,
-    /// The gradient of the loss with respect to the input.
-    pub input_grad: Tensor,
-}
-
-/// Splits `n` layers into `segments` contiguous ranges, as even as possible.
-pub fn segment_bounds(n: usize, segments: usize) -> Vec<std::ops::Range<usize>> {
-    let segments = segments.clamp(1, n.max(1));
-    let (base, extra) = (n / segments, n % segments);
-    let mut start = 0;
-    (0..segments)
-        .map(|i| {
-            let len = base + usize::from(i < extra);
-            let r = start..start + len;
-            start += len;
-            r
-        })
-        .collect()
-}
-
 fn run_segment<M: Module>(layers: &[M], x: &Tensor) -> Result<Tensor> {
     layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
-}
-
-/// Runs `layers` on `input`, then `head` on the result to a scalar loss, and
-/// back-propagates with `segments` checkpoints: gradients are those of plain
-/// backprop, while only one segment's activations are alive at a time.
-///
-/// `vars` are the variables whose gradients are wanted (those of `layers`
-/// and `head`); a variable used by several segments gets the sum.
-///
-/// ```
-/// use workbook_checkpointing::checkpoint_sequential;
-/// use workbook_sdk::train::{Activation, Mlp, Rng};
-/// use candle_core::{DType, Device, Module};
-/// let dev = Device::Cpu;
-/// let mut rng = Rng::seeded(0);
-/// let mlp = Mlp::stack(&mut rng, 8, 4, Activation::Gelu, DType::F32, &dev)?;
-/// let x = rng.randn((2, 8), &dev)?;
-/// let head = |h: &candle_core::Tensor| h.sqr()?.sum_all();
-///
-/// let plain = head(&mlp.forward(&x)?)?.backward()?;
-/// let ckpt = checkpoint_sequential(mlp.layers(), 2, &x, &mlp.vars(), head)?;
-/// for v in mlp.vars() {
-///     let (a, b) = (plain.get(v.as_tensor()).unwrap(), ckpt.grads.get(v.as_tensor()).unwrap());
-///     assert!(workbook_sdk::train::max_abs_diff(a, b)? < 1e-6);
-/// }
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn checkpoint_sequential<M: Module>(
-    layers: &[M],
-    segments: usize,
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-) -> Result<Checkpointed> {
-    checkpoint_sequential_observed(layers, segments, input, vars, head, |_| {})
-}
-
-/// A step of [`checkpoint_sequential_observed`], for timelines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    /// A segment's first forward is done (its activations already freed).
-    Forward,
-    /// A segment was recomputed and back-propagated.
-    Backward,
-}
-
-impl Step {
-    /// A label for a memory timeline.
-    pub fn label(self) -> &'static str {
-        match self {
-            Step::Forward => "segment forward",
-            Step::Backward => "segment backward",
-        }
-    }
-}
-
-/// [`checkpoint_sequential`], calling `observe` after each segment's forward
-/// and backward (to mark a memory timeline, say).
-pub fn checkpoint_sequential_observed<M: Module>(
-    layers: &[M],
-    segments: usize,
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-    mut observe: impl FnMut(Step),
-) -> Result<Checkpointed> {
-    let bounds = segment_bounds(layers.len(), segments);
-    // Forward: keep each segment's input, detached, and nothing else.
-    let mut saved = Vec::with_capacity(bounds.len());
-    saved.push(input.detach());
-    for range in &bounds[..bounds.len() - 1] {
-        let last = saved.last().expect("saved starts with the input");
-        let out = Category::Activations.scope(|| run_segment(&layers[range.clone()], last))?;
-        saved.push(out.detach());
-        drop(out);
-        observe(Step::Forward);
-    }
-
-    let mut grads = GradStore::default();
-    let mut upstream: Option<Tensor> = None;
-    let mut loss_value = None;
-    let mut head = Some(head);
-    for range in bounds.iter().rev() {
-        let _recompute = Category::Activations.enter();
-        let x = Var::from_tensor(&saved.pop().expect("one saved input per segment"))?;
-        let out = run_segment(&layers[range.clone()], x.as_tensor())?;
-        let root = match (upstream.take(), head.take()) {
-            (None, Some(head)) => {
-                let loss = head(&out)?;
-                drop(out);
-                loss_value = Some(loss.detach());
-                loss
-            }
-            // The vector-Jacobian product: d(sum(out * g))/d(.) is g pulled back.
-            (Some(g), _) => (out * g)?.sum_all()?,
-            (None, None) => unreachable!("the head runs on the last segment only"),
-        };
-        let _backward = Category::Gradients.enter();
-        let store = root.backward()?;
-        for var in vars {
-            if let Some(g) = store.get(var.as_tensor()) {
-                let g = g.detach();
-                let total = match grads.remove(var.as_tensor()) {
-                    Some(prev) => (prev + g)?.detach(),
-                    None => g,
-                };
-                grads.insert(var.as_tensor(), total);
-            }
-        }
-        let gx = match store.get(x.as_tensor()) {
-            Some(g) => g.detach(),
-            None => x.zeros_like()?,
-        };
-        upstream = Some(gx);
-        // The segment's recomputed activations go with its graph.
-        drop((store, root, x));
-        observe(Step::Backward);
-    }
-    Ok(Checkpointed {
-        loss: loss_value.expect("at least one segment"),
-        grads,
-        input_grad: upstream.expect("at least one segment"),
-    })
 }
 
 /// The checkpointing tip's "heavy function": `x + a`, `adds` times.
@@ -364,7 +209,8 @@ impl Plugin for Checkpointing {
         let plain = loss_of(&run_segment(&block_layers, input.as_tensor())?)?;
         let plain_store = plain.backward()?;
         let plain_input_grad = plain_store.get(input.as_tensor()).map(|g| g.detach());
-        let ckpt = checkpoint_sequential(&block_layers, 1, input.as_tensor(), &vars, loss_of)?;
+        let ckpt =
+            checkpoint_sequential(&block_layers, 1, input.as_tensor(), &vars, loss_of, &Tags)?;
         let loss = ckpt.loss.to_scalar::<f32>()?;
         ctx.print(format!("{loss:.4}"));
         ctx.metric("loss", loss as f64);
@@ -372,9 +218,9 @@ impl Plugin for Checkpointing {
             "input_grad_present",
             f64::from(u8::from(plain_input_grad.is_some())),
         );
-        let input_diff = match &plain_input_grad {
-            Some(g) => max_abs_diff(g, &ckpt.input_grad)?,
-            None => f64::INFINITY,
+        let input_diff = match (&plain_input_grad, &ckpt.input_grad) {
+            (Some(a), Some(b)) => max_abs_diff(a, b)?,
+            _ => f64::INFINITY,
         };
         ctx.metric("input_grad_max_abs_diff", input_diff);
         ctx.metric(
@@ -473,13 +319,13 @@ impl Checkpointing {
                 ctx.progress(&format!("{segments} segment(s), run {}", rep + 1));
                 let mut region = ctx.region(format!("checkpointed, {segments} segment(s)"));
                 let start = Instant::now();
-                let out = checkpoint_sequential_observed(
+                let out = checkpoint_sequential(
                     model.layers(),
                     segments,
                     &x,
                     &vars,
                     head,
-                    |step| region.mark(step.label()),
+                    &Marks::new(&mut region),
                 )?;
                 region.mark("after backward");
                 times.push(start.elapsed().as_secs_f64());
@@ -614,6 +460,7 @@ impl Checkpointing {
             x0.as_tensor(),
             std::slice::from_ref(&a),
             head,
+            &Tags,
         )?;
         region.mark("after backward");
         let ckpt_grad = out.grads.get(a.as_tensor()).map(|g| g.detach());

@@ -1,282 +1,45 @@
 //! The offload cell: optimizer state, gradients and parameters kept in host
 //! memory and brought to the device only when needed.
 //!
-//! The reusable parts:
+//! The techniques are the toolkit's: `candle_lean_optim::HostAdamW` (f32
+//! master weights and both moments on the host, twice the parameters' bytes
+//! moved per step) and `candle_checkpoint::layerwise_backward` (each layer's
+//! gradients handed over as soon as they exist). [`StreamedLinear`], a
+//! linear layer whose weights visit the device for its forward, is this
+//! cell's experiment.
 //!
-//! * [`HostAdamW`]: an AdamW whose moments live on the host. Gradients go to
-//!   the host, the update runs there, the parameters are written back. The
-//!   same operations in the same order as `candle_nn::AdamW`, so the results
-//!   are equal; it implements candle's `Optimizer`.
-//! * [`layerwise_backward`]: back-propagation one layer at a time, handing
-//!   each layer's parameter gradients to a callback as soon as they exist (to
-//!   move them to the host), so the device never holds all of them.
-//! * [`StreamedLinear`]: a linear layer whose weights live on the host and
-//!   visit the device for its forward.
-//!
-//! Every copy goes through [`Transfers`], which counts bytes and time. On a
-//! CPU-only run host and device are the same memory; the copies are still
-//! made, and the meter files each under the side it stands for
+//! On a CPU-only run host and device are the same memory; the copies are
+//! still made, and the meter files each under the side it stands for
 //! ([`Residency`]), so the shift shows.
 #![warn(missing_docs)]
 
 use std::time::Instant;
 
+use candle_checkpoint::layerwise_backward;
+use candle_lean_optim::{HostAdamW, Transfers};
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
+use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{mib, Unit};
 use workbook_sdk::train::{
     cross_entropy, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp, Rng,
 };
 use workbook_sdk::{Category, Context, Plugin, Residency, Rules, Table, Violation};
 
-/// Bytes and time of the copies between device and host.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Transfers {
-    /// Bytes copied to the host.
-    pub to_host_bytes: u64,
-    /// Bytes copied to the device.
-    pub to_device_bytes: u64,
-    /// Seconds spent copying.
-    pub seconds: f64,
-}
-
-impl Transfers {
-    fn copy(&mut self, t: &Tensor, to: &Device, residency: Residency) -> Result<Tensor> {
-        let start = Instant::now();
-        // A transfer moves data, not autograd history: detached, or the copy
-        // would keep a graph back to its source alive. On one device
-        // `to_device` would share storage; a transfer copies.
-        let t = t.detach();
-        let out = residency.scope(|| {
-            if t.device().same_device(to) {
-                t.copy()
-            } else {
-                t.to_device(to)
-            }
-        })?;
-        let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-        match residency {
-            Residency::Host => self.to_host_bytes += bytes,
-            Residency::Device => self.to_device_bytes += bytes,
-        }
-        self.seconds += start.elapsed().as_secs_f64();
-        Ok(out)
-    }
-
-    /// Copies `t` to `host`, tagged as host memory.
-    pub fn to_host(&mut self, t: &Tensor, host: &Device) -> Result<Tensor> {
-        self.copy(t, host, Residency::Host)
-    }
-
-    /// Copies `t` to `device`, tagged as device memory.
-    pub fn to_device(&mut self, t: &Tensor, device: &Device) -> Result<Tensor> {
-        self.copy(t, device, Residency::Device)
-    }
-}
-
-struct HostState {
-    var: Var,
-    m: Tensor,
-    v: Tensor,
-}
-
-/// AdamW with its moments in host memory.
-///
-/// ```
-/// use candle_core::{Device, Tensor, Var};
-/// use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-/// use workbook_offload::HostAdamW;
-/// let (a, b) = (Var::new(&[1f32, -2.0], &Device::Cpu)?, Var::new(&[1f32, -2.0], &Device::Cpu)?);
-/// let mut host = HostAdamW::new(vec![a.clone()], ParamsAdamW::default())?;
-/// let mut reference = AdamW::new(vec![b.clone()], ParamsAdamW::default())?;
-/// for _ in 0..3 {
-///     host.backward_step(&a.sqr()?.sum_all()?)?;
-///     reference.backward_step(&b.sqr()?.sum_all()?)?;
-/// }
-/// assert_eq!(a.to_vec1::<f32>()?, b.to_vec1::<f32>()?);
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub struct HostAdamW {
-    params: ParamsAdamW,
-    step_t: usize,
-    host: Device,
-    states: Vec<HostState>,
-    transfers: Transfers,
-}
-
-impl std::fmt::Debug for HostAdamW {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostAdamW")
-            .field("params", &self.params)
-            .field("step_t", &self.step_t)
-            .field("vars", &self.states.len())
-            .field("transfers", &self.transfers)
-            .finish()
-    }
-}
-
-impl HostAdamW {
-    /// An optimizer for `vars` with its state on `host`.
-    pub fn on(vars: Vec<Var>, params: ParamsAdamW, host: Device) -> Result<Self> {
-        let states = {
-            let _where = (Category::OptimizerState.enter(), Residency::Host.enter());
-            vars.into_iter()
-                .filter(|v| v.dtype().is_float())
-                .map(|var| {
-                    let m = Tensor::zeros(var.shape(), var.dtype(), &host)?;
-                    let v = Tensor::zeros(var.shape(), var.dtype(), &host)?;
-                    Ok(HostState { var, m, v })
-                })
-                .collect::<Result<Vec<_>>>()?
-        };
-        Ok(Self {
-            params,
-            step_t: 0,
-            host,
-            states,
-            transfers: Transfers::default(),
-        })
-    }
-
-    /// The copies made so far.
-    pub fn transfers(&self) -> Transfers {
-        self.transfers
-    }
-
-    /// Steps with gradients already on the host (from [`layerwise_backward`]
-    /// with an offloading callback, say).
-    pub fn step_host(&mut self, host_grads: &GradStore) -> Result<()> {
-        self.step_t += 1;
-        let p = self.params.clone();
-        let scale_m = 1f64 / (1f64 - p.beta1.powi(self.step_t as i32));
-        let scale_v = 1f64 / (1f64 - p.beta2.powi(self.step_t as i32));
-        for i in 0..self.states.len() {
-            let Some(g) = host_grads.get(self.states[i].var.as_tensor()) else {
-                continue;
-            };
-            let theta = self
-                .transfers
-                .to_host(self.states[i].var.as_tensor(), &self.host)?;
-            let _where = (Category::OptimizerState.enter(), Residency::Host.enter());
-            let st = &mut self.states[i];
-            // candle_nn::AdamW's operations, in its order: equal results.
-            let next_m = ((&st.m * p.beta1)? + (g * (1.0 - p.beta1))?)?;
-            let next_v = ((&st.v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
-            let m_hat = (&next_m * scale_m)?;
-            let v_hat = (&next_v * scale_v)?;
-            let next_theta = (theta * (1f64 - p.lr * p.weight_decay))?;
-            let adjusted = (m_hat / (v_hat.sqrt()? + p.eps)?)?;
-            let next_theta = (next_theta - (adjusted * p.lr)?)?;
-            st.m = next_m;
-            st.v = next_v;
-            let device = st.var.device().clone();
-            drop(_where);
-            let back = self.transfers.to_device(&next_theta, &device)?;
-            self.states[i].var.set(&back)?;
-        }
-        Ok(())
-    }
-}
-
-impl Optimizer for HostAdamW {
-    type Config = ParamsAdamW;
-
-    /// State on the CPU, the host of every candle device.
-    fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
-        Self::on(vars, params, Device::Cpu)
-    }
-
-    /// Copies the gradients to the host, then steps there.
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let mut host_grads = GradStore::default();
-        for st in &self.states {
-            if let Some(g) = grads.get(st.var.as_tensor()) {
-                let _grads = Category::Gradients.enter();
-                let h = self.transfers.to_host(g, &self.host)?;
-                host_grads.insert(st.var.as_tensor(), h);
-            }
-        }
-        self.step_host(&host_grads)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr
-    }
-}
-
-/// Back-propagates through `layers` one at a time, last first, calling
-/// `on_grad(var, gradient)` for each parameter gradient as soon as its layer
-/// is done; the device then holds one layer's parameter gradients at a time
-/// (if the callback moves them away). `layer_vars[i]` are layer `i`'s
-/// parameters. Returns the loss, detached.
-///
-/// Each layer's first operation must use one of its parameters (a linear
-/// layer, say, or a linear layer and its activation): candle passes a
-/// gradient to a layer's plain input only through such an operation. A layer
-/// that passes none is an error, not a silently wrong result.
-pub fn layerwise_backward<M: Module>(
-    layers: &[M],
-    layer_vars: &[Vec<Var>],
-    input: &Tensor,
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-    mut on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+/// Copies `t` to `to`, counted in `transfers` and tagged as living there.
+fn copy_to(
+    transfers: &mut Transfers,
+    t: &Tensor,
+    to: &Device,
+    residency: Residency,
 ) -> Result<Tensor> {
-    if layers.len() != layer_vars.len() || layers.is_empty() {
-        workbook_sdk::candle::bail!("one list of variables per layer, and at least one layer");
-    }
-    // Forward: each layer's graph starts at a detached input, so each can be
-    // back-propagated on its own.
-    let mut inputs = Vec::with_capacity(layers.len());
-    let mut outputs = Vec::with_capacity(layers.len());
-    let mut h = input.detach();
-    for layer in layers {
-        let out = Category::Activations.scope(|| layer.forward(&h))?;
-        inputs.push(h);
-        h = out.detach();
-        outputs.push(out);
-    }
-    drop(h);
-    let mut upstream: Option<Tensor> = None;
-    let mut loss_value = None;
-    let mut head = Some(head);
-    for i in (0..layers.len()).rev() {
-        let out = outputs.pop().expect("one output per layer");
-        let x = inputs.pop().expect("one input per layer");
-        let store = {
-            let _grads = Category::Gradients.enter();
-            let root = match (upstream.take(), head.take()) {
-                (None, Some(head)) => {
-                    let loss = head(&out)?;
-                    loss_value = Some(loss.detach());
-                    loss
-                }
-                (Some(g), _) => (out * g)?.sum_all()?,
-                (None, None) => unreachable!("the head runs on the last layer only"),
-            };
-            root.backward()?
-        };
-        for var in &layer_vars[i] {
-            if let Some(g) = store.get(var.as_tensor()) {
-                on_grad(var, g.detach())?;
-            }
-        }
-        if i > 0 {
-            match store.get(&x) {
-                Some(g) => upstream = Some(g.detach()),
-                None => workbook_sdk::candle::bail!(
-                    "layer {i} passes no gradient to its input: its first operation must use one of its parameters"
-                ),
-            }
-        }
-    }
-    loss_value.ok_or_else(|| workbook_sdk::candle::Error::Msg("no layers".into()))
+    residency.scope(|| match residency {
+        Residency::Host => transfers.to_host(t, to),
+        Residency::Device => transfers.to_device(t, to),
+    })
 }
 
 /// A linear layer whose parameters live on the host and are copied to the
@@ -292,8 +55,8 @@ impl StreamedLinear {
     pub fn from_linear(layer: &Linear, host: &Device, transfers: &mut Transfers) -> Result<Self> {
         let _params = Category::Parameters.enter();
         Ok(Self {
-            weight: transfers.to_host(layer.weight().as_tensor(), host)?,
-            bias: transfers.to_host(layer.bias().as_tensor(), host)?,
+            weight: copy_to(transfers, layer.weight().as_tensor(), host, Residency::Host)?,
+            bias: copy_to(transfers, layer.bias().as_tensor(), host, Residency::Host)?,
         })
     }
 
@@ -308,8 +71,8 @@ impl StreamedLinear {
         let (w, b) = {
             let _params = Category::Parameters.enter();
             (
-                transfers.to_device(&self.weight, x.device())?,
-                transfers.to_device(&self.bias, x.device())?,
+                copy_to(transfers, &self.weight, x.device(), Residency::Device)?,
+                copy_to(transfers, &self.bias, x.device(), Residency::Device)?,
             )
         };
         x.broadcast_matmul(&w.t()?)?.broadcast_add(&b)
@@ -351,8 +114,7 @@ impl Default for Params {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Offload;
 
-/// Linear + ReLU units of a stack, with their parameters: the layers of
-/// [`layerwise_backward`].
+/// Linear + ReLU units of a stack: the layers of the layer-wise backward.
 struct Unit2 {
     linear: Linear,
     activation: Activation,
@@ -477,7 +239,9 @@ impl Plugin for Offload {
 
         ctx.progress("AdamW on the host");
         let mut region = ctx.region("AdamW, state on the host");
-        let mut offloaded = HostAdamW::on(vars.clone(), config.clone(), host.clone())?;
+        let mut offloaded = HostAdamW::on(vars.clone(), config.clone(), host.clone(), Tags)?;
+        // The masters' first copy to the host is set-up, not a step's cost.
+        let setup = offloaded.transfers();
         let mut host_step_time = 0.0;
         for _ in 0..p.steps {
             let grads = param_grads(&cross_entropy(&model.forward(&x)?, &y)?.backward()?, &vars);
@@ -491,7 +255,7 @@ impl Plugin for Offload {
         for (a, b) in vars.iter().zip(twin.vars().iter()) {
             diff = diff.max(max_abs_diff(a.as_tensor(), b.as_tensor())?);
         }
-        let moved = offloaded.transfers();
+        let moved = offloaded.transfers().since(&setup);
         ctx.metric("adamw_max_abs_diff", diff);
         let device_state = |r: &workbook_sdk::RegionReport| {
             r.end.get(Category::OptimizerState)
@@ -544,24 +308,21 @@ impl Plugin for Offload {
         drop(grads);
         ctx.progress("gradients offloaded layer by layer");
         let us = units(&model);
-        let layer_vars: Vec<Vec<Var>> = us
-            .iter()
-            .map(|u| vec![u.linear.weight().clone(), u.linear.bias().clone()])
-            .collect();
         let mut transfers = Transfers::default();
         let mut host_grads = GradStore::default();
         let mut region = ctx.region("backward, gradients offloaded layer by layer");
         layerwise_backward(
             &us,
-            &layer_vars,
             &x,
+            &vars,
             |h| cross_entropy(h, &y),
             |var, g| {
                 let _grads = Category::Gradients.enter();
-                let on_host = transfers.to_host(&g, &host)?;
+                let on_host = copy_to(&mut transfers, &g, &host, Residency::Host)?;
                 host_grads.insert(var.as_tensor(), on_host);
                 Ok(())
             },
+            &Tags,
         )?;
         region.mark("after backward");
         let offload_grads = ctx.end_region(region);

@@ -2,11 +2,14 @@
 //! plain backprop, streamed weights against resident ones, and where the
 //! meter files the bytes.
 
+use candle_checkpoint::layerwise_backward;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_lean_optim::{HostAdamW, Transfers};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use workbook_offload::{layerwise_backward, HostAdamW, StreamedLinear, Transfers};
+use workbook_offload::StreamedLinear;
 use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, Meter};
+use workbook_sdk::observe::Tags;
 use workbook_sdk::train::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp,
     Rng,
@@ -59,12 +62,13 @@ fn host_adamw_equals_candles_adamw_after_ten_steps() {
         max_abs_diff(fresh.vars()[0].as_tensor(), model.vars()[0].as_tensor()).unwrap() > 1e-3,
         "the model trained"
     );
-    // Each step: every gradient and parameter to the host, every parameter back.
+    // Set-up copies each parameter to the host once, as the f32 masters;
+    // then each step: every gradient to the host, every parameter back.
     let bytes: u64 = model.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
     let t = host.transfers();
     assert_eq!(
         (t.to_host_bytes, t.to_device_bytes),
-        (20 * bytes, 10 * bytes)
+        (11 * bytes, 10 * bytes)
     );
 }
 
@@ -74,7 +78,7 @@ fn host_adamw_keeps_no_optimizer_state_on_the_device() {
     let (model, _, _) = setup(2);
     let meter = CpuMeter::new().unwrap();
     let before = meter.snapshot();
-    let opt = HostAdamW::new(model.vars(), ParamsAdamW::default()).unwrap();
+    let opt = HostAdamW::on(model.vars(), ParamsAdamW::default(), Device::Cpu, Tags).unwrap();
     let after = meter.snapshot();
     let state = |s: &workbook_sdk::meter::MemorySnapshot, host: bool| {
         let h = s.host.get(Category::OptimizerState);
@@ -91,20 +95,14 @@ fn host_adamw_keeps_no_optimizer_state_on_the_device() {
         "nothing on the device"
     );
     let host = state(&after, true) - state(&before, true);
+    // Three tensors per variable, each with a few hundred bytes of candle's
+    // own bookkeeping beside its data.
+    let tensors = 3 * model.vars().len() as u64;
     assert!(
-        host >= 2 * data && host < 2 * data + 4096,
-        "two moments on the host: {host} for {data}"
+        host >= 3 * data && host < 3 * data + 512 * tensors,
+        "f32 masters and two moments on the host: {host} for {data}"
     );
     drop(opt);
-}
-
-fn units(model: &Mlp) -> (Vec<Vec<Layer>>, Vec<Vec<Var>>) {
-    let layers: Vec<Vec<Layer>> = model.layers().chunks(2).map(|c| c.to_vec()).collect();
-    let vars = layers
-        .iter()
-        .map(|c| c.iter().flat_map(Layer::vars).collect())
-        .collect();
-    (layers, vars)
 }
 
 struct Unit(Vec<Layer>);
@@ -114,25 +112,35 @@ impl Module for Unit {
     }
 }
 
+/// Units cut as [Linear] [ReLU, Linear] [ReLU, Linear] ...: every unit but
+/// the first begins with an operation that uses no parameter, which the old
+/// layer-wise backward refused.
+fn units(model: &Mlp) -> Vec<Unit> {
+    let all = model.layers().to_vec();
+    let mut out = vec![Unit(all[..1].to_vec())];
+    out.extend(all[1..].chunks(2).map(|c| Unit(c.to_vec())));
+    out
+}
+
 #[test]
 fn layerwise_gradients_equal_plain_backprop() {
     let (model, x, y) = setup(3);
     let plain_loss = cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
     let plain = param_grads(&plain_loss.backward().unwrap(), &model.vars());
-    let (layers, vars) = units(&model);
-    let layers: Vec<Unit> = layers.into_iter().map(Unit).collect();
+    let layers = units(&model);
     let mut got = GradStore::default();
     let mut order = Vec::new();
     let loss = layerwise_backward(
         &layers,
-        &vars,
         &x,
+        &model.vars(),
         |h| cross_entropy(h, &y),
         |v, g| {
             order.push(v.as_tensor().id());
             got.insert(v.as_tensor(), g);
             Ok(())
         },
+        &Tags,
     )
     .unwrap();
     assert_eq!(
@@ -140,31 +148,12 @@ fn layerwise_gradients_equal_plain_backprop() {
         plain_loss.to_scalar::<f32>().unwrap()
     );
     assert!(grads_max_abs_diff(&plain, &got, &model.vars()).unwrap() < 1e-6);
+    assert_eq!(order.len(), model.vars().len(), "each gradient once");
     // Last layer first: its gradients are handed over before the first layer's.
     let last = model.vars().last().unwrap().as_tensor().id();
     let first = model.vars()[0].as_tensor().id();
     let pos = |id| order.iter().position(|&o| o == id).unwrap();
     assert!(pos(last) < pos(first));
-}
-
-#[test]
-fn a_layer_that_passes_no_gradient_is_an_error() {
-    let (model, x, y) = setup(4);
-    // Split as [Linear] [ReLU, Linear, ReLU, ...]: the second unit begins
-    // with an operation that uses no parameter.
-    let all = model.layers().to_vec();
-    let layers = vec![Unit(all[..1].to_vec()), Unit(all[1..].to_vec())];
-    let vars = vec![
-        all[..1].iter().flat_map(Layer::vars).collect(),
-        all[1..].iter().flat_map(Layer::vars).collect(),
-    ];
-    let err = layerwise_backward(&layers, &vars, &x, |h| cross_entropy(h, &y), |_, _| Ok(()))
-        .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("layer 1 passes no gradient to its input"),
-        "{err}"
-    );
 }
 
 #[test]

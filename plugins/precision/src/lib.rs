@@ -1,185 +1,22 @@
 //! The precision cell: bytes per dtype, mixed-precision training with f32
 //! master weights, and a dynamic loss scaler for f16.
 //!
-//! The reusable parts:
-//!
-//! * [`GradScaler`], with the semantics of `torch.amp.GradScaler`: the loss is
-//!   multiplied by a scale (2^16 at first) before the backward, so that small
-//!   gradients survive in f16; the gradients are divided by it again before
-//!   the step; a step whose gradients hold an inf or NaN is skipped and the
-//!   scale halved; after `growth_interval` clean steps in a row the scale
-//!   doubles.
-//! * [`clip_grad_norm`]: clipping by the global norm, to be done after
-//!   unscaling.
-//! * `Mlp::forward_as` in the SDK: the forward in f16 or bf16 from f32 master
-//!   weights (candle's `to_dtype` is differentiable, so gradients arrive in f32).
+//! The techniques are the toolkit's: `candle_amp::GradScaler`, with
+//! torch.amp's protocol (scale the loss, unscale once, a step skipped on
+//! inf/NaN, a separate update), and `candle_amp::clip_grad_norm`. The
+//! forward in f16 or bf16 from f32 master weights is `Mlp::forward_as` here
+//! (candle's `to_dtype` is differentiable, so gradients arrive in f32);
+//! `candle_amp::MasterWeights` does the same for any candle-nn model.
 #![warn(missing_docs)]
 
+use candle_amp::{clip_grad_norm, GradScaler, ScalerConfig, StepOutcome};
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
-use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
+use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
 use workbook_sdk::candle_nn::{AdamW, Optimizer};
 use workbook_sdk::output::{Axis, Series, Unit};
 use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
-
-/// The settings of a [`GradScaler`]; the defaults are torch.amp's.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ScalerConfig {
-    /// The first scale.
-    pub init_scale: f64,
-    /// What the scale is multiplied by after `growth_interval` clean steps.
-    pub growth_factor: f64,
-    /// What the scale is multiplied by after a step with inf or NaN.
-    pub backoff_factor: f64,
-    /// Clean steps in a row before the scale grows.
-    pub growth_interval: usize,
-}
-
-impl Default for ScalerConfig {
-    fn default() -> Self {
-        Self {
-            init_scale: 65536.0,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 2000,
-        }
-    }
-}
-
-/// What happened at a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StepOutcome {
-    /// The optimizer stepped; the scale stayed.
-    Stepped,
-    /// The optimizer stepped and the scale grew.
-    SteppedAndGrew,
-    /// The gradients held inf or NaN: no step, the scale shrank.
-    Skipped,
-}
-
-/// A dynamic loss scaler for f16 training.
-///
-/// ```
-/// use workbook_precision::{GradScaler, ScalerConfig, StepOutcome};
-/// let mut s = GradScaler::new(ScalerConfig { growth_interval: 2, ..Default::default() });
-/// assert_eq!(s.scale(), 65536.0);
-/// assert_eq!(s.update(false), StepOutcome::Stepped);
-/// assert_eq!(s.update(false), StepOutcome::SteppedAndGrew);
-/// assert_eq!(s.scale(), 131072.0);
-/// assert_eq!(s.update(true), StepOutcome::Skipped);
-/// assert_eq!(s.scale(), 65536.0);
-/// ```
-#[derive(Debug, Clone)]
-pub struct GradScaler {
-    config: ScalerConfig,
-    scale: f64,
-    clean_steps: usize,
-}
-
-impl GradScaler {
-    /// A scaler at `config.init_scale`.
-    pub fn new(config: ScalerConfig) -> Self {
-        Self {
-            scale: config.init_scale,
-            config,
-            clean_steps: 0,
-        }
-    }
-
-    /// The current scale.
-    pub fn scale(&self) -> f64 {
-        self.scale
-    }
-
-    /// Clean steps in a row since the scale last changed.
-    pub fn clean_steps(&self) -> usize {
-        self.clean_steps
-    }
-
-    /// `loss * scale`: call `backward` on this.
-    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
-        loss * self.scale
-    }
-
-    /// Divides the gradients of `vars` by the scale, in their own dtype, and
-    /// says whether they are all finite.
-    pub fn unscale(&self, grads: &mut GradStore, vars: &[Var]) -> Result<bool> {
-        let mut finite = true;
-        for var in vars {
-            if let Some(g) = grads.remove(var.as_tensor()) {
-                let g = (g / self.scale)?;
-                finite &= g
-                    .to_dtype(DType::F64)?
-                    .sum_all()?
-                    .to_scalar::<f64>()?
-                    .is_finite();
-                grads.insert(var.as_tensor(), g);
-            }
-        }
-        Ok(finite)
-    }
-
-    /// Moves the state machine on after a step whose gradients were (or were
-    /// not) finite.
-    pub fn update(&mut self, found_inf: bool) -> StepOutcome {
-        if found_inf {
-            self.scale *= self.config.backoff_factor;
-            self.clean_steps = 0;
-            return StepOutcome::Skipped;
-        }
-        self.clean_steps += 1;
-        if self.clean_steps >= self.config.growth_interval {
-            self.scale *= self.config.growth_factor;
-            self.clean_steps = 0;
-            StepOutcome::SteppedAndGrew
-        } else {
-            StepOutcome::Stepped
-        }
-    }
-
-    /// Steps `optimizer` with unscaled gradients if they are `finite`, and
-    /// updates the scale.
-    pub fn step<O: Optimizer>(
-        &mut self,
-        optimizer: &mut O,
-        grads: &GradStore,
-        finite: bool,
-    ) -> Result<StepOutcome> {
-        if finite {
-            optimizer.step(grads)?;
-        }
-        Ok(self.update(!finite))
-    }
-}
-
-/// Scales the gradients of `vars` so that their global L2 norm is at most
-/// `max_norm`; returns the norm before clipping. Computed in f64.
-pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
-    let mut sum = 0f64;
-    for var in vars {
-        if let Some(g) = grads.get(var.as_tensor()) {
-            sum += g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
-        }
-    }
-    let norm = sum.sqrt();
-    if norm > max_norm {
-        let factor = max_norm / (norm + 1e-6);
-        for var in vars {
-            if let Some(g) = grads.remove(var.as_tensor()) {
-                grads.insert(var.as_tensor(), (g * factor)?);
-            }
-        }
-    }
-    Ok(norm)
-}
 
 /// Parameters of the precision cell.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -272,7 +109,11 @@ impl Plugin for Precision {
                 p.scaler.backoff_factor.to_string(),
                 "allowed: a number above 0 and below 1 (as torch.amp.GradScaler)",
             )
-            .at_least("scaler.growth_interval", p.scaler.growth_interval, 1);
+            .at_least(
+                "scaler.growth_interval",
+                p.scaler.growth_interval as usize,
+                1,
+            );
         let w = p.act_width as u64;
         r.elements("act_width", "act_width × act_width", &[w, w])
             .elements(
@@ -495,23 +336,25 @@ fn training(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> 
             let loss = cross_entropy(&model.forward_as(&x, dtype)?, &y)?;
             curve.push((step as f64, loss.to_scalar::<f32>()? as f64));
             let root = match &scaler {
-                Some(s) => s.scale_loss(&loss)?,
+                Some(s) => s.scale(&loss)?,
                 None => loss,
             };
             let mut grads = param_grads(&root.backward()?, &vars);
-            let finite = match &scaler {
+            // Unscaled before clipping, so the norm is the true one.
+            let found_inf = match scaler.as_mut() {
                 Some(s) => s.unscale(&mut grads, &vars)?,
-                None => true,
+                None => false,
             };
-            if finite {
+            if !found_inf {
                 clip_grad_norm(&mut grads, &vars, p.max_grad_norm)?;
             }
             match scaler.as_mut() {
                 Some(s) => {
-                    scale_history.push((step as f64, s.scale()));
-                    if s.step(&mut opt, &grads, finite)? == StepOutcome::Skipped {
+                    scale_history.push((step as f64, s.scale_factor()));
+                    if s.step(&mut opt, &mut grads, &vars)? == StepOutcome::Skipped {
                         skipped += 1;
                     }
+                    s.update()?;
                 }
                 None => opt.step(&grads)?,
             }
@@ -524,14 +367,14 @@ fn training(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> 
             points: curve,
         });
         if let Some(s) = scaler {
-            ctx.metric("final_scale", s.scale());
+            ctx.metric("final_scale", s.scale_factor());
             // How often the scale a step ran with was below the one before
             // (the scale after the last step included), read from the
             // recorded history, not from the scaler's own count of skips.
             let scales: Vec<f64> = scale_history
                 .iter()
                 .map(|&(_, scale)| scale)
-                .chain([s.scale()])
+                .chain([s.scale_factor()])
                 .collect();
             let decreases = scales.windows(2).filter(|w| w[1] < w[0]).count();
             ctx.metric("scale_decreases_f16", decreases as f64);

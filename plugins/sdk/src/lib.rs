@@ -33,6 +33,8 @@
 #![warn(missing_docs)]
 
 pub mod meter;
+#[cfg(feature = "candle")]
+pub mod observe;
 pub mod output;
 #[cfg(feature = "candle")]
 pub mod plugin;
@@ -47,6 +49,8 @@ pub use anyhow;
 pub use candle_core as candle;
 #[cfg(feature = "candle")]
 pub use candle_nn;
+#[cfg(feature = "candle")]
+pub use candle_observe;
 pub use serde_json;
 
 pub use meter::{Category, Meter, Residency};

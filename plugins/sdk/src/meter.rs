@@ -132,6 +132,21 @@ impl Residency {
     }
 }
 
+/// Tags allocations on this thread with `category` and `residency`, and
+/// returns the previous tags packed for [`restore_tags`]: the two halves of
+/// a scope whose guard cannot be held (an observer's enter and leave).
+pub fn swap_tags(category: Category, residency: Residency) -> u64 {
+    let c = CURRENT_CATEGORY.with(|c| c.replace(category as u8));
+    let r = CURRENT_RESIDENCY.with(|r| r.replace(residency as u8));
+    u64::from(c) | (u64::from(r) << 8)
+}
+
+/// Restores tags that [`swap_tags`] returned.
+pub fn restore_tags(previous: u64) {
+    let _ = CURRENT_CATEGORY.try_with(|c| c.set((previous & 0xff) as u8));
+    let _ = CURRENT_RESIDENCY.try_with(|r| r.set(((previous >> 8) & 0xff) as u8));
+}
+
 /// Restores the previous residency when dropped; see [`Residency::enter`].
 #[derive(Debug)]
 pub struct ResidencyGuard {

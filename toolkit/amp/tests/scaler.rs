@@ -207,3 +207,17 @@ fn an_f16_loss_is_refused() -> Result<()> {
     assert!(err(s.scale(&loss)).starts_with("the loss is f16, in which a scale of 65536 overflows"));
     Ok(())
 }
+
+#[test]
+fn the_defaults_are_torchs() {
+    let c = ScalerConfig::default();
+    assert_eq!(
+        (
+            c.init_scale,
+            c.growth_factor,
+            c.backoff_factor,
+            c.growth_interval
+        ),
+        (65536.0, 2.0, 0.5, 2000)
+    );
+}

@@ -104,7 +104,10 @@ fn backward_by_segments<M: Module>(
                 vars,
                 observer,
             )?,
-            (None, None) => bail!("internal: the head runs on the last segment only"),
+            (None, None) => bail!(
+                "the input of layer {} is not a float tensor: only the first layer may take ids",
+                range.start
+            ),
         };
         drop(x);
         if let Some(l) = vjp.loss {

@@ -42,16 +42,18 @@ pub struct Vjp {
     pub loss: Option<Tensor>,
 }
 
-/// Back-propagates `output`, whose graph starts at the variables `inputs`,
-/// with `seed`: the gradients of `inputs` and of `vars`.
+/// Back-propagates `output`, whose graph starts at `inputs`, with `seed`:
+/// the gradients of `inputs` and of `vars`.
 ///
-/// `inputs` are variables made from the function's inputs (`None` for an
-/// input that needs no gradient). The output and its graph are dropped
-/// before this returns.
+/// `inputs` are the tensors the function ran on (`None` for an input that
+/// needs no gradient). An input that is a variable gets zeros if the output
+/// does not depend on it; a plain tensor gets a gradient only where candle
+/// passed one (through an operation that also used a variable), else
+/// `None`. The output and its graph are dropped before this returns.
 pub fn pull_back(
     output: Tensor,
     seed: Seed<'_>,
-    inputs: &[Option<&Var>],
+    inputs: &[Option<&Tensor>],
     vars: &[Var],
     observer: &dyn Observer,
 ) -> Result<Vjp> {
@@ -90,12 +92,13 @@ pub fn pull_back(
     }
     let inputs = inputs
         .iter()
-        .map(|x| {
-            x.map(|x| match store.get(x.as_tensor()) {
-                Some(g) => Ok(g.detach()),
-                None => x.zeros_like(),
-            })
-            .transpose()
+        .map(|x| match x {
+            None => Ok(None),
+            Some(x) => match store.get(x) {
+                Some(g) => Ok(Some(g.detach())),
+                None if x.is_variable() => x.zeros_like().map(Some),
+                None => Ok(None),
+            },
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Vjp {
@@ -137,33 +140,48 @@ pub fn recompute(
     vars: &[Var],
     observer: &dyn Observer,
 ) -> Result<Vjp> {
-    let _acts = scope(observer, Kind::Activations, Place::Device);
-    let mut leaves = Vec::with_capacity(args.len());
     for (i, arg) in args.iter().enumerate() {
-        leaves.push(match arg {
-            Arg::Grad(t) => {
-                if !t.dtype().is_float() {
-                    bail!(
-                        "argument {i} is {:?}: only a float input can have a gradient (pass it as Arg::Const)",
-                        t.dtype()
-                    );
-                }
-                // A fresh variable: the recomputed graph starts here.
-                Some(Var::from_tensor(&t.detach())?)
+        if let Arg::Grad(t) = arg {
+            if !t.dtype().is_float() {
+                bail!(
+                    "argument {i} is {:?}: only a float input can have a gradient (pass it as Arg::Const)",
+                    t.dtype()
+                );
             }
-            Arg::Const(_) => None,
-        });
+        }
     }
+    run(f, args, seed, vars, observer)
+}
+
+/// The recomputation from variable copies of the inputs, and the pull-back.
+fn run(
+    f: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+    args: &[Arg<'_>],
+    seed: Seed<'_>,
+    vars: &[Var],
+    observer: &dyn Observer,
+) -> Result<Vjp> {
+    let _acts = scope(observer, Kind::Activations, Place::Device);
+    let leaves = args
+        .iter()
+        .map(|arg| match arg {
+            // A fresh variable, so that the input gets its whole gradient
+            // whatever its first operation: a plain tensor gets one only
+            // through operations that also use a variable.
+            Arg::Grad(t) => Ok(Some(Var::from_tensor(&t.detach())?.into_inner())),
+            Arg::Const(_) => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let tensors: Vec<Tensor> = args
         .iter()
         .zip(&leaves)
         .map(|(arg, leaf)| match leaf {
-            Some(v) => v.as_tensor().clone(),
+            Some(t) => t.clone(),
             None => arg.tensor().detach(),
         })
         .collect();
     let output = f(&tensors)?;
     drop(tensors);
-    let leaf_refs: Vec<Option<&Var>> = leaves.iter().map(Option::as_ref).collect();
+    let leaf_refs: Vec<Option<&Tensor>> = leaves.iter().map(Option::as_ref).collect();
     pull_back(output, seed, &leaf_refs, vars, observer)
 }
