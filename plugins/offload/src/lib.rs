@@ -1,12 +1,12 @@
 //! The offload cell: optimizer state, gradients and parameters kept in host
 //! memory and brought to the device only when needed.
 //!
-//! The techniques are the toolkit's: `candle_lean_optim::HostAdamW` (f32
+//! The techniques are the toolkit's: `candle_offload::HostAdamW` (f32
 //! master weights and both moments on the host, twice the parameters' bytes
-//! moved per step) and `candle_checkpoint::layerwise_backward` (each layer's
-//! gradients handed over as soon as they exist). [`StreamedLinear`], a
-//! linear layer whose weights visit the device for its forward, is this
-//! cell's experiment.
+//! moved per step), `candle_checkpoint::layerwise_backward` (each layer's
+//! gradients handed over as soon as they exist) and
+//! `candle_offload::StreamedLinear` (weights that visit the device for the
+//! forward and again for the backward).
 //!
 //! On a CPU-only run host and device are the same memory; the copies are
 //! still made, and the meter files each under the side it stands for
@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use candle_checkpoint::layerwise_backward;
-use candle_lean_optim::{HostAdamW, Transfers};
+use candle_offload::{HostAdamW, StreamedLinear, Transfers};
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
@@ -40,43 +40,6 @@ fn copy_to(
         Residency::Host => transfers.to_host(t, to),
         Residency::Device => transfers.to_device(t, to),
     })
-}
-
-/// A linear layer whose parameters live on the host and are copied to the
-/// device for each forward, then dropped there.
-#[derive(Debug, Clone)]
-pub struct StreamedLinear {
-    weight: Tensor,
-    bias: Tensor,
-}
-
-impl StreamedLinear {
-    /// Moves `layer`'s parameters to `host`.
-    pub fn from_linear(layer: &Linear, host: &Device, transfers: &mut Transfers) -> Result<Self> {
-        let _params = Category::Parameters.enter();
-        Ok(Self {
-            weight: copy_to(transfers, layer.weight().as_tensor(), host, Residency::Host)?,
-            bias: copy_to(transfers, layer.bias().as_tensor(), host, Residency::Host)?,
-        })
-    }
-
-    /// The bytes of its parameters.
-    pub fn bytes(&self) -> u64 {
-        ((self.weight.elem_count() + self.bias.elem_count()) * self.weight.dtype().size_in_bytes())
-            as u64
-    }
-
-    /// `x W^T + b` on `x`'s device, with the parameters visiting it.
-    pub fn forward(&self, x: &Tensor, transfers: &mut Transfers) -> Result<Tensor> {
-        let (w, b) = {
-            let _params = Category::Parameters.enter();
-            (
-                copy_to(transfers, &self.weight, x.device(), Residency::Device)?,
-                copy_to(transfers, &self.bias, x.device(), Residency::Device)?,
-            )
-        };
-        x.broadcast_matmul(&w.t()?)?.broadcast_add(&b)
-    }
 }
 
 /// Parameters of the offload cell.
@@ -354,49 +317,89 @@ impl Plugin for Offload {
             mib(largest)
         ));
 
-        // 3. Parameters: resident, or streamed from the host layer by layer.
+        // 3. Parameters: resident, or streamed from the host layer by layer,
+        // for the forward and again for the backward.
         ctx.progress("parameters streamed from the host");
-        let mut transfers = Transfers::default();
         let streamed: Vec<(StreamedLinear, Activation)> = us
             .iter()
             .map(|u| {
-                Ok((
-                    StreamedLinear::from_linear(&u.linear, &host, &mut transfers)?,
-                    u.activation,
-                ))
+                let layer = StreamedLinear::with_observer(
+                    u.linear.weight().clone(),
+                    Some(u.linear.bias().clone()),
+                    &host,
+                    &device,
+                    Tags,
+                )?;
+                Ok((layer, u.activation))
             })
             .collect::<Result<_>>()?;
-        let mut transfers = Transfers::default();
-        let mut region = ctx.region("forward, parameters streamed from the host");
+        let before: Vec<Transfers> = streamed.iter().map(|(l, _)| l.transfers()).collect();
+        let mut region = ctx.region("forward and backward, parameters streamed from the host");
         let start = Instant::now();
-        let streamed_out = streamed
-            .iter()
-            .try_fold(x.clone(), |h, (l, a)| -> Result<Tensor> {
-                let out =
-                    Category::Activations.scope(|| a.forward(&l.forward(&h, &mut transfers)?))?;
-                Ok(out)
-            })?;
+        let streamed_out = Category::Activations.scope(|| {
+            streamed
+                .iter()
+                .try_fold(x.clone(), |h, (l, a)| a.forward(&l.forward(&h)?))
+        })?;
+        region.mark("after forward");
+        let streamed_loss = Category::Activations.scope(|| cross_entropy(&streamed_out, &y))?;
+        Category::Gradients.scope(|| streamed_loss.backward())?;
         let streamed_time = start.elapsed().as_secs_f64();
-        region.mark("after forward");
+        region.mark("after backward");
         let streamed_region = ctx.end_region(region);
-        let mut region = ctx.region("forward, parameters resident on the device");
+        let streamed_out = streamed_out.detach();
+        drop(streamed_loss);
+        let mut region = ctx.region("forward and backward, parameters resident on the device");
         let start = Instant::now();
-        let resident_out = Category::Activations.scope(|| model.forward(&x))?.detach();
-        let resident_time = start.elapsed().as_secs_f64();
+        let resident_out = Category::Activations.scope(|| model.forward(&x))?;
         region.mark("after forward");
+        let resident_grads = Category::Gradients.scope(|| -> Result<GradStore> {
+            Ok(param_grads(
+                &cross_entropy(&resident_out, &y)?.backward()?,
+                &vars,
+            ))
+        })?;
+        let resident_time = start.elapsed().as_secs_f64();
+        region.mark("after backward");
         ctx.end_region(region);
         ctx.metric(
             "stream_max_abs_diff",
             max_abs_diff(&streamed_out, &resident_out)?,
         );
+        let mut grad_diff = 0f64;
+        for ((layer, _), u) in streamed.iter().zip(&us) {
+            let host_grads = layer.take_grads();
+            let (w, b) = (&layer.vars()[0], &layer.vars()[1]);
+            for (host_var, resident) in [(w, u.linear.weight()), (b, u.linear.bias())] {
+                let (Some(a), Some(r)) = (host_grads.get(host_var), resident_grads.get(resident))
+                else {
+                    anyhow::bail!("a streamed or resident layer got no gradient");
+                };
+                grad_diff = grad_diff.max(max_abs_diff(a, r)?);
+            }
+        }
+        ctx.metric("stream_grad_max_abs_diff", grad_diff);
+        let transfers =
+            streamed
+                .iter()
+                .zip(&before)
+                .fold(Transfers::default(), |acc, ((l, _), b)| {
+                    let t = l.transfers().since(b);
+                    Transfers {
+                        to_host_bytes: acc.to_host_bytes + t.to_host_bytes,
+                        to_device_bytes: acc.to_device_bytes + t.to_device_bytes,
+                        seconds: acc.seconds + t.seconds,
+                    }
+                });
         ctx.metric("device_param_bytes_resident", resident_params as f64);
         ctx.metric(
             "device_param_peak_streamed",
             streamed_region.device_peak_above_baseline(Category::Parameters) as f64,
         );
+        ctx.metric("stream_bytes_to_device", transfers.to_device_bytes as f64);
         ctx.metric("stream_copy_seconds", transfers.seconds);
-        ctx.metric("stream_forward_seconds", streamed_time);
-        ctx.metric("resident_forward_seconds", resident_time);
+        ctx.metric("stream_step_seconds", streamed_time);
+        ctx.metric("resident_step_seconds", resident_time);
 
         let mut table = Table::new(
             "Where the bytes are (device / host), measured",
@@ -454,7 +457,7 @@ impl Plugin for Offload {
         ]);
         ctx.table(table);
         ctx.print(format!(
-            "streamed forward: {:.1} MiB of parameters on the device at most (largest layer {:.1} MiB, all {:.1} MiB); {:.1} ms against {:.1} ms resident, {:.1} ms of it copying",
+            "streamed forward and backward: {:.1} MiB of parameters on the device at most (largest layer {:.1} MiB, all {:.1} MiB); {:.1} ms against {:.1} ms resident, {:.1} ms of it copying",
             mib(m("device_param_peak_streamed") as u64),
             mib(largest),
             mib(param_bytes),

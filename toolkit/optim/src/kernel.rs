@@ -8,19 +8,24 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, InplaceOp2, InplaceOp3, Layout, Result};
 use half::{bf16, f16};
 
-/// The step's constants.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Step {
-    pub beta1: f64,
-    pub beta2: f64,
-    pub lr: f64,
-    pub weight_decay: f64,
-    pub eps: f64,
-    pub scale_m: f64,
-    pub scale_v: f64,
+/// The constants of AdamW's step number `t`: the hyper-parameters and the
+/// bias corrections `1 / (1 - beta^t)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub(crate) beta1: f64,
+    pub(crate) beta2: f64,
+    pub(crate) lr: f64,
+    pub(crate) weight_decay: f64,
+    pub(crate) eps: f64,
+    pub(crate) scale_m: f64,
+    pub(crate) scale_v: f64,
 }
 
-impl Step {
+/// The crate's own short name.
+pub(crate) type Step = AdamWStep;
+
+impl AdamWStep {
+    /// The constants of step `t` (counted from 1) with `p`.
     pub fn new(p: &candle_nn::ParamsAdamW, t: usize) -> Self {
         let t = i32::try_from(t).unwrap_or(i32::MAX);
         Self {

@@ -7,8 +7,8 @@ use candle_core::{Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
-use crate::kernel::{Moment1, Moment2, Step, Theta};
-use crate::state::{save, Loaded};
+use crate::kernel::{AdamWStep, Moment1, Moment2, Step, Theta};
+use crate::state::{save_state, StateFile};
 
 struct Slot {
     var: Var,
@@ -104,19 +104,19 @@ impl LeanAdamW {
                 (format!("v.{i}"), s.v.as_tensor().clone()),
             ]
         });
-        save(path.as_ref(), self.step_t, &self.params, tensors)
+        save_state(path.as_ref(), self.step_t, &self.params, tensors)
     }
 
     /// Restores what [`save`](Self::save) wrote, for the same variables in
     /// the same order.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        let mut loaded = Loaded::read(path.as_ref())?;
+        let mut loaded = StateFile::read(path.as_ref())?;
         for (i, s) in self.slots.iter().enumerate() {
             loaded.restore(&format!("m.{i}"), &s.m)?;
             loaded.restore(&format!("v.{i}"), &s.v)?;
         }
-        self.step_t = loaded.step;
-        self.params = loaded.params.clone();
+        self.step_t = loaded.step();
+        self.params = loaded.params().clone();
         loaded.finish()
     }
 }
@@ -136,9 +136,27 @@ fn out_of_place(s: &Slot, g: &Tensor, k: &Step) -> Result<()> {
     s.var.set(&next)
 }
 
-/// Updates one variable in place from its gradient (CPU), or through
-/// candle's operations elsewhere.
-pub(crate) fn update(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &Step) -> Result<()> {
+/// AdamW's update of one variable `var` with moments `m` and `v` from its
+/// gradient `g`: in place on the CPU (no allocation), through candle's
+/// operations on other devices. `var`, `m` and `v` share a dtype; `g` is
+/// cast to it if needed.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// use candle_lean_optim::{adamw_update, AdamWStep};
+/// use candle_nn::ParamsAdamW;
+/// let dev = Device::Cpu;
+/// let w = Var::new(&[1f32, 2.0], &dev)?;
+/// let (m, v) = (Var::zeros(2, DType::F32, &dev)?, Var::zeros(2, DType::F32, &dev)?);
+/// let g = candle_core::Tensor::new(&[0.5f32, -0.5], &dev)?;
+/// let p = ParamsAdamW { lr: 0.1, weight_decay: 0.0, ..Default::default() };
+/// adamw_update(&w, &m, &v, &g, &AdamWStep::new(&p, 1))?;
+/// // The first step moves each weight by about lr against its gradient's sign.
+/// let w = w.to_vec1::<f32>()?;
+/// assert!((w[0] - 0.9).abs() < 1e-6 && (w[1] - 2.1).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn adamw_update(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> Result<()> {
     let g = if g.dtype() == var.dtype() {
         g.contiguous()?
     } else {
@@ -171,7 +189,7 @@ impl Optimizer for LeanAdamW {
         let _state = scope(&*self.observer, Kind::OptimizerState, Place::Device);
         for s in &self.slots {
             if let Some(g) = grads.get(s.var.as_tensor()) {
-                update(&s.var, &s.m, &s.v, g, &k)?;
+                adamw_update(&s.var, &s.m, &s.v, g, &k)?;
             }
         }
         Ok(())

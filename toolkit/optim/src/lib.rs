@@ -5,25 +5,21 @@
 //! At the end of a backward, when every gradient is alive, those temporaries
 //! set the step's peak.
 //!
-//! * [`LeanAdamW`]: the same update, in place: the moments and the parameter
-//!   are rewritten element by element, no temporary at all (CPU). Equal to
-//!   `candle_nn::AdamW` in f32; f16 and bf16 parameters are updated through
-//!   f32 arithmetic.
-//! * [`HostAdamW`]: ZeRO-Offload's optimizer. f32 master weights and both
-//!   moments live on the host; a step copies the gradients to the host,
-//!   updates there in place and copies the parameters back: twice the
-//!   parameters' bytes cross per step, counted in [`Transfers`].
+//! [`LeanAdamW`] takes the same update in place: the moments and the
+//! parameter are rewritten element by element, no temporary at all (CPU).
+//! Equal to `candle_nn::AdamW` in f32; f16 and bf16 parameters are updated
+//! through f32 arithmetic. It implements [`candle_nn::Optimizer`], exposes
+//! its hyper-parameters (`params`, `set_params`) and saves and loads its
+//! state as safetensors ([`save_state`], [`StateFile`]).
 //!
-//! Both implement [`candle_nn::Optimizer`], expose their hyper-parameters
-//! (`params`, `set_params`) and save and load their state as safetensors.
+//! [`adamw_update`] is the update of one variable, for optimizers that keep
+//! their state elsewhere (on the host, say).
 #![warn(missing_docs)]
 
-mod host;
 mod kernel;
 mod lean;
 mod state;
-mod transfers;
 
-pub use host::HostAdamW;
-pub use lean::LeanAdamW;
-pub use transfers::Transfers;
+pub use kernel::AdamWStep;
+pub use lean::{adamw_update, LeanAdamW};
+pub use state::{save_state, StateFile};

@@ -6,8 +6,9 @@ use std::path::Path;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::ParamsAdamW;
 
-/// Writes the step count, the hyper-parameters and `tensors` to `path`.
-pub(crate) fn save(
+/// Writes an AdamW state to `path` (safetensors): the step count, the
+/// hyper-parameters and `tensors` (moments, masters) by name.
+pub fn save_state(
     path: &Path,
     step: usize,
     params: &ParamsAdamW,
@@ -34,14 +35,16 @@ pub(crate) fn save(
     candle_core::safetensors::save(&map, path)
 }
 
-/// What [`save`] wrote.
-pub(crate) struct Loaded {
-    pub step: usize,
-    pub params: ParamsAdamW,
+/// An AdamW state that [`save_state`] wrote, being restored.
+#[derive(Debug)]
+pub struct StateFile {
+    step: usize,
+    params: ParamsAdamW,
     tensors: HashMap<String, Tensor>,
 }
 
-impl Loaded {
+impl StateFile {
+    /// Reads `path`.
     pub fn read(path: &Path) -> Result<Self> {
         let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)?;
         let (Some(step), Some(hyper)) = (tensors.remove("step"), tensors.remove("hyper")) else {
@@ -63,6 +66,16 @@ impl Loaded {
             },
             tensors,
         })
+    }
+
+    /// The step count saved.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    /// The hyper-parameters saved.
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.params
     }
 
     /// Sets `into` from the tensor `name`, which must match its shape.

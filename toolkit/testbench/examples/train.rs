@@ -18,9 +18,10 @@ use candle_accumulate::GradAccumulator;
 use candle_amp::{GradScaler, MasterWeights, ScalerConfig, StepOutcome};
 use candle_checkpoint::{checkpoint_sequential, ensure_grads};
 use candle_core::{DType, Device, Result, Var};
-use candle_lean_optim::{HostAdamW, LeanAdamW};
+use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_observe::NoObserver;
+use candle_offload::HostAdamW;
 use candle_toolkit_testbench::{batch, seed_weights, Config, Transformer};
 
 /// The largest relative difference allowed between the two runs' mean loss

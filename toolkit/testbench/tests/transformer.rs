@@ -7,9 +7,9 @@ use candle_amp::MasterWeights;
 use candle_checkpoint::{checkpoint_sequential, ensure_grads, layerwise_backward};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Var};
-use candle_lean_optim::HostAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_observe::NoObserver;
+use candle_offload::HostAdamW;
 use candle_toolkit_testbench::{batch, max_abs_diff, seed_weights, Config, Transformer};
 
 fn model(cfg: &Config) -> Result<(VarMap, Transformer)> {

@@ -7,9 +7,8 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
-use crate::kernel::Step;
-use crate::lean::update;
-use crate::state::{save, Loaded};
+use candle_lean_optim::{adamw_update, save_state, AdamWStep, StateFile};
+
 use crate::Transfers;
 
 struct Slot {
@@ -32,7 +31,7 @@ struct Slot {
 ///
 /// ```
 /// use candle_core::{Device, Var};
-/// use candle_lean_optim::HostAdamW;
+/// use candle_offload::HostAdamW;
 /// use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 /// let dev = Device::Cpu;
 /// let (a, b) = (Var::new(&[1f32, -2.0], &dev)?, Var::new(&[1f32, -2.0], &dev)?);
@@ -146,14 +145,14 @@ impl HostAdamW {
     /// Steps with f32 gradients already on the host.
     fn step_host(&mut self, grads: &GradStore) -> Result<()> {
         self.step_t += 1;
-        let k = Step::new(&self.params, self.step_t);
+        let k = AdamWStep::new(&self.params, self.step_t);
         for s in &self.slots {
             let Some(g) = grads.get(s.var.as_tensor()) else {
                 continue;
             };
             {
                 let _state = scope(&*self.observer, Kind::OptimizerState, Place::Host);
-                update(&s.master, &s.m, &s.v, g, &k)?;
+                adamw_update(&s.master, &s.m, &s.v, g, &k)?;
             }
             let back = {
                 let _params = scope(&*self.observer, Kind::Parameters, Place::Device);
@@ -175,13 +174,13 @@ impl HostAdamW {
                 (format!("v.{i}"), s.v.as_tensor().clone()),
             ]
         });
-        save(path.as_ref(), self.step_t, &self.params, tensors)
+        save_state(path.as_ref(), self.step_t, &self.params, tensors)
     }
 
     /// Restores what [`save`](Self::save) wrote, for the same variables in
     /// the same order, and copies the masters to the device's parameters.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        let mut loaded = Loaded::read(path.as_ref())?;
+        let mut loaded = StateFile::read(path.as_ref())?;
         for (i, s) in self.slots.iter().enumerate() {
             loaded.restore(&format!("master.{i}"), &s.master)?;
             loaded.restore(&format!("m.{i}"), &s.m)?;
@@ -190,8 +189,8 @@ impl HostAdamW {
             s.var
                 .set(&self.transfers.to_device(&back, s.var.device())?)?;
         }
-        self.step_t = loaded.step;
-        self.params = loaded.params.clone();
+        self.step_t = loaded.step();
+        self.params = loaded.params().clone();
         loaded.finish()
     }
 }

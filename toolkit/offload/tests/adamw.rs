@@ -1,9 +1,11 @@
-//! LeanAdamW and HostAdamW against candle_nn::AdamW, their state files, the
-//! bytes HostAdamW moves, in every float dtype.
+//! LeanAdamW (candle-lean-optim) and HostAdamW against candle_nn::AdamW,
+//! their state files, the bytes HostAdamW moves, in every float dtype; here
+//! because this crate depends on both.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_lean_optim::{HostAdamW, LeanAdamW};
+use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_offload::HostAdamW;
 
 fn params() -> ParamsAdamW {
     ParamsAdamW {

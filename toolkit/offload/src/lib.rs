@@ -1,0 +1,21 @@
+//! Offload for candle 0.11: what training keeps, kept in host memory and
+//! brought to the device only when needed.
+//!
+//! * [`HostAdamW`]: ZeRO-Offload's optimizer. f32 master weights and both
+//!   moments live on the host and the update runs there, in place; a step
+//!   moves the gradients out and the parameters back, twice the parameters'
+//!   bytes.
+//! * [`StreamedLinear`]: a linear layer whose weights live on the host and
+//!   visit the device for its forward and again for its backward (as FSDP
+//!   gathers a layer's shards twice); its weight gradients go straight back
+//!   to the host. A [`Module`](candle_core::Module) inside candle's autograd.
+//! * [`Transfers`]: the bytes and time of every copy.
+#![warn(missing_docs)]
+
+mod host;
+mod stream;
+mod transfers;
+
+pub use host::HostAdamW;
+pub use stream::StreamedLinear;
+pub use transfers::Transfers;

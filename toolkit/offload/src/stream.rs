@@ -1,0 +1,329 @@
+//! A linear layer whose weights stream from the host.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backprop::GradStore;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, MetalStorage, Module, Result,
+    Shape, Storage, Tensor, Var,
+};
+
+use candle_observe::{scope, Kind, NoObserver, Observer, Place};
+
+use crate::Transfers;
+
+/// What the layer and its backward share: the copies made, and the weight
+/// gradients sent to the host.
+#[derive(Debug, Default)]
+struct Shared {
+    transfers: Transfers,
+    grads: GradStore,
+}
+
+fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `y = x W^T + b` with `W` and `b` kept in host memory: copied to the
+/// device for the forward, dropped there, copied again for the backward
+/// (FSDP's two gathers of a layer), the weight gradients sent back to the
+/// host. The device holds this layer's weights only while it runs.
+///
+/// It is a [`Module`] inside candle's autograd: `loss.backward()` gives the
+/// input its gradient as a resident layer would; the weights' gradients are
+/// collected on the host ([`take_grads`](Self::take_grads)), keyed by the
+/// host variables ([`vars`](Self::vars)) for an optimizer there.
+///
+/// ```
+/// use candle_core::{Device, Module, Tensor, Var};
+/// use candle_offload::StreamedLinear;
+/// let dev = Device::Cpu;
+/// let w = Var::new(&[[1f32, 2.0], [3.0, 4.0]], &dev)?;
+/// let layer = StreamedLinear::new(w.clone(), None, &dev, &dev)?;
+/// let x = Var::new(&[[1f32, 1.0]], &dev)?;
+/// let y = layer.forward(&x)?;
+/// assert_eq!(y.to_vec2::<f32>()?, [[3.0, 7.0]]);
+/// let grads = y.sum_all()?.backward()?;
+/// assert_eq!(grads.get(&x).unwrap().to_vec2::<f32>()?, [[4.0, 6.0]]);
+/// let host = layer.take_grads();
+/// let w_host = &layer.vars()[0]; // the host copy of w
+/// assert_eq!(host.get(w_host).unwrap().to_vec2::<f32>()?, [[1.0, 1.0], [1.0, 1.0]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct StreamedLinear {
+    weight: Var,
+    bias: Option<Var>,
+    device: Device,
+    /// Makes the op part of the graph even when its input is plain data, so
+    /// that the weights still get their gradients.
+    anchor: Var,
+    shared: Arc<Mutex<Shared>>,
+    observer: Arc<dyn Observer + Send + Sync>,
+}
+
+impl std::fmt::Debug for StreamedLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedLinear")
+            .field("weight", &self.weight.dims())
+            .field("bias", &self.bias.is_some())
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl StreamedLinear {
+    /// A layer computing on `device` from `weight` `(out, in)` and `bias`
+    /// `(out,)`, copied to `host` (a CPU device) where the copies stay (a
+    /// copy even when host and device are the same memory, so that what
+    /// streaming costs shows on a CPU-only run).
+    pub fn new(weight: Var, bias: Option<Var>, host: &Device, device: &Device) -> Result<Self> {
+        Self::with_observer(weight, bias, host, device, NoObserver)
+    }
+
+    /// [`new`](Self::new), reporting memory to `observer`: the host copies
+    /// as parameters on the host, each fetch as parameters on the device,
+    /// the gradients sent back as gradients on the host.
+    pub fn with_observer(
+        weight: Var,
+        bias: Option<Var>,
+        host: &Device,
+        device: &Device,
+        observer: impl Observer + Send + Sync + 'static,
+    ) -> Result<Self> {
+        if !host.is_cpu() {
+            bail!("the host of a StreamedLinear must be a CPU device, got {host:?}");
+        }
+        if weight.rank() != 2 {
+            bail!(
+                "the weight must be (out, in), got shape {:?}",
+                weight.dims()
+            );
+        }
+        if let Some(b) = &bias {
+            if b.dims() != [weight.dim(0)?] {
+                bail!(
+                    "the bias has shape {:?}, the weight {:?}",
+                    b.dims(),
+                    weight.dims()
+                );
+            }
+        }
+        let mut shared = Shared::default();
+        let (weight, bias) = {
+            let _host = scope(&observer, Kind::Parameters, Place::Host);
+            // `to_host` copies; the copy becomes the variable without another.
+            let mut to_host = |t: &Var| -> Result<Var> {
+                let copy = shared.transfers.to_host(t.as_tensor(), host)?;
+                Var::from_tensor(&copy)
+            };
+            (to_host(&weight)?, bias.map(|b| to_host(&b)).transpose()?)
+        };
+        Ok(Self {
+            weight,
+            bias,
+            device: device.clone(),
+            anchor: Var::zeros(1, DType::F32, device)?,
+            shared: Arc::new(Mutex::new(shared)),
+            observer: Arc::new(observer),
+        })
+    }
+
+    /// A streamed copy of a candle-nn layer.
+    pub fn from_linear(layer: &candle_nn::Linear, host: &Device) -> Result<Self> {
+        let weight = Var::from_tensor(&layer.weight().detach())?;
+        let bias = layer
+            .bias()
+            .map(|b| Var::from_tensor(&b.detach()))
+            .transpose()?;
+        let device = layer.weight().device().clone();
+        Self::new(weight, bias, host, &device)
+    }
+
+    /// Reports memory to `observer` from now on.
+    pub fn observed(mut self, observer: impl Observer + Send + Sync + 'static) -> Self {
+        self.observer = Arc::new(observer);
+        self
+    }
+
+    /// The host variables: the weight, then the bias if any.
+    pub fn vars(&self) -> Vec<Var> {
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
+    }
+
+    /// The weight gradients sent to the host since the last call, summed
+    /// over backward passes, keyed by [`vars`](Self::vars).
+    pub fn take_grads(&self) -> GradStore {
+        std::mem::take(&mut lock(&self.shared).grads)
+    }
+
+    /// The copies made so far.
+    pub fn transfers(&self) -> Transfers {
+        lock(&self.shared).transfers
+    }
+
+    /// The bytes of its parameters.
+    pub fn bytes(&self) -> u64 {
+        self.vars()
+            .iter()
+            .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// `var` copied to the device, in `dtype`.
+    fn fetch(&self, var: &Var, dtype: DType) -> Result<Tensor> {
+        let _params = scope(&*self.observer, Kind::Parameters, Place::Device);
+        lock(&self.shared)
+            .transfers
+            .to_device(var.as_tensor(), &self.device)?
+            .to_dtype(dtype)
+    }
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.broadcast_matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+impl Module for StreamedLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if !x.device().same_device(&self.device) {
+            bail!(
+                "the input is on {:?}, the layer computes on {:?}",
+                x.device(),
+                self.device
+            );
+        }
+        let out = {
+            let w = self.fetch(&self.weight, x.dtype())?;
+            let b = match &self.bias {
+                Some(b) => Some(self.fetch(b, x.dtype())?),
+                None => None,
+            };
+            linear(&x.detach(), &w, b.as_ref())?
+            // The device copies of the weights are dropped here.
+        };
+        let op = Stream {
+            layer: self.clone(),
+            out: Mutex::new(Some(out.clone())),
+            out_shape: out.shape().clone(),
+        };
+        drop(out);
+        x.apply_op2(self.anchor.as_tensor(), op)
+    }
+}
+
+/// The op: its forward hands candle the output computed with the fetched
+/// weights; its backward fetches them again.
+struct Stream {
+    layer: StreamedLinear,
+    out: Mutex<Option<Tensor>>,
+    out_shape: Shape,
+}
+
+impl Stream {
+    fn take(&self) -> Result<Storage> {
+        let out = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("streamed forward ran twice".into()))?;
+        let out = if out.layout().is_contiguous() && out.layout().start_offset() == 0 {
+            out
+        } else {
+            out.copy()?
+        };
+        let (storage, layout) = out.storage_and_layout();
+        storage.try_clone(layout)
+    }
+}
+
+impl CustomOp2 for Stream {
+    fn name(&self) -> &'static str {
+        "streamed-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            Storage::Cpu(s) => Ok((s, self.out_shape.clone())),
+            _ => bail!("streamed linear: the output is not on the CPU"),
+        }
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        match self.take()? {
+            Storage::Cuda(s) => Ok((s, self.out_shape.clone())),
+            _ => bail!("streamed linear: the output is not on the CUDA device"),
+        }
+    }
+
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        match self.take()? {
+            Storage::Metal(s) => Ok((s, self.out_shape.clone())),
+            _ => bail!("streamed linear: the output is not on the Metal device"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let l = &self.layer;
+        // The backward needs the weight only, not the bias.
+        let w = l.fetch(&l.weight, grad.dtype())?;
+        let (out_f, in_f) = w.dims2()?;
+        // Every leading dimension is a row.
+        let g2 = grad.reshape(((), out_f))?;
+        let x2 = x.detach().reshape(((), in_f))?;
+        let dx = g2.matmul(&w)?.reshape(x.shape())?;
+        drop(w);
+        let dw = g2.t()?.matmul(&x2)?;
+        let db = l.bias.as_ref().map(|_| g2.sum(0)).transpose()?;
+        let _grads = scope(&*l.observer, Kind::Gradients, Place::Host);
+        let mut s = lock(&l.shared);
+        let mut send = |var: &Var, g: Tensor| -> Result<()> {
+            let host = s
+                .transfers
+                .to_host(&g, var.device())?
+                .to_dtype(var.dtype())?;
+            let total = match s.grads.remove(var.as_tensor()) {
+                Some(prev) => (prev + host)?,
+                None => host,
+            };
+            s.grads.insert(var.as_tensor(), total);
+            Ok(())
+        };
+        send(&l.weight, dw)?;
+        if let (Some(b), Some(db)) = (&l.bias, db) {
+            send(b, db)?;
+        }
+        Ok((Some(dx), None))
+    }
+}
