@@ -9,7 +9,9 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::checkpoint_sequential;
+use candle_checkpoint::{checkpoint_sequential, checkpoint_sequential_with, Policy};
+use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
+use workbook_sdk::candle_nn::{VarBuilder, VarMap};
 
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
@@ -72,6 +74,16 @@ pub struct Params {
     pub heavy_calls: usize,
     /// Additions inside one call.
     pub heavy_adds: usize,
+    /// Width of the transformer the selective policies are measured on.
+    pub policy_width: usize,
+    /// Its blocks.
+    pub policy_depth: usize,
+    /// Its attention heads (a divisor of `policy_width`).
+    pub policy_heads: usize,
+    /// Its sequence length.
+    pub policy_seq: usize,
+    /// Its batch.
+    pub policy_batch: usize,
 }
 
 impl Default for Params {
@@ -88,6 +100,11 @@ impl Default for Params {
             repeats: 3,
             heavy_calls: 1000,
             heavy_adds: 100,
+            policy_width: 256,
+            policy_depth: 4,
+            policy_heads: 4,
+            policy_seq: 256,
+            policy_batch: 4,
         }
     }
 }
@@ -130,7 +147,18 @@ impl Plugin for Checkpointing {
             .list("segments", &p.segments, 1, 1)
             .at_least("repeats", p.repeats, 1)
             .at_least("heavy_calls", p.heavy_calls, 1)
-            .at_least("heavy_adds", p.heavy_adds, 1);
+            .at_least("heavy_adds", p.heavy_adds, 1)
+            .at_least("policy_width", p.policy_width, 1)
+            .at_least("policy_depth", p.policy_depth, 1)
+            .between("policy_heads", p.policy_heads, 1, p.policy_width.max(1))
+            .require(
+                p.policy_heads == 0 || p.policy_width.is_multiple_of(p.policy_heads),
+                "policy_heads",
+                format!("{} with policy_width = {}", p.policy_heads, p.policy_width),
+                "allowed: a divisor of policy_width",
+            )
+            .at_least("policy_seq", p.policy_seq, 1)
+            .at_least("policy_batch", p.policy_batch, 1);
         // The stack is stack_depth blocks of Linear + GELU: 2 × stack_depth
         // modules to cut into segments.
         let modules = p.stack_depth.saturating_mul(2);
@@ -158,6 +186,16 @@ impl Plugin for Checkpointing {
                 "heavy_calls",
                 "heavy_calls × heavy_adds",
                 &[p.heavy_calls as u64, p.heavy_adds as u64],
+            )
+            .elements(
+                "policy_seq",
+                "policy_batch × policy_heads × policy_seq × policy_seq",
+                &[
+                    p.policy_batch as u64,
+                    p.policy_heads as u64,
+                    p.policy_seq as u64,
+                    p.policy_seq as u64,
+                ],
             );
         r.into_violations()
     }
@@ -231,11 +269,138 @@ impl Plugin for Checkpointing {
 
         self.sweep(ctx, &p, &mut rng)?;
         self.heavy(ctx, &p)?;
+        self.policies(ctx, &p)?;
         Ok(())
     }
 }
 
+/// The policies measured, with their names in tables and metrics.
+fn policies() -> [(&'static str, &'static str, Option<Policy>); 4] {
+    [
+        ("plain backprop", "plain", None),
+        (
+            "keep nothing (nothing_saveable)",
+            "nothing",
+            Some(Policy::Nothing),
+        ),
+        (
+            "keep every product (dots_saveable)",
+            "dots",
+            Some(Policy::Dots),
+        ),
+        (
+            "keep the linear layers' products",
+            "names",
+            Some(Policy::Names(
+                ["qkv", "proj", "up", "down"].map(String::from).to_vec(),
+            )),
+        ),
+    ]
+}
+
 impl Checkpointing {
+    /// Selective checkpointing on a small transformer, one block per
+    /// segment: what each policy keeps, its peak and its time.
+    fn policies(&self, ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let cfg = TransformerConfig {
+            vocab: 256,
+            width: p.policy_width,
+            heads: p.policy_heads,
+            depth: p.policy_depth,
+            tiled: None,
+        };
+        let map = VarMap::new();
+        let model = Category::Parameters.scope(|| -> anyhow::Result<_> {
+            let m = Transformer::new(&cfg, VarBuilder::from_varmap(&map, DType::F32, &device))?;
+            seed_weights(&map, p.seed)?;
+            Ok(m)
+        })?;
+        let vars = map.all_vars();
+        let (ids, targets) = Category::Inputs
+            .scope(|| batch(p.seed, p.policy_batch, p.policy_seq, cfg.vocab, &device))?;
+        let head = |h: &Tensor| model.loss(h, &targets);
+        let segments = model.layers().len();
+        let mut table = Table::new(
+            format!(
+                "Selective checkpointing, {} blocks of width {}, {} heads, {} x {} tokens, a segment per block",
+                p.policy_depth, p.policy_width, p.policy_heads, p.policy_batch, p.policy_seq
+            ),
+            &[
+                ("policy", Unit::None),
+                ("peak", Unit::Bytes),
+                ("activations at their peak", Unit::Bytes),
+                ("median time", Unit::Seconds),
+                ("max |grad diff|", Unit::None),
+            ],
+        );
+        let mut reference: Option<GradStore> = None;
+        let mut worst = 0f64;
+        for (label, key, policy) in policies() {
+            let mut times = Vec::new();
+            let mut report = None;
+            for rep in 0..p.repeats {
+                ctx.progress(&format!("policy {key}, run {}", rep + 1));
+                let mut region = ctx.region(format!("policy: {label}"));
+                let start = Instant::now();
+                let grads = match &policy {
+                    None => Category::Gradients.scope(|| -> anyhow::Result<GradStore> {
+                        let loss = Category::Activations
+                            .scope(|| head(&run_segment(model.layers(), &ids)?))?;
+                        region.mark("after forward");
+                        Ok(param_grads(&loss.backward()?, &vars))
+                    })?,
+                    Some(policy) => {
+                        checkpoint_sequential_with(
+                            model.layers(),
+                            segments,
+                            &ids,
+                            &vars,
+                            head,
+                            policy,
+                            &Marks::new(&mut region),
+                        )?
+                        .grads
+                    }
+                };
+                region.mark("after backward");
+                times.push(start.elapsed().as_secs_f64());
+                if rep == 0 {
+                    let diff = match &reference {
+                        Some(r) => grads_max_abs_diff(r, &grads, &vars)?,
+                        None => 0.0,
+                    };
+                    worst = worst.max(diff);
+                    if reference.is_none() {
+                        reference = Some(grads);
+                    } else {
+                        drop(grads);
+                    }
+                    report = Some((ctx.end_region(region), diff));
+                }
+            }
+            let Some((r, diff)) = report else {
+                anyhow::bail!("no run of policy {key}");
+            };
+            let time = median(times);
+            let peak = r.peak_above_baseline();
+            let acts = r.category_peak_above_baseline(Category::Activations);
+            ctx.metric(format!("policy_peak_{key}"), peak as f64);
+            ctx.metric(format!("policy_activations_{key}"), acts as f64);
+            ctx.metric(format!("policy_time_{key}"), time);
+            table.row(vec![
+                label.into(),
+                peak.into(),
+                acts.into(),
+                time.into(),
+                diff.into(),
+            ]);
+        }
+        ctx.metric("policy_grad_max_abs_diff", worst);
+        ctx.table(table);
+        Ok(())
+    }
+
     fn sweep(&self, ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> {
         let device = ctx.device().clone();
         let model = Mlp::stack(

@@ -15,6 +15,9 @@
 //!   PyTorch's `checkpoint_sequential`;
 //! * [`layerwise_backward`]: one layer at a time, each parameter gradient
 //!   handed over as soon as it exists (to move it off the device);
+//! * [`checkpoint_sequential_with`] and a [`Policy`]: selective
+//!   checkpointing, keeping the outputs of matrix products (or of named
+//!   ones) so that only the element-wise operations are recomputed;
 //! * [`missing_grads`] / [`ensure_grads`]: that no trainable variable of a
 //!   `VarMap` was left without a gradient.
 //!
@@ -23,9 +26,14 @@
 #![warn(missing_docs)]
 
 mod grads;
+mod policy;
 mod sequential;
 mod vjp;
 
 pub use grads::{accumulate, ensure_grads, missing_grads, named_vars};
-pub use sequential::{checkpoint_sequential, layerwise_backward, segment_bounds, Checkpointed};
+pub use policy::{Policy, Tape, TapeModule};
+pub use sequential::{
+    checkpoint_sequential, checkpoint_sequential_with, layerwise_backward, segment_bounds,
+    Checkpointed,
+};
 pub use vjp::{pull_back, recompute, Arg, Seed, Vjp};

@@ -8,6 +8,7 @@ use candle_core::{bail, Module, Result, Tensor, Var};
 use candle_observe::{within, Kind, Observer, Place};
 
 use crate::grads::accumulate;
+use crate::policy::{Policy, Tape, TapeModule};
 use crate::vjp::{recompute, Arg, Seed};
 
 /// What [`checkpoint_sequential`] returns. Everything is detached.
@@ -50,16 +51,40 @@ pub fn segment_bounds(n: usize, segments: usize) -> Result<Vec<Range<usize>>> {
         .collect())
 }
 
-fn run<M: Module>(layers: &[M], x: &Tensor) -> Result<Tensor> {
-    layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+/// How a segment of layers runs: on modules (the tape unused), or on tape
+/// modules under a policy.
+trait Segment {
+    fn run(&self, range: Range<usize>, x: &Tensor, tape: &Tape) -> Result<Tensor>;
 }
 
-/// The loop both public functions are: a forward that keeps each segment's
-/// input only, then each segment recomputed and pulled back, last first,
-/// its parameter gradients handed to `sink`.
-fn backward_by_segments<M: Module>(
-    layers: &[M],
+struct Modules<'a, M>(&'a [M]);
+
+impl<M: Module> Segment for Modules<'_, M> {
+    fn run(&self, range: Range<usize>, x: &Tensor, _: &Tape) -> Result<Tensor> {
+        self.0[range]
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward(&h))
+    }
+}
+
+struct TapeModules<'a, L>(&'a [L]);
+
+impl<L: TapeModule> Segment for TapeModules<'_, L> {
+    fn run(&self, range: Range<usize>, x: &Tensor, tape: &Tape) -> Result<Tensor> {
+        self.0[range]
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward_t(&h, tape))
+    }
+}
+
+/// The loop every public function is: a forward that keeps each segment's
+/// input (and what `policy` keeps), then each segment recomputed and pulled
+/// back, last first, its parameter gradients handed to `sink`.
+#[allow(clippy::too_many_arguments)]
+fn backward_by_segments(
+    layers: &dyn Segment,
     bounds: &[Range<usize>],
+    policy: &Policy,
     input: &Tensor,
     vars: &[Var],
     head: impl FnOnce(&Tensor) -> Result<Tensor>,
@@ -67,22 +92,31 @@ fn backward_by_segments<M: Module>(
     observer: &dyn Observer,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let mut saved = Vec::with_capacity(bounds.len());
+    let mut kept = Vec::with_capacity(bounds.len());
     saved.push(input.detach());
     for range in &bounds[..bounds.len() - 1] {
         let last = saved.last().expect("saved starts with the input");
+        let tape = Tape::record(policy);
         let out = within(observer, Kind::Activations, Place::Device, || {
-            run(&layers[range.clone()], last)
+            layers.run(range.clone(), last, &tape)
         })?;
-        // Detached: the segment's intermediate tensors go with its graph.
+        // Detached: the segment's intermediate tensors go with its graph,
+        // but for what the tape kept.
         saved.push(out.detach());
+        kept.push(Some(tape.into_saved()));
         observer.mark("segment forward");
     }
+    // The last segment runs once, in the backward: nothing kept to replay.
+    kept.push(None);
     let mut head = Some(head);
     let mut upstream: Option<Tensor> = None;
     let mut loss = None;
     for range in bounds.iter().rev() {
         let x = saved.pop().expect("one saved input per segment");
-        let segment = &layers[range.clone()];
+        let tape = match kept.pop().flatten() {
+            Some(saved) => Tape::replay(policy, saved),
+            None => Tape::plain(),
+        };
         // Token ids and other integer inputs are read, not differentiated.
         let arg = if x.dtype().is_float() {
             Arg::Grad(&x)
@@ -91,14 +125,14 @@ fn backward_by_segments<M: Module>(
         };
         let vjp = match (upstream.take(), head.take()) {
             (None, Some(head)) => recompute(
-                |a| head(&run(segment, &a[0])?),
+                |a| head(&layers.run(range.clone(), &a[0], &tape)?),
                 &[arg],
                 Seed::Loss,
                 vars,
                 observer,
             )?,
             (Some(g), _) => recompute(
-                |a| run(segment, &a[0]),
+                |a| layers.run(range.clone(), &a[0], &tape),
                 &[arg],
                 Seed::Grad(&g),
                 vars,
@@ -110,6 +144,8 @@ fn backward_by_segments<M: Module>(
             ),
         };
         drop(x);
+        tape.finish()?;
+        drop(tape);
         if let Some(l) = vjp.loss {
             loss = Some(l);
         }
@@ -168,8 +204,9 @@ pub fn checkpoint_sequential<M: Module>(
     let bounds = segment_bounds(layers.len(), segments)?;
     let mut grads = GradStore::default();
     let (loss, input_grad) = backward_by_segments(
-        layers,
+        &Modules(layers),
         &bounds,
+        &Policy::Nothing,
         input,
         vars,
         head,
@@ -202,8 +239,9 @@ pub fn layerwise_backward<M: Module>(
 ) -> Result<Tensor> {
     let bounds = segment_bounds(layers.len(), layers.len())?;
     let (loss, _) = backward_by_segments(
-        layers,
+        &Modules(layers),
         &bounds,
+        &Policy::Nothing,
         input,
         vars,
         head,
@@ -218,4 +256,62 @@ pub fn layerwise_backward<M: Module>(
         observer,
     )?;
     Ok(loss)
+}
+
+/// [`checkpoint_sequential`] for layers written against a [`Tape`], keeping
+/// what `policy` says from the first forward so that the recomputation
+/// skips it: [`Policy::Dots`] keeps the products and recomputes only the
+/// element-wise operations between them.
+///
+/// ```
+/// use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape, TapeModule};
+/// use candle_core::{Device, Result, Tensor, Var};
+/// use candle_observe::NoObserver;
+/// struct Dense(Var);
+/// impl TapeModule for Dense {
+///     fn forward_t(&self, x: &Tensor, tape: &Tape) -> Result<Tensor> {
+///         tape.linear(x, self.0.as_tensor(), None)?.gelu()
+///     }
+/// }
+/// let dev = Device::Cpu;
+/// let layers: Vec<Dense> = (0..4)
+///     .map(|_| Ok(Dense(Var::randn(0f32, 0.5, (6, 6), &dev)?)))
+///     .collect::<Result<_>>()?;
+/// let vars: Vec<Var> = layers.iter().map(|l| l.0.clone()).collect();
+/// let x = Tensor::randn(0f32, 1.0, (3, 6), &dev)?;
+/// let head = |h: &Tensor| h.sqr()?.sum_all();
+/// let plain = checkpoint_sequential_with(&layers, 2, &x, &vars, head, &Policy::Nothing, &NoObserver)?;
+/// let dots = checkpoint_sequential_with(&layers, 2, &x, &vars, head, &Policy::Dots, &NoObserver)?;
+/// for v in &vars {
+///     let d = (plain.grads.get(v).unwrap() - dots.grads.get(v).unwrap())?.abs()?.max_all()?;
+///     assert!(d.to_scalar::<f32>()? < 1e-5);
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn checkpoint_sequential_with<L: TapeModule>(
+    layers: &[L],
+    segments: usize,
+    input: &Tensor,
+    vars: &[Var],
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
+    policy: &Policy,
+    observer: &dyn Observer,
+) -> Result<Checkpointed> {
+    let bounds = segment_bounds(layers.len(), segments)?;
+    let mut grads = GradStore::default();
+    let (loss, input_grad) = backward_by_segments(
+        &TapeModules(layers),
+        &bounds,
+        policy,
+        input,
+        vars,
+        head,
+        |store| accumulate(&mut grads, &store, vars),
+        observer,
+    )?;
+    Ok(Checkpointed {
+        loss,
+        grads,
+        input_grad,
+    })
 }

@@ -241,3 +241,52 @@ fn the_observer_sees_each_segment() -> Result<()> {
     assert!(log.contains(&"Gradients/Device".to_string()));
     Ok(())
 }
+
+/// A function that computes other products when run again cannot replay
+/// what its first forward kept: an error, not a wrong gradient.
+#[test]
+fn a_function_that_changes_between_runs_is_an_error() -> Result<()> {
+    use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape, TapeModule};
+    use std::cell::Cell;
+    struct Fickle {
+        w: Var,
+        runs: Cell<usize>,
+    }
+    impl TapeModule for Fickle {
+        fn forward_t(&self, x: &Tensor, tape: &Tape) -> Result<Tensor> {
+            self.runs.set(self.runs.get() + 1);
+            if self.runs.get() == 1 {
+                tape.matmul(x, self.w.as_tensor())
+            } else {
+                x.matmul(self.w.as_tensor())
+            }
+        }
+    }
+    let dev = Device::Cpu;
+    let w = Var::ones((2, 2), DType::F32, &dev)?;
+    let layers = [
+        Fickle {
+            w: w.clone(),
+            runs: Cell::new(0),
+        },
+        Fickle {
+            w: w.clone(),
+            runs: Cell::new(0),
+        },
+    ];
+    let x = Tensor::ones((1, 2), DType::F32, &dev)?;
+    let e = err(checkpoint_sequential_with(
+        &layers,
+        2,
+        &x,
+        &[w],
+        |h| h.sum_all(),
+        &Policy::Dots,
+        &NoObserver,
+    ));
+    assert!(
+        e.starts_with("the recomputation used 1 fewer saved products"),
+        "{e}"
+    );
+    Ok(())
+}

@@ -9,6 +9,7 @@
 //! path without a backward on contiguous input.
 #![warn(missing_docs)]
 
+use candle_checkpoint::{Tape, TapeModule};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder, VarMap};
 use candle_tiled_attention::{flash_attention, naive_attention, FlashConfig};
@@ -102,6 +103,53 @@ impl Block {
         })
     }
 
+    /// The block with its products through `tape` (named `qkv`, `scores`,
+    /// `mix`, `proj`, `up`, `down`), for selective checkpointing.
+    fn forward_with(&self, h: &Tensor, tape: &Tape) -> Result<Tensor> {
+        let lin =
+            |name, l: &Linear, x: &Tensor| tape.named_linear(Some(name), x, l.weight(), l.bias());
+        let x = self.ln1.forward(h)?;
+        let (b, n, w) = x.dims3()?;
+        let hd = w / self.heads;
+        let qkv = lin("qkv", &self.qkv, &x)?.reshape((b, n, 3, self.heads, hd))?;
+        let part = |i| {
+            qkv.narrow(2, i, 1)?
+                .squeeze(2)?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let out = match self.tiled {
+            // The tiled attention keeps no score matrix to begin with.
+            Some(_) => self.attend(&q, &k, &v)?,
+            None => {
+                let scores = (tape.named_matmul("scores", &q, &k.t()?)? / (hd as f64).sqrt())?;
+                let mask = causal_mask(n, scores.dtype(), scores.device())?;
+                let p = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+                tape.named_matmul("mix", &p, &v)?
+            }
+        };
+        let out = out.transpose(1, 2)?.reshape((b, n, w))?;
+        let h = (h + lin("proj", &self.proj, &out)?)?;
+        let up = lin("up", &self.up, &self.ln2.forward(&h)?)?.gelu()?;
+        h + lin("down", &self.down, &up)?
+    }
+
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        match self.tiled {
+            Some((q_block, k_block)) => {
+                let cfg = FlashConfig {
+                    causal: true,
+                    q_block,
+                    k_block,
+                    scale: None,
+                };
+                flash_attention(q, k, v, &cfg)
+            }
+            None => naive_attention(q, k, v, &FlashConfig::causal(true)),
+        }
+    }
+
     fn attention(&self, x: &Tensor) -> Result<Tensor> {
         let (b, n, w) = x.dims3()?;
         let hd = w / self.heads;
@@ -113,19 +161,10 @@ impl Block {
                 .contiguous()
         };
         let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let out = match self.tiled {
-            Some((q_block, k_block)) => {
-                let cfg = FlashConfig {
-                    causal: true,
-                    q_block,
-                    k_block,
-                    scale: None,
-                };
-                flash_attention(&q, &k, &v, &cfg)?
-            }
-            None => naive_attention(&q, &k, &v, &FlashConfig::causal(true))?,
-        };
-        let out = out.transpose(1, 2)?.reshape((b, n, w))?;
+        let out = self
+            .attend(&q, &k, &v)?
+            .transpose(1, 2)?
+            .reshape((b, n, w))?;
         self.proj.forward(&out)
     }
 }
@@ -158,6 +197,24 @@ impl Module for Layer {
             Layer::Block(b) => b.forward(x),
         }
     }
+}
+
+impl TapeModule for Layer {
+    fn forward_t(&self, x: &Tensor, tape: &Tape) -> Result<Tensor> {
+        match self {
+            Layer::Embed(e) => e.forward(x),
+            Layer::Block(b) => b.forward_with(x, tape),
+        }
+    }
+}
+
+/// The additive causal mask `(n, n)`: 0 on and below the diagonal, minus
+/// infinity above.
+fn causal_mask(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let data: Vec<f32> = (0..n)
+        .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(data, (n, n), device)?.to_dtype(dtype)
 }
 
 /// The transformer: embedding, blocks, final norm and the head.

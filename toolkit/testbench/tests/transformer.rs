@@ -186,3 +186,37 @@ fn uneven_accumulation_equals_the_full_batch() -> Result<()> {
     assert!(wrong > 100.0 * d.max(1e-7), "1/K differs: {wrong}");
     Ok(())
 }
+
+/// Selective checkpointing on the transformer: whatever the policy keeps,
+/// the gradients are plain backprop's.
+#[test]
+fn every_policy_gives_plain_gradients() -> Result<()> {
+    use candle_checkpoint::{checkpoint_sequential_with, Policy};
+    let cfg = Config::tiny();
+    let (map, m) = model(&cfg)?;
+    let vars = map.all_vars();
+    let (ids, targets) = batch(5, 3, 12, cfg.vocab, &Device::Cpu)?;
+    let plain = m.forward_loss(&ids, &targets)?.backward()?;
+    let policies = [
+        Policy::Nothing,
+        Policy::Dots,
+        Policy::Names(vec!["qkv".into(), "up".into()]),
+    ];
+    for policy in &policies {
+        for segments in [2, m.layers().len()] {
+            let out = checkpoint_sequential_with(
+                m.layers(),
+                segments,
+                &ids,
+                &vars,
+                |h| m.loss(h, &targets),
+                policy,
+                &NoObserver,
+            )?;
+            ensure_grads(&map, &out.grads)?;
+            let d = worst(&plain, &out.grads, &vars)?;
+            assert!(d < 1e-5, "{policy:?}, {segments} segments: {d}");
+        }
+    }
+    Ok(())
+}
