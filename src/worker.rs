@@ -93,7 +93,7 @@ pub fn serve(registry: &Registry, mut input: impl BufRead) -> ExitCode {
             .name("workbook cell".into())
             .stack_size(runner::CELL_STACK)
             .spawn_scoped(scope, || {
-                if let Err(e) = workbook_sdk::train::warm_up(&device) {
+                if let Err(e) = workbook_sdk::device::warm_up(&device) {
                     return Err(format!("the device does not answer: {e}"));
                 }
                 send(&Message::Hello {

@@ -106,7 +106,7 @@ fn a_gpu_tensor_is_counted_exactly_under_its_category_and_the_pool_agrees() {
         "cuda-pool",
         "an H100 or H200 has memory pools"
     );
-    workbook_sdk::train::warm_up(&device).expect("the GPU computes");
+    workbook_sdk::device::warm_up(&device).expect("the GPU computes");
 
     meter.push_peak();
     let start = meter.snapshot();

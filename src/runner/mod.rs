@@ -219,7 +219,7 @@ fn run_in_process(
             .stack_size(CELL_STACK)
             .spawn_scoped(scope, || {
                 let tx = tx;
-                if let Err(e) = workbook_sdk::train::warm_up(&device) {
+                if let Err(e) = workbook_sdk::device::warm_up(&device) {
                     let _ = tx.send(Event::WarmUp(Err(format!(
                         "the device does not answer: {e}"
                     ))));

@@ -18,13 +18,13 @@
 use candle_accumulate::{micro_batches, GradAccumulator};
 use candle_lean_optim::LeanAdamW;
 use serde::{Deserialize, Serialize};
+use workbook_models::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{mib, Axis, Series, Unit};
-use workbook_sdk::train::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Parameters of the accumulation cell.
@@ -175,10 +175,7 @@ impl Accumulation {
         }
         let mut diff = 0f64;
         for (u, v) in a.vars().iter().zip(b.vars().iter()) {
-            diff = diff.max(workbook_sdk::train::max_abs_diff(
-                u.as_tensor(),
-                v.as_tensor(),
-            )?);
+            diff = diff.max(workbook_models::max_abs_diff(u.as_tensor(), v.as_tensor())?);
         }
         let mut table = Table::new(
             format!(
@@ -319,10 +316,8 @@ impl Plugin for Accumulation {
         opt_full.step(&rebind(&full, &model.vars(), &twin.vars()))?;
         let mut param_diff = 0f64;
         for (a, b) in model.vars().iter().zip(twin.vars().iter()) {
-            param_diff = param_diff.max(workbook_sdk::train::max_abs_diff(
-                a.as_tensor(),
-                b.as_tensor(),
-            )?);
+            param_diff =
+                param_diff.max(workbook_models::max_abs_diff(a.as_tensor(), b.as_tensor())?);
         }
         ctx.print(format!(
             "micro-batches: {micro} of {} rows",

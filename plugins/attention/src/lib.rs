@@ -12,11 +12,11 @@ use candle_tiled_attention::{
     flash_backward, flash_forward, naive_attention, score_matrix_bytes, FlashConfig,
 };
 use serde::{Deserialize, Serialize};
+use workbook_models::{max_abs_diff, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Device, Result, Tensor, Var};
 use workbook_sdk::output::{Axis, Guide, Series, Unit};
 use workbook_sdk::timing::{timed, Timed};
-use workbook_sdk::train::{max_abs_diff, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Parameters of the attention cell.

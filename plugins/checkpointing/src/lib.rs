@@ -14,14 +14,14 @@ use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig,
 use workbook_sdk::candle_nn::{VarBuilder, VarMap};
 
 use serde::{Deserialize, Serialize};
+use workbook_models::{
+    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
+};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
-use workbook_sdk::train::{
-    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
-};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 fn run_segment<M: Module>(layers: &[M], x: &Tensor) -> Result<Tensor> {
@@ -227,7 +227,7 @@ impl Plugin for Checkpointing {
             .layers()
             .iter()
             .cloned()
-            .chain(std::iter::once(workbook_sdk::train::Layer::Activation(
+            .chain(std::iter::once(workbook_models::Layer::Activation(
                 Activation::Relu,
             )))
             .collect();

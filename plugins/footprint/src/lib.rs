@@ -7,11 +7,11 @@
 #![warn(missing_docs)]
 
 use serde::{Deserialize, Serialize};
+use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Module};
 use workbook_sdk::candle_nn::AdamW;
 use workbook_sdk::output::Unit;
-use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::{Category, Context, Plugin, Rules, Table, Violation};
 
 /// The bytes that training with AdamW holds, by part.

@@ -18,15 +18,15 @@ use std::time::Instant;
 use candle_checkpoint::layerwise_backward;
 use candle_offload::{HostAdamW, StreamedLinear, Transfers};
 use serde::{Deserialize, Serialize};
+use workbook_models::{
+    cross_entropy, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp, Rng,
+};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{mib, Unit};
-use workbook_sdk::train::{
-    cross_entropy, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp, Rng,
-};
 use workbook_sdk::{Category, Context, Plugin, Residency, Rules, Table, Violation};
 
 /// Copies `t` to `to`, counted in `transfers` and tagged as living there.
@@ -289,7 +289,7 @@ impl Plugin for Offload {
         )?;
         region.mark("after backward");
         let offload_grads = ctx.end_region(region);
-        let offload_check = workbook_sdk::train::grads_max_abs_diff(
+        let offload_check = workbook_models::grads_max_abs_diff(
             &param_grads(&cross_entropy(&model.forward(&x)?, &y)?.backward()?, &vars),
             &host_grads,
             &vars,

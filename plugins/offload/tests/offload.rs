@@ -7,11 +7,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use candle_offload::HostAdamW;
-use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, Meter};
-use workbook_sdk::observe::Tags;
-use workbook_sdk::train::{
+use workbook_models::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Layer, Mlp, Rng,
 };
+use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, Meter};
+use workbook_sdk::observe::Tags;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

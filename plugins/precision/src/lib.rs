@@ -11,11 +11,11 @@
 
 use candle_amp::{clip_grad_norm, GradScaler, ScalerConfig, StepOutcome};
 use serde::{Deserialize, Serialize};
+use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
 use workbook_sdk::candle_nn::{AdamW, Optimizer};
 use workbook_sdk::output::{Axis, Series, Unit};
-use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Parameters of the precision cell.

@@ -4,7 +4,7 @@
 use candle_amp::{GradScaler, ScalerConfig};
 use candle_core::{DType, Device};
 use candle_nn::{AdamW, Optimizer};
-use workbook_sdk::train::{cross_entropy, param_grads, Activation, Mlp, Rng};
+use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 
 /// 100 steps of AdamW from one start: f32, bf16, and f16 with the scaler.
 #[test]

@@ -3,8 +3,9 @@
 //! A cell kind is a [`Plugin`]: a name, typed parameters read from the chapter
 //! file, and a `run` that records what it measured into a [`Context`]. This
 //! crate is the one dependency a plugin needs: it re-exports candle and holds
-//! the memory [`meter`], the recorded [`output`] types and small [`train`]ing
-//! helpers.
+//! the memory [`meter`] and the recorded [`output`] types; the models the
+//! built-in cells experiment on are in `workbook-models`, the techniques in
+//! the toolkit's crates.
 //!
 //! # Features
 //!
@@ -32,6 +33,8 @@
 //! [`Region`] with timeline marks.
 #![warn(missing_docs)]
 
+#[cfg(feature = "candle")]
+pub mod device;
 pub mod meter;
 #[cfg(feature = "candle")]
 pub mod observe;
@@ -41,8 +44,6 @@ pub mod plugin;
 pub mod protocol;
 pub mod rules;
 pub mod timing;
-#[cfg(feature = "candle")]
-pub mod train;
 
 pub use anyhow;
 #[cfg(feature = "candle")]

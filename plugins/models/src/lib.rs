@@ -1,16 +1,19 @@
-//! Small training helpers shared by plugins: seeded tensors, layers that
-//! initialise like PyTorch's, an MLP, and gradient utilities.
+//! The models and helpers the built-in cells experiment on: seeded tensors,
+//! layers that initialise like PyTorch's, an MLP, and gradient utilities.
+//! (The techniques themselves are the toolkit's crates, which take any
+//! candle model.)
 //!
 //! candle's CPU random generator cannot be seeded, so everything random here
 //! comes from a seeded [`Rng`]: the same seed gives the same model and data on
 //! every run and every device.
+#![warn(missing_docs)]
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
 use rand::{Rng as _, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
-use crate::meter::Category;
+use workbook_sdk::Category;
 
 /// A seeded random generator for weights and data.
 #[derive(Debug, Clone)]
@@ -170,7 +173,7 @@ impl Layer {
 /// activation between them (none after the last).
 ///
 /// ```
-/// use workbook_sdk::train::{Activation, Mlp, Rng};
+/// use workbook_models::{Activation, Mlp, Rng};
 /// use candle_core::{DType, Device};
 /// // The PyTorch notebook's "small" model: Linear(128,128) ReLU Linear(128,10).
 /// let mlp = Mlp::new(&mut Rng::seeded(0), &[128, 128, 10], Activation::Relu, DType::F32, &Device::Cpu)?;
@@ -312,24 +315,6 @@ pub fn grads_max_abs_diff(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<
         }
     }
     Ok(worst)
-}
-
-/// Runs a few matrix products of each float dtype so that one-time
-/// allocations (gemm's per-thread packing buffers, thread pools) happen
-/// before anything is measured.
-pub fn warm_up(device: &Device) -> Result<()> {
-    let _other = Category::Other.enter();
-    for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for n in [8, 64, 512] {
-            let a = Tensor::ones((n, n), dtype, device)?;
-            let _ = a
-                .matmul(&a)?
-                .sum_all()?
-                .to_dtype(DType::F32)?
-                .to_scalar::<f32>()?;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
