@@ -330,7 +330,9 @@ fn training(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> 
         let model = base.deep_clone()?;
         let vars = model.vars();
         let mut opt = AdamW::new_lr(vars.clone(), p.lr)?;
-        let mut scaler = (dtype == DType::F16).then(|| GradScaler::new(p.scaler));
+        let mut scaler = (dtype == DType::F16)
+            .then(|| GradScaler::new(p.scaler))
+            .transpose()?;
         let mut curve = Vec::new();
         for step in 0..p.train_steps {
             let loss = cross_entropy(&model.forward_as(&x, dtype)?, &y)?;

@@ -21,7 +21,8 @@ fn mixed_precision_training_ends_near_f32() {
         let m = base.deep_clone().unwrap();
         let vars = m.vars();
         let mut opt = AdamW::new_lr(vars.clone(), 1e-2).unwrap();
-        let mut scaler = (dtype == DType::F16).then(|| GradScaler::new(ScalerConfig::default()));
+        let mut scaler =
+            (dtype == DType::F16).then(|| GradScaler::new(ScalerConfig::default()).unwrap());
         for _ in 0..100 {
             let loss = cross_entropy(&m.forward_as(&x, dtype).unwrap(), &y).unwrap();
             let root = match &scaler {

@@ -113,7 +113,11 @@ impl GradAccumulator {
         if rows == 0 {
             bail!("a micro-batch of 0 rows has no mean loss to back-propagate");
         }
-        if self.rows + rows > self.batch_rows {
+        if self
+            .rows
+            .checked_add(rows)
+            .is_none_or(|total| total > self.batch_rows)
+        {
             bail!(
                 "{} + {rows} rows is more than the batch's {} rows",
                 self.rows,

@@ -71,13 +71,13 @@ impl MasterWeights {
         &self.map
     }
 
-    /// A builder whose tensors are casts of the masters to the compute dtype,
-    /// on `device`.
+    /// A builder whose tensors are casts of the masters to the compute dtype
+    /// (or to the dtype a layer asks for with `vb.to_dtype`, to keep its
+    /// norms in f32, say), on `device`.
     pub fn var_builder(&self, device: &Device) -> VarBuilder<'static> {
         VarBuilder::from_backend(
             Box::new(Cast {
                 map: self.map.clone(),
-                compute: self.compute,
             }),
             self.compute,
             device.clone(),
@@ -87,11 +87,10 @@ impl MasterWeights {
 
 struct Cast {
     map: VarMap,
-    compute: DType,
 }
 
 impl SimpleBackend for Cast {
-    fn get(&self, s: Shape, name: &str, h: Init, _: DType, dev: &Device) -> Result<Tensor> {
+    fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
         let master = self.map.get(s, name, h, DType::F32, dev)?;
         if master.dtype() != DType::F32 {
             candle_core::bail!(
@@ -99,14 +98,16 @@ impl SimpleBackend for Cast {
                 master.dtype()
             );
         }
+        // The dtype the layer asks for: the builder's, the compute dtype,
+        // unless a layer keeps some weights in another (`vb.to_dtype`).
         // Differentiable: the gradient of the cast flows to the master.
-        master.to_dtype(self.compute)
+        master.to_dtype(dtype)
     }
 
-    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> Result<Tensor> {
+    fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> Result<Tensor> {
         let data = self.map.data().lock().unwrap_or_else(|e| e.into_inner());
         match data.get(name) {
-            Some(v) => v.as_tensor().to_dtype(self.compute),
+            Some(v) => v.as_tensor().to_dtype(dtype),
             None => candle_core::bail!("no master weight named {name}"),
         }
     }

@@ -19,6 +19,34 @@ pub struct ScalerConfig {
     pub growth_interval: u32,
 }
 
+impl ScalerConfig {
+    /// An error naming the setting that torch.amp would refuse.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
+            bail!(
+                "init_scale is {}: it must be a positive finite number",
+                self.init_scale
+            );
+        }
+        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+            bail!(
+                "growth_factor is {}: it must be a finite number above 1",
+                self.growth_factor
+            );
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            bail!(
+                "backoff_factor is {}: it must be above 0 and below 1",
+                self.backoff_factor
+            );
+        }
+        if self.growth_interval == 0 {
+            bail!("growth_interval is 0: it must be at least 1");
+        }
+        Ok(())
+    }
+}
+
 impl Default for ScalerConfig {
     fn default() -> Self {
         Self {
@@ -93,7 +121,7 @@ enum Stage {
 /// use candle_nn::{Optimizer, SGD};
 /// let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
 /// let mut sgd = SGD::new(vec![w.clone()], 0.5)?;
-/// let mut scaler = GradScaler::new(ScalerConfig { growth_interval: 1, ..Default::default() });
+/// let mut scaler = GradScaler::new(ScalerConfig { growth_interval: 1, ..Default::default() })?;
 ///
 /// let loss = w.as_tensor().sum_all()?; // gradient [1, 1]
 /// let mut grads = scaler.scale(&loss)?.backward()?;
@@ -119,14 +147,16 @@ pub struct GradScaler {
 }
 
 impl GradScaler {
-    /// A scaler at `config.init_scale`.
-    pub fn new(config: ScalerConfig) -> Self {
-        Self {
+    /// A scaler at `config.init_scale`; an error for settings torch.amp
+    /// refuses ([`ScalerConfig::validate`]).
+    pub fn new(config: ScalerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self {
             scale: config.init_scale,
             config,
             growth_tracker: 0,
             stage: Stage::Ready,
-        }
+        })
     }
 
     /// The current scale.
@@ -152,9 +182,16 @@ impl GradScaler {
         loss * self.scale
     }
 
-    /// Divides the gradients of `vars` by the scale, in their own dtype, and
-    /// says whether any of them holds an inf or NaN. Once per step: a second
-    /// call before [`update`](Self::update) is an error.
+    /// Divides the gradients of `vars` by the scale and says whether any of
+    /// them holds an inf or NaN. Once per step: a second call before
+    /// [`update`](Self::update) is an error.
+    ///
+    /// `vars` are all the variables the optimizer steps: afterwards `grads`
+    /// holds their unscaled gradients only, so that no still-scaled entry
+    /// can reach the optimizer. Gradients must be f32, f64 or bf16: f16
+    /// gradients would lose in the division the small values the scale
+    /// kept, so, as torch.amp, they are refused (keep f32 master weights,
+    /// `MasterWeights`).
     ///
     /// The check runs on the device: each gradient times zero is summed
     /// (inf and NaN make NaN), the sums are added up there, and one number
@@ -163,19 +200,31 @@ impl GradScaler {
         if self.stage != Stage::Ready {
             bail!("unscale was already called (or the optimizer stepped) since the last update");
         }
+        if let Some(v) = vars.iter().find(|v| {
+            grads
+                .get(v.as_tensor())
+                .is_some_and(|g| g.dtype() == DType::F16)
+        }) {
+            bail!(
+                "a gradient of shape {:?} is f16: unscaling it would flush what the scale kept; keep f32 master weights",
+                v.dims()
+            );
+        }
         let inv = 1.0 / self.scale;
         let mut flag: Option<Tensor> = None;
+        let mut unscaled = GradStore::default();
         for var in vars {
-            if let Some(g) = grads.remove(var.as_tensor()) {
+            if let Some(g) = grads.get(var.as_tensor()) {
                 let g = g.affine(inv, 0.0)?;
                 let probe = g.affine(0.0, 0.0)?.to_dtype(DType::F32)?.sum_all()?;
                 flag = Some(match flag {
                     Some(f) => (f + probe)?,
                     None => probe,
                 });
-                grads.insert(var.as_tensor(), g);
+                unscaled.insert(var.as_tensor(), g);
             }
         }
+        *grads = unscaled;
         let found_inf = match flag {
             Some(f) => !f.to_scalar::<f32>()?.is_finite(),
             None => false,
@@ -221,14 +270,17 @@ impl GradScaler {
             self.growth_tracker = 0;
             return Ok(ScaleChange::BackedOff);
         }
-        self.growth_tracker += 1;
+        self.growth_tracker = self.growth_tracker.saturating_add(1);
         if self.growth_tracker >= self.config.growth_interval {
-            self.scale *= self.config.growth_factor;
             self.growth_tracker = 0;
-            Ok(ScaleChange::Grew)
-        } else {
-            Ok(ScaleChange::Kept)
+            // As torch: the scale grows only to a finite value.
+            let grown = self.scale * self.config.growth_factor;
+            if grown.is_finite() {
+                self.scale = grown;
+                return Ok(ScaleChange::Grew);
+            }
         }
+        Ok(ScaleChange::Kept)
     }
 
     /// The state to save.
@@ -240,13 +292,21 @@ impl GradScaler {
         }
     }
 
-    /// A scaler resumed from a saved state.
-    pub fn from_state(state: ScalerState) -> Self {
-        Self {
+    /// A scaler resumed from a saved state; an error for a state torch.amp
+    /// could not have saved.
+    pub fn from_state(state: ScalerState) -> Result<Self> {
+        state.config.validate()?;
+        if !(state.scale.is_finite() && state.scale > 0.0) {
+            bail!(
+                "scale is {}: it must be a positive finite number",
+                state.scale
+            );
+        }
+        Ok(Self {
             config: state.config,
             scale: state.scale,
             growth_tracker: state.growth_tracker,
             stage: Stage::Ready,
-        }
+        })
     }
 }

@@ -25,7 +25,7 @@ fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
 #[test]
 fn step_unscales_when_unscale_was_not_called() -> Result<()> {
     let (w, mut sgd) = setup()?;
-    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut s = GradScaler::new(ScalerConfig::default())?;
     let mut grads = grads_of(&s, &w, [0.5, -1.0, 2.0])?;
     assert_eq!(
         s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?,
@@ -38,7 +38,7 @@ fn step_unscales_when_unscale_was_not_called() -> Result<()> {
 #[test]
 fn unscale_then_step_divides_once() -> Result<()> {
     let (w, mut sgd) = setup()?;
-    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut s = GradScaler::new(ScalerConfig::default())?;
     let mut grads = grads_of(&s, &w, [0.5, -1.0, 2.0])?;
     assert!(!s.unscale(&mut grads, std::slice::from_ref(&w))?);
     assert_eq!(
@@ -54,7 +54,7 @@ fn unscale_then_step_divides_once() -> Result<()> {
 fn misuse_is_an_error() -> Result<()> {
     let (w, mut sgd) = setup()?;
     let vars = [w.clone()];
-    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut s = GradScaler::new(ScalerConfig::default())?;
     assert!(err(s.update()).starts_with("update needs an inf check first"));
     let mut grads = grads_of(&s, &w, [1.0, 1.0, 1.0])?;
     s.unscale(&mut grads, &vars)?;
@@ -77,7 +77,7 @@ fn growth_and_backoff_follow_torch() -> Result<()> {
         growth_factor: 2.0,
         backoff_factor: 0.25,
         growth_interval: 3,
-    });
+    })?;
     // torch.amp.GradScaler with these settings, gradients clean except at
     // steps 4 and 5: scales after each update.
     let infs = [false, false, false, true, true, false, false, false, false];
@@ -139,7 +139,7 @@ fn nan_or_inf_in_any_gradient_is_found() -> Result<()> {
             }
             grads.insert(v.as_tensor(), Tensor::new(g.as_slice(), &dev)?);
         }
-        let mut s = GradScaler::new(ScalerConfig::default());
+        let mut s = GradScaler::new(ScalerConfig::default())?;
         assert!(s.unscale(&mut grads, &vars)?, "{value} in gradient {bad}");
     }
     // Large but finite: not an overflow.
@@ -148,7 +148,7 @@ fn nan_or_inf_in_any_gradient_is_found() -> Result<()> {
     let mut s = GradScaler::new(ScalerConfig {
         init_scale: 1.0,
         ..Default::default()
-    });
+    })?;
     assert!(!s.unscale(&mut grads, &vars)?);
     Ok(())
 }
@@ -159,7 +159,7 @@ fn state_round_trips() -> Result<()> {
     let mut s = GradScaler::new(ScalerConfig {
         growth_interval: 5,
         ..Default::default()
-    });
+    })?;
     for _ in 0..3 {
         let mut grads = grads_of(&s, &w, [1.0, 1.0, 1.0])?;
         s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?;
@@ -167,7 +167,7 @@ fn state_round_trips() -> Result<()> {
     }
     let json = serde_json::to_string(&s.state()).unwrap();
     let read: ScalerState = serde_json::from_str(&json).unwrap();
-    let back = GradScaler::from_state(read);
+    let back = GradScaler::from_state(read)?;
     assert_eq!(back.state(), s.state());
     assert_eq!(back.growth_tracker(), 3);
     assert_eq!(back.scale_factor(), 65536.0);
@@ -191,7 +191,7 @@ fn scaling_keeps_gradients_that_f16_would_flush() -> Result<()> {
         plain.get(vars[0].as_tensor()).unwrap().to_vec1::<f32>()?,
         [0.0; 4]
     );
-    let mut s = GradScaler::new(ScalerConfig::default());
+    let mut s = GradScaler::new(ScalerConfig::default())?;
     let mut grads = s.scale(&loss)?.backward()?;
     assert!(!s.unscale(&mut grads, &vars)?);
     for g in grads.get(vars[0].as_tensor()).unwrap().to_vec1::<f32>()? {
@@ -202,7 +202,7 @@ fn scaling_keeps_gradients_that_f16_would_flush() -> Result<()> {
 
 #[test]
 fn an_f16_loss_is_refused() -> Result<()> {
-    let s = GradScaler::new(ScalerConfig::default());
+    let s = GradScaler::new(ScalerConfig::default())?;
     let loss = Tensor::new(1f32, &Device::Cpu)?.to_dtype(DType::F16)?;
     assert!(err(s.scale(&loss)).starts_with("the loss is f16, in which a scale of 65536 overflows"));
     Ok(())
@@ -220,4 +220,86 @@ fn the_defaults_are_torchs() {
         ),
         (65536.0, 2.0, 0.5, 2000)
     );
+}
+
+/// Only the variables passed in reach the optimizer, unscaled: a variable
+/// left out is not stepped with a gradient 65536 times too large.
+#[test]
+fn only_unscaled_gradients_reach_the_optimizer() -> Result<()> {
+    let dev = Device::Cpu;
+    let (w, x) = (Var::new(&[1f32], &dev)?, Var::new(&[1f32], &dev)?);
+    let mut sgd = SGD::new(vec![w.clone(), x.clone()], 1.0)?;
+    let mut s = GradScaler::new(ScalerConfig::default())?;
+    let loss = (w.as_tensor() + x.as_tensor())?.sum_all()?;
+    let mut grads = s.scale(&loss)?.backward()?;
+    s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?;
+    assert_eq!(w.to_vec1::<f32>()?, [0.0]);
+    assert_eq!(x.to_vec1::<f32>()?, [1.0], "left out: not stepped");
+    assert!(grads.get(x.as_tensor()).is_none());
+    Ok(())
+}
+
+#[test]
+fn f16_gradients_and_bad_settings_are_refused() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::ones(2, DType::F16, &dev)?)?;
+    let mut s = GradScaler::new(ScalerConfig::default())?;
+    let loss = w.as_tensor().to_dtype(DType::F32)?.sum_all()?;
+    let mut grads = s.scale(&loss)?.backward()?;
+    assert!(err(s.unscale(&mut grads, std::slice::from_ref(&w)))
+        .starts_with("a gradient of shape [2] is f16"));
+    let bad = |c: ScalerConfig| err(GradScaler::new(c));
+    let d = ScalerConfig::default();
+    assert!(bad(ScalerConfig {
+        growth_factor: 1.0,
+        ..d
+    })
+    .starts_with("growth_factor is 1"));
+    assert!(bad(ScalerConfig {
+        backoff_factor: 1.5,
+        ..d
+    })
+    .starts_with("backoff_factor is 1.5"));
+    assert!(bad(ScalerConfig {
+        init_scale: f64::NAN,
+        ..d
+    })
+    .starts_with("init_scale is NaN"));
+    assert!(bad(ScalerConfig {
+        growth_interval: 0,
+        ..d
+    })
+    .starts_with("growth_interval is 0"));
+    Ok(())
+}
+
+/// As torch, the scale grows only to a finite value.
+#[test]
+fn the_scale_never_grows_to_infinity() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let mut s = GradScaler::new(ScalerConfig {
+        init_scale: f64::MAX,
+        growth_interval: 1,
+        ..Default::default()
+    })?;
+    let mut grads = GradStore::default();
+    grads.insert(w.as_tensor(), Tensor::zeros(3, DType::F32, &Device::Cpu)?);
+    s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?;
+    assert_eq!(s.update()?, ScaleChange::Kept);
+    assert_eq!(s.scale_factor(), f64::MAX);
+    Ok(())
+}
+
+/// A layer may keep some weights in f32 (`vb.to_dtype`): the masters hand
+/// them over in the dtype asked for.
+#[test]
+fn masters_come_in_the_dtype_a_layer_asks_for() -> Result<()> {
+    let masters = MasterWeights::new(DType::BF16);
+    let vb = masters.var_builder(&Device::Cpu);
+    let half = vb.get_with_hints(3, "a", candle_nn::Init::Const(1.0))?;
+    let full = vb
+        .to_dtype(DType::F32)
+        .get_with_hints(3, "b", candle_nn::Init::Const(1.0))?;
+    assert_eq!((half.dtype(), full.dtype()), (DType::BF16, DType::F32));
+    Ok(())
 }

@@ -32,7 +32,9 @@ impl Flash {
         let out = if out.layout().is_contiguous() && out.layout().start_offset() == 0 {
             out
         } else {
-            out.copy()?
+            // `copy` would keep the layout; the storage must be laid out
+            // from 0, in order.
+            out.force_contiguous()?
         };
         let (storage, layout) = out.storage_and_layout();
         storage.try_clone(layout)

@@ -21,6 +21,11 @@
 //! * [`missing_grads`] / [`ensure_grads`]: that no trainable variable of a
 //!   `VarMap` was left without a gradient.
 //!
+//! A checkpointed function must compute the same thing each time it runs:
+//! a layer that draws random numbers (dropout) would draw others in the
+//! recomputation, and its gradients would not be those of its forward.
+//! Give such a layer its mask or seed as an input ([`Arg::Const`]).
+//!
 //! Supports candle 0.11. Measurement attaches through a
 //! [`candle_observe::Observer`] (pass `&NoObserver` when none).
 #![warn(missing_docs)]

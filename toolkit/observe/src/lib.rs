@@ -1,8 +1,8 @@
 //! A hook through which training techniques say what the memory they are
 //! about to allocate is for, and when a step of theirs is done.
 //!
-//! The techniques of this family (checkpointing, mixed precision, gradient
-//! accumulation, lean optimizers, offload, tiled attention) take an
+//! The techniques of this family that allocate state or recompute
+//! (checkpointing, gradient accumulation, lean optimizers, offload) take an
 //! [`Observer`]. The default, [`NoObserver`], does nothing and costs nothing.
 //! A profiler implements it to tag allocations by [`Kind`] and [`Place`] and
 //! to mark a timeline.

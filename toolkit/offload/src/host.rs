@@ -81,13 +81,14 @@ impl HostAdamW {
         let mut transfers = Transfers::default();
         let mut slots = Vec::new();
         for var in vars.into_iter().filter(|v| v.dtype().is_float()) {
-            let copy = {
-                let _host = scope(&observer, Kind::OptimizerState, Place::Host);
-                transfers.to_host(var.as_tensor(), &host)?
-            };
             let _state = scope(&observer, Kind::OptimizerState, Place::Host);
-            let master = Var::from_tensor(&copy.to_dtype(DType::F32)?)?;
-            drop(copy);
+            let master = if var.dtype() == DType::F32 {
+                transfers.to_host_var(var.as_tensor(), &host)?
+            } else {
+                // The cast is the master's own copy.
+                let copy = transfers.to_host(var.as_tensor(), &host)?;
+                Var::from_tensor(&copy.to_dtype(DType::F32)?)?
+            };
             let m = Var::zeros(var.shape(), DType::F32, &host)?;
             let v = Var::zeros(var.shape(), DType::F32, &host)?;
             slots.push(Slot { var, master, m, v });
@@ -133,6 +134,12 @@ impl HostAdamW {
         };
         self.received.insert(var.as_tensor(), total);
         Ok(())
+    }
+
+    /// Drops the gradients [`receive`](Self::receive)d since the last step
+    /// (after a backward that failed half-way, say).
+    pub fn discard_received(&mut self) {
+        self.received = GradStore::default();
     }
 
     /// Steps with the gradients [`receive`](Self::receive)d since the last

@@ -91,6 +91,22 @@ impl StreamedLinear {
         device: &Device,
         observer: impl Observer + Send + Sync + 'static,
     ) -> Result<Self> {
+        Self::from_tensors(
+            weight.as_tensor(),
+            bias.as_ref().map(Var::as_tensor),
+            host,
+            device,
+            observer,
+        )
+    }
+
+    fn from_tensors(
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        host: &Device,
+        device: &Device,
+        observer: impl Observer + Send + Sync + 'static,
+    ) -> Result<Self> {
         if !host.is_cpu() {
             bail!("the host of a StreamedLinear must be a CPU device, got {host:?}");
         }
@@ -112,12 +128,8 @@ impl StreamedLinear {
         let mut shared = Shared::default();
         let (weight, bias) = {
             let _host = scope(&observer, Kind::Parameters, Place::Host);
-            // `to_host` copies; the copy becomes the variable without another.
-            let mut to_host = |t: &Var| -> Result<Var> {
-                let copy = shared.transfers.to_host(t.as_tensor(), host)?;
-                Var::from_tensor(&copy)
-            };
-            (to_host(&weight)?, bias.map(|b| to_host(&b)).transpose()?)
+            let mut to_host = |t: &Tensor| shared.transfers.to_host_var(t, host);
+            (to_host(weight)?, bias.map(&mut to_host).transpose()?)
         };
         Ok(Self {
             weight,
@@ -131,13 +143,13 @@ impl StreamedLinear {
 
     /// A streamed copy of a candle-nn layer.
     pub fn from_linear(layer: &candle_nn::Linear, host: &Device) -> Result<Self> {
-        let weight = Var::from_tensor(&layer.weight().detach())?;
-        let bias = layer
-            .bias()
-            .map(|b| Var::from_tensor(&b.detach()))
-            .transpose()?;
-        let device = layer.weight().device().clone();
-        Self::new(weight, bias, host, &device)
+        Self::from_tensors(
+            layer.weight(),
+            layer.bias(),
+            host,
+            layer.weight().device(),
+            NoObserver,
+        )
     }
 
     /// Reports memory to `observer` from now on.
@@ -172,13 +184,17 @@ impl StreamedLinear {
             .sum()
     }
 
-    /// `var` copied to the device, in `dtype`.
+    /// `var` copied to the device, in `dtype`: cast on the host first, so
+    /// that only the compute dtype's bytes cross and land.
     fn fetch(&self, var: &Var, dtype: DType) -> Result<Tensor> {
+        let cast = if var.dtype() == dtype {
+            var.as_tensor().clone()
+        } else {
+            let _host = scope(&*self.observer, Kind::Parameters, Place::Host);
+            var.as_tensor().to_dtype(dtype)?
+        };
         let _params = scope(&*self.observer, Kind::Parameters, Place::Device);
-        lock(&self.shared)
-            .transfers
-            .to_device(var.as_tensor(), &self.device)?
-            .to_dtype(dtype)
+        lock(&self.shared).transfers.to_device(&cast, &self.device)
     }
 }
 
@@ -237,7 +253,9 @@ impl Stream {
         let out = if out.layout().is_contiguous() && out.layout().start_offset() == 0 {
             out
         } else {
-            out.copy()?
+            // `copy` would keep the layout; the storage must be laid out
+            // from 0, in order.
+            out.force_contiguous()?
         };
         let (storage, layout) = out.storage_and_layout();
         storage.try_clone(layout)

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor, Var};
 
 /// Bytes and time of the copies between device and host.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -21,13 +21,29 @@ impl Transfers {
         self.to_host_bytes + self.to_device_bytes
     }
 
-    /// What was copied since `earlier`, a copy of these counters.
+    /// What was copied since `earlier`, a copy of these counters (zero
+    /// where `earlier` is not earlier).
     pub fn since(&self, earlier: &Transfers) -> Transfers {
         Transfers {
-            to_host_bytes: self.to_host_bytes - earlier.to_host_bytes,
-            to_device_bytes: self.to_device_bytes - earlier.to_device_bytes,
-            seconds: self.seconds - earlier.seconds,
+            to_host_bytes: self.to_host_bytes.saturating_sub(earlier.to_host_bytes),
+            to_device_bytes: self.to_device_bytes.saturating_sub(earlier.to_device_bytes),
+            seconds: (self.seconds - earlier.seconds).max(0.0),
         }
+    }
+
+    /// Copies `t` to `host` as a new variable: one copy when `t` is
+    /// already there, else the transfer and the variable's own copy.
+    pub fn to_host_var(&mut self, t: &Tensor, host: &Device) -> Result<Var> {
+        let start = Instant::now();
+        let var = if t.device().same_device(host) {
+            // `from_tensor` of a plain tensor copies it: that is the copy.
+            Var::from_tensor(&t.detach())?
+        } else {
+            Var::from_tensor(&t.detach().to_device(host)?)?
+        };
+        self.seconds += start.elapsed().as_secs_f64();
+        self.to_host_bytes += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        Ok(var)
     }
 
     fn copy(&mut self, t: &Tensor, to: &Device) -> Result<(Tensor, u64)> {

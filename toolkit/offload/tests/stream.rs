@@ -115,3 +115,18 @@ fn bad_shapes_are_refused() -> Result<()> {
         .is_err());
     Ok(())
 }
+
+/// With f16 compute the weights cross in f16: half the bytes of their f32
+/// host copies.
+#[test]
+fn half_precision_compute_fetches_half_the_bytes() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::ones((4, 3), DType::F32, &dev)?)?;
+    let layer = StreamedLinear::new(w, None, &dev, &dev)?;
+    let before = layer.transfers();
+    let x = Tensor::ones((2, 3), DType::F16, &dev)?;
+    let y = layer.forward(&x)?;
+    assert_eq!(y.dtype(), DType::F16);
+    assert_eq!(layer.transfers().since(&before).to_device_bytes, 12 * 2);
+    Ok(())
+}

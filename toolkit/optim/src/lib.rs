@@ -1,7 +1,8 @@
 //! AdamW for candle 0.11 with the memory a training step can afford.
 //!
-//! `candle_nn::AdamW` computes each update out of place: about ten
-//! temporaries the size of the parameter before it writes the results back.
+//! `candle_nn::AdamW` computes each update out of place: fifteen
+//! temporaries the size of the parameter (counted by the tests) before it
+//! writes the results back.
 //! At the end of a backward, when every gradient is alive, those temporaries
 //! set the step's peak.
 //!

@@ -78,7 +78,7 @@ fn main() -> Result<()> {
     let vars = masters.vars();
     let mut lean = LeanAdamW::new(vars.clone(), params.clone())?;
     let mut offload = HostAdamW::new(vars.clone(), params)?;
-    let mut scaler = GradScaler::new(ScalerConfig::default());
+    let mut scaler = GradScaler::new(ScalerConfig::default())?;
 
     let mut worst_step = 0f64;
     let mut curves: Vec<(f64, f64)> = Vec::with_capacity(steps);
