@@ -3,11 +3,9 @@
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::sync::Mutex;
 
-use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, Layout, MetalStorage, Result, Shape, Storage, Tensor,
-};
+use candle_core::{bail, Result, Tensor};
+use candle_custom_grad::{with_backward2, Backward2};
 
 /// What a checkpointed function keeps from its first forward, in the
 /// vocabulary of JAX's checkpoint policies. Plain backprop (JAX's
@@ -159,120 +157,38 @@ impl Tape {
                 let Some(out) = self.saved.borrow_mut().pop_front() else {
                     bail!("the recomputation computed more saved products than the first forward: the function must compute the same products each time");
                 };
-                let shape = out.shape().clone();
-                a.apply_op2(
-                    b,
-                    Kept {
-                        out: Mutex::new(Some(out)),
-                        shape,
-                    },
-                )
+                let mut expected = a.dims().to_vec();
+                if let (Some(last), Some(&n)) = (expected.last_mut(), b.dims().last()) {
+                    *last = n;
+                }
+                if expected != out.dims() {
+                    bail!(
+                        "a kept product has shape {:?}, but {:?} x {:?} makes {expected:?}: the function must compute the same products each time",
+                        out.dims(),
+                        a.dims(),
+                        b.dims()
+                    );
+                }
+                with_backward2(out, a, b, Product)
             }
             _ => a.matmul(b),
         }
     }
 }
 
-/// A product whose output was kept: the forward hands it back, the
-/// backward is the product's (`dA = G B^T`, `dB = A^T G`), which needs its
-/// inputs, not its output.
-struct Kept {
-    out: Mutex<Option<Tensor>>,
-    shape: Shape,
-}
+/// The backward of a product whose output was kept: the product's own
+/// (`dA = G B^T`, `dB = A^T G`), which needs its inputs, not its output.
+struct Product;
 
-impl Kept {
-    fn take(&self) -> Result<Storage> {
-        let out = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("a kept product was used twice".into()))?;
-        let out = if out.layout().is_contiguous() && out.layout().start_offset() == 0 {
-            out
-        } else {
-            // `copy` would keep the layout; the storage must be laid out
-            // from 0, in order.
-            out.force_contiguous()?
-        };
-        let (storage, layout) = out.storage_and_layout();
-        storage.try_clone(layout)
-    }
-
-    fn check(&self, a: &Layout, b: &Layout) -> Result<Shape> {
-        let (a, b) = (a.shape().dims(), b.shape().dims());
-        let mut expected = a.to_vec();
-        if let (Some(last), Some(&n)) = (expected.last_mut(), b.last()) {
-            *last = n;
-        }
-        if expected != self.shape.dims() {
-            bail!(
-                "a kept product has shape {:?}, but {a:?} x {b:?} makes {expected:?}: the function must compute the same products each time",
-                self.shape.dims()
-            );
-        }
-        Ok(self.shape.clone())
-    }
-}
-
-impl CustomOp2 for Kept {
-    fn name(&self) -> &'static str {
-        "kept-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        a: &Layout,
-        _: &CpuStorage,
-        b: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let shape = self.check(a, b)?;
-        match self.take()? {
-            Storage::Cpu(s) => Ok((s, shape)),
-            _ => bail!("a kept product is not on the CPU"),
-        }
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        a: &Layout,
-        _: &CudaStorage,
-        b: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let shape = self.check(a, b)?;
-        match self.take()? {
-            Storage::Cuda(s) => Ok((s, shape)),
-            _ => bail!("a kept product is not on the CUDA device"),
-        }
-    }
-
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        a: &Layout,
-        _: &MetalStorage,
-        b: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        let shape = self.check(a, b)?;
-        match self.take()? {
-            Storage::Metal(s) => Ok((s, shape)),
-            _ => bail!("a kept product is not on the Metal device"),
-        }
-    }
-
-    fn bwd(
+impl Backward2 for Product {
+    fn backward(
         &self,
         a: &Tensor,
         b: &Tensor,
-        _res: &Tensor,
+        _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let da = grad.matmul(&b.t()?)?;
-        let db = a.t()?.matmul(grad)?;
-        Ok((Some(da), Some(db)))
+        Ok((Some(grad.matmul(&b.t()?)?), Some(a.t()?.matmul(grad)?)))
     }
 }
 

@@ -201,12 +201,36 @@ pub fn checkpoint_sequential<M: Module>(
     head: impl FnOnce(&Tensor) -> Result<Tensor>,
     observer: &dyn Observer,
 ) -> Result<Checkpointed> {
-    let bounds = segment_bounds(layers.len(), segments)?;
+    checkpointed(
+        &Modules(layers),
+        layers.len(),
+        segments,
+        &Policy::Nothing,
+        input,
+        vars,
+        head,
+        observer,
+    )
+}
+
+/// Both `checkpoint_sequential`s: gradients summed over the segments.
+#[allow(clippy::too_many_arguments)]
+fn checkpointed(
+    layers: &dyn Segment,
+    count: usize,
+    segments: usize,
+    policy: &Policy,
+    input: &Tensor,
+    vars: &[Var],
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
+    observer: &dyn Observer,
+) -> Result<Checkpointed> {
+    let bounds = segment_bounds(count, segments)?;
     let mut grads = GradStore::default();
     let (loss, input_grad) = backward_by_segments(
-        &Modules(layers),
+        layers,
         &bounds,
-        &Policy::Nothing,
+        policy,
         input,
         vars,
         head,
@@ -297,21 +321,14 @@ pub fn checkpoint_sequential_with<L: TapeModule>(
     policy: &Policy,
     observer: &dyn Observer,
 ) -> Result<Checkpointed> {
-    let bounds = segment_bounds(layers.len(), segments)?;
-    let mut grads = GradStore::default();
-    let (loss, input_grad) = backward_by_segments(
+    checkpointed(
         &TapeModules(layers),
-        &bounds,
+        layers.len(),
+        segments,
         policy,
         input,
         vars,
         head,
-        |store| accumulate(&mut grads, &store, vars),
         observer,
-    )?;
-    Ok(Checkpointed {
-        loss,
-        grads,
-        input_grad,
-    })
+    )
 }

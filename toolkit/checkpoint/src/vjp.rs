@@ -150,17 +150,6 @@ pub fn recompute(
             }
         }
     }
-    run(f, args, seed, vars, observer)
-}
-
-/// The recomputation from variable copies of the inputs, and the pull-back.
-fn run(
-    f: impl FnOnce(&[Tensor]) -> Result<Tensor>,
-    args: &[Arg<'_>],
-    seed: Seed<'_>,
-    vars: &[Var],
-    observer: &dyn Observer,
-) -> Result<Vjp> {
     let _acts = scope(observer, Kind::Activations, Place::Device);
     let leaves = args
         .iter()

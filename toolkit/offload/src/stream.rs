@@ -3,10 +3,8 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, MetalStorage, Module, Result,
-    Shape, Storage, Tensor, Var,
-};
+use candle_core::{bail, DType, Device, Module, Result, Tensor, Var};
+use candle_custom_grad::{with_backward2, Backward2};
 
 use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
@@ -224,93 +222,29 @@ impl Module for StreamedLinear {
             linear(&x.detach(), &w, b.as_ref())?
             // The device copies of the weights are dropped here.
         };
-        let op = Stream {
-            layer: self.clone(),
-            out: Mutex::new(Some(out.clone())),
-            out_shape: out.shape().clone(),
-        };
-        drop(out);
-        x.apply_op2(self.anchor.as_tensor(), op)
+        with_backward2(
+            out,
+            x,
+            self.anchor.as_tensor(),
+            Stream {
+                layer: self.clone(),
+            },
+        )
     }
 }
 
-/// The op: its forward hands candle the output computed with the fetched
-/// weights; its backward fetches them again.
+/// The backward: fetch the weight again, give the input its gradient, send
+/// the weight's and the bias's to the host.
 struct Stream {
     layer: StreamedLinear,
-    out: Mutex<Option<Tensor>>,
-    out_shape: Shape,
 }
 
-impl Stream {
-    fn take(&self) -> Result<Storage> {
-        let out = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("streamed forward ran twice".into()))?;
-        let out = if out.layout().is_contiguous() && out.layout().start_offset() == 0 {
-            out
-        } else {
-            // `copy` would keep the layout; the storage must be laid out
-            // from 0, in order.
-            out.force_contiguous()?
-        };
-        let (storage, layout) = out.storage_and_layout();
-        storage.try_clone(layout)
-    }
-}
-
-impl CustomOp2 for Stream {
-    fn name(&self) -> &'static str {
-        "streamed-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        match self.take()? {
-            Storage::Cpu(s) => Ok((s, self.out_shape.clone())),
-            _ => bail!("streamed linear: the output is not on the CPU"),
-        }
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        match self.take()? {
-            Storage::Cuda(s) => Ok((s, self.out_shape.clone())),
-            _ => bail!("streamed linear: the output is not on the CUDA device"),
-        }
-    }
-
-    fn metal_fwd(
-        &self,
-        _: &MetalStorage,
-        _: &Layout,
-        _: &MetalStorage,
-        _: &Layout,
-    ) -> Result<(MetalStorage, Shape)> {
-        match self.take()? {
-            Storage::Metal(s) => Ok((s, self.out_shape.clone())),
-            _ => bail!("streamed linear: the output is not on the Metal device"),
-        }
-    }
-
-    fn bwd(
+impl Backward2 for Stream {
+    fn backward(
         &self,
         x: &Tensor,
         _anchor: &Tensor,
-        _res: &Tensor,
+        _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let l = &self.layer;

@@ -12,7 +12,7 @@
 use candle_checkpoint::{Tape, TapeModule};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder, VarMap};
-use candle_tiled_attention::{flash_attention, naive_attention, FlashConfig};
+use candle_tiled_attention::{flash_attention, FlashConfig};
 
 /// The model's sizes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -111,17 +111,18 @@ impl Block {
         let x = self.ln1.forward(h)?;
         let (b, n, w) = x.dims3()?;
         let hd = w / self.heads;
-        let qkv = lin("qkv", &self.qkv, &x)?.reshape((b, n, 3, self.heads, hd))?;
-        let part = |i| {
-            qkv.narrow(2, i, 1)?
-                .squeeze(2)?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let (q, k, v) = split_heads(&lin("qkv", &self.qkv, &x)?, self.heads)?;
         let out = match self.tiled {
             // The tiled attention keeps no score matrix to begin with.
-            Some(_) => self.attend(&q, &k, &v)?,
+            Some((q_block, k_block)) => {
+                let cfg = FlashConfig {
+                    causal: true,
+                    q_block,
+                    k_block,
+                    scale: None,
+                };
+                flash_attention(&q, &k, &v, &cfg)?
+            }
             None => {
                 let scores = (tape.named_matmul("scores", &q, &k.t()?)? / (hd as f64).sqrt())?;
                 let mask = causal_mask(n, scores.dtype(), scores.device())?;
@@ -134,49 +135,26 @@ impl Block {
         let up = lin("up", &self.up, &self.ln2.forward(&h)?)?.gelu()?;
         h + lin("down", &self.down, &up)?
     }
-
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        match self.tiled {
-            Some((q_block, k_block)) => {
-                let cfg = FlashConfig {
-                    causal: true,
-                    q_block,
-                    k_block,
-                    scale: None,
-                };
-                flash_attention(q, k, v, &cfg)
-            }
-            None => naive_attention(q, k, v, &FlashConfig::causal(true)),
-        }
-    }
-
-    fn attention(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, n, w) = x.dims3()?;
-        let hd = w / self.heads;
-        let qkv = self.qkv.forward(x)?.reshape((b, n, 3, self.heads, hd))?;
-        let part = |i| {
-            qkv.narrow(2, i, 1)?
-                .squeeze(2)?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let out = self
-            .attend(&q, &k, &v)?
-            .transpose(1, 2)?
-            .reshape((b, n, w))?;
-        self.proj.forward(&out)
-    }
 }
 
 impl Module for Block {
     fn forward(&self, h: &Tensor) -> Result<Tensor> {
-        let h = (h + self.attention(&self.ln1.forward(h)?)?)?;
-        let m = self
-            .down
-            .forward(&self.up.forward(&self.ln2.forward(&h)?)?.gelu()?)?;
-        h + m
+        self.forward_with(h, &Tape::plain())
     }
+}
+
+/// The fused projection `(batch, seq, 3 * width)` as queries, keys and
+/// values `(batch, heads, seq, head_dim)`.
+fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, n, w3) = qkv.dims3()?;
+    let qkv = qkv.reshape((b, n, 3, heads, w3 / 3 / heads))?;
+    let part = |i| {
+        qkv.narrow(2, i, 1)?
+            .squeeze(2)?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    Ok((part(0)?, part(1)?, part(2)?))
 }
 
 /// A layer of the stack as a [`Module`]: the token embedding (from ids) or

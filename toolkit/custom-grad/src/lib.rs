@@ -1,0 +1,287 @@
+//! A backward of your own for a tensor computed with candle's operations.
+//!
+//! candle's custom operations (`CustomOp2`, `CustomOp3`) take a forward
+//! written against raw storage, per device. Often the forward is best
+//! written with candle's own tensor operations and only the backward needs
+//! to differ: a backward that recomputes instead of keeping (FlashAttention),
+//! that fetches weights from elsewhere (offload), or that skips a product
+//! whose output was kept. [`with_backward2`] and [`with_backward3`] take the
+//! output computed beforehand, detached, and return it as one operation of
+//! candle's autograd over the given inputs, whose backward is the given one.
+//!
+//! The forward hands candle a copy of the output's storage (candle's custom
+//! operations must return storage of their own), so the output briefly
+//! exists twice; the precomputed tensor is dropped right after.
+//!
+//! ```
+//! use candle_core::{Device, Result, Tensor, Var};
+//! use candle_custom_grad::{with_backward2, Backward2};
+//!
+//! /// `a * b`, whose backward claims the gradient of `a + b`.
+//! struct AsIfSum;
+//! impl Backward2 for AsIfSum {
+//!     fn backward(&self, _: &Tensor, _: &Tensor, _: &Tensor, g: &Tensor)
+//!         -> Result<(Option<Tensor>, Option<Tensor>)> {
+//!         Ok((Some(g.clone()), Some(g.clone())))
+//!     }
+//! }
+//!
+//! let dev = Device::Cpu;
+//! let (a, b) = (Var::new(&[2f32], &dev)?, Var::new(&[3f32], &dev)?);
+//! let out = (a.as_tensor() * b.as_tensor())?.detach();
+//! let y = with_backward2(out, &a, &b, AsIfSum)?;
+//! assert_eq!(y.to_vec1::<f32>()?, [6.0]);
+//! let grads = y.sum_all()?.backward()?;
+//! assert_eq!(grads.get(&a).unwrap().to_vec1::<f32>()?, [1.0]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+use std::sync::Mutex;
+
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
+    Storage, Tensor,
+};
+
+/// The backward of an operation of two inputs: the gradients of `a` and
+/// `b` (`None` for an input that gets none) from the output `out` and its
+/// gradient `grad`.
+pub trait Backward2: Send + Sync {
+    /// The inputs' gradients.
+    fn backward(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)>;
+}
+
+/// The backward of an operation of three inputs.
+pub trait Backward3: Send + Sync {
+    /// The inputs' gradients.
+    fn backward(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>;
+}
+
+/// The precomputed output, handed to candle once as storage.
+struct Handover {
+    out: Mutex<Option<Tensor>>,
+    shape: Shape,
+}
+
+impl Handover {
+    fn new(out: Tensor) -> Self {
+        let shape = out.shape().clone();
+        Self {
+            out: Mutex::new(Some(out.detach())),
+            shape,
+        }
+    }
+
+    fn take(&self) -> Result<(Storage, Shape)> {
+        let out = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg("a custom backward's forward ran twice".into())
+            })?;
+        // candle reads the returned storage as contiguous from 0.
+        let out = if out.layout().is_contiguous() && out.layout().start_offset() == 0 {
+            out
+        } else {
+            out.force_contiguous()?
+        };
+        let (storage, layout) = out.storage_and_layout();
+        Ok((storage.try_clone(layout)?, self.shape.clone()))
+    }
+
+    fn cpu(&self) -> Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            (Storage::Cpu(s), shape) => Ok((s, shape)),
+            _ => bail!("the precomputed output is not on the CPU, where the inputs are"),
+        }
+    }
+
+    fn cuda(&self) -> Result<(CudaStorage, Shape)> {
+        match self.take()? {
+            (Storage::Cuda(s), shape) => Ok((s, shape)),
+            _ => bail!("the precomputed output is not on the CUDA device, where the inputs are"),
+        }
+    }
+
+    fn metal(&self) -> Result<(MetalStorage, Shape)> {
+        match self.take()? {
+            (Storage::Metal(s), shape) => Ok((s, shape)),
+            _ => bail!("the precomputed output is not on the Metal device, where the inputs are"),
+        }
+    }
+}
+
+struct Op2<B> {
+    out: Handover,
+    backward: B,
+}
+
+impl<B: Backward2> CustomOp2 for Op2<B> {
+    fn name(&self) -> &'static str {
+        "custom-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        self.out.metal()
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.backward.backward(a, b, res, grad)
+    }
+}
+
+struct Op3<B> {
+    out: Handover,
+    backward: B,
+}
+
+impl<B: Backward3> CustomOp3 for Op3<B> {
+    fn name(&self) -> &'static str {
+        "custom-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn metal_fwd(
+        &self,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+        _: &MetalStorage,
+        _: &Layout,
+    ) -> Result<(MetalStorage, Shape)> {
+        self.out.metal()
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward.backward(a, b, c, res, grad)
+    }
+}
+
+/// `out`, computed beforehand from `a` and `b`, as one operation of
+/// candle's autograd over them whose backward is `backward`. `out` must be
+/// on the inputs' device; its graph, if any, is dropped.
+pub fn with_backward2(
+    out: Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    backward: impl Backward2 + 'static,
+) -> Result<Tensor> {
+    if !out.device().same_device(a.device()) {
+        bail!(
+            "the output is on {:?}, the inputs on {:?}",
+            out.device(),
+            a.device()
+        );
+    }
+    a.apply_op2(
+        b,
+        Op2 {
+            out: Handover::new(out),
+            backward,
+        },
+    )
+}
+
+/// [`with_backward2`] for an operation of three inputs.
+pub fn with_backward3(
+    out: Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    backward: impl Backward3 + 'static,
+) -> Result<Tensor> {
+    if !out.device().same_device(a.device()) {
+        bail!(
+            "the output is on {:?}, the inputs on {:?}",
+            out.device(),
+            a.device()
+        );
+    }
+    a.apply_op3(
+        b,
+        c,
+        Op3 {
+            out: Handover::new(out),
+            backward,
+        },
+    )
+}
