@@ -1,0 +1,20 @@
+//! Layers for candle 0.11 whose autograd keeps only what their backward
+//! needs.
+//!
+//! candle's autograd keeps every intermediate tensor of an expression. A
+//! `candle_nn::Linear` followed by ReLU keeps the matrix product, the sum
+//! with the bias and the ReLU's output: three tensors the size of the
+//! layer's output. [`LeanLinear::forward_act`] computes `act(x W^T + b)` as
+//! one operation (the bias added in place on the CPU) whose backward is
+//! written out: ReLU's gradient from its output, GELU's from its input, so
+//! the graph keeps the output and, for GELU, the input of the activation.
+//! That is what PyTorch keeps for `addmm` followed by an activation.
+//!
+//! Built from a `candle_nn::Linear`, a [`LeanLinear`] shares its variables,
+//! so any optimizer steps it unchanged; its gradients equal candle-nn's.
+#![warn(missing_docs)]
+
+mod bias;
+mod linear;
+
+pub use linear::{Activation, LeanLinear};

@@ -1,0 +1,195 @@
+//! A linear layer with its bias and activation fused.
+
+use candle_core::{bail, DType, Module, Result, Tensor};
+use candle_custom_grad::{with_backward2, with_backward3, Backward2, Backward3};
+
+use crate::bias::add_bias;
+
+/// The activation applied to a [`LeanLinear`]'s output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// None.
+    Identity,
+    /// `max(x, 0)`; its gradient is read from the output.
+    Relu,
+    /// GELU, tanh approximation (candle's `gelu`); its gradient needs its
+    /// input, which the layer keeps.
+    Gelu,
+}
+
+/// `act(x W^T + b)` as one autograd operation. See the crate's docs.
+///
+/// ```
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_lean_nn::{Activation, LeanLinear};
+/// use candle_nn::{VarBuilder, VarMap};
+/// let dev = Device::Cpu;
+/// let map = VarMap::new();
+/// let linear = candle_nn::linear(4, 3, VarBuilder::from_varmap(&map, DType::F32, &dev))?;
+/// let lean = LeanLinear::from(&linear);
+/// let x = Tensor::randn(0f32, 1.0, (2, 4), &dev)?;
+/// let a = linear.forward(&x)?.relu()?;
+/// let b = lean.forward_act(&x, Activation::Relu)?;
+/// assert_eq!(a.to_vec2::<f32>()?, b.to_vec2::<f32>()?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct LeanLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl From<&candle_nn::Linear> for LeanLinear {
+    fn from(l: &candle_nn::Linear) -> Self {
+        Self {
+            weight: l.weight().clone(),
+            bias: l.bias().cloned(),
+        }
+    }
+}
+
+impl LeanLinear {
+    /// A layer from `weight` `(out, in)` and `bias` `(out,)`, shared (not
+    /// copied): pass variables' tensors to train them.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let (out_f, _) = weight.dims2()?;
+        if let Some(b) = &bias {
+            if b.dims() != [out_f] {
+                bail!(
+                    "the bias has shape {:?}, the weight {:?}",
+                    b.dims(),
+                    weight.dims()
+                );
+            }
+        }
+        Ok(Self { weight, bias })
+    }
+
+    /// The weight, `(out, in)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias, `(out,)`.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// `act(x W^T + b)` for `x` `(..., in)`.
+    pub fn forward_act(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
+        let (out_f, in_f) = self.weight.dims2()?;
+        if x.dims().last() != Some(&in_f) {
+            bail!(
+                "the input has shape {:?}, the layer takes {in_f} features",
+                x.dims()
+            );
+        }
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out_f;
+        }
+        // On detached tensors: the forward builds no graph of its own.
+        let x2 = x.detach().reshape(((), in_f))?;
+        let z = x2.matmul(&self.weight.detach().t()?)?;
+        let z = match &self.bias {
+            Some(b) => add_bias(z, &b.detach())?,
+            None => z,
+        };
+        let (out, kept) = match act {
+            Activation::Identity => (z, None),
+            Activation::Relu => (z.relu()?, None),
+            Activation::Gelu => (z.gelu()?, Some(z)),
+        };
+        let out = out.reshape(dims)?;
+        let backward = Linear { act, z: kept };
+        match &self.bias {
+            Some(b) => with_backward3(out, x, &self.weight, b, backward),
+            None => with_backward2(out, x, &self.weight, backward),
+        }
+    }
+}
+
+impl Module for LeanLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_act(x, Activation::Identity)
+    }
+}
+
+/// The layer's backward: the activation's gradient, then the product's.
+struct Linear {
+    act: Activation,
+    /// GELU's input, `(rows, out)`.
+    z: Option<Tensor>,
+}
+
+impl Linear {
+    /// `(dx, dW, db)` from the output and its gradient.
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (out_f, in_f) = w.dims2()?;
+        let g = grad.reshape(((), out_f))?;
+        let g = match (self.act, &self.z) {
+            (Activation::Identity, _) => g,
+            (Activation::Relu, _) => {
+                let alive = out.reshape(((), out_f))?.gt(0.0)?.to_dtype(g.dtype())?;
+                (g * alive)?
+            }
+            (Activation::Gelu, Some(z)) => (g * gelu_grad(z)?)?,
+            (Activation::Gelu, None) => bail!("internal: GELU's input was not kept"),
+        };
+        let x2 = x.reshape(((), in_f))?;
+        let dx = g.matmul(w)?.reshape(x.shape())?;
+        let dw = g.t()?.matmul(&x2)?;
+        let db = g.sum(0)?;
+        Ok((dx, dw, db))
+    }
+}
+
+/// The derivative of candle's tanh-approximated GELU, in f32 for half
+/// types.
+fn gelu_grad(z: &Tensor) -> Result<Tensor> {
+    let dtype = z.dtype();
+    let z = if dtype == DType::F64 {
+        z.clone()
+    } else {
+        z.to_dtype(DType::F32)?
+    };
+    let cube = z.powf(3.0)?;
+    let tanh = ((&cube * 0.0356774)? + (&z * 0.797885)?)?.tanh()?;
+    let d = (((&tanh * 0.5)?
+        + (((cube * 0.0535161)? + (&z * 0.398942)?)? * (1.0 - tanh.sqr()?)?)?)?
+        + 0.5)?;
+    d.to_dtype(dtype)
+}
+
+impl Backward3 for Linear {
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.grads(x, w, out, grad)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl Backward2 for Linear {
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, out, grad)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}

@@ -1,0 +1,85 @@
+//! The fused layer against candle-nn's Linear and activation: outputs and
+//! gradients of the input, weight and bias, in every float dtype.
+
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_lean_nn::{Activation, LeanLinear};
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+fn reference(x: &Tensor, l: &candle_nn::Linear, act: Activation) -> Result<Tensor> {
+    let y = l.forward(x)?;
+    match act {
+        Activation::Identity => Ok(y),
+        Activation::Relu => y.relu(),
+        Activation::Gelu => y.gelu(),
+    }
+}
+
+#[test]
+fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
+    let dev = Device::Cpu;
+    for (dtype, tol) in [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-6),
+        (DType::F16, 2e-2),
+        (DType::BF16, 1e-1),
+    ] {
+        for act in [Activation::Identity, Activation::Relu, Activation::Gelu] {
+            for with_bias in [true, false] {
+                let w =
+                    Var::from_tensor(&Tensor::randn(0f32, 0.3, (5, 7), &dev)?.to_dtype(dtype)?)?;
+                let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, 5, &dev)?.to_dtype(dtype)?)?;
+                let bias = with_bias.then(|| b.as_tensor().clone());
+                let linear = candle_nn::Linear::new(w.as_tensor().clone(), bias.clone());
+                let lean = LeanLinear::new(w.as_tensor().clone(), bias)?;
+                // A 3-d input, as a transformer's (batch, seq, features).
+                let x =
+                    Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, 7), &dev)?.to_dtype(dtype)?)?;
+                let weights = Tensor::randn(0f32, 1.0, (2, 3, 5), &dev)?.to_dtype(dtype)?;
+                let a = reference(&x, &linear, act)?;
+                let l = lean.forward_act(&x, act)?;
+                assert_eq!(l.dims(), [2, 3, 5]);
+                assert_eq!(l.dtype(), dtype);
+                let what = format!("{dtype:?} {act:?} bias {with_bias}");
+                assert!(max_diff(&a, &l)? <= tol, "{what}: output");
+                let ga = (a * &weights)?.sum_all()?.backward()?;
+                let gl = (l * &weights)?.sum_all()?.backward()?;
+                let mut vars = vec![&x, &w];
+                if with_bias {
+                    vars.push(&b);
+                }
+                for v in vars {
+                    let (p, q) = (ga.get(v).unwrap(), gl.get(v).expect("a gradient"));
+                    assert_eq!(q.dtype(), dtype);
+                    let d = max_diff(p, q)?;
+                    assert!(d <= tol * 4.0, "{what}: gradient of {:?}: {d}", v.dims());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_wrong_input_or_bias_is_an_error() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Tensor::zeros((5, 7), DType::F32, &dev)?;
+    let e = LeanLinear::new(w.clone(), Some(Tensor::zeros(4, DType::F32, &dev)?)).unwrap_err();
+    assert!(e
+        .to_string()
+        .starts_with("the bias has shape [4], the weight [5, 7]"));
+    let lean = LeanLinear::new(w, None)?;
+    let e = lean
+        .forward(&Tensor::zeros((2, 6), DType::F32, &dev)?)
+        .unwrap_err();
+    assert!(e
+        .to_string()
+        .starts_with("the input has shape [2, 6], the layer takes 7 features"));
+    Ok(())
+}
