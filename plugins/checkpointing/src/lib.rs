@@ -10,12 +10,13 @@
 use std::time::Instant;
 
 use candle_checkpoint::{checkpoint_sequential, checkpoint_sequential_with, Policy};
+use candle_lean_nn::{Activation as LeanActivation, LeanLinear};
 use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
 use workbook_sdk::candle_nn::{VarBuilder, VarMap};
 
 use serde::{Deserialize, Serialize};
 use workbook_models::{
-    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
+    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Layer, Mlp, Rng,
 };
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
@@ -274,6 +275,32 @@ impl Plugin for Checkpointing {
     }
 }
 
+/// A stack of Linear and activation layers as the toolkit's fused layers,
+/// sharing their variables.
+fn lean_layers(layers: &[Layer]) -> anyhow::Result<Vec<(LeanLinear, LeanActivation)>> {
+    let mut out = Vec::new();
+    let mut it = layers.iter().peekable();
+    while let Some(layer) = it.next() {
+        let Layer::Linear(l) = layer else {
+            anyhow::bail!("a stack starts each block with a Linear layer");
+        };
+        let act = match it.peek() {
+            Some(Layer::Activation(Activation::Relu)) => LeanActivation::Relu,
+            Some(Layer::Activation(Activation::Gelu)) => LeanActivation::Gelu,
+            _ => LeanActivation::Identity,
+        };
+        if act != LeanActivation::Identity {
+            it.next();
+        }
+        let linear = LeanLinear::new(
+            l.weight().as_tensor().clone(),
+            Some(l.bias().as_tensor().clone()),
+        )?;
+        out.push((linear, act));
+    }
+    Ok(out)
+}
+
 /// The policies measured, with their names in tables and metrics.
 fn policies() -> [(&'static str, &'static str, Option<Policy>); 4] {
     [
@@ -445,6 +472,39 @@ impl Checkpointing {
         }
         let plain_time = median(plain_times);
 
+        // The same plain backprop with the toolkit's fused layers: the
+        // framework's own overhead, beside what checkpointing saves.
+        let lean = lean_layers(model.layers())?;
+        let mut lean_times = Vec::new();
+        let mut lean_peak = 0;
+        let mut lean_act = 0;
+        let mut lean_diff = 0f64;
+        for rep in 0..p.repeats {
+            ctx.progress(&format!("plain backprop, fused layers, run {}", rep + 1));
+            let mut region = ctx.region("plain backprop, fused layers (candle-lean-nn)");
+            let start = Instant::now();
+            let loss = Category::Activations.scope(|| {
+                let h = lean
+                    .iter()
+                    .try_fold(x.clone(), |h, (l, act)| l.forward_act(&h, *act))?;
+                head(&h)
+            })?;
+            region.mark("after forward");
+            let grads = Category::Gradients
+                .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
+            drop(loss);
+            region.mark("after backward");
+            lean_times.push(start.elapsed().as_secs_f64());
+            if rep == 0 {
+                lean_diff = grads_max_abs_diff(&plain_grads, &grads, &vars)?;
+                drop(grads);
+                let r = ctx.end_region(region);
+                lean_peak = r.peak_above_baseline();
+                lean_act = r.category_peak_above_baseline(Category::Activations);
+            }
+        }
+        let lean_time = median(lean_times);
+
         let mut table = Table::new(
             format!(
                 "{} layers of Linear({w},{w}) + GELU, batch {}",
@@ -470,6 +530,15 @@ impl Checkpointing {
             plain_time.into(),
             1.0.into(),
             0.0.into(),
+        ]);
+        table.row(vec![
+            "plain, fused layers".into(),
+            lean_peak.into(),
+            (lean_peak as f64 / plain_peak as f64).into(),
+            lean_act.into(),
+            lean_time.into(),
+            (lean_time / plain_time).into(),
+            lean_diff.into(),
         ]);
         let mut points = Vec::new();
         let mut worst_diff = 0f64;
@@ -574,6 +643,9 @@ impl Checkpointing {
             best.2 / plain_time
         ));
         ctx.metric("peak_plain", plain_peak as f64);
+        ctx.metric("peak_plain_fused", lean_peak as f64);
+        ctx.metric("activation_peak_plain_fused", lean_act as f64);
+        ctx.metric("fused_grad_max_abs_diff", lean_diff);
         ctx.metric("peak_best", best.0 as f64);
         ctx.metric("best_segments", best.1 as f64);
         ctx.metric("activation_peak_plain", plain_act as f64);

@@ -13,6 +13,11 @@
 //! operations must return storage of their own), so the output briefly
 //! exists twice; the precomputed tensor is dropped right after.
 //!
+//! The backward is given its inputs and output detached. A gradient computed
+//! from a tensor still in the graph would be in the graph too, and would
+//! keep what it was computed from alive until candle's backward ends: for a
+//! weight's gradient, the whole upstream gradient of its layer.
+//!
 //! ```
 //! use candle_core::{Device, Result, Tensor, Var};
 //! use candle_custom_grad::{with_backward2, Backward2};
@@ -232,7 +237,8 @@ impl<B: Backward3> CustomOp3 for Op3<B> {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.backward.backward(a, b, c, res, grad)
+        self.backward
+            .backward(&a.detach(), &b.detach(), &c.detach(), &res.detach(), grad)
     }
 }
 
