@@ -107,13 +107,20 @@ fn accumulate(
 fn training_step<O: Optimizer>(
     ctx: &mut Context,
     name: &str,
-    model: &Mlp,
+    (model, fused): (&Mlp, bool),
     x: &Tensor,
     y: &Tensor,
     optimizer: &mut O,
 ) -> anyhow::Result<workbook_sdk::RegionReport> {
     let mut region = ctx.region(name);
-    let loss = Category::Activations.scope(|| cross_entropy(&model.forward(x)?, y))?;
+    let loss = Category::Activations.scope(|| {
+        let h = if fused {
+            model.forward_fused(x)?
+        } else {
+            model.forward(x)?
+        };
+        cross_entropy(&h, y)
+    })?;
     region.mark("after forward");
     let grads = Category::Gradients.scope(|| -> anyhow::Result<GradStore> {
         Ok(param_grads(&loss.backward()?, &model.vars()))
@@ -148,35 +155,65 @@ impl Accumulation {
             lr: p.lr,
             ..Default::default()
         };
-        let (a, b) = Category::Parameters
-            .scope(|| -> anyhow::Result<_> { Ok((sweep.deep_clone()?, sweep.deep_clone()?)) })?;
-        let (mut candle, mut lean) = Category::OptimizerState.scope(|| -> anyhow::Result<_> {
+        let (a, b, f) = Category::Parameters.scope(|| -> anyhow::Result<_> {
             Ok((
-                AdamW::new(a.vars(), params.clone())?,
-                LeanAdamW::with_observer(b.vars(), params, Tags)?,
+                sweep.deep_clone()?,
+                sweep.deep_clone()?,
+                sweep.deep_clone()?,
             ))
         })?;
+        let (mut candle, mut lean, mut fused) =
+            Category::OptimizerState.scope(|| -> anyhow::Result<_> {
+                Ok((
+                    AdamW::new(a.vars(), params.clone())?,
+                    LeanAdamW::with_observer(b.vars(), params.clone(), Tags)?,
+                    LeanAdamW::with_observer(f.vars(), params, Tags)?,
+                ))
+            })?;
         let param_bytes: u64 = a.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
         let mut rows = Vec::new();
         for step in 0..2 {
             let c = training_step(
                 ctx,
                 "training step, candle_nn::AdamW",
-                &a,
+                (&a, false),
                 &x,
                 &y,
                 &mut candle,
             )?;
-            let l = training_step(ctx, "training step, LeanAdamW", &b, &x, &y, &mut lean)?;
+            let l = training_step(
+                ctx,
+                "training step, LeanAdamW",
+                (&b, false),
+                &x,
+                &y,
+                &mut lean,
+            )?;
+            let u = training_step(
+                ctx,
+                "training step, LeanAdamW, fused layers",
+                (&f, true),
+                &x,
+                &y,
+                &mut fused,
+            )?;
             // The first step of each is a warm-up: the second is reported.
             if step == 1 {
-                rows = vec![("candle_nn::AdamW", c), ("LeanAdamW", l)];
+                rows = vec![
+                    ("candle_nn::AdamW", "candle", c),
+                    ("LeanAdamW", "lean", l),
+                    ("LeanAdamW, fused layers", "fused", u),
+                ];
             }
         }
         let mut diff = 0f64;
-        for (u, v) in a.vars().iter().zip(b.vars().iter()) {
+        let mut fused_diff = 0f64;
+        for ((u, v), w) in a.vars().iter().zip(b.vars().iter()).zip(f.vars().iter()) {
             diff = diff.max(workbook_models::max_abs_diff(u.as_tensor(), v.as_tensor())?);
+            fused_diff =
+                fused_diff.max(workbook_models::max_abs_diff(v.as_tensor(), w.as_tensor())?);
         }
+        ctx.metric("fused_step_max_abs_diff", fused_diff);
         let mut table = Table::new(
             format!(
                 "One training step, batch {} on {} Linear({w},{w}) + ReLU",
@@ -191,7 +228,7 @@ impl Accumulation {
                 ("peak / analytic", Unit::Ratio),
             ],
         );
-        for (name, r) in &rows {
+        for (name, key, r) in &rows {
             let acts = r.category_peak_above_baseline(Category::Activations);
             // Parameters and both moments are live before the step: 3P.
             let whole = 3 * param_bytes + r.peak_above_baseline();
@@ -203,18 +240,13 @@ impl Accumulation {
                 analytic.into(),
                 ratio.into(),
             ]);
-            let key = if *name == "LeanAdamW" {
-                "lean"
-            } else {
-                "candle"
-            };
             ctx.metric(format!("step_peak_{key}"), whole as f64);
             ctx.metric(format!("step_ratio_{key}"), ratio);
             ctx.metric(
                 format!("step_optimizer_peak_{key}"),
                 r.category_peak_above_baseline(Category::OptimizerState) as f64,
             );
-            ctx.metric("step_analytic", analytic as f64);
+            ctx.metric(format!("step_analytic_{key}"), analytic as f64);
         }
         ctx.table(table);
         ctx.metric("lean_adamw_max_abs_diff", diff);

@@ -10,13 +10,12 @@
 use std::time::Instant;
 
 use candle_checkpoint::{checkpoint_sequential, checkpoint_sequential_with, Policy};
-use candle_lean_nn::{Activation as LeanActivation, LeanLinear};
 use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
 use workbook_sdk::candle_nn::{VarBuilder, VarMap};
 
 use serde::{Deserialize, Serialize};
 use workbook_models::{
-    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Layer, Mlp, Rng,
+    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
 };
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
@@ -275,32 +274,6 @@ impl Plugin for Checkpointing {
     }
 }
 
-/// A stack of Linear and activation layers as the toolkit's fused layers,
-/// sharing their variables.
-fn lean_layers(layers: &[Layer]) -> anyhow::Result<Vec<(LeanLinear, LeanActivation)>> {
-    let mut out = Vec::new();
-    let mut it = layers.iter().peekable();
-    while let Some(layer) = it.next() {
-        let Layer::Linear(l) = layer else {
-            anyhow::bail!("a stack starts each block with a Linear layer");
-        };
-        let act = match it.peek() {
-            Some(Layer::Activation(Activation::Relu)) => LeanActivation::Relu,
-            Some(Layer::Activation(Activation::Gelu)) => LeanActivation::Gelu,
-            _ => LeanActivation::Identity,
-        };
-        if act != LeanActivation::Identity {
-            it.next();
-        }
-        let linear = LeanLinear::new(
-            l.weight().as_tensor().clone(),
-            Some(l.bias().as_tensor().clone()),
-        )?;
-        out.push((linear, act));
-    }
-    Ok(out)
-}
-
 /// The policies measured, with their names in tables and metrics.
 fn policies() -> [(&'static str, &'static str, Option<Policy>); 4] {
     [
@@ -474,7 +447,6 @@ impl Checkpointing {
 
         // The same plain backprop with the toolkit's fused layers: the
         // framework's own overhead, beside what checkpointing saves.
-        let lean = lean_layers(model.layers())?;
         let mut lean_times = Vec::new();
         let mut lean_peak = 0;
         let mut lean_act = 0;
@@ -483,12 +455,7 @@ impl Checkpointing {
             ctx.progress(&format!("plain backprop, fused layers, run {}", rep + 1));
             let mut region = ctx.region("plain backprop, fused layers (candle-lean-nn)");
             let start = Instant::now();
-            let loss = Category::Activations.scope(|| {
-                let h = lean
-                    .iter()
-                    .try_fold(x.clone(), |h, (l, act)| l.forward_act(&h, *act))?;
-                head(&h)
-            })?;
+            let loss = Category::Activations.scope(|| head(&model.forward_fused(&x)?))?;
             region.mark("after forward");
             let grads = Category::Gradients
                 .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;

@@ -10,6 +10,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
+use candle_lean_nn::{Activation as FusedActivation, LeanLinear};
 use rand::{Rng as _, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
@@ -244,6 +245,35 @@ impl Mlp {
             })
             .collect::<Result<_>>()?;
         Ok(Self { layers })
+    }
+    /// The forward through the toolkit's fused layers (`candle-lean-nn`):
+    /// each Linear and the activation after it as one operation that keeps
+    /// its output (and GELU's input), on the same variables. Gradients equal
+    /// [`Module::forward`]'s.
+    pub fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = x.clone();
+        let mut it = self.layers.iter().peekable();
+        while let Some(layer) = it.next() {
+            match layer {
+                Layer::Linear(l) => {
+                    let act = match it.peek() {
+                        Some(Layer::Activation(Activation::Relu)) => FusedActivation::Relu,
+                        Some(Layer::Activation(Activation::Gelu)) => FusedActivation::Gelu,
+                        _ => FusedActivation::Identity,
+                    };
+                    if act != FusedActivation::Identity {
+                        it.next();
+                    }
+                    let fused = LeanLinear::new(
+                        l.weight().as_tensor().clone(),
+                        Some(l.bias().as_tensor().clone()),
+                    )?;
+                    h = fused.forward_act(&h, act)?;
+                }
+                Layer::Activation(a) => h = a.forward(&h)?,
+            }
+        }
+        Ok(h)
     }
 
     /// The forward in `dtype` (mixed precision); see [`Linear::forward_as`].
