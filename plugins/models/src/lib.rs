@@ -249,7 +249,8 @@ impl Mlp {
     /// The forward through the toolkit's fused layers (`candle-lean-nn`):
     /// each Linear and the activation after it as one operation that keeps
     /// its output (and GELU's input), on the same variables. Gradients equal
-    /// [`Module::forward`]'s.
+    /// [`Module::forward`]'s, but at a ReLU input of exactly 0 (see
+    /// `candle_lean_nn::Activation::Relu`).
     pub fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
         let mut it = self.layers.iter().peekable();

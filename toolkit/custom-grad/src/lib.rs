@@ -16,7 +16,10 @@
 //! The backward is given its inputs and output detached. A gradient computed
 //! from a tensor still in the graph would be in the graph too, and would
 //! keep what it was computed from alive until candle's backward ends: for a
-//! weight's gradient, the whole upstream gradient of its layer.
+//! weight's gradient, the whole upstream gradient of its layer. So these
+//! operations have first derivatives only: a second derivative through them
+//! (candle's `CANDLE_GRAD_DO_NOT_DETACH`) finds no graph behind their
+//! gradients.
 //!
 //! ```
 //! use candle_core::{Device, Result, Tensor, Var};
@@ -179,7 +182,8 @@ impl<B: Backward2> CustomOp2 for Op2<B> {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.backward.backward(a, b, res, grad)
+        self.backward
+            .backward(&a.detach(), &b.detach(), &res.detach(), grad)
     }
 }
 

@@ -11,7 +11,9 @@
 //! That is what PyTorch keeps for `addmm` followed by an activation.
 //!
 //! Built from a `candle_nn::Linear`, a [`LeanLinear`] shares its variables,
-//! so any optimizer steps it unchanged; its gradients equal candle-nn's.
+//! so any optimizer steps it unchanged. Its gradients equal candle-nn's,
+//! but where a ReLU's input is exactly 0: there the gradient is 0, as in
+//! PyTorch (candle passes it), since the output cannot tell 0 from below.
 #![warn(missing_docs)]
 
 mod bias;

@@ -10,7 +10,9 @@ use crate::bias::add_bias;
 pub enum Activation {
     /// None.
     Identity,
-    /// `max(x, 0)`; its gradient is read from the output.
+    /// `max(x, 0)`; its gradient is read from the output, so where the
+    /// pre-activation is exactly 0 it is 0, as PyTorch's (candle's own relu
+    /// passes the gradient there).
     Relu,
     /// GELU, tanh approximation (candle's `gelu`); its gradient needs its
     /// input, which the layer keeps.

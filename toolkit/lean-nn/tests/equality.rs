@@ -27,8 +27,10 @@ fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
     for (dtype, tol) in [
         (DType::F64, 1e-12),
         (DType::F32, 1e-6),
-        (DType::F16, 2e-2),
-        (DType::BF16, 1e-1),
+        // Half types: a rounding or two of values up to about 8 (measured
+        // 7.8e-3 and 1.6e-2 at most).
+        (DType::F16, 1.6e-2),
+        (DType::BF16, 4e-2),
     ] {
         for act in [Activation::Identity, Activation::Relu, Activation::Gelu] {
             for with_bias in [true, false] {
@@ -47,7 +49,11 @@ fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
                 assert_eq!(l.dims(), [2, 3, 5]);
                 assert_eq!(l.dtype(), dtype);
                 let what = format!("{dtype:?} {act:?} bias {with_bias}");
-                assert!(max_diff(&a, &l)? <= tol, "{what}: output");
+                let od = max_diff(&a, &l)?;
+                if std::env::var("SHOW").is_ok() {
+                    println!("{what}: output {od:.2e}");
+                }
+                assert!(od <= tol, "{what}: output");
                 let ga = (a * &weights)?.sum_all()?.backward()?;
                 let gl = (l * &weights)?.sum_all()?.backward()?;
                 let mut vars = vec![&x, &w];
@@ -58,7 +64,10 @@ fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
                     let (p, q) = (ga.get(v).unwrap(), gl.get(v).expect("a gradient"));
                     assert_eq!(q.dtype(), dtype);
                     let d = max_diff(p, q)?;
-                    assert!(d <= tol * 4.0, "{what}: gradient of {:?}: {d}", v.dims());
+                    if std::env::var("SHOW").is_ok() {
+                        println!("{what}: gradient of {:?}: {d:.2e}", v.dims());
+                    }
+                    assert!(d <= tol, "{what}: gradient of {:?}: {d}", v.dims());
                 }
             }
         }
@@ -81,5 +90,26 @@ fn a_wrong_input_or_bias_is_an_error() -> Result<()> {
     assert!(e
         .to_string()
         .starts_with("the input has shape [2, 6], the layer takes 7 features"));
+    Ok(())
+}
+
+/// At a pre-activation of exactly 0 (a zero input row, no bias) ReLU's
+/// gradient is 0, as PyTorch's; candle's relu passes it.
+#[test]
+fn relu_at_exactly_zero_follows_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[[1f32, 2.0]], &dev)?;
+    let lean = LeanLinear::new(w.as_tensor().clone(), None)?;
+    let x = Tensor::zeros((1, 2), DType::F32, &dev)?;
+    let grads = lean
+        .forward_act(&x, Activation::Relu)?
+        .sum_all()?
+        .backward()?;
+    assert_eq!(grads.get(&w).unwrap().to_vec2::<f32>()?, [[0.0, 0.0]]);
+    let candle = candle_nn::Linear::new(w.as_tensor().clone(), None);
+    let x = Var::zeros((1, 2), DType::F32, &dev)?;
+    let g = candle.forward(&x)?.relu()?.sum_all()?.backward()?;
+    // candle's passes the gradient at 0: for x = 0 the input's is W.
+    assert_eq!(g.get(&x).unwrap().to_vec2::<f32>()?, [[1.0, 2.0]]);
     Ok(())
 }
