@@ -230,9 +230,6 @@ fn device_buffers_outside_the_heap_are_counted_by_category_and_freed_by_tag() {
     // allocated meanwhile. The category above is exact.
     let above = s.peak - start.current_total();
     assert!((1 << 20..(1 << 20) + OTHERS).contains(&above), "{above}");
-    // One block for the buffer, and maybe some of the harness's own.
-    let blocks = s.live_blocks as i64 - start.live_blocks as i64;
-    assert!((1..=1 + 64).contains(&blocks), "{blocks}");
     // Freed while another category is current: charged to the allocator's.
     Category::Activations.scope(|| workbook_sdk::meter::device_freed(tag, 1 << 20));
     let end = meter.snapshot();
@@ -242,6 +239,18 @@ fn device_buffers_outside_the_heap_are_counted_by_category_and_freed_by_tag() {
         start.current.get(Category::Activations)
     );
     assert_eq!(end.device_peak_each.get(c) - device(&start), 1 << 20);
+    // Live blocks are process-wide too, and the harness's threads allocate
+    // and free small blocks of their own: a hundred device buffers stand
+    // well clear of that noise.
+    let before = meter.snapshot().live_blocks as i64;
+    let tags: Vec<u8> = (0..100)
+        .map(|_| c.scope(|| workbook_sdk::meter::device_allocated(4096)))
+        .collect();
+    let blocks = meter.snapshot().live_blocks as i64 - before;
+    assert!((100 - 32..=100 + 32).contains(&blocks), "{blocks}");
+    for t in tags {
+        workbook_sdk::meter::device_freed(t, 4096);
+    }
     meter.pop_peak();
 }
 
