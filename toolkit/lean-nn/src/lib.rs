@@ -10,6 +10,9 @@
 //! the graph keeps the output and, for GELU, the input of the activation.
 //! That is what PyTorch keeps for `addmm` followed by an activation.
 //!
+//! [`cross_entropy`] is the loss as one operation: its graph keeps the
+//! logits, not a log-softmax beside them.
+//!
 //! Built from a `candle_nn::Linear`, a [`LeanLinear`] shares its variables,
 //! so any optimizer steps it unchanged. Its gradients equal candle-nn's,
 //! but where a ReLU's input is exactly 0: there the gradient is 0, as in
@@ -18,5 +21,7 @@
 
 mod bias;
 mod linear;
+mod loss;
 
 pub use linear::{Activation, LeanLinear};
+pub use loss::cross_entropy;
