@@ -21,9 +21,6 @@ pub struct AdamWStep {
     pub(crate) scale_v: f64,
 }
 
-/// The crate's own short name.
-pub(crate) type Step = AdamWStep;
-
 impl AdamWStep {
     /// The constants of step `t` (counted from 1) with `p`.
     pub fn new(p: &candle_nn::ParamsAdamW, t: usize) -> Self {
@@ -82,15 +79,15 @@ fn scal<T: Real>(x: T, c: f64) -> T {
     x.mul(T::c(c)).add(T::c(0.0))
 }
 
-fn moment1<T: Real>(m: T, g: T, s: &Step) -> T {
+fn moment1<T: Real>(m: T, g: T, s: &AdamWStep) -> T {
     scal(m, s.beta1).add(scal(g, 1.0 - s.beta1))
 }
 
-fn moment2<T: Real>(v: T, g: T, s: &Step) -> T {
+fn moment2<T: Real>(v: T, g: T, s: &AdamWStep) -> T {
     scal(v, s.beta2).add(scal(g.mul(g), 1.0 - s.beta2))
 }
 
-fn theta<T: Real>(theta: T, m: T, v: T, s: &Step) -> T {
+fn theta<T: Real>(theta: T, m: T, v: T, s: &AdamWStep) -> T {
     let m_hat = scal(m, s.scale_m);
     let v_hat = scal(v, s.scale_v);
     let decayed = scal(theta, 1.0 - s.lr * s.weight_decay);
@@ -146,11 +143,11 @@ fn zip2(
 }
 
 /// `m <- beta1 m + (1 - beta1) g`.
-pub(crate) struct Moment1(pub Step);
+pub(crate) struct Moment1(pub AdamWStep);
 /// `v <- beta2 v + (1 - beta2) g^2`.
-pub(crate) struct Moment2(pub Step);
+pub(crate) struct Moment2(pub AdamWStep);
 /// `theta <- theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`.
-pub(crate) struct Theta(pub Step);
+pub(crate) struct Theta(pub AdamWStep);
 
 impl InplaceOp2 for Moment1 {
     fn name(&self) -> &'static str {

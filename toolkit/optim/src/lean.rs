@@ -7,7 +7,7 @@ use candle_core::{Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
-use crate::kernel::{AdamWStep, Moment1, Moment2, Step, Theta};
+use crate::kernel::{AdamWStep, Moment1, Moment2, Theta};
 use crate::state::{save_state, StateFile};
 
 struct Slot {
@@ -123,17 +123,17 @@ impl LeanAdamW {
 
 /// One variable's update with candle's operations, for devices without an
 /// in-place kernel.
-fn out_of_place(s: &Slot, g: &Tensor, k: &Step) -> Result<()> {
-    let next_m = ((s.m.as_tensor() * k.beta1)? + (g * (1.0 - k.beta1))?)?;
-    s.m.set(&next_m)?;
+fn out_of_place(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> Result<()> {
+    let next_m = ((m.as_tensor() * k.beta1)? + (g * (1.0 - k.beta1))?)?;
+    m.set(&next_m)?;
     drop(next_m);
-    let next_v = ((s.v.as_tensor() * k.beta2)? + (g.sqr()? * (1.0 - k.beta2))?)?;
-    s.v.set(&next_v)?;
+    let next_v = ((v.as_tensor() * k.beta2)? + (g.sqr()? * (1.0 - k.beta2))?)?;
+    v.set(&next_v)?;
     drop(next_v);
     let adjusted =
-        ((s.m.as_tensor() * k.scale_m)? / ((s.v.as_tensor() * k.scale_v)?.sqrt()? + k.eps)?)?;
-    let next = ((s.var.as_tensor() * (1.0 - k.lr * k.weight_decay))? - (adjusted * k.lr)?)?;
-    s.var.set(&next)
+        ((m.as_tensor() * k.scale_m)? / ((v.as_tensor() * k.scale_v)?.sqrt()? + k.eps)?)?;
+    let next = ((var.as_tensor() * (1.0 - k.lr * k.weight_decay))? - (adjusted * k.lr)?)?;
+    var.set(&next)
 }
 
 /// AdamW's update of one variable `var` with moments `m` and `v` from its
@@ -167,12 +167,7 @@ pub fn adamw_update(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> R
         v.inplace_op2(&g, &Moment2(*k))?;
         var.inplace_op3(m, v, &Theta(*k))
     } else {
-        let slot = Slot {
-            var: var.clone(),
-            m: m.clone(),
-            v: v.clone(),
-        };
-        out_of_place(&slot, &g, k)
+        out_of_place(var, m, v, &g, k)
     }
 }
 
@@ -185,7 +180,7 @@ impl Optimizer for LeanAdamW {
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         self.step_t += 1;
-        let k = Step::new(&self.params, self.step_t);
+        let k = AdamWStep::new(&self.params, self.step_t);
         let _state = scope(&*self.observer, Kind::OptimizerState, Place::Device);
         for s in &self.slots {
             if let Some(g) = grads.get(s.var.as_tensor()) {
