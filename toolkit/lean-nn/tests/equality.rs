@@ -1,5 +1,6 @@
-//! The fused layer against candle-nn's Linear and activation: outputs and
-//! gradients of the input, weight and bias, in every float dtype.
+//! The fused layer against candle-nn's Linear and activation, and the
+//! one-operation cross-entropy against candle-nn's: values and gradients in
+//! every float dtype, and bad input.
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear};
@@ -111,5 +112,58 @@ fn relu_at_exactly_zero_follows_pytorch() -> Result<()> {
     let g = candle.forward(&x)?.relu()?.sum_all()?.backward()?;
     // candle's passes the gradient at 0: for x = 0 the input's is W.
     assert_eq!(g.get(&x).unwrap().to_vec2::<f32>()?, [[1.0, 2.0]]);
+    Ok(())
+}
+
+#[test]
+fn cross_entropy_equals_candle_nns_in_every_dtype() -> Result<()> {
+    let dev = Device::Cpu;
+    let targets = Tensor::new(&[3u32, 0, 7, 7, 1], &dev)?;
+    for (dtype, tol) in [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-6),
+        (DType::F16, 4e-3),
+        (DType::BF16, 3e-2),
+    ] {
+        let logits = Var::from_tensor(&Tensor::randn(0f32, 2.0, (5, 9), &dev)?.to_dtype(dtype)?)?;
+        // candle-nn's in f64 for f64, in f32 otherwise (the half types'
+        // reference too: their arithmetic is f32 here).
+        let wide = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let reference = Var::from_tensor(&logits.as_tensor().to_dtype(wide)?)?;
+        let plain = candle_nn::loss::cross_entropy(&reference, &targets)?;
+        let lean = candle_lean_nn::cross_entropy(&logits, &targets)?;
+        assert_eq!(lean.dtype(), dtype);
+        assert!(max_diff(&plain, &lean)? <= tol, "{dtype:?} value");
+        let (gp, gl) = (plain.backward()?, lean.backward()?);
+        let g = gl.get(&logits).expect("a gradient for the logits");
+        assert_eq!(g.dtype(), dtype);
+        let d = max_diff(gp.get(&reference).unwrap(), g)?;
+        assert!(d <= tol, "{dtype:?} gradient: {d}");
+    }
+    Ok(())
+}
+
+#[test]
+fn cross_entropy_refuses_bad_input_saying_why() -> Result<()> {
+    let dev = Device::Cpu;
+    let logits = Tensor::zeros((2, 3), DType::F32, &dev)?;
+    let err = |t: &Tensor| {
+        candle_lean_nn::cross_entropy(&logits, t)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(&Tensor::new(&[1u32, 2, 0], &dev)?)
+        .starts_with("targets have shape [3], the logits [2, 3]: one class index per row"));
+    assert!(err(&Tensor::new(&[1f32, 2.0], &dev)?)
+        .starts_with("targets must be class indices (u8, u32 or i64), got F32"));
+    let empty = Tensor::zeros((0, 3), DType::F32, &dev)?;
+    let e = candle_lean_nn::cross_entropy(&empty, &Tensor::zeros(0, DType::U32, &dev)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("cross-entropy of 0 rows of 3 classes has no mean"));
     Ok(())
 }

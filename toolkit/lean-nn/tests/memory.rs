@@ -1,5 +1,5 @@
-//! What the graph holds after the forward of a stack of Linear + activation
-//! layers, candle-nn's against the fused layer, counted by an allocator.
+//! What the graph holds after a forward, candle-nn's against the fused
+//! layer and the one-operation cross-entropy, counted by an allocator.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -29,20 +29,27 @@ const DEPTH: usize = 8;
 const WIDTH: usize = 256;
 const BATCH: usize = 512;
 
-/// Bytes alive once the forward is done, in layer outputs (one test in
-/// this file, so nothing else allocates meanwhile).
-fn held(forward: impl Fn(&Tensor) -> Result<Tensor>, x: &Tensor) -> Result<f64> {
+/// The tests of this file take turns: the allocator's count is global.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Bytes alive once `forward` is done, in units of `unit` bytes.
+fn held(forward: impl FnOnce() -> Result<Tensor>, unit: usize) -> Result<f64> {
     let before = LIVE.load(Ordering::SeqCst);
-    let y = forward(x)?;
+    let y = forward()?;
     let after = LIVE.load(Ordering::SeqCst);
     drop(y);
-    let output = (BATCH * WIDTH * 4) as f64;
-    Ok((after - before) as f64 / output)
+    Ok((after - before) as f64 / unit as f64)
 }
 
 #[test]
 fn the_fused_layer_keeps_a_third_of_candle_nns_activations_for_relu() -> Result<()> {
+    let _turn = turn();
     let dev = Device::Cpu;
+    let output = BATCH * WIDTH * 4;
     let layers: Vec<candle_nn::Linear> = (0..DEPTH)
         .map(|_| {
             let w = Var::from_tensor(&Tensor::randn(0f32, 0.05, (WIDTH, WIDTH), &dev)?)?;
@@ -57,7 +64,7 @@ fn the_fused_layer_keeps_a_third_of_candle_nns_activations_for_relu() -> Result<
     let x = Tensor::randn(0f32, 1.0, (BATCH, WIDTH), &dev)?;
     for (act, name) in [(Activation::Relu, "relu"), (Activation::Gelu, "gelu")] {
         let plain = held(
-            |x| {
+            || {
                 layers.iter().try_fold(x.clone(), |h, l| {
                     let y = l.forward(&h)?;
                     if act == Activation::Relu {
@@ -67,14 +74,14 @@ fn the_fused_layer_keeps_a_third_of_candle_nns_activations_for_relu() -> Result<
                     }
                 })
             },
-            &x,
+            output,
         )?;
         let fused = held(
-            |x| {
+            || {
                 lean.iter()
                     .try_fold(x.clone(), |h, l| l.forward_act(&h, act))
             },
-            &x,
+            output,
         )?;
         println!(
             "{name}: {DEPTH} layers hold {plain:.2} layer outputs with candle-nn, {fused:.2} fused"
@@ -92,5 +99,24 @@ fn the_fused_layer_keeps_a_third_of_candle_nns_activations_for_relu() -> Result<
             }
         }
     }
+    Ok(())
+}
+
+/// After the forward, candle-nn's loss graph holds its log-softmax and the
+/// intermediates of it beside the logits; the one operation holds nothing
+/// the size of the logits.
+#[test]
+fn the_graph_keeps_no_copy_of_the_logits() -> Result<()> {
+    let _turn = turn();
+    let dev = Device::Cpu;
+    let (rows, classes) = (256, 4096);
+    let logits = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, classes), &dev)?)?;
+    let targets = Tensor::zeros(rows, DType::U32, &dev)?;
+    let size = rows * classes * 4;
+    let plain = held(|| candle_nn::loss::cross_entropy(&logits, &targets), size)?;
+    let lean = held(|| candle_lean_nn::cross_entropy(&logits, &targets), size)?;
+    println!("the loss graph holds {plain:.2} logits-sized tensors with candle-nn, {lean:.3} as one operation");
+    assert!(plain >= 1.9, "{plain}");
+    assert!(lean < 0.05, "{lean}");
     Ok(())
 }
