@@ -38,8 +38,11 @@ pub fn flash_backward(
     if dims.nq == 0 || dims.nk == 0 || dims.rows() == 0 {
         return Ok((q.zeros_like()?, k.zeros_like()?, v.zeros_like()?));
     }
-    let acc = accumulation(q.dtype());
     let s = scale_of(cfg, dims.d);
+    if crate::cpu::applies(q, &dims) {
+        return crate::cpu::backward(q, k, v, fwd, d_out, &dims, cfg, s);
+    }
+    let acc = accumulation(q.dtype());
     let fold_q = |t: &Tensor| -> Result<Tensor> {
         t.detach()
             .to_dtype(acc)?

@@ -35,6 +35,31 @@ impl FlashConfig {
         }
     }
 
+    /// The blocks PyTorch's CPU flash kernel picks for `n` queries: 32 query
+    /// rows below 192 queries, 64 below 768, 256 from there (more blocks
+    /// for short sequences keep every thread busy, larger ones for long
+    /// sequences make larger matrix products), and 512 keys.
+    ///
+    /// ```
+    /// use candle_tiled_attention::FlashConfig;
+    /// let cfg = FlashConfig::for_length(true, 4096);
+    /// assert_eq!((cfg.causal, cfg.q_block, cfg.k_block), (true, 256, 512));
+    /// assert_eq!(FlashConfig::for_length(false, 100).q_block, 32);
+    /// ```
+    pub fn for_length(causal: bool, n: usize) -> Self {
+        let q_block = match n {
+            0..192 => 32,
+            192..768 => 64,
+            _ => 256,
+        };
+        Self {
+            causal,
+            q_block,
+            k_block: 512,
+            scale: None,
+        }
+    }
+
     /// An error naming the block size that cannot be used.
     ///
     /// ```

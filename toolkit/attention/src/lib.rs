@@ -20,6 +20,18 @@
 //!   loop of one's own.
 //! * [`naive_attention`]: the plain computation, the reference.
 //!
+//! On the CPU, f32, f16 and bf16 calls run a kernel of their own, built as
+//! PyTorch's CPU flash kernel is: query blocks (forward) and heads
+//! (backward) in parallel on rayon's threads, block products through `gemm`
+//! on strided views, a vectorised exponential, and no buffer beyond the
+//! outputs but one block of scores per thread. [`FlashConfig::for_length`]
+//! picks PyTorch's block sizes. Other devices and f64 compose candle
+//! operations block by block.
+//!
+//! This crate turns on `gemm`'s `x86-v4` feature, so that its products (and,
+//! through feature unification, candle's own CPU matrix products in the same
+//! build) use AVX-512 where the CPU has it: twice AVX2's width.
+//!
 //! Tensors are `(batch, heads, seq, head_dim)`. Keys and values may have
 //! fewer heads than queries (grouped-query and multi-query attention): query
 //! head `h` reads key head `h / (q_heads / kv_heads)`. f16, bf16 and f32
@@ -30,6 +42,7 @@
 
 mod backward;
 mod config;
+mod cpu;
 mod forward;
 mod op;
 mod shapes;

@@ -164,3 +164,78 @@ fn bad_input_is_an_error_that_says_why() -> Result<()> {
     let _ = q0;
     Ok(())
 }
+
+/// Gradients of the plain computation in f64, to check a call against.
+fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_out: &Tensor,
+    cfg: &FlashConfig,
+) -> Result<[Tensor; 4]> {
+    let vars = [q, k, v].map(|t| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap());
+    let out = naive_attention(&vars[0], &vars[1], &vars[2], cfg)?;
+    let grads = (&out * d_out.to_dtype(DType::F64)?)?
+        .sum_all()?
+        .backward()?;
+    let g = |v: &Var| grads.get(v).unwrap().clone();
+    Ok([out, g(&vars[0]), g(&vars[1]), g(&vars[2])])
+}
+
+/// Queries and keys of different lengths (causal: top-left aligned),
+/// values narrower than keys, and inputs that are strided views.
+#[test]
+fn lengths_widths_and_strided_inputs() -> Result<()> {
+    let dev = Device::Cpu;
+    for (nq, nk) in [(13, 29), (29, 13)] {
+        for causal in [false, true] {
+            // q is stored (b, n, h, d) and viewed as (b, h, n, d): strided.
+            let q = Tensor::randn(0f32, 1.0, (2, nq, 4, 16), &dev)?.transpose(1, 2)?;
+            let k = Tensor::randn(0f32, 1.0, (2, 2, nk, 16), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (2, 2, nk, 8), &dev)?;
+            let d_out = Tensor::randn(0f32, 1.0, (2, 4, nq, 8), &dev)?;
+            let cfg = FlashConfig {
+                causal,
+                q_block: 4,
+                k_block: 7,
+                scale: None,
+            };
+            let fwd = flash_forward(&q, &k, &v, &cfg)?;
+            let (dq, dk, dv) = flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?;
+            let want = reference(&q, &k, &v, &d_out, &cfg)?;
+            for (got, want) in [fwd.out, dq, dk, dv].iter().zip(&want) {
+                assert_eq!(got.dims(), want.dims());
+                let diff = max_diff(got, want)?;
+                assert!(diff < 1e-4, "{nq}x{nk} causal {causal}: {diff}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The same results from a pool of one thread as from the global pool.
+#[test]
+fn one_thread_gives_the_same_results() -> Result<()> {
+    let (q, k, v) = inputs(2, 4, 2, 70, 16, DType::F32)?;
+    let d_out = Tensor::randn(0f32, 1.0, (2, 4, 70, 16), &Device::Cpu)?;
+    let cfg = FlashConfig {
+        causal: true,
+        q_block: 16,
+        k_block: 32,
+        scale: None,
+    };
+    let run = || -> Result<Vec<Tensor>> {
+        let fwd = flash_forward(&q, &k, &v, &cfg)?;
+        let (dq, dk, dv) = flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?;
+        Ok(vec![fwd.out, fwd.lse, dq, dk, dv])
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a pool of one thread");
+    let single = pool.install(run)?;
+    for (a, b) in single.iter().zip(&run()?) {
+        assert_eq!(max_diff(a, b)?, 0.0);
+    }
+    Ok(())
+}
