@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Chapter 2 in the workbook and in PyTorch, side by side, as ratios.
 
+    python3 scripts/compare.py --run [--check] [--device cuda]
+
+runs both (the workbook through `cargo run --release`, PyTorch with the
+Python that runs this script) and prints the table; or, from saved reports,
+
     workbook run chapter2 --device cuda --format json > workbook.json
-    python3 scripts/torch_chapter2.py > torch.json
+    python3 scripts/torch_chapter2.py --device cuda > torch.json
     python3 scripts/compare.py workbook.json torch.json
 
 Both must be of the same mode (full or check size). A ratio above 1 means the
@@ -10,9 +15,32 @@ workbook (candle) used more memory or time than PyTorch for the same
 experiment; memory is the peak above the start of the measured step in both.
 """
 
+import argparse
 import json
 import math
+import pathlib
+import subprocess
 import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(check, device):
+    """Both sides' reports, measured now."""
+    flags = (["--check"] if check else []) + ["--device", device]
+    workbook = ["cargo", "run", "--quiet", "--release"]
+    if device == "cuda":
+        workbook += ["--features", "cuda"]
+    workbook += ["--", "run", "chapter2", "--format", "json"] + flags
+    # The workbook exits 1 when an assertion fails; its report is still whole.
+    ours = subprocess.run(workbook, cwd=ROOT, capture_output=True, text=True)
+    if not ours.stdout.strip():
+        sys.exit(f"the workbook printed no report:\n{ours.stderr}")
+    torch_script = [sys.executable, str(ROOT / "scripts" / "torch_chapter2.py")] + flags
+    theirs = subprocess.run(torch_script, capture_output=True, text=True)
+    if theirs.returncode != 0:
+        sys.exit(f"scripts/torch_chapter2.py failed:\n{theirs.stderr}")
+    return json.loads(ours.stdout), json.loads(theirs.stdout)
 
 
 def fmt(name, value):
@@ -30,12 +58,21 @@ def fmt(name, value):
 
 
 def main():
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    with open(sys.argv[1]) as f:
-        ours = json.load(f)
-    with open(sys.argv[2]) as f:
-        theirs = json.load(f)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("reports", nargs="*", help="workbook.json torch.json")
+    ap.add_argument("--run", action="store_true", help="measure both now")
+    ap.add_argument("--check", action="store_true", help="with --run: check-size parameters")
+    ap.add_argument("--device", default="cpu", help="with --run: cpu or cuda")
+    args = ap.parse_args()
+    if args.run:
+        ours, theirs = run(args.check, args.device)
+    elif len(args.reports) == 2:
+        with open(args.reports[0]) as f:
+            ours = json.load(f)
+        with open(args.reports[1]) as f:
+            theirs = json.load(f)
+    else:
+        ap.error("give --run, or the workbook's and PyTorch's reports")
     if ours["mode"] != theirs["mode"]:
         sys.exit(f"modes differ: workbook {ours['mode']}, torch {theirs['mode']}")
     print(f"workbook {ours['workbook_version']} on {ours['device']} (meter {ours['meter']})")

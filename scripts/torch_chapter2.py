@@ -3,11 +3,11 @@
 
 Prints one JSON object: {"device": ..., "mode": ..., "metrics": {name: value}},
 with the metric names the workbook's cells report, so that scripts/compare.py
-can set the two side by side. Memory is torch.cuda.max_memory_allocated above
-what was allocated when the measured step began (the workbook's region peaks
-are also measured above their start); times are the best of a few runs, in
-seconds. Needs a CUDA GPU for memory figures; on the CPU only parameter
-counts, training-state bytes and times are reported.
+can set the two side by side. Memory is the peak (or what stays allocated)
+above the start of the measured step, as the workbook's regions measure it:
+on a GPU from torch.cuda's allocator statistics, on the CPU from the
+profiler's allocation events (exact to the byte, checked on a tensor of known
+size before anything else). Times are the best of a few runs, in seconds.
 
     python3 scripts/torch_chapter2.py [--check] > torch.json
 """
@@ -23,6 +23,7 @@ import tomllib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint_sequential
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -37,7 +38,11 @@ def params(chapter, cell_id, check):
 
 
 class Meter:
-    """Peak device memory above the start of a measured step."""
+    """Memory of a measured block above its start: `peak` (the most allocated
+    at once) and `held` (what is still allocated at its end). On a GPU from
+    the CUDA allocator's statistics; on the CPU from the profiler's
+    allocation events, summed in the order they happened (exact to the byte:
+    `check_cpu_meter` checks a tensor of known size first)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -47,21 +52,34 @@ class Meter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.start = torch.cuda.memory_allocated()
+        else:
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.start
-        else:
-            self.peak = float("nan")
+            self.held = torch.cuda.memory_allocated() - self.start
+            return
+        self.prof.__exit__(*exc)
+        events = [e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events.sort(key=lambda e: e.start_ns())
+        now = peak = 0
+        for e in events:
+            now += e.nbytes()
+            peak = max(peak, now)
+        self.peak, self.held = peak, now
 
 
-def allocated(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
-    return float("nan")
+def check_cpu_meter():
+    """A 1000 x 1000 f32 tensor is 4,000,000 bytes: the CPU meter must say so."""
+    with Meter(torch.device("cpu")) as m:
+        t = torch.zeros(1000, 1000)
+    del t
+    if (m.peak, m.held) != (4_000_000, 4_000_000):
+        sys.exit(f"the CPU meter reads peak {m.peak}, held {m.held} for a 4,000,000-byte tensor")
 
 
 def best_time(fn, device, repeats=3):
@@ -110,24 +128,19 @@ def footprint(chapter, check, device, out):
     out["small_params"] = sum(x.numel() for x in mlp(p["small"]).parameters())
     out["large_params"] = sum(x.numel() for x in mlp(p["large"]).parameters())
     for name, dtype in [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)]:
-        if device.type != "cuda":
-            model = mlp(p["state_model"]).to(dtype)
-            n = sum(x.numel() for x in model.parameters())
-            size = torch.tensor([], dtype=dtype).element_size()
-            out[f"params_bytes_{name}"] = n * size
-            continue
-        base = allocated(device)
-        model = mlp(p["state_model"]).to(device=device, dtype=dtype)
-        out[f"params_bytes_{name}"] = allocated(device) - base
+        with Meter(device) as m:
+            model = mlp(p["state_model"]).to(device=device, dtype=dtype)
+        out[f"params_bytes_{name}"] = m.held
         x = torch.randn(p["batch"], p["state_model"][0], device=device, dtype=dtype)
         y = torch.randint(0, p["state_model"][-1], (p["batch"],), device=device)
-        F.cross_entropy(model(x).float(), y).backward()
+        with Meter(device) as m:
+            F.cross_entropy(model(x).float(), y).backward()
+        out[f"grads_bytes_{name}"] = m.held
         del x, y
-        out[f"grads_bytes_{name}"] = allocated(device) - base - out[f"params_bytes_{name}"]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        before = allocated(device)
-        opt.step()
-        out[f"optimizer_bytes_{name}"] = allocated(device) - before
+        with Meter(device) as m:
+            opt.step()
+        out[f"optimizer_bytes_{name}"] = m.held
         del model, opt
 
 
@@ -178,7 +191,7 @@ def checkpointing(chapter, check, device, out):
 
     out["peak_plain"] = peak(None)
     peaks = {s: peak(s) for s in p["segments"]}
-    best = min(peaks, key=peaks.get) if device.type == "cuda" else max(p["segments"])
+    best = min(peaks, key=peaks.get)
     out["peak_best"] = peaks[best]
     out["time_plain"] = best_time(lambda: step(None), device, p["repeats"])
     out["time_best"] = best_time(lambda: step(best), device, p["repeats"])
@@ -196,14 +209,12 @@ def precision(chapter, check, device, out):
         with Meter(device) as m:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 y = model(x)
-            held = allocated(device) - m.start if device.type == "cuda" else float("nan")
-        out[f"act_held_{name}"] = held
+        out[f"act_held_{name}"] = m.held
         out[f"act_peak_{name}"] = m.peak
         del y
-    if device.type == "cuda":
-        for name in ("f16", "bf16"):
-            out[f"act_held_ratio_{name}"] = out[f"act_held_{name}"] / out["act_held_f32"]
-            out[f"act_peak_ratio_{name}"] = out[f"act_peak_{name}"] / out["act_peak_f32"]
+    for name in ("f16", "bf16"):
+        out[f"act_held_ratio_{name}"] = out[f"act_held_{name}"] / out["act_held_f32"]
+        out[f"act_peak_ratio_{name}"] = out[f"act_peak_{name}"] / out["act_peak_f32"]
 
 
 def offload(chapter, check, device, out):
@@ -214,9 +225,9 @@ def offload(chapter, check, device, out):
     y = torch.randint(0, p["width"], (p["batch"],), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])
     F.cross_entropy(model(x), y).backward()
-    before = allocated(device)
-    opt.step()
-    out["device_optimizer_bytes_plain"] = allocated(device) - before
+    with Meter(device) as m:
+        opt.step()
+    out["device_optimizer_bytes_plain"] = m.held
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -237,19 +248,27 @@ def attention(chapter, check, device, out):
     def flash(q, k, v):
         return F.scaled_dot_product_attention(q, k, v)
 
+    # As the workbook's cell: the naive attention's gradients from the loss
+    # sum(out * d_out), the fused kernel's backward given d_out itself.
+    d_out = torch.randn(1, h, n, d, device=device)
     for name, fn in [("naive", naive), ("tiled", flash)]:
         q, k, v = (torch.randn(1, h, n, d, device=device, requires_grad=True) for _ in range(3))
 
         def step():
-            fn(q, k, v).square().sum().backward()
+            out = fn(q, k, v)
+            if name == "naive":
+                (out * d_out).sum().backward()
+            else:
+                out.backward(d_out)
+            for t in (q, k, v):
+                t.grad = None
 
         step()
         with Meter(device) as m:
             step()
         out[f"peak_{name}"] = m.peak
         out[f"time_{name}"] = best_time(step, device, p["repeats"])
-    if device.type == "cuda":
-        out["peak_ratio_naive_tiled"] = out["peak_naive"] / out["peak_tiled"]
+    out["peak_ratio_naive_tiled"] = out["peak_naive"] / out["peak_tiled"]
     out["time_ratio_tiled_naive"] = out["time_tiled"] / out["time_naive"]
 
 
@@ -261,14 +280,18 @@ def main():
     chapter = tomllib.loads((ROOT / "chapters" / "chapter2.toml").read_text())
     device = torch.device(args.device)
     torch.manual_seed(47)
+    check_cpu_meter()
     warm_up(device)
     metrics = {}
     for experiment in [footprint, accumulation, checkpointing, precision, offload, attention]:
         out = {}
         experiment(chapter, args.check, device, out)
         metrics[experiment.__name__] = out
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    # What was not measured (memory on the CPU) is null, as in the workbook's report.
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+    # What could not be measured is null, as in the workbook's report.
     for out in metrics.values():
         for key, value in out.items():
             if isinstance(value, float) and not math.isfinite(value):
