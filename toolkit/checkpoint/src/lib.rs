@@ -18,6 +18,9 @@
 //! * [`checkpoint_sequential_with`] and a [`Policy`]: selective
 //!   checkpointing, keeping the outputs of matrix products (or of named
 //!   ones) so that only the element-wise operations are recomputed;
+//! * [`lean_backward`]: no recomputation, but one layer's graph at a time,
+//!   each freed once the backward has passed it (as PyTorch's autograd
+//!   frees what it saved), where candle's `backward` keeps them all;
 //! * [`missing_grads`] / [`ensure_grads`]: that no trainable variable of a
 //!   `VarMap` was left without a gradient.
 //!
@@ -31,11 +34,13 @@
 #![warn(missing_docs)]
 
 mod grads;
+mod lean;
 mod policy;
 mod sequential;
 mod vjp;
 
 pub use grads::{accumulate, ensure_grads, missing_grads, named_vars};
+pub use lean::lean_backward;
 pub use policy::{Policy, Tape, TapeModule};
 pub use sequential::{
     checkpoint_sequential, checkpoint_sequential_with, layerwise_backward, segment_bounds,

@@ -2,6 +2,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{bail, Result, Tensor, Var};
+use candle_custom_grad::{with_backward2, Backward2};
 use candle_observe::{scope, Kind, Observer, Place};
 
 /// An input of a recomputed function.
@@ -42,6 +43,30 @@ pub struct Vjp {
     pub loss: Option<Tensor>,
 }
 
+/// The root of a backward that hands `grad` to `output` as its gradient.
+///
+/// A scalar whose backward gives `output` the gradient `grad` itself: the
+/// same as back-propagating `sum(output * grad)`, without that product, its
+/// gradient and the product's own gradient, three tensors of the output's
+/// size that candle would make on the way.
+pub(crate) fn seeded(output: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    struct Inject;
+    impl Backward2 for Inject {
+        fn backward(
+            &self,
+            _output: &Tensor,
+            grad: &Tensor,
+            _root: &Tensor,
+            _ones: &Tensor,
+        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+            // The root's own gradient is the scalar one: nothing to scale.
+            Ok((Some(grad.clone()), None))
+        }
+    }
+    let root = Tensor::zeros((), output.dtype(), output.device())?;
+    with_backward2(root, output, grad, Inject)
+}
+
 /// Back-propagates `output`, whose graph starts at `inputs`, with `seed`:
 /// the gradients of `inputs` and of `vars`.
 ///
@@ -77,9 +102,8 @@ pub fn pull_back(
                     output.dims()
                 );
             }
-            // d(sum(out * g))/d(.) is g pulled back through the function.
             let g = g.detach().to_dtype(output.dtype())?;
-            ((output * g)?.sum_all()?, None)
+            (seeded(&output, &g)?, None)
         }
     };
     let store = root.backward()?;

@@ -1,0 +1,142 @@
+//! The lean backward against candle's own: equal gradients, recomputation
+//! only where candle's gradient of a layer's input could be incomplete.
+
+use candle_checkpoint::lean_backward;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use candle_observe::{Kind, Observer, Place, Token};
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
+    let mut w = 0f64;
+    for v in vars {
+        let (x, y) = (a.get(v.as_tensor()), b.get(v.as_tensor()));
+        w = w.max(max_diff(x.expect("a gradient"), y.expect("a gradient"))?);
+    }
+    Ok(w)
+}
+
+/// How many times activations were computed: the forward once, plus one
+/// for each layer recomputed.
+#[derive(Default)]
+struct Forwards(std::cell::Cell<usize>);
+
+impl Observer for Forwards {
+    fn enter(&self, kind: Kind, _: Place) -> Token {
+        if kind == Kind::Activations {
+            self.0.set(self.0.get() + 1);
+        }
+        Token::default()
+    }
+}
+
+/// Linear, then GELU: the input reaches a product with a weight first.
+struct LinearGelu(candle_nn::Linear);
+impl Module for LinearGelu {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)?.gelu()
+    }
+}
+
+/// GELU, then Linear: the GELU of the input has no graph in candle.
+struct GeluLinear(candle_nn::Linear);
+impl Module for GeluLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(&x.gelu()?)
+    }
+}
+
+/// `x + gelu(Linear(x))`: the input reaches the sum and the product.
+struct Residual(candle_nn::Linear);
+impl Module for Residual {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x + self.0.forward(x)?.gelu()?
+    }
+}
+
+/// Runs `make`'s layers both ways: (largest gradient difference, input
+/// gradient difference, forwards counted).
+fn compare<M: Module>(make: impl Fn(candle_nn::Linear) -> M) -> Result<(f64, f64, usize)> {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let layers: Vec<M> = (0..4)
+        .map(|i| Ok(make(candle_nn::linear(6, 6, vb.pp(i))?)))
+        .collect::<Result<_>>()?;
+    let vars = map.all_vars();
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 6), &Device::Cpu)?)?;
+    let head = |h: &Tensor| h.sqr()?.mean_all();
+    let plain = head(
+        &layers
+            .iter()
+            .try_fold(x.as_tensor().clone(), |h, l| l.forward(&h))?,
+    )?
+    .backward()?;
+    let forwards = Forwards::default();
+    let lean = lean_backward(&layers, &x.as_detached_tensor(), &vars, head, &forwards)?;
+    let gx = lean.input_grad.expect("the input has a gradient");
+    Ok((
+        worst(&plain, &lean.grads, &vars)?,
+        max_diff(&gx, plain.get(x.as_tensor()).unwrap())?,
+        forwards.0.get(),
+    ))
+}
+
+#[test]
+fn layers_that_start_with_a_weight_are_not_recomputed() -> Result<()> {
+    for (name, (grads, input, forwards)) in [
+        ("linear+gelu", compare(LinearGelu)?),
+        ("residual", compare(Residual)?),
+    ] {
+        assert_eq!(grads, 0.0, "{name}");
+        assert_eq!(input, 0.0, "{name}");
+        assert_eq!(forwards, 1, "{name}: the forward only");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_layer_that_computes_without_weights_first_is_recomputed_exactly() -> Result<()> {
+    let (grads, input, forwards) = compare(GeluLinear)?;
+    assert!(grads < 1e-7 && input < 1e-7, "{grads} {input}");
+    // The forward, then each of the four layers once more.
+    assert_eq!(forwards, 5);
+    Ok(())
+}
+
+#[test]
+fn misuse_is_an_error_that_says_why() -> Result<()> {
+    let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu)?;
+    let none: [LinearGelu; 0] = [];
+    let err = lean_backward(&none, &x, &[], |h| h.sum_all(), &candle_observe::NoObserver)
+        .expect_err("no layers")
+        .to_string();
+    assert!(
+        err.starts_with("lean_backward needs at least one layer"),
+        "{err}"
+    );
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let layers = [LinearGelu(candle_nn::linear(3, 3, vb)?)];
+    let err = lean_backward(
+        &layers,
+        &x,
+        &map.all_vars(),
+        |h| h.sqr(),
+        &candle_observe::NoObserver,
+    )
+    .expect_err("not a scalar")
+    .to_string();
+    assert!(
+        err.starts_with("the head must return the scalar loss, got shape [2, 3]"),
+        "{err}"
+    );
+    Ok(())
+}
