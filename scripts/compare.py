@@ -87,6 +87,10 @@ def main():
                 if value and not math.isnan(value) and not math.isnan(mine):
                     ratio = f"{mine / value:.2f}"
             rows.append((cell["id"], name, fmt(name, mine), fmt(name, value), ratio))
+            # The same experiment on the toolkit's lean path, where the cell has one.
+            lean = cell["metrics"].get(f"{name}_lean")
+            if isinstance(lean, (int, float)) and isinstance(value, (int, float)) and value:
+                rows.append((cell["id"], f"{name}_lean", fmt(name, lean), fmt(name, value), f"{lean / value:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for i, r in enumerate(rows):
         print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))

@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 use candle_accumulate::{micro_batches, GradAccumulator};
+use candle_checkpoint::lean_backward;
 use candle_lean_optim::LeanAdamW;
 use serde::{Deserialize, Serialize};
 use workbook_models::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
@@ -23,7 +24,7 @@ use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use workbook_sdk::observe::Tags;
+use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
@@ -103,6 +104,34 @@ fn accumulate(
     Ok(acc)
 }
 
+/// [`accumulate`] on the lean path: the toolkit's fused layers, its
+/// one-operation cross-entropy, and its lean backward (each layer's graph
+/// freed once the backward has passed it).
+fn accumulate_lean(
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+    steps: usize,
+    region: &mut workbook_sdk::Region,
+) -> anyhow::Result<GradAccumulator> {
+    let rows = x.dim(0)?;
+    let size = rows.div_ceil(steps);
+    let layers = model.fused_layers()?;
+    let vars = model.vars();
+    let mut acc = GradAccumulator::new(vars.clone(), rows).with_observer(Tags);
+    for (xb, yb) in micro_batches(x, size)?
+        .iter()
+        .zip(micro_batches(y, size)?.iter())
+    {
+        let head = |h: &Tensor| candle_lean_nn::cross_entropy(h, yb);
+        let out = lean_backward(&layers, xb, &vars, head, &Marks::new(region))?;
+        acc.add_weighted(&out.grads, xb.dim(0)?)?;
+        drop(out);
+        region.mark("after backward");
+    }
+    Ok(acc)
+}
+
 /// One whole training step (forward, backward, optimizer step) as a region.
 fn training_step<O: Optimizer>(
     ctx: &mut Context,
@@ -137,6 +166,62 @@ impl Accumulation {
     /// A whole training step of the sweep's model with candle's AdamW and
     /// with the in-place LeanAdamW: peaks against the analytic minimum,
     /// parameters + gradients + two moments + the forward's activations.
+    /// The large batch on the lean path, whole and in micro-batches, beside
+    /// candle-nn's peaks; and its gradients against candle-nn's.
+    fn lean_path(
+        &self,
+        ctx: &mut Context,
+        p: &Params,
+        sweep: &Mlp,
+        rng: &mut Rng,
+        full_large: u64,
+        accum_large: u64,
+    ) -> anyhow::Result<()> {
+        let device = ctx.device().clone();
+        let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+            Ok((
+                rng.randn((p.large_batch, p.sweep_width), &device)?,
+                rng.labels(p.large_batch, p.sweep_width as u32, &device)?,
+            ))
+        })?;
+        let mut table = Table::new(
+            format!(
+                "The same steps on the lean path (fused layers, one-operation cross-entropy, lean backward), batch {}",
+                p.large_batch
+            ),
+            &[
+                ("micro-batches", Unit::Count),
+                ("peak", Unit::Bytes),
+                ("vs candle-nn's", Unit::Ratio),
+            ],
+        );
+        let mut peaks = Vec::new();
+        for (steps, candle_peak) in [(1, full_large), (p.compare_steps, accum_large)] {
+            ctx.progress(&format!("lean path, {steps} micro-batch(es)"));
+            let mut region = ctx.region(format!("lean path, {steps} micro-batch(es)"));
+            let acc = accumulate_lean(sweep, &x, &y, steps, &mut region)?;
+            let peak = ctx.end_region(region).peak_above_baseline();
+            if steps == 1 {
+                let mut plain = ctx.region("candle-nn path, for its gradients");
+                let reference = accumulate(sweep, &x, &y, 1, &mut plain)?;
+                drop(plain);
+                let diff = grads_max_abs_diff(reference.grads()?, acc.grads()?, &sweep.vars())?;
+                ctx.metric("lean_path_grad_max_abs_diff", diff);
+            }
+            drop(acc);
+            table.row(vec![
+                (steps as u64).into(),
+                peak.into(),
+                (peak as f64 / candle_peak as f64).into(),
+            ]);
+            peaks.push(peak);
+        }
+        ctx.table(table);
+        ctx.metric("peak_full_large_lean", peaks[0] as f64);
+        ctx.metric("peak_accum_large_lean", peaks[1] as f64);
+        Ok(())
+    }
+
     fn lean_step(
         &self,
         ctx: &mut Context,
@@ -445,6 +530,7 @@ impl Plugin for Accumulation {
                 (peak / full_large as f64).into(),
             ]);
         }
+        self.lean_path(ctx, &p, &sweep, &mut rng, full_large, accum_large)?;
         self.lean_step(ctx, &p, &sweep, &mut rng)?;
         let grad_bytes: u64 = sweep.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
         ctx.metric("peak_full_small", full_small as f64);

@@ -246,13 +246,12 @@ impl Mlp {
             .collect::<Result<_>>()?;
         Ok(Self { layers })
     }
-    /// The forward through the toolkit's fused layers (`candle-lean-nn`):
-    /// each Linear and the activation after it as one operation that keeps
-    /// its output (and GELU's input), on the same variables. Gradients equal
-    /// [`Module::forward`]'s, but at a ReLU input of exactly 0 (see
-    /// `candle_lean_nn::Activation::Relu`).
-    pub fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
-        let mut h = x.clone();
+    /// The model as the toolkit's fused layers (`candle-lean-nn`): each
+    /// Linear and the activation after it as one operation that keeps its
+    /// output (and GELU's input), on the same variables. A layer list for
+    /// drivers such as `candle_checkpoint::lean_backward`.
+    pub fn fused_layers(&self) -> Result<Vec<FusedLayer>> {
+        let mut layers = Vec::new();
         let mut it = self.layers.iter().peekable();
         while let Some(layer) = it.next() {
             match layer {
@@ -265,16 +264,25 @@ impl Mlp {
                     if act != FusedActivation::Identity {
                         it.next();
                     }
-                    let fused = LeanLinear::new(
+                    let linear = LeanLinear::new(
                         l.weight().as_tensor().clone(),
                         Some(l.bias().as_tensor().clone()),
                     )?;
-                    h = fused.forward_act(&h, act)?;
+                    layers.push(FusedLayer::Linear(linear, act));
                 }
-                Layer::Activation(a) => h = a.forward(&h)?,
+                Layer::Activation(a) => layers.push(FusedLayer::Activation(*a)),
             }
         }
-        Ok(h)
+        Ok(layers)
+    }
+
+    /// The forward through [`Mlp::fused_layers`]. Gradients equal
+    /// [`Module::forward`]'s, but at a ReLU input of exactly 0 (see
+    /// `candle_lean_nn::Activation::Relu`).
+    pub fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
+        self.fused_layers()?
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward(&h))
     }
 
     /// The forward in `dtype` (mixed precision); see [`Linear::forward_as`].
@@ -297,6 +305,24 @@ impl Mlp {
     /// The number of trainable elements.
     pub fn param_count(&self) -> usize {
         self.vars().iter().map(|v| v.elem_count()).sum()
+    }
+}
+
+/// One layer of [`Mlp::fused_layers`].
+#[derive(Debug, Clone)]
+pub enum FusedLayer {
+    /// A Linear and the activation after it, as one operation.
+    Linear(LeanLinear, FusedActivation),
+    /// An activation no Linear comes before.
+    Activation(Activation),
+}
+
+impl Module for FusedLayer {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            FusedLayer::Linear(l, act) => l.forward_act(x, *act),
+            FusedLayer::Activation(a) => a.forward(x),
+        }
     }
 }
 
