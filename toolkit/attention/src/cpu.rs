@@ -6,9 +6,10 @@
 //! recomputes the probabilities from the saved log-sum-exp and does four
 //! matrix products. Products go through `gemm` on strided views (no copy of a
 //! transposed key block); exponentials through a vectorised polynomial.
-//! Every buffer, the per-thread scratch included, is allocated by the calling
+//! The outputs and the per-thread scratch are allocated by the calling
 //! thread, so that an allocator charging allocations to the caller's context
-//! sees all of them.
+//! sees them there (`gemm`'s own small packing buffers are allocated by the
+//! worker threads).
 
 mod matmul;
 mod rows;

@@ -24,7 +24,9 @@
 //! PyTorch's CPU flash kernel is: query blocks (forward) and heads
 //! (backward) in parallel on rayon's threads, block products through `gemm`
 //! on strided views, a vectorised exponential, and no buffer beyond the
-//! outputs but one block of scores per thread. [`FlashConfig::for_length`]
+//! outputs but one block of scores per thread (for f32 inputs: f16 and bf16
+//! are widened to f32 copies first; with grouped key/value heads the
+//! backward sums each query head's share of their gradients). [`FlashConfig::for_length`]
 //! picks PyTorch's block sizes. Other devices and f64 compose candle
 //! operations block by block.
 //!

@@ -1,86 +1,20 @@
 //! Row operations of the kernel, vectorised.
 //!
-//! Each function has one plain body that LLVM vectorises; on x86-64 the same
-//! body is also compiled for AVX-512 and for AVX2 with FMA, and the widest
-//! the CPU has is chosen at run time: the default target (SSE2) gives a
-//! quarter of AVX-512's width. The exponential is a
-//! polynomial (Cephes' `expf`, within 2 ulp) rather than libm's, which does
-//! not vectorise: the softmax spends a third of its time in it otherwise.
+//! Each is compiled for AVX-512, AVX2 and the baseline, the widest chosen at
+//! run time (`candle_cpu_math::dispatch!`): the default target (SSE2) gives
+//! a quarter of AVX-512's width. The exponential is a polynomial
+//! (`candle_cpu_math::exp`) rather than libm's, which does not vectorise:
+//! the softmax spent a third of its time in it.
 
-/// Below this, `exp` is zero in f32 (and masked scores are minus infinity).
-const EXP_MIN: f32 = -87.336_55;
-const EXP_MAX: f32 = 88.376_26;
-
-/// `exp(x)` for `x <= EXP_MAX`; zero below `EXP_MIN`, minus infinity included.
-#[inline(always)]
-fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts, so that `x - n ln 2` loses no bits.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
-    const ROUND: f32 = 12_582_912.0;
-    let c = x.clamp(EXP_MIN, EXP_MAX);
-    let shifted = c * LOG2E + ROUND;
-    let n = shifted - ROUND;
-    let r = c - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_2e-4;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 0.166_666_65;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
-    // 2^n: n + 127 in the exponent field.
-    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
-    let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
-    if x < EXP_MIN {
-        0.0
-    } else {
-        y * two_n
-    }
-}
+use candle_cpu_math::{dispatch, exp};
 
 /// Sixteen partial results at a time: float sums and maxima are not
 /// reassociated by the compiler, so lanes are written out.
 const LANES: usize = 16;
 
-macro_rules! dispatch {
-    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block) => {
-        $(#[$doc])*
-        pub(crate) fn $name($($arg: $ty),*) -> $ret {
-            #[inline(always)]
-            fn plain($($arg: $ty),*) -> $ret $body
-
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f")]
-                unsafe fn avx512($($arg: $ty),*) -> $ret {
-                    plain($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) -> $ret {
-                    plain($($arg),*)
-                }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has the features the function is compiled for.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: as above.
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            plain($($arg),*)
-        }
-    };
-}
-
 dispatch! {
     /// The largest element; minus infinity for an empty or fully masked row.
-    fn max(row: &[f32]) -> f32 {
+    pub(crate) fn max(row: &[f32]) -> f32 {
         let mut lanes = [f32::NEG_INFINITY; LANES];
         let mut chunks = row.chunks_exact(LANES);
         for c in &mut chunks {
@@ -105,7 +39,7 @@ pub(crate) fn exp_sub_sum(row: &mut [f32], sub: f32) -> f32 {
 
 dispatch! {
     /// The sum of a row.
-    fn sum(row: &[f32]) -> f32 {
+    pub(crate) fn sum(row: &[f32]) -> f32 {
         let mut lanes = [0f32; LANES];
         let mut chunks = row.chunks_exact(LANES);
         for c in &mut chunks {
@@ -119,7 +53,7 @@ dispatch! {
 
 dispatch! {
     /// `row[j] = exp(row[j] - sub)`.
-    fn exp_sub(row: &mut [f32], sub: f32) -> () {
+    pub(crate) fn exp_sub(row: &mut [f32], sub: f32) -> () {
         for x in row.iter_mut() {
             *x = exp(*x - sub);
         }
@@ -128,7 +62,7 @@ dispatch! {
 
 dispatch! {
     /// `p[j] = p[j] * (dp[j] - delta)`: the softmax's backward.
-    fn softmax_grad(p: &mut [f32], dp: &[f32], delta: f32) -> () {
+    pub(crate) fn softmax_grad(p: &mut [f32], dp: &[f32], delta: f32) -> () {
         for (p, &g) in p.iter_mut().zip(dp) {
             *p *= g - delta;
         }
@@ -137,7 +71,7 @@ dispatch! {
 
 dispatch! {
     /// The dot product of two rows.
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
+    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         let mut lanes = [0f32; LANES];
         let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
         for (x, y) in (&mut ca).zip(&mut cb) {
@@ -152,7 +86,7 @@ dispatch! {
 
 dispatch! {
     /// `row[j] *= factor`.
-    fn scale(row: &mut [f32], factor: f32) -> () {
+    pub(crate) fn scale(row: &mut [f32], factor: f32) -> () {
         for x in row.iter_mut() {
             *x *= factor;
         }
@@ -162,25 +96,6 @@ dispatch! {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_is_within_two_ulp_of_libm() {
-        let mut worst = 0u32;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let (got, want) = (exp(x), x.exp());
-            worst = worst.max(got.to_bits().abs_diff(want.to_bits()));
-            x += 0.001_7;
-        }
-        assert!(worst <= 2, "{worst} ulp");
-    }
-
-    #[test]
-    fn exp_of_minus_infinity_and_far_below_is_zero() {
-        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp(-100.0), 0.0);
-        assert_eq!(exp(0.0), 1.0);
-    }
 
     #[test]
     fn row_operations_equal_the_plain_loops() {
