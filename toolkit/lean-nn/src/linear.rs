@@ -93,14 +93,19 @@ impl LeanLinear {
         // On detached tensors: the forward builds no graph of its own.
         let x2 = x.detach().reshape(((), in_f))?;
         let z = x2.matmul(&self.weight.detach().t()?)?;
-        let z = match &self.bias {
-            Some(b) => add_bias(z, &b.detach())?,
-            None => z,
-        };
-        let (out, kept) = match act {
-            Activation::Identity => (z, None),
-            Activation::Relu => (z.relu()?, None),
-            Activation::Gelu => (z.gelu()?, Some(z)),
+        let bias = self.bias.as_ref().map(Tensor::detach);
+        let (out, kept) = if crate::cpu::applies(&z) {
+            crate::cpu::bias_act(z, bias.as_ref(), act)?
+        } else {
+            let z = match &bias {
+                Some(b) => add_bias(z, b)?,
+                None => z,
+            };
+            match act {
+                Activation::Identity => (z, None),
+                Activation::Relu => (z.relu()?, None),
+                Activation::Gelu => (z.gelu()?, Some(z)),
+            }
         };
         let out = out.reshape(dims)?;
         let backward = Linear { act, z: kept };
@@ -135,19 +140,26 @@ impl Linear {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (out_f, in_f) = w.dims2()?;
         let g = grad.reshape(((), out_f))?;
-        let g = match (self.act, &self.z) {
-            (Activation::Identity, _) => g,
-            (Activation::Relu, _) => {
-                let alive = out.reshape(((), out_f))?.gt(0.0)?.to_dtype(g.dtype())?;
-                (g * alive)?
-            }
-            (Activation::Gelu, Some(z)) => (g * gelu_grad(z)?)?,
+        let saved = match (self.act, &self.z) {
+            (Activation::Identity, _) => g.clone(),
+            (Activation::Relu, _) => out.reshape(((), out_f))?,
+            (Activation::Gelu, Some(z)) => z.clone(),
             (Activation::Gelu, None) => bail!("internal: GELU's input was not kept"),
+        };
+        let (g, db) = if crate::cpu::applies(&saved) && g.dtype() == DType::F32 {
+            crate::cpu::act_backward(&g, &saved, self.act)?
+        } else {
+            let g = match self.act {
+                Activation::Identity => g,
+                Activation::Relu => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
+                Activation::Gelu => (g * gelu_grad(&saved)?)?,
+            };
+            let db = g.sum(0)?;
+            (g, db)
         };
         let x2 = x.reshape(((), in_f))?;
         let dx = g.matmul(w)?.reshape(x.shape())?;
         let dw = g.t()?.matmul(&x2)?;
-        let db = g.sum(0)?;
         Ok((dx, dw, db))
     }
 }
@@ -161,7 +173,7 @@ fn gelu_grad(z: &Tensor) -> Result<Tensor> {
     } else {
         z.to_dtype(DType::F32)?
     };
-    let cube = z.powf(3.0)?;
+    let cube = (z.sqr()? * &z)?;
     let tanh = ((&cube * 0.0356774)? + (&z * 0.797885)?)?.tanh()?;
     let d = (((&tanh * 0.5)?
         + (((cube * 0.0535161)? + (&z * 0.398942)?)? * (1.0 - tanh.sqr()?)?)?)?
