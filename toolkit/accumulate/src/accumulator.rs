@@ -109,6 +109,42 @@ impl GradAccumulator {
         Ok(())
     }
 
+    /// Adds gradients handed over one at a time, already weighted by
+    /// `rows / batch_rows`: `f` gets a sink that adds each `(variable,
+    /// gradient)` to the sum as it comes. With a backward that hands its
+    /// gradients over layer by layer (`candle_checkpoint::lean_backward_with`)
+    /// a micro-batch's whole set of gradients never exists beside the sum,
+    /// as PyTorch adds into `.grad`. Gradients of other tensors are left
+    /// out. If `f` fails, part of the micro-batch may have been added:
+    /// [`reset`](Self::reset) before going on.
+    pub fn add_weighted_with<R>(
+        &mut self,
+        rows: usize,
+        f: impl FnOnce(&mut dyn FnMut(&Var, Tensor) -> Result<()>) -> Result<R>,
+    ) -> Result<R> {
+        self.check_rows(rows)?;
+        let _sum = candle_observe::scope(&*self.observer, Kind::Gradients, Place::Device);
+        let (vars, sum) = (&self.vars, &mut self.sum);
+        let mut add = |var: &Var, g: Tensor| -> Result<()> {
+            if !vars
+                .iter()
+                .any(|v| v.as_tensor().id() == var.as_tensor().id())
+            {
+                return Ok(());
+            }
+            let total = match sum.remove(var.as_tensor()) {
+                Some(s) => (s + g)?,
+                None => g.detach(),
+            };
+            sum.insert(var.as_tensor(), total);
+            Ok(())
+        };
+        let out = f(&mut add)?;
+        self.rows += rows;
+        self.micro_batches += 1;
+        Ok(out)
+    }
+
     fn check_rows(&self, rows: usize) -> Result<()> {
         if rows == 0 {
             bail!("a micro-batch of 0 rows has no mean loss to back-propagate");

@@ -17,11 +17,12 @@ struct Step {
 }
 
 /// Back-propagates `root` (a scalar) through its graph, whose leaf `input`
-/// is a plain tensor. `None` when the gradient candle gives `input` may be
-/// incomplete: something in the graph was computed from a plain tensor
-/// without a variable (so candle kept no graph for it) and still received a
-/// gradient, and that something may have been computed from `input`.
-fn pull_back_plain(root: Tensor, input: &Tensor, vars: &[Var]) -> Result<Option<Step>> {
+/// is a plain tensor: the variables' gradients, always complete, and the
+/// input's, which candle makes through operations that use a variable. That
+/// one may be incomplete when something else in the graph without a graph
+/// of its own also received a gradient (it may have been computed from
+/// `input` without a variable): then `complete` is false.
+fn pull_back_plain(root: Tensor, input: &Tensor, vars: &[Var]) -> Result<(Step, bool)> {
     let mut store = root.backward()?;
     drop(root);
     let expected: HashSet<TensorId> = vars
@@ -29,38 +30,43 @@ fn pull_back_plain(root: Tensor, input: &Tensor, vars: &[Var]) -> Result<Option<
         .map(|v| v.as_tensor().id())
         .chain([input.id()])
         .collect();
-    if store.get_ids().any(|id| !expected.contains(id)) {
-        return Ok(None);
-    }
+    let complete = store.get_ids().all(|id| expected.contains(id));
     let input_grad = store.remove(input).map(|g| g.detach());
     let mut params = GradStore::default();
     accumulate(&mut params, &store, vars)?;
-    Ok(Some(Step {
-        input: input_grad,
-        params,
-    }))
+    Ok((
+        Step {
+            input: input_grad,
+            params,
+        },
+        complete,
+    ))
 }
 
-/// One layer's (or the last layer's and the head's) backward: without
-/// recomputing when candle's gradient of the input is complete, else again
-/// from the saved input made a variable, which is exact whatever the layer
-/// does.
+/// One layer's (or the last layer's and the head's) backward, without
+/// recomputing. When candle's gradient of the input may be incomplete and
+/// it is wanted, the layer runs again from the input made a variable, for
+/// the input's gradient only (the parameters' come from the first pass).
+#[allow(clippy::too_many_arguments)]
 fn layer_backward(
     root: Tensor,
     input: &Tensor,
     seed: Seed<'_>,
     rerun: impl FnOnce(&Tensor) -> Result<Tensor>,
     vars: &[Var],
+    want_input: bool,
     observer: &dyn Observer,
 ) -> Result<Step> {
-    if let Some(step) = pull_back_plain(root, input, vars)? {
+    let (mut step, complete) = pull_back_plain(root, input, vars)?;
+    if complete {
         return Ok(step);
     }
-    let vjp = recompute(|a| rerun(&a[0]), &[Arg::Grad(input)], seed, vars, observer)?;
-    Ok(Step {
-        input: vjp.inputs.into_iter().next().flatten(),
-        params: vjp.params,
-    })
+    step.input = None;
+    if want_input && input.dtype().is_float() {
+        let vjp = recompute(|a| rerun(&a[0]), &[Arg::Grad(input)], seed, &[], observer)?;
+        step.input = vjp.inputs.into_iter().next().flatten();
+    }
+    Ok(step)
 }
 
 /// Back-propagates through `layers` and `head` as `head(layers(input))
@@ -75,16 +81,23 @@ fn layer_backward(
 /// backward pulls the gradient back through the head and the last layer,
 /// then through each layer from the last, dropping each graph after its
 /// backward. The peak is the forward's activations plus one layer's
-/// backward, as in PyTorch; nothing is recomputed when each layer reaches
-/// its input through operations that use variables (a Linear, a fused lean
-/// layer, a residual around them). A layer that also computes from its input
-/// without a variable (a norm without weights, a scaled copy) is recomputed
-/// once, from its saved input made a variable, so its gradients stay exact.
+/// backward, as in PyTorch.
 ///
-/// `head` maps the last layer's output to the scalar loss. The input's
-/// gradient is `None` when the first layer's input cannot have one (token
-/// ids) or gets none through variables (a plain data batch into a Linear
-/// gets one; ask [`recompute`] for an input that needs it exactly).
+/// The parameters' gradients come from that one pass, always whole. The
+/// gradient a layer's input gets is candle's, made through operations that
+/// use a variable (a Linear, a fused lean layer, a residual around them);
+/// when the layer also gives a gradient to a tensor without a graph (its
+/// input transformed without a variable first, or a plain constant such as
+/// an additive mask or a position table), that gradient could be partial,
+/// and the layer runs once more from its saved input made a variable, for
+/// the input's gradient only. So the gradients are exact whatever the
+/// layers do; only such layers cost a second forward and backward.
+///
+/// `head` maps the last layer's output to the scalar loss. The returned
+/// input gradient is the first layer's input's when candle's is whole
+/// without that second run (a plain data batch into a Linear); `None` when
+/// the input cannot have one (token ids) or would need it: ask
+/// [`recompute`] for it then.
 ///
 /// ```
 /// use candle_checkpoint::lean_backward;
@@ -118,13 +131,50 @@ pub fn lean_backward<M: Module>(
     head: impl Fn(&Tensor) -> Result<Tensor>,
     observer: &dyn Observer,
 ) -> Result<Checkpointed> {
+    let mut grads = GradStore::default();
+    let (loss, input_grad) = lean_backward_with(
+        layers,
+        input,
+        vars,
+        head,
+        |var, g| {
+            let total = match grads.remove(var.as_tensor()) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            grads.insert(var.as_tensor(), total);
+            Ok(())
+        },
+        observer,
+    )?;
+    Ok(Checkpointed {
+        loss,
+        grads,
+        input_grad,
+    })
+}
+
+/// [`lean_backward`] handing each parameter gradient to `on_grad(var,
+/// gradient)` as soon as its layer's backward has made it, and keeping none:
+/// to add it to a running sum (gradient accumulation) or move it away, so
+/// that no more than one layer's gradients exist beside what `on_grad`
+/// keeps. A variable used by several layers is handed over once per layer.
+/// Returns the loss and the input's gradient.
+pub fn lean_backward_with<M: Module>(
+    layers: &[M],
+    input: &Tensor,
+    vars: &[Var],
+    head: impl Fn(&Tensor) -> Result<Tensor>,
+    mut on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+    observer: &dyn Observer,
+) -> Result<(Tensor, Option<Tensor>)> {
     let Some((last, _)) = layers.split_last() else {
         bail!("lean_backward needs at least one layer");
     };
     // Forward: each layer's input (detached) and its output with the
     // layer's graph.
     let mut saved: Vec<(Tensor, Tensor)> = Vec::with_capacity(layers.len());
-    let loss = {
+    let (x_last, loss) = {
         let _acts = scope(observer, Kind::Activations, Place::Device);
         let mut x = input.detach();
         for layer in layers {
@@ -137,7 +187,6 @@ pub fn lean_backward<M: Module>(
         drop(x);
         (x_last, head(&out_last)?)
     };
-    let (x_last, loss) = loss;
     if loss.elem_count() != 1 {
         bail!(
             "the head must return the scalar loss, got shape {:?}",
@@ -147,33 +196,32 @@ pub fn lean_backward<M: Module>(
     let value = loss.detach();
 
     let _grads = scope(observer, Kind::Gradients, Place::Device);
-    let mut grads = GradStore::default();
+    let mut hand_over = |params: GradStore| -> Result<()> {
+        for var in vars {
+            if let Some(g) = params.get(var.as_tensor()) {
+                on_grad(var, g.clone())?;
+            }
+        }
+        Ok(())
+    };
     let rerun_last = |x: &Tensor| head(&last.forward(x)?);
-    let step = layer_backward(loss, &x_last, Seed::Loss, rerun_last, vars, observer)?;
+    // The first layer's input gradient only when it needs no second run.
+    let many = layers.len() > 1;
+    let step = layer_backward(loss, &x_last, Seed::Loss, rerun_last, vars, many, observer)?;
     drop(x_last);
-    accumulate(&mut grads, &step.params, vars)?;
+    hand_over(step.params)?;
     let mut upstream = step.input;
-    for (layer, (x, out)) in layers.iter().zip(saved).rev() {
+    for (i, (layer, (x, out))) in layers.iter().zip(saved).enumerate().rev() {
         let Some(g) = upstream.take() else {
             bail!("a layer's output got no gradient: the layer after it does not use its input");
         };
         let root = seeded(&out, &g)?;
         drop(out);
-        let step = layer_backward(
-            root,
-            &x,
-            Seed::Grad(&g),
-            |x| layer.forward(x),
-            vars,
-            observer,
-        )?;
+        let rerun = |x: &Tensor| layer.forward(x);
+        let step = layer_backward(root, &x, Seed::Grad(&g), rerun, vars, i > 0, observer)?;
         drop(g);
-        accumulate(&mut grads, &step.params, vars)?;
+        hand_over(step.params)?;
         upstream = step.input;
     }
-    Ok(Checkpointed {
-        loss: value,
-        grads,
-        input_grad: upstream,
-    })
+    Ok((value, upstream))
 }

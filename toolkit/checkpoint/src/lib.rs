@@ -40,7 +40,7 @@ mod sequential;
 mod vjp;
 
 pub use grads::{accumulate, ensure_grads, missing_grads, named_vars};
-pub use lean::lean_backward;
+pub use lean::{lean_backward, lean_backward_with};
 pub use policy::{Policy, Tape, TapeModule};
 pub use sequential::{
     checkpoint_sequential, checkpoint_sequential_with, layerwise_backward, segment_bounds,
