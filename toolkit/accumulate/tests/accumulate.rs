@@ -95,3 +95,63 @@ fn owning_variant_steps_resets_and_reports_pending() -> Result<()> {
     assert_eq!(acc.optimizer().learning_rate(), 1.0);
     Ok(())
 }
+
+/// Gradients handed over one at a time sum as whole stores do; another
+/// tensor's gradient is left out; rows are checked before anything runs.
+#[test]
+fn gradients_handed_over_one_at_a_time() -> Result<()> {
+    let dev = Device::Cpu;
+    let (w, v) = (Var::new(&[0.5f32, -1.0], &dev)?, Var::new(&[2f32], &dev)?);
+    let other = Var::new(&[7f32], &dev)?;
+    let rows = Tensor::new(&[[1f32, 2.0], [3.0, 4.0], [10.0, -1.0]], &dev)?;
+    let loss_of = |part: &Tensor| -> Result<Tensor> {
+        part.broadcast_mul(w.as_tensor())?
+            .sum(1)?
+            .broadcast_mul(v.as_tensor())?
+            .sqr()?
+            .mean_all()
+    };
+    let mut whole = GradAccumulator::new(vec![w.clone(), v.clone()], 3);
+    let mut each = GradAccumulator::new(vec![w.clone(), v.clone()], 3);
+    for part in micro_batches(&rows, 2)? {
+        let n = part.dim(0)?;
+        whole.backward(&loss_of(&part)?, n)?;
+        let grads = (loss_of(&part)? * (n as f64 / 3.0))?.backward()?;
+        let handed = each.add_weighted_with(n, |add| {
+            let mut count = 0;
+            for var in [&w, &v, &other] {
+                let g = match grads.get(var.as_tensor()) {
+                    Some(g) => g.clone(),
+                    None => var.ones_like()?, // not the model's: left out
+                };
+                add(var, g)?;
+                count += 1;
+            }
+            Ok(count)
+        })?;
+        assert_eq!(handed, 3);
+    }
+    for var in [&w, &v] {
+        let (a, b) = (
+            whole.grads()?.get(var.as_tensor()),
+            each.grads()?.get(var.as_tensor()),
+        );
+        assert_eq!(a.unwrap().to_vec1::<f32>()?, b.unwrap().to_vec1::<f32>()?);
+    }
+    assert!(each.grads()?.get(other.as_tensor()).is_none());
+    assert_eq!(each.micro_batches(), 2);
+    let mut ran = false;
+    let e = err(each.add_weighted_with(1, |_| {
+        ran = true;
+        Ok(())
+    }));
+    assert!(
+        e.starts_with("3 + 1 rows is more than the batch's 3 rows"),
+        "{e}"
+    );
+    assert!(
+        !ran,
+        "the rows are checked before the gradients are asked for"
+    );
+    Ok(())
+}
