@@ -170,21 +170,22 @@ def checkpointing(chapter, check, device, out):
     p = params(chapter, "checkpointing", check)
     w, depth, batch = p["stack_width"], p["stack_depth"], p["stack_batch"]
     blocks = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.GELU()) for _ in range(depth)]).to(device)
-    x = torch.randn(batch, w, device=device, requires_grad=True)
+    # As the workbook's cell: a data batch (no gradient wanted) and class
+    # labels, the mean cross-entropy as the loss.
+    x = torch.randn(batch, w, device=device)
+    labels = torch.randint(0, w, (batch,), device=device)
 
     def step(segments):
         blocks.zero_grad(set_to_none=True)
-        x.grad = None
         if segments is None:
             y = blocks(x)
         else:
             y = checkpoint_sequential(blocks, segments, x, use_reentrant=False)
-        y.square().mean().backward()
+        F.cross_entropy(y, labels).backward()
 
     def peak(segments):
         step(segments)
         blocks.zero_grad(set_to_none=True)
-        x.grad = None
         with Meter(device) as m:
             step(segments)
         return m.peak

@@ -648,6 +648,7 @@ impl Checkpointing {
         ctx.metric("activation_peak_plain_fused", lean_act as f64);
         ctx.metric("fused_grad_max_abs_diff", lean_diff);
         ctx.metric("peak_plain_lean", driver_peak as f64);
+        ctx.metric("time_plain_lean", driver_time);
         ctx.metric("lean_grad_max_abs_diff", driver_diff);
         ctx.metric("peak_best", best.0 as f64);
         ctx.metric("best_segments", best.1 as f64);

@@ -2,9 +2,9 @@
 //! vectorised: the bias and the activation in one pass over the product,
 //! and in the backward the activation's derivative and the bias's gradient
 //! in one pass over the output's gradient. candle's own element-wise CPU
-//! operations run on one thread, each a pass and a tensor of its own, and
-//! GELU through libm's `tanhf`, which does not vectorise: they took most of
-//! a fused layer's time beside its matrix products.
+//! operations are a pass and a tensor each (its unary ones on one thread),
+//! and GELU goes through libm's `tanhf`, which does not vectorise: they took
+//! most of a fused layer's time beside its matrix products.
 
 use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Storage, Tensor};
 use candle_cpu_math::{dispatch, gelu, gelu_grad};
