@@ -12,7 +12,7 @@
 //! worker threads).
 
 mod matmul;
-mod rows;
+pub(crate) mod rows;
 
 use std::sync::Mutex;
 

@@ -19,6 +19,8 @@
 //! * [`flash_forward`] / [`flash_backward`]: the two halves, for a training
 //!   loop of one's own.
 //! * [`naive_attention`]: the plain computation, the reference.
+//! * [`materialized_attention`]: the plain computation as PyTorch's autograd
+//!   keeps it (the probabilities only), the honest baseline for tiling.
 //!
 //! On the CPU, f32, f16 and bf16 calls run a kernel of their own, built as
 //! PyTorch's CPU flash kernel is: query blocks (forward) and heads
@@ -46,12 +48,14 @@ mod backward;
 mod config;
 mod cpu;
 mod forward;
+mod materialized;
 mod op;
 mod shapes;
 
 pub use backward::flash_backward;
 pub use config::FlashConfig;
 pub use forward::{flash_forward, naive_attention, Forward};
+pub use materialized::materialized_attention;
 pub use op::flash_attention;
 
 /// Bytes of the score matrices a naive attention materialises: `heads`

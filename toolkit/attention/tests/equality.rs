@@ -3,7 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_tiled_attention::{
-    flash_attention, flash_backward, flash_forward, naive_attention, FlashConfig,
+    flash_attention, flash_backward, flash_forward, materialized_attention, naive_attention,
+    FlashConfig,
 };
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -236,6 +237,43 @@ fn one_thread_gives_the_same_results() -> Result<()> {
     let single = pool.install(run)?;
     for (a, b) in single.iter().zip(&run()?) {
         assert_eq!(max_diff(a, b)?, 0.0);
+    }
+    Ok(())
+}
+
+/// The materialized attention (probabilities kept, scores and softmax one
+/// operation) against the plain computation in f64: every dtype, causal or
+/// not, grouped heads, queries and keys of different lengths.
+#[test]
+fn materialized_attention_equals_the_plain_computation() -> Result<()> {
+    let dev = Device::Cpu;
+    for (dtype, tol) in [
+        (DType::F32, 1e-5),
+        (DType::F64, 1e-12),
+        (DType::F16, 1e-2),
+        (DType::BF16, 6e-2),
+    ] {
+        for causal in [false, true] {
+            for (hkv, nq, nk) in [(4, 13, 13), (2, 13, 21), (1, 21, 13)] {
+                let r = |h, n, d| Tensor::randn(0f32, 1.0, (2, h, n, d), &dev)?.to_dtype(dtype);
+                let (q, k, v) = (r(4, nq, 8)?, r(hkv, nk, 8)?, r(hkv, nk, 6)?);
+                let d_out = Tensor::randn(0f32, 1.0, (2, 4, nq, 6), &dev)?.to_dtype(dtype)?;
+                let cfg = FlashConfig::causal(causal);
+                let vars = [&q, &k, &v].map(|t| Var::from_tensor(t).unwrap());
+                let out = materialized_attention(&vars[0], &vars[1], &vars[2], &cfg)?;
+                assert_eq!(out.dtype(), dtype);
+                let grads = (&out * &d_out)?.sum_all()?.backward()?;
+                let want = reference(&q, &k, &v, &d_out, &cfg)?;
+                let what = format!("{dtype:?} causal {causal} kv heads {hkv} {nq}x{nk}");
+                assert!(max_diff(&out, &want[0])? < tol, "{what}: output");
+                for (var, want) in vars.iter().zip(&want[1..]) {
+                    let got = grads.get(var).expect("a gradient");
+                    assert_eq!(got.dims(), var.dims());
+                    let d = max_diff(got, want)?;
+                    assert!(d < 4.0 * tol, "{what}: gradient {d}");
+                }
+            }
+        }
     }
     Ok(())
 }
