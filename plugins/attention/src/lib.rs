@@ -1,15 +1,18 @@
-//! The attention cell: scaled dot-product attention three ways, with a
+//! The attention cell: scaled dot-product attention four ways, down to a
 //! backward that never holds the N x N score matrix.
 //!
 //! The techniques are the toolkit's `candle_tiled_attention`: naive
-//! attention (the whole score matrix, through candle's autograd) as the
-//! reference, and the tiled forward with its recomputing backward. Chunked
+//! attention (the whole score matrix, through candle's composed operations
+//! and autograd) as the reference, materialized attention (the same, kept
+//! as PyTorch's autograd keeps it: the probabilities only), and the tiled
+//! forward with its recomputing backward. Chunked
 //! attention, a block of queries against all keys at once, is the tiled one
 //! with the key block as long as the sequence.
 #![warn(missing_docs)]
 
 use candle_tiled_attention::{
-    flash_backward, flash_forward, naive_attention, score_matrix_bytes, FlashConfig,
+    flash_backward, flash_forward, materialized_attention, naive_attention, score_matrix_bytes,
+    FlashConfig,
 };
 use serde::{Deserialize, Serialize};
 use workbook_models::{max_abs_diff, Rng};
@@ -63,6 +66,7 @@ pub struct AttentionCell;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Method {
     Naive,
+    Materialized,
     Chunked,
     Tiled,
 }
@@ -71,6 +75,7 @@ impl Method {
     fn name(self) -> &'static str {
         match self {
             Method::Naive => "naive",
+            Method::Materialized => "materialized",
             Method::Chunked => "chunked",
             Method::Tiled => "tiled",
         }
@@ -104,14 +109,19 @@ fn forward_backward(
     mut after_forward: impl FnMut(),
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
     match m {
-        Method::Naive => {
+        Method::Naive | Method::Materialized => {
             let (q, k, v) = (
                 Var::from_tensor(&x.q)?,
                 Var::from_tensor(&x.k)?,
                 Var::from_tensor(&x.v)?,
             );
             let cfg = FlashConfig::causal(causal);
-            let out = Category::Activations.scope(|| naive_attention(&q, &k, &v, &cfg))?;
+            let attention = if m == Method::Naive {
+                naive_attention
+            } else {
+                materialized_attention
+            };
+            let out = Category::Activations.scope(|| attention(&q, &k, &v, &cfg))?;
             after_forward();
             let grads = Category::Gradients.scope(|| (&out * &x.d_out)?.sum_all()?.backward())?;
             let get = |t: &Var| {
@@ -150,7 +160,7 @@ impl Plugin for AttentionCell {
     }
 
     fn description(&self) -> &str {
-        "naive, chunked and tiled attention: equal outputs and gradients, peak and time over N"
+        "naive (candle operations), materialized, chunked and tiled attention: equal outputs and gradients, peak and time over N"
     }
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
@@ -200,7 +210,7 @@ impl Plugin for AttentionCell {
         let x = qkv(&mut rng, p.heads, p.check_length, p.head_dim, &device)?;
         for causal in [false, true] {
             let (o, dq, dk, dv) = forward_backward(Method::Naive, &x, causal, &p, || {})?;
-            for m in [Method::Chunked, Method::Tiled] {
+            for m in [Method::Materialized, Method::Chunked, Method::Tiled] {
                 let (o2, dq2, dk2, dv2) = forward_backward(m, &x, causal, &p, || {})?;
                 let tag = format!("{}{}", m.name(), if causal { "_causal" } else { "" });
                 ctx.metric(format!("out_diff_{tag}"), max_abs_diff(&o, &o2)?);
@@ -237,7 +247,12 @@ impl Plugin for AttentionCell {
         drop(x);
 
         // The sweep over sequence length.
-        let methods = [Method::Naive, Method::Chunked, Method::Tiled];
+        let methods = [
+            Method::Naive,
+            Method::Materialized,
+            Method::Chunked,
+            Method::Tiled,
+        ];
         let mut table = Table::new(
             format!(
                 "Forward + backward, {} heads x {} dims, blocks {} x {}",
@@ -246,19 +261,22 @@ impl Plugin for AttentionCell {
             &[
                 ("N", Unit::Count),
                 ("naive peak", Unit::Bytes),
+                ("materialized peak", Unit::Bytes),
                 ("chunked peak", Unit::Bytes),
                 ("tiled peak", Unit::Bytes),
                 ("naive wall", Unit::Seconds),
                 ("naive CPU", Unit::Seconds),
+                ("materialized wall", Unit::Seconds),
+                ("materialized CPU", Unit::Seconds),
                 ("chunked wall", Unit::Seconds),
                 ("chunked CPU", Unit::Seconds),
                 ("tiled wall", Unit::Seconds),
                 ("tiled CPU", Unit::Seconds),
             ],
         );
-        let mut peaks: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 3];
-        let mut times: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 3];
-        let mut cpu_times: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 3];
+        let mut peaks: Vec<Vec<(f64, f64)>> = vec![Vec::new(); methods.len()];
+        let mut times: Vec<Vec<(f64, f64)>> = vec![Vec::new(); methods.len()];
+        let mut cpu_times: Vec<Vec<(f64, f64)>> = vec![Vec::new(); methods.len()];
         for &n in &p.lengths {
             let x = qkv(&mut rng, p.heads, n, p.head_dim, &device)?;
             let mut row: Vec<workbook_sdk::serde_json::Value> = vec![n.into()];
@@ -316,24 +334,49 @@ impl Plugin for AttentionCell {
             ctx.metric(format!("time_{}", m.name()), last(&times[i]));
             ctx.metric(format!("growth_{}", m.name()), exponent(&peaks[i]));
         }
-        ctx.metric("peak_ratio_naive_tiled", last(&peaks[0]) / last(&peaks[2]));
+        let (naive, materialized, chunked, tiled) = (0, 1, 2, 3);
+        ctx.metric(
+            "peak_ratio_naive_tiled",
+            last(&peaks[naive]) / last(&peaks[tiled]),
+        );
+        ctx.metric(
+            "peak_ratio_materialized_tiled",
+            last(&peaks[materialized]) / last(&peaks[tiled]),
+        );
+        ctx.metric(
+            "peak_ratio_naive_materialized",
+            last(&peaks[naive]) / last(&peaks[materialized]),
+        );
         // Naive's peak in units of one f32 score matrix for all heads.
         let matrix = (p.heads as f64) * n1 * n1 * 4.0;
-        ctx.metric("naive_peak_in_score_matrices", last(&peaks[0]) / matrix);
-        ctx.metric("time_ratio_tiled_naive", last(&times[2]) / last(&times[0]));
+        ctx.metric("naive_peak_in_score_matrices", last(&peaks[naive]) / matrix);
+        ctx.metric(
+            "materialized_peak_in_score_matrices",
+            last(&peaks[materialized]) / matrix,
+        );
+        ctx.metric(
+            "time_ratio_tiled_naive",
+            last(&times[tiled]) / last(&times[naive]),
+        );
+        ctx.metric(
+            "time_ratio_tiled_materialized",
+            last(&times[tiled]) / last(&times[materialized]),
+        );
         ctx.metric(
             "cpu_time_ratio_tiled_naive",
-            last(&cpu_times[2]) / last(&cpu_times[0]),
+            last(&cpu_times[tiled]) / last(&cpu_times[naive]),
         );
         ctx.metric("largest_n", n1);
         ctx.print(format!(
-            "at N = {n1}: naive {:.1} MiB, chunked {:.1} MiB, tiled {:.1} MiB ({:.0}x less than naive); tiled takes {:.2}x naive's wall time, {:.2}x its CPU time",
-            last(&peaks[0]) / 1_048_576.0,
-            last(&peaks[1]) / 1_048_576.0,
-            last(&peaks[2]) / 1_048_576.0,
-            last(&peaks[0]) / last(&peaks[2]),
-            last(&times[2]) / last(&times[0]),
-            last(&cpu_times[2]) / last(&cpu_times[0]),
+            "at N = {n1}: naive {:.1} MiB, materialized {:.1} MiB, chunked {:.1} MiB, tiled {:.1} MiB ({:.0}x less than materialized, {:.0}x less than naive); tiled takes {:.2}x materialized's wall time, {:.2}x naive's",
+            last(&peaks[naive]) / 1_048_576.0,
+            last(&peaks[materialized]) / 1_048_576.0,
+            last(&peaks[chunked]) / 1_048_576.0,
+            last(&peaks[tiled]) / 1_048_576.0,
+            last(&peaks[materialized]) / last(&peaks[tiled]),
+            last(&peaks[naive]) / last(&peaks[tiled]),
+            last(&times[tiled]) / last(&times[materialized]),
+            last(&times[tiled]) / last(&times[naive]),
         ));
         let gb = score_matrix_bytes(32, 4096, DType::F16) as f64 / 1e9;
         ctx.print(format!(
