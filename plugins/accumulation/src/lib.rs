@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use workbook_models::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Module, Tensor, Var};
+use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Series, Unit};
@@ -102,6 +102,22 @@ fn accumulate(
         region.mark("after backward");
     }
     Ok(acc)
+}
+
+/// A batch of `rows` inputs of `width` features and class labels, as the
+/// cell's inputs.
+fn batch_of(
+    rng: &mut Rng,
+    rows: usize,
+    width: usize,
+    device: &workbook_sdk::candle::Device,
+) -> Result<(Tensor, Tensor)> {
+    Category::Inputs.scope(|| {
+        Ok((
+            rng.randn((rows, width), device)?,
+            rng.labels(rows, width as u32, device)?,
+        ))
+    })
 }
 
 /// [`accumulate`] on the lean path: the toolkit's fused layers, its
@@ -184,12 +200,7 @@ impl Accumulation {
         accum_large: u64,
     ) -> anyhow::Result<()> {
         let device = ctx.device().clone();
-        let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-            Ok((
-                rng.randn((p.large_batch, p.sweep_width), &device)?,
-                rng.labels(p.large_batch, p.sweep_width as u32, &device)?,
-            ))
-        })?;
+        let (x, y) = batch_of(rng, p.large_batch, p.sweep_width, &device)?;
         let mut table = Table::new(
             format!(
                 "The same steps on the lean path (fused layers, one-operation cross-entropy, lean backward), batch {}",
@@ -238,12 +249,7 @@ impl Accumulation {
         rng: &mut Rng,
     ) -> anyhow::Result<()> {
         let device = ctx.device().clone();
-        let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-            Ok((
-                rng.randn((p.small_batch, p.sweep_width), &device)?,
-                rng.labels(p.small_batch, p.sweep_width as u32, &device)?,
-            ))
-        })?;
+        let (x, y) = batch_of(rng, p.small_batch, p.sweep_width, &device)?;
         let params = ParamsAdamW {
             lr: p.lr,
             ..Default::default()
@@ -470,12 +476,7 @@ impl Plugin for Accumulation {
         let mut measure =
             |ctx: &mut Context, batch: usize, steps: usize, record: bool| -> anyhow::Result<u64> {
                 ctx.progress(&format!("batch {batch} in {steps} micro-batch(es)"));
-                let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-                    Ok((
-                        rng.randn((batch, p.sweep_width), &device)?,
-                        rng.labels(batch, p.sweep_width as u32, &device)?,
-                    ))
-                })?;
+                let (x, y) = batch_of(&mut rng, batch, p.sweep_width, &device)?;
                 let mut region = ctx.region(format!("batch {batch}, {steps} micro-batch(es)"));
                 let mut acc = accumulate(&sweep, &x, &y, steps, &mut region)?;
                 let peak = if record {

@@ -14,33 +14,11 @@
 //! when causal). The reference rate is candle's own f32 product of two
 //! 2048 x 2048 matrices on all threads.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering::Relaxed};
 use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor};
 use candle_tiled_attention::{flash_backward, flash_forward, FlashConfig};
-
-/// Bytes allocated now and at most since the last reset.
-struct Counting;
-static NOW: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let now = NOW.fetch_add(layout.size() as isize, Relaxed) + layout.size() as isize;
-            PEAK.fetch_max(now, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        NOW.fetch_sub(layout.size() as isize, Relaxed);
-        System.dealloc(p, layout);
-    }
-}
+use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
@@ -130,12 +108,11 @@ fn main() -> Result<()> {
     let mut times = Vec::new();
     let mut peak = 0;
     for _ in 0..args.repeats {
-        let start = NOW.load(Relaxed);
-        PEAK.store(start, Relaxed);
         let t = Instant::now();
-        step()?;
+        let (r, usage) = measure(step);
         times.push(t.elapsed().as_secs_f64());
-        peak = peak.max(PEAK.load(Relaxed) - start);
+        r?;
+        peak = peak.max(usage.peak);
     }
     let t = median(times);
     let flops = 14.0 * (args.n as f64).powi(2) * (args.dim * args.heads) as f64

@@ -3,7 +3,7 @@
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 
 use crate::config::FlashConfig;
-use crate::shapes::{accumulation, fold, Dims};
+use crate::shapes::{accumulation, fold, repeat_kv, Dims};
 
 /// What [`flash_forward`] returns: all its backward needs besides the inputs.
 #[derive(Debug, Clone)]
@@ -21,7 +21,7 @@ pub(crate) fn scale_of(cfg: &FlashConfig, d: usize) -> f64 {
 
 /// A `(rows, cols)` mask in `dtype`: 0 where key `ks + j` may be seen from
 /// query `qs + i`, minus infinity elsewhere.
-fn causal_mask(
+pub(crate) fn causal_mask(
     qs: usize,
     rows: usize,
     ks: usize,
@@ -153,17 +153,7 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
 pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> Result<Tensor> {
     let dims = Dims::of(q, k, v)?;
     let s = scale_of(cfg, dims.d);
-    let g = dims.group();
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        if g == 1 {
-            return Ok(t.clone());
-        }
-        let (b, h, n, d) = t.dims4()?;
-        t.unsqueeze(2)?
-            .broadcast_as((b, h, g, n, d))?
-            .reshape((b, h * g, n, d))
-    };
-    let (k, v) = (repeat(k)?, repeat(v)?);
+    let (k, v) = (repeat_kv(k, dims.group())?, repeat_kv(v, dims.group())?);
     let scores = (q.contiguous()?.matmul(&k.transpose(2, 3)?.contiguous()?)? * s)?;
     let scores = if cfg.causal {
         let mask = causal_mask(0, dims.nq, 0, dims.nk, q.dtype(), q.device())?;

@@ -8,8 +8,8 @@ use rayon::prelude::*;
 
 use crate::config::FlashConfig;
 use crate::cpu::rows;
-use crate::forward::scale_of;
-use crate::shapes::Dims;
+use crate::forward::{causal_mask, scale_of};
+use crate::shapes::{repeat_kv, Dims};
 
 /// `softmax(scores * scale)` row by row in place, keys after the query
 /// masked out when causal (top-left aligned).
@@ -70,10 +70,7 @@ fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) -> Result<Ten
     }
     let scores = (scores * scale)?;
     let scores = if causal {
-        let mask: Vec<f32> = (0..nq)
-            .flat_map(|i| (0..nk).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (nq, nk), scores.device())?.to_dtype(scores.dtype())?;
+        let mask = causal_mask(0, nq, 0, nk, scores.dtype(), scores.device())?;
         scores.broadcast_add(&mask)?
     } else {
         scores
@@ -171,17 +168,7 @@ pub fn materialized_attention(
     cfg.validate()?;
     let dims = Dims::of(q, k, v)?;
     let scale = scale_of(cfg, dims.d);
-    let g = dims.group();
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        if g == 1 {
-            return Ok(t.clone());
-        }
-        let (b, h, n, d) = t.dims4()?;
-        t.unsqueeze(2)?
-            .broadcast_as((b, h, g, n, d))?
-            .reshape((b, h * g, n, d))
-    };
-    let (k, v) = (repeat(k)?, repeat(v)?);
+    let (k, v) = (repeat_kv(k, dims.group())?, repeat_kv(v, dims.group())?);
     let p = probabilities(&q.detach(), &k.detach(), scale, cfg.causal)?;
     let p = with_backward2(p, q, &k, Probabilities { scale })?;
     p.matmul(&v.contiguous()?)

@@ -107,3 +107,15 @@ pub(crate) fn unfold_kv(t: &Tensor, dims: &Dims, dtype: DType) -> Result<Tensor>
     let t = t.reshape((dims.batch, dims.kv_heads, dims.group(), n, d))?;
     t.sum(2)?.to_dtype(dtype)
 }
+
+/// Key/value heads repeated for their query group, `(batch, heads * group,
+/// n, d)`: a graph of candle's operations, so that gradients sum back.
+pub(crate) fn repeat_kv(t: &Tensor, group: usize) -> Result<Tensor> {
+    if group == 1 {
+        return Ok(t.clone());
+    }
+    let (b, h, n, d) = t.dims4()?;
+    t.unsqueeze(2)?
+        .broadcast_as((b, h, group, n, d))?
+        .reshape((b, h * group, n, d))
+}

@@ -1,31 +1,9 @@
 //! What the materialized attention keeps, counted by the allocator: one
 //! test in its own binary, so no other test's allocations are counted.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering::Relaxed};
-
 use candle_core::{Device, Result, Tensor, Var};
 use candle_tiled_attention::{materialized_attention, naive_attention, FlashConfig};
-
-struct Counting;
-static NOW: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let now = NOW.fetch_add(layout.size() as isize, Relaxed) + layout.size() as isize;
-            PEAK.fetch_max(now, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        NOW.fetch_sub(layout.size() as isize, Relaxed);
-        System.dealloc(p, layout);
-    }
-}
+use candle_toolkit_alloc_count::{live, Counting};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
@@ -36,13 +14,14 @@ fn measure(
     attention: fn(&Tensor, &Tensor, &Tensor, &FlashConfig) -> Result<Tensor>,
     x: &[Var; 4],
 ) -> Result<(isize, isize)> {
-    let start = NOW.load(Relaxed);
-    PEAK.store(start, Relaxed);
-    let out = attention(&x[0], &x[1], &x[2], &FlashConfig::causal(false))?;
-    let held = NOW.load(Relaxed) - start;
-    let grads = (out * x[3].as_tensor())?.sum_all()?.backward()?;
-    drop(grads);
-    Ok((held, PEAK.load(Relaxed) - start))
+    let (held, usage) = candle_toolkit_alloc_count::measure(|| -> Result<isize> {
+        let start = live();
+        let out = attention(&x[0], &x[1], &x[2], &FlashConfig::causal(false))?;
+        let held = live() - start;
+        drop((out * x[3].as_tensor())?.sum_all()?.backward()?);
+        Ok(held)
+    });
+    Ok((held?, usage.peak))
 }
 
 /// The materialized attention's graph holds the probabilities and the

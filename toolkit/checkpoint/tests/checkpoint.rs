@@ -9,24 +9,8 @@ use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_observe::{Kind, NoObserver, Observer, Place, Token};
 
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f64>()
-}
-
-fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
-    let mut w = 0f64;
-    for v in vars {
-        w = w.max(max_diff(
-            a.get(v.as_tensor()).unwrap(),
-            b.get(v.as_tensor()).unwrap(),
-        )?);
-    }
-    Ok(w)
-}
+mod common;
+use common::{max_diff, worst};
 
 fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
     r.expect_err("must fail").to_string()

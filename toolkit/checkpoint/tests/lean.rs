@@ -2,27 +2,12 @@
 //! only where candle's gradient of a layer's input could be incomplete.
 
 use candle_checkpoint::lean_backward;
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_observe::{Kind, Observer, Place, Token};
 
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f64>()
-}
-
-fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
-    let mut w = 0f64;
-    for v in vars {
-        let (x, y) = (a.get(v.as_tensor()), b.get(v.as_tensor()));
-        w = w.max(max_diff(x.expect("a gradient"), y.expect("a gradient"))?);
-    }
-    Ok(w)
-}
+mod common;
+use common::{max_diff, worst};
 
 /// How many times activations were computed: the forward once, plus one
 /// for each layer recomputed.

@@ -2,44 +2,14 @@
 //! allocator: one test in its own binary, so no other test's allocations
 //! are counted.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering::Relaxed};
-
 use candle_checkpoint::lean_backward;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_observe::NoObserver;
-
-struct Counting;
-static NOW: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let now = NOW.fetch_add(layout.size() as isize, Relaxed) + layout.size() as isize;
-            PEAK.fetch_max(now, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        NOW.fetch_sub(layout.size() as isize, Relaxed);
-        System.dealloc(p, layout);
-    }
-}
+use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
-
-/// The most bytes allocated at once while `f` runs, above its start.
-fn peak<R>(f: impl FnOnce() -> R) -> (R, isize) {
-    let start = NOW.load(Relaxed);
-    PEAK.store(start, Relaxed);
-    let r = f();
-    (r, PEAK.load(Relaxed) - start)
-}
 
 struct LinearRelu(candle_nn::Linear);
 impl Module for LinearRelu {
@@ -65,11 +35,13 @@ fn the_lean_backward_frees_each_layer_as_it_passes() -> Result<()> {
     // Warm-up: candle's first operations allocate lasting buffers of their own.
     head(&layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?)?.backward()?;
 
-    let (plain, plain_peak) = peak(|| -> Result<_> {
+    let (plain, plain_usage) = measure(|| -> Result<_> {
         head(&layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?)?.backward()
     });
+    let plain_peak = plain_usage.peak;
     drop(plain?);
-    let (lean, lean_peak) = peak(|| lean_backward(&layers, &x, &vars, head, &NoObserver));
+    let (lean, lean_usage) = measure(|| lean_backward(&layers, &x, &vars, head, &NoObserver));
+    let lean_peak = lean_usage.peak;
     drop(lean?);
 
     // One activation tensor: batch x width f32. candle-nn's Linear + ReLU

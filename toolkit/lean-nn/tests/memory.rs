@@ -1,26 +1,9 @@
 //! What the graph holds after a forward, candle-nn's against the fused
 //! layer and the one-operation cross-entropy, counted by an allocator.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicI64, Ordering};
-
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear};
-
-struct Counting;
-
-static LIVE: AtomicI64 = AtomicI64::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
@@ -38,11 +21,9 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
 
 /// Bytes alive once `forward` is done, in units of `unit` bytes.
 fn held(forward: impl FnOnce() -> Result<Tensor>, unit: usize) -> Result<f64> {
-    let before = LIVE.load(Ordering::SeqCst);
-    let y = forward()?;
-    let after = LIVE.load(Ordering::SeqCst);
-    drop(y);
-    Ok((after - before) as f64 / unit as f64)
+    let (y, usage) = measure(forward);
+    drop(y?);
+    Ok(usage.held as f64 / unit as f64)
 }
 
 #[test]

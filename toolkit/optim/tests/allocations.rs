@@ -1,29 +1,10 @@
 //! LeanAdamW's step allocates nothing; candle_nn::AdamW's allocates about
 //! ten times the parameters. Measured with a counting allocator.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static BYTES: AtomicU64 = AtomicU64::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
-        }
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
@@ -31,12 +12,9 @@ static ALLOC: Counting = Counting;
 /// Bytes allocated by `f` (one test in this file, so no other thread of the
 /// harness allocates meanwhile).
 fn allocated(f: impl FnOnce() -> Result<()>) -> Result<u64> {
-    BYTES.store(0, Ordering::SeqCst);
-    COUNTING.store(true, Ordering::SeqCst);
-    let r = f();
-    COUNTING.store(false, Ordering::SeqCst);
+    let (r, usage) = measure(f);
     r?;
-    Ok(BYTES.load(Ordering::SeqCst))
+    Ok(usage.allocated)
 }
 
 #[test]
