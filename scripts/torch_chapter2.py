@@ -169,7 +169,8 @@ def accumulation(chapter, check, device, out):
 def checkpointing(chapter, check, device, out):
     p = params(chapter, "checkpointing", check)
     w, depth, batch = p["stack_width"], p["stack_depth"], p["stack_batch"]
-    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.GELU()) for _ in range(depth)]).to(device)
+    # GELU in its tanh approximation, as candle's `gelu`.
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.GELU(approximate="tanh")) for _ in range(depth)]).to(device)
     # As the workbook's cell: a data batch (no gradient wanted) and class
     # labels, the mean cross-entropy as the loss.
     x = torch.randn(batch, w, device=device)
@@ -204,7 +205,7 @@ def precision(chapter, check, device, out):
     f16 and bf16: what it keeps for the backward, and its peak."""
     p = params(chapter, "precision", check)
     w, depth, batch = p["act_width"], p["act_depth"], p["act_batch"]
-    model = stack(w, depth, nn.GELU).to(device)
+    model = stack(w, depth, lambda: nn.GELU(approximate="tanh")).to(device)
     x = torch.randn(batch, w, device=device)
     for name, dtype in [("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)]:
         with Meter(device) as m:

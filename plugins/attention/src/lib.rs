@@ -334,7 +334,13 @@ impl Plugin for AttentionCell {
             ctx.metric(format!("time_{}", m.name()), last(&times[i]));
             ctx.metric(format!("growth_{}", m.name()), exponent(&peaks[i]));
         }
-        let (naive, materialized, chunked, tiled) = (0, 1, 2, 3);
+        let at = |m: Method| methods.iter().position(|&x| x == m).unwrap_or(0);
+        let (naive, materialized, chunked, tiled) = (
+            at(Method::Naive),
+            at(Method::Materialized),
+            at(Method::Chunked),
+            at(Method::Tiled),
+        );
         ctx.metric(
             "peak_ratio_naive_tiled",
             last(&peaks[naive]) / last(&peaks[tiled]),

@@ -167,6 +167,9 @@ pub fn materialized_attention(
 ) -> Result<Tensor> {
     cfg.validate()?;
     let dims = Dims::of(q, k, v)?;
+    if dims.nk == 0 {
+        bail!("there are no keys to attend to (k and v have length 0)");
+    }
     let scale = scale_of(cfg, dims.d);
     let (k, v) = (repeat_kv(k, dims.group())?, repeat_kv(v, dims.group())?);
     let p = probabilities(&q.detach(), &k.detach(), scale, cfg.causal)?;

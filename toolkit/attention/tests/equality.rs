@@ -162,6 +162,7 @@ fn bad_input_is_an_error_that_says_why() -> Result<()> {
         .starts_with("dtypes differ: q F16, k F32, v F32"));
     let (q0, k0, v0) = inputs(1, 2, 2, 0, 8, DType::F32)?;
     assert!(err(flash_forward(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
+    assert!(err(materialized_attention(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
     let _ = q0;
     Ok(())
 }

@@ -18,7 +18,7 @@ const ROWS_PER_TASK: usize = 16;
 /// Whether the kernel does a layer's element-wise work: contiguous f32 on
 /// the CPU.
 pub(crate) fn applies(t: &Tensor) -> bool {
-    t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous()
+    t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() > 0
 }
 
 /// The f32 elements of a contiguous CPU tensor, to `f`.
@@ -119,6 +119,9 @@ pub(crate) fn bias_act(
     act: Activation,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (_, n) = z.dims2()?;
+    if bias.is_none() && act == Activation::Identity {
+        return Ok((z, None));
+    }
     let zeros;
     let bias = match bias {
         Some(b) if b.is_contiguous() => b,

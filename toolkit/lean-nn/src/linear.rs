@@ -12,7 +12,9 @@ pub enum Activation {
     Identity,
     /// `max(x, 0)`; its gradient is read from the output, so where the
     /// pre-activation is exactly 0 it is 0, as PyTorch's (candle's own relu
-    /// passes the gradient there).
+    /// passes the gradient there). A NaN input stays NaN in the f32 CPU
+    /// kernel, as in PyTorch, and becomes 0 through candle's relu elsewhere;
+    /// its gradient is 0 either way.
     Relu,
     /// GELU, tanh approximation (candle's `gelu`); its gradient needs its
     /// input, which the layer keeps.
