@@ -279,6 +279,31 @@ fn activations(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<(
             (peak / base.1).into(),
         ]);
     }
+    // The f32 forward through the toolkit's fused layers: each keeps its
+    // output and GELU's input, as PyTorch's Linear and GELU do.
+    ctx.progress("forward in f32, fused layers");
+    let layers = model.fused_layers()?;
+    let mut region = ctx.region("forward in f32, fused layers");
+    let out = Category::Activations.scope(|| {
+        layers.iter().try_fold(x.clone(), |h, l| {
+            workbook_sdk::candle::Module::forward(l, &h)
+        })
+    })?;
+    region.mark("after forward");
+    let held = region.current_above_baseline().get(Category::Activations) as f64;
+    drop(out);
+    let peak = ctx
+        .end_region(region)
+        .category_peak_above_baseline(Category::Activations) as f64;
+    ctx.metric("act_held_f32_lean", held);
+    ctx.metric("act_peak_f32_lean", peak);
+    table.row(vec![
+        "f32, fused layers".into(),
+        (held as u64).into(),
+        (held / base.0).into(),
+        (peak as u64).into(),
+        (peak / base.1).into(),
+    ]);
     for (_, name) in HALVES {
         let held = ctx.output().metrics[&format!("act_held_{name}")];
         let peak = ctx.output().metrics[&format!("act_peak_{name}")];
