@@ -13,6 +13,29 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
         .to_scalar::<f64>()
 }
 
+/// Normal values of standard deviation `scale`, the same on every run
+/// (candle's CPU generator cannot be seeded): a test that compares with
+/// candle-nn's GELU, whose own gradient is a few 1e-6 off, then holds or
+/// fails the same way each time.
+fn data(shape: &[usize], scale: f32, seed: u64) -> Result<Tensor> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = || {
+        // xorshift64*
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        ((state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    };
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            let (u, v) = (uniform(), uniform());
+            scale * (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
 fn reference(x: &Tensor, l: &candle_nn::Linear, act: Activation) -> Result<Tensor> {
     let y = l.forward(x)?;
     match act {
@@ -24,7 +47,6 @@ fn reference(x: &Tensor, l: &candle_nn::Linear, act: Activation) -> Result<Tenso
 
 #[test]
 fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
-    let dev = Device::Cpu;
     for (dtype, tol) in [
         (DType::F64, 1e-12),
         // GELU's gradient differs more: see the test after this one.
@@ -36,16 +58,14 @@ fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
     ] {
         for act in [Activation::Identity, Activation::Relu, Activation::Gelu] {
             for with_bias in [true, false] {
-                let w =
-                    Var::from_tensor(&Tensor::randn(0f32, 0.3, (5, 7), &dev)?.to_dtype(dtype)?)?;
-                let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, 5, &dev)?.to_dtype(dtype)?)?;
+                let w = Var::from_tensor(&data(&[5, 7], 0.3, 1)?.to_dtype(dtype)?)?;
+                let b = Var::from_tensor(&data(&[5], 0.3, 2)?.to_dtype(dtype)?)?;
                 let bias = with_bias.then(|| b.as_tensor().clone());
                 let linear = candle_nn::Linear::new(w.as_tensor().clone(), bias.clone());
                 let lean = LeanLinear::new(w.as_tensor().clone(), bias)?;
                 // A 3-d input, as a transformer's (batch, seq, features).
-                let x =
-                    Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, 7), &dev)?.to_dtype(dtype)?)?;
-                let weights = Tensor::randn(0f32, 1.0, (2, 3, 5), &dev)?.to_dtype(dtype)?;
+                let x = Var::from_tensor(&data(&[2, 3, 7], 1.0, 3)?.to_dtype(dtype)?)?;
+                let weights = data(&[2, 3, 5], 1.0, 4)?.to_dtype(dtype)?;
                 let a = reference(&x, &linear, act)?;
                 let l = lean.forward_act(&x, act)?;
                 assert_eq!(l.dims(), [2, 3, 5]);
@@ -181,14 +201,13 @@ fn cross_entropy_refuses_bad_input_saying_why() -> Result<()> {
 /// kernel against candle-nn.
 #[test]
 fn many_rows_and_odd_widths_in_f32() -> Result<()> {
-    let dev = Device::Cpu;
     for act in [Activation::Identity, Activation::Relu, Activation::Gelu] {
-        let w = Var::from_tensor(&Tensor::randn(0f32, 0.3, (37, 19), &dev)?)?;
-        let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, 37, &dev)?)?;
+        let w = Var::from_tensor(&data(&[37, 19], 0.3, 5)?)?;
+        let b = Var::from_tensor(&data(&[37], 0.3, 6)?)?;
         let linear = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
         let lean = LeanLinear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))?;
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (101, 19), &dev)?)?;
-        let weights = Tensor::randn(0f32, 1.0, (101, 37), &dev)?;
+        let x = Var::from_tensor(&data(&[101, 19], 1.0, 7)?)?;
+        let weights = data(&[101, 37], 1.0, 8)?;
         let a = reference(&x, &linear, act)?;
         let l = lean.forward_act(&x, act)?;
         assert!(max_diff(&a, &l)? <= 1e-6, "{act:?}: output");
@@ -196,7 +215,15 @@ fn many_rows_and_odd_widths_in_f32() -> Result<()> {
         let gl = (l * &weights)?.sum_all()?.backward()?;
         for v in [&x, &w, &b] {
             let d = max_diff(ga.get(v).unwrap(), gl.get(v).unwrap())?;
-            assert!(d <= 1e-5, "{act:?}: gradient {d}");
+            if std::env::var("SHOW").is_ok() {
+                println!("{act:?} {:?}: {d:.2e}", v.dims());
+            }
+            // ReLU and the identity are the same arithmetic in the same
+            // order. candle's GELU gradient is up to 3e-6 off the exact one
+            // per element (see the next test), summed over 101 rows here:
+            // 8.6e-6 measured on this data.
+            let tol = if act == Activation::Gelu { 2e-5 } else { 0.0 };
+            assert!(d <= tol, "{act:?}: gradient {d}");
         }
     }
     Ok(())
@@ -208,13 +235,12 @@ fn many_rows_and_odd_widths_in_f32() -> Result<()> {
 /// exact derivative in f64, over fifty random layers.
 #[test]
 fn gelu_gradient_is_nearer_the_exact_derivative_than_candles() -> Result<()> {
-    let dev = Device::Cpu;
     let mut worst = (0f64, 0f64);
-    for _ in 0..50 {
-        let w = Tensor::randn(0f32, 0.3, (5, 7), &dev)?;
-        let b = Tensor::randn(0f32, 0.3, 5, &dev)?;
-        let x = Tensor::randn(0f32, 1.0, (6, 7), &dev)?;
-        let weights = Tensor::randn(0f32, 1.0, (6, 5), &dev)?;
+    for i in 0..50 {
+        let w = data(&[5, 7], 0.3, 100 + 4 * i)?;
+        let b = data(&[5], 0.3, 101 + 4 * i)?;
+        let x = data(&[6, 7], 1.0, 102 + 4 * i)?;
+        let weights = data(&[6, 5], 1.0, 103 + 4 * i)?;
         let run = |dtype: DType, lean: bool| -> Result<Tensor> {
             let (w, b, x) = (
                 Var::from_tensor(&w.to_dtype(dtype)?)?,
