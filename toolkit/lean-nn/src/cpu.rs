@@ -6,14 +6,15 @@
 //! and GELU goes through libm's `tanhf`, which does not vectorise: they took
 //! most of a fused layer's time beside its matrix products.
 
-use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Storage, Tensor};
+use candle_core::{bail, DType, Device, Result, Storage, Tensor};
 use candle_cpu_math::{dispatch, gelu, gelu_grad};
 use rayon::prelude::*;
 
+use crate::bias::BiasAct;
 use crate::linear::Activation;
 
 /// Rows per task: enough work to outweigh a task's cost.
-const ROWS_PER_TASK: usize = 16;
+pub(crate) const ROWS_PER_TASK: usize = 16;
 
 /// Whether the kernel does a layer's element-wise work: contiguous f32 on
 /// the CPU.
@@ -36,7 +37,7 @@ fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
 dispatch! {
     /// `row += bias`, then the activation in place (GELU's input is kept
     /// elsewhere, so this is for the identity and ReLU).
-    fn bias_act_row(row: &mut [f32], bias: &[f32], relu: bool) -> () {
+    pub(crate) fn bias_act_row(row: &mut [f32], bias: &[f32], relu: bool) -> () {
         for (v, b) in row.iter_mut().zip(bias) {
             let z = *v + b;
             *v = if relu && z <= 0.0 { 0.0 } else { z };
@@ -75,39 +76,6 @@ dispatch! {
         for (a, &r) in acc.iter_mut().zip(row) {
             *a += r;
         }
-    }
-}
-
-/// The bias and ReLU (or nothing) applied in place to a product.
-struct BiasAct {
-    relu: bool,
-}
-
-impl InplaceOp2 for BiasAct {
-    fn name(&self) -> &'static str {
-        "bias-act"
-    }
-
-    fn cpu_fwd(&self, y: &mut CpuStorage, yl: &Layout, b: &CpuStorage, bl: &Layout) -> Result<()> {
-        let (Some((ys, ye)), Some((bs, be))) = (yl.contiguous_offsets(), bl.contiguous_offsets())
-        else {
-            bail!("bias-act: the output and the bias must be contiguous");
-        };
-        let (CpuStorage::F32(y), CpuStorage::F32(b)) = (y, b) else {
-            bail!("bias-act: f32 only");
-        };
-        let (y, b) = (&mut y[ys..ye], &b[bs..be]);
-        let n = b.len();
-        if n == 0 || y.len() % n != 0 {
-            bail!("bias-act: rows of {} elements, a bias of {n}", y.len());
-        }
-        let relu = self.relu;
-        y.par_chunks_mut(n * ROWS_PER_TASK).for_each(|rows| {
-            for row in rows.chunks_exact_mut(n) {
-                bias_act_row(row, b, relu);
-            }
-        });
-        Ok(())
     }
 }
 
