@@ -129,7 +129,10 @@ fn as_f32(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Runs `f` over the f32 elements of contiguous CPU tensors.
-fn with_slices<R, const N: usize>(ts: [&Tensor; N], f: impl FnOnce([&[f32]; N]) -> R) -> Result<R> {
+pub(crate) fn with_slices<R, const N: usize>(
+    ts: [&Tensor; N],
+    f: impl FnOnce([&[f32]; N]) -> R,
+) -> Result<R> {
     let guards = ts.map(|t| t.storage_and_layout());
     let mut slices: [&[f32]; N] = [&[]; N];
     for (slot, (storage, layout)) in slices.iter_mut().zip(&guards) {

@@ -7,7 +7,7 @@ use candle_custom_grad::{with_backward2, Backward2};
 use rayon::prelude::*;
 
 use crate::config::FlashConfig;
-use crate::cpu::rows;
+use crate::cpu::{rows, with_slices};
 use crate::forward::{causal_mask, scale_of};
 use crate::shapes::{repeat_kv, Dims};
 
@@ -84,29 +84,18 @@ fn scores_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
     if p.device().is_cpu() && p.dtype() == DType::F32 && dp.dtype() == DType::F32 {
         let nk = p.dim(D::Minus1)?;
         let mut ds = vec![0f32; p.elem_count()];
-        let (ps, pl) = p.storage_and_layout();
-        let (gs, gl) = dp.storage_and_layout();
-        let (candle_core::Storage::Cpu(ps), candle_core::Storage::Cpu(gs)) = (&*ps, &*gs) else {
-            bail!("internal: CPU tensors expected");
-        };
-        let (Some((p0, p1)), Some((g0, g1))) = (pl.contiguous_offsets(), gl.contiguous_offsets())
-        else {
-            bail!("internal: contiguous tensors expected");
-        };
-        let (ps, gs) = (
-            &ps.as_slice::<f32>()?[p0..p1],
-            &gs.as_slice::<f32>()?[g0..g1],
-        );
         if nk > 0 {
-            ds.par_chunks_mut(nk)
-                .zip(ps.par_chunks(nk))
-                .zip(gs.par_chunks(nk))
-                .for_each(|((ds, p), g)| {
-                    let delta = rows::dot(g, p);
-                    ds.copy_from_slice(p);
-                    rows::softmax_grad(ds, g, delta);
-                    rows::scale(ds, scale as f32);
-                });
+            with_slices([&p, &dp], |[ps, gs]| {
+                ds.par_chunks_mut(nk)
+                    .zip(ps.par_chunks(nk))
+                    .zip(gs.par_chunks(nk))
+                    .for_each(|((ds, p), g)| {
+                        let delta = rows::dot(g, p);
+                        ds.copy_from_slice(p);
+                        rows::softmax_grad(ds, g, delta);
+                        rows::scale(ds, scale as f32);
+                    });
+            })?;
         }
         return Tensor::from_vec(ds, p.shape(), &Device::Cpu);
     }
