@@ -96,12 +96,7 @@ impl GradAccumulator {
         let _sum = candle_observe::scope(&*self.observer, Kind::Gradients, Place::Device);
         for var in &self.vars {
             if let Some(g) = grads.get(var.as_tensor()) {
-                let total = match self.sum.remove(var.as_tensor()) {
-                    Some(s) => (s + g)?,
-                    // The first gradient becomes the sum: no copy.
-                    None => g.detach(),
-                };
-                self.sum.insert(var.as_tensor(), total);
+                add_to_sum(&mut self.sum, var, g)?;
             }
         }
         self.rows += rows;
@@ -132,12 +127,7 @@ impl GradAccumulator {
             {
                 return Ok(());
             }
-            let total = match sum.remove(var.as_tensor()) {
-                Some(s) => (s + g)?,
-                None => g.detach(),
-            };
-            sum.insert(var.as_tensor(), total);
-            Ok(())
+            add_to_sum(sum, var, &g)
         };
         let out = f(&mut add)?;
         self.rows += rows;
@@ -201,6 +191,17 @@ impl GradAccumulator {
         self.rows = 0;
         self.micro_batches = 0;
     }
+}
+
+/// Adds `g` to `var`'s entry of `sum`; the first gradient becomes the sum,
+/// with no copy.
+fn add_to_sum(sum: &mut GradStore, var: &Var, g: &Tensor) -> Result<()> {
+    let total = match sum.remove(var.as_tensor()) {
+        Some(s) => (s + g)?,
+        None => g.detach(),
+    };
+    sum.insert(var.as_tensor(), total);
+    Ok(())
 }
 
 /// Splits a batch along its first dimension into micro-batches of `size`

@@ -1,20 +1,26 @@
 //! Gradient stores: summing, and checking that none is missing.
 
 use candle_core::backprop::GradStore;
-use candle_core::{bail, Result, Var};
+use candle_core::{bail, Result, Tensor, Var};
 use candle_nn::VarMap;
 
 /// Adds the gradients of `vars` found in `from` to `into` (detached).
 pub fn accumulate(into: &mut GradStore, from: &GradStore, vars: &[Var]) -> Result<()> {
     for var in vars {
         if let Some(g) = from.get(var.as_tensor()) {
-            let total = match into.remove(var.as_tensor()) {
-                Some(prev) => (prev + g)?.detach(),
-                None => g.detach(),
-            };
-            into.insert(var.as_tensor(), total);
+            add_grad(into, var, g.detach())?;
         }
     }
+    Ok(())
+}
+
+/// Adds `g` to `var`'s gradient in `store`, or makes it the gradient.
+pub(crate) fn add_grad(store: &mut GradStore, var: &Var, g: Tensor) -> Result<()> {
+    let total = match store.remove(var.as_tensor()) {
+        Some(prev) => (prev + g)?,
+        None => g,
+    };
+    store.insert(var.as_tensor(), total);
     Ok(())
 }
 

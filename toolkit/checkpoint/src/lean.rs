@@ -6,7 +6,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, Module, Result, Tensor, TensorId, Var};
 use candle_observe::{scope, Kind, Observer, Place};
 
-use crate::grads::accumulate;
+use crate::grads::{accumulate, add_grad};
 use crate::sequential::Checkpointed;
 use crate::vjp::{recompute, seeded, Arg, Seed};
 
@@ -47,7 +47,6 @@ fn pull_back_plain(root: Tensor, input: &Tensor, vars: &[Var]) -> Result<(Step, 
 /// recomputing. When candle's gradient of the input may be incomplete and
 /// it is wanted, the layer runs again from the input made a variable, for
 /// the input's gradient only (the parameters' come from the first pass).
-#[allow(clippy::too_many_arguments)]
 fn layer_backward(
     root: Tensor,
     input: &Tensor,
@@ -137,14 +136,7 @@ pub fn lean_backward<M: Module>(
         input,
         vars,
         head,
-        |var, g| {
-            let total = match grads.remove(var.as_tensor()) {
-                Some(prev) => (prev + g)?,
-                None => g,
-            };
-            grads.insert(var.as_tensor(), total);
-            Ok(())
-        },
+        |var, g| add_grad(&mut grads, var, g),
         observer,
     )?;
     Ok(Checkpointed {
