@@ -184,9 +184,6 @@ fn training_step<O: Optimizer>(
 }
 
 impl Accumulation {
-    /// A whole training step of the sweep's model with candle's AdamW and
-    /// with the in-place LeanAdamW: peaks against the analytic minimum,
-    /// parameters + gradients + two moments + the forward's activations.
     /// The large batch on the lean path, whole and in micro-batches, beside
     /// candle-nn's peaks; and its gradients against candle-nn's, micro-batch
     /// for micro-batch.
@@ -241,6 +238,10 @@ impl Accumulation {
         Ok(())
     }
 
+    /// A whole training step of the sweep's model with candle's AdamW, with
+    /// the in-place LeanAdamW, and with LeanAdamW on the fused layers: peaks
+    /// against the analytic minimum, parameters + gradients + two moments +
+    /// the forward's activations.
     fn lean_step(
         &self,
         ctx: &mut Context,

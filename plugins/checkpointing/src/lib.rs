@@ -113,6 +113,54 @@ impl Default for Params {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Checkpointing;
 
+/// One way of running a forward and backward, measured.
+struct Backprop {
+    /// The first run's peak above the region's start.
+    peak: u64,
+    /// The first run's peak of activations above the region's start.
+    act: u64,
+    /// The median time of the runs.
+    time: f64,
+    /// The first run's gradients.
+    grads: GradStore,
+}
+
+/// `step` run `repeats` times, each in a region named `name`: the first
+/// run's memory and gradients (later runs only time), the median time.
+fn measure_backprop(
+    ctx: &mut Context,
+    name: &str,
+    repeats: usize,
+    mut step: impl FnMut(&mut workbook_sdk::Region) -> anyhow::Result<GradStore>,
+) -> anyhow::Result<Backprop> {
+    let mut first = None;
+    let mut times = Vec::new();
+    for rep in 0..repeats {
+        ctx.progress(&format!("{name}, run {}", rep + 1));
+        let mut region = ctx.region(name);
+        let start = Instant::now();
+        let grads = step(&mut region)?;
+        times.push(start.elapsed().as_secs_f64());
+        if first.is_none() {
+            let r = ctx.end_region(region);
+            first = Some((
+                r.peak_above_baseline(),
+                r.category_peak_above_baseline(Category::Activations),
+                grads,
+            ));
+        }
+    }
+    let Some((peak, act, grads)) = first else {
+        anyhow::bail!("{name}: repeats must be at least 1");
+    };
+    Ok(Backprop {
+        peak,
+        act,
+        time: median(times),
+        grads,
+    })
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let n = xs.len();
@@ -421,81 +469,46 @@ impl Checkpointing {
         let head = |h: &Tensor| cross_entropy(h, &y);
 
         // Plain backprop: the reference for gradients, memory and time.
-        let mut plain_grads = GradStore::default();
-        let mut plain_peak = 0;
-        let mut plain_act = 0;
-        let mut plain_times = Vec::new();
-        for rep in 0..p.repeats {
-            ctx.progress(&format!("plain backprop, run {}", rep + 1));
-            let mut region = ctx.region("plain backprop");
-            let start = Instant::now();
+        let plain = measure_backprop(ctx, "plain backprop", p.repeats, |region| {
             let loss = Category::Activations.scope(|| head(&model.forward(&x)?))?;
             region.mark("after forward");
             let grads = Category::Gradients
                 .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
             drop(loss);
             region.mark("after backward");
-            plain_times.push(start.elapsed().as_secs_f64());
-            if rep == 0 {
-                let r = ctx.end_region(region);
-                plain_peak = r.peak_above_baseline();
-                plain_act = r.category_peak_above_baseline(Category::Activations);
-            }
-            plain_grads = grads;
-        }
-        let plain_time = median(plain_times);
+            Ok(grads)
+        })?;
+        let (plain_peak, plain_act, plain_time) = (plain.peak, plain.act, plain.time);
+        let plain_grads = plain.grads;
 
         // The same plain backprop with the toolkit's fused layers: the
         // framework's own overhead, beside what checkpointing saves.
-        let mut lean_times = Vec::new();
-        let mut lean_peak = 0;
-        let mut lean_act = 0;
-        let mut lean_diff = 0f64;
-        for rep in 0..p.repeats {
-            ctx.progress(&format!("plain backprop, fused layers, run {}", rep + 1));
-            let mut region = ctx.region("plain backprop, fused layers (candle-lean-nn)");
-            let start = Instant::now();
+        let name = "plain backprop, fused layers (candle-lean-nn)";
+        let fused_run = measure_backprop(ctx, name, p.repeats, |region| {
             let loss = Category::Activations.scope(|| head(&model.forward_fused(&x)?))?;
             region.mark("after forward");
             let grads = Category::Gradients
                 .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
             drop(loss);
             region.mark("after backward");
-            lean_times.push(start.elapsed().as_secs_f64());
-            if rep == 0 {
-                lean_diff = grads_max_abs_diff(&plain_grads, &grads, &vars)?;
-                drop(grads);
-                let r = ctx.end_region(region);
-                lean_peak = r.peak_above_baseline();
-                lean_act = r.category_peak_above_baseline(Category::Activations);
-            }
-        }
-        let lean_time = median(lean_times);
+            Ok(grads)
+        })?;
+        let lean_diff = grads_max_abs_diff(&plain_grads, &fused_run.grads, &vars)?;
+        let (lean_peak, lean_act, lean_time) = (fused_run.peak, fused_run.act, fused_run.time);
+        drop(fused_run);
 
         // The fused layers again, under the toolkit's lean backward (each
         // layer's graph dropped once the backward has passed it, as PyTorch
         // frees what it saved) and its one-operation cross-entropy.
         let fused = model.fused_layers()?;
         let lean_head = |h: &Tensor| candle_lean_nn::cross_entropy(h, &y);
-        let mut driver_times = Vec::new();
-        let mut driver_peak = 0;
-        let mut driver_act = 0;
-        let mut driver_diff = 0f64;
-        for rep in 0..p.repeats {
-            ctx.progress(&format!("plain backprop, lean backward, run {}", rep + 1));
-            let mut region = ctx.region("plain backprop, fused layers, lean backward");
-            let start = Instant::now();
-            let out = lean_backward(&fused, &x, &vars, lean_head, &Marks::new(&mut region))?;
-            driver_times.push(start.elapsed().as_secs_f64());
-            if rep == 0 {
-                driver_diff = grads_max_abs_diff(&plain_grads, &out.grads, &vars)?;
-                drop(out);
-                let r = ctx.end_region(region);
-                driver_peak = r.peak_above_baseline();
-                driver_act = r.category_peak_above_baseline(Category::Activations);
-            }
-        }
-        let driver_time = median(driver_times);
+        let name = "plain backprop, fused layers, lean backward";
+        let driver = measure_backprop(ctx, name, p.repeats, |region| {
+            Ok(lean_backward(&fused, &x, &vars, lean_head, &Marks::new(region))?.grads)
+        })?;
+        let driver_diff = grads_max_abs_diff(&plain_grads, &driver.grads, &vars)?;
+        let (driver_peak, driver_act, driver_time) = (driver.peak, driver.act, driver.time);
+        drop(driver);
 
         let mut table = Table::new(
             format!(

@@ -282,13 +282,8 @@ fn activations(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<(
     // The f32 forward through the toolkit's fused layers: each keeps its
     // output and GELU's input, as PyTorch's Linear and GELU do.
     ctx.progress("forward in f32, fused layers");
-    let layers = model.fused_layers()?;
     let mut region = ctx.region("forward in f32, fused layers");
-    let out = Category::Activations.scope(|| {
-        layers.iter().try_fold(x.clone(), |h, l| {
-            workbook_sdk::candle::Module::forward(l, &h)
-        })
-    })?;
+    let out = Category::Activations.scope(|| model.forward_fused(&x))?;
     region.mark("after forward");
     let held = region.current_above_baseline().get(Category::Activations) as f64;
     drop(out);
