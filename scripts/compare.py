@@ -65,6 +65,14 @@ def fmt(name, value):
     return f"{value:,.4g}"
 
 
+def ratio(mine, theirs):
+    """mine / theirs, or n/a where either is missing, NaN or theirs is 0."""
+    numbers = isinstance(mine, (int, float)) and isinstance(theirs, (int, float))
+    if numbers and theirs and not math.isnan(theirs) and not math.isnan(mine):
+        return f"{mine / theirs:.2f}"
+    return "n/a"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="*", help="workbook.json torch.json")
@@ -90,16 +98,12 @@ def main():
         torch_metrics = theirs["metrics"].get(cell["id"], {})
         for name, value in torch_metrics.items():
             mine = cell["metrics"].get(name)
-            ratio = "n/a"
-            if isinstance(mine, (int, float)) and isinstance(value, (int, float)):
-                if value and not math.isnan(value) and not math.isnan(mine):
-                    ratio = f"{mine / value:.2f}"
-            rows.append((cell["id"], name, fmt(name, mine), fmt(name, value), ratio))
+            rows.append((cell["id"], name, fmt(name, mine), fmt(name, value), ratio(mine, value)))
             # The same experiment on the toolkit's lean path, where the cell has one.
             lean_name = LEAN.get((cell["id"], name), f"{name}_lean")
-            lean = cell["metrics"].get(lean_name)
-            if isinstance(lean, (int, float)) and isinstance(value, (int, float)) and value:
-                rows.append((cell["id"], lean_name, fmt(name, lean), fmt(name, value), f"{lean / value:.2f}"))
+            if lean_name in cell["metrics"]:
+                lean = cell["metrics"][lean_name]
+                rows.append((cell["id"], lean_name, fmt(name, lean), fmt(name, value), ratio(lean, value)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for i, r in enumerate(rows):
         print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))

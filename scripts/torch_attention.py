@@ -7,8 +7,8 @@ measured as the toolkit's attention bench measures the tiled attention:
 
 Median wall time of a forward and backward, GFLOP/s counted the same way
 (14 n^2 d heads, half when causal), and the peak of the bytes allocated above
-the start of a step, from the profiler's allocation events (checked first on
-a tensor of known size). Threads: torch.set_num_threads, default all cores.
+the start of a step, from the profiler's allocation events with
+scripts/torch_chapter2.py's meter (checked first on a tensor of known size). Threads: torch.set_num_threads, default all cores.
 """
 
 import argparse
@@ -16,28 +16,16 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+
+from torch_chapter2 import Meter, check_cpu_meter
 
 
 def peak_bytes(fn):
-    """Largest sum of the bytes allocated minus freed while `fn` runs,
-    from the profiler's memory events in the order they happened."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """Bytes allocated at most while `fn` runs, above its start (on the CPU:
+    the profiler's allocation events, as scripts/torch_chapter2.py counts)."""
+    with Meter(torch.device("cpu")) as m:
         fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
-
-
-def check_peak_bytes():
-    """The measure, on a tensor of known size: 1000 x 1000 f32 is 4,000,000 bytes."""
-    got = peak_bytes(lambda: torch.zeros(1000, 1000))
-    if got != 4_000_000:
-        raise SystemExit(f"the profiler's allocation events give {got} bytes for a 4,000,000-byte tensor")
+    return m.peak
 
 
 def main():
@@ -51,7 +39,7 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    check_peak_bytes()
+    check_cpu_meter()
     torch.manual_seed(0)
     shape = (1, args.heads, args.n, args.dim)
     q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
