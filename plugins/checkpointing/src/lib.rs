@@ -468,15 +468,28 @@ impl Checkpointing {
         })?;
         let head = |h: &Tensor| cross_entropy(h, &y);
 
-        // Plain backprop: the reference for gradients, memory and time.
-        let plain = measure_backprop(ctx, "plain backprop", p.repeats, |region| {
-            let loss = Category::Activations.scope(|| head(&model.forward(&x)?))?;
+        // A forward on candle-nn's layers or the fused ones, then candle's
+        // own backward.
+        let candle_backward = |fused: bool, region: &mut workbook_sdk::Region| {
+            let loss = Category::Activations.scope(|| {
+                let h = if fused {
+                    model.forward_fused(&x)?
+                } else {
+                    model.forward(&x)?
+                };
+                head(&h)
+            })?;
             region.mark("after forward");
             let grads = Category::Gradients
                 .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
             drop(loss);
             region.mark("after backward");
             Ok(grads)
+        };
+
+        // Plain backprop: the reference for gradients, memory and time.
+        let plain = measure_backprop(ctx, "plain backprop", p.repeats, |r| {
+            candle_backward(false, r)
         })?;
         let (plain_peak, plain_act, plain_time) = (plain.peak, plain.act, plain.time);
         let plain_grads = plain.grads;
@@ -484,15 +497,7 @@ impl Checkpointing {
         // The same plain backprop with the toolkit's fused layers: the
         // framework's own overhead, beside what checkpointing saves.
         let name = "plain backprop, fused layers (candle-lean-nn)";
-        let fused_run = measure_backprop(ctx, name, p.repeats, |region| {
-            let loss = Category::Activations.scope(|| head(&model.forward_fused(&x)?))?;
-            region.mark("after forward");
-            let grads = Category::Gradients
-                .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
-            drop(loss);
-            region.mark("after backward");
-            Ok(grads)
-        })?;
+        let fused_run = measure_backprop(ctx, name, p.repeats, |r| candle_backward(true, r))?;
         let lean_diff = grads_max_abs_diff(&plain_grads, &fused_run.grads, &vars)?;
         let (lean_peak, lean_act, lean_time) = (fused_run.peak, fused_run.act, fused_run.time);
         drop(fused_run);
