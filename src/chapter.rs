@@ -36,6 +36,7 @@ use toml::Spanned;
 use crate::assertion::Assertion;
 use crate::excerpt::quote;
 use crate::registry::Registry;
+use crate::suggest;
 
 /// The chapter format this version reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -61,10 +62,15 @@ impl fmt::Display for Location {
 #[derive(Debug, thiserror::Error)]
 pub enum ChapterError {
     /// No chapter of that name.
-    #[error("chapter `{name}` not found (looked in {searched}); available chapters: {available}")]
+    #[error(
+        "chapter `{name}` not found (looked in {searched}){suggestion}; available chapters: \
+         {available}"
+    )]
     NotFound {
         /// What was asked for.
         name: String,
+        /// `; did you mean ...?`, or nothing.
+        suggestion: String,
         /// The folders searched, joined.
         searched: String,
         /// The chapters that exist, joined.
@@ -107,37 +113,140 @@ fn several(errors: &[ChapterError]) -> String {
     format!("{} problems:\n{}", errors.len(), lines.join("\n"))
 }
 
-#[derive(Deserialize)]
+/// A chapter file.
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(title = "workbook chapter")]
 struct RawChapter {
+    /// The chapter format's version: 1.
+    #[schemars(with = "u32", range(min = 1, max = 1))]
     format_version: Spanned<u32>,
+    /// The chapter's id (`chapter2`): letters, digits, `_` or `-`, starting
+    /// with a letter. It names the files written for it.
+    #[schemars(with = "String", regex(pattern = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"))]
     id: Spanned<String>,
+    /// The chapter's title.
     title: String,
+    /// Markdown shown before the cells.
     #[serde(default)]
     intro: String,
+    /// The cells, run in order.
     #[serde(default)]
     cells: Vec<RawCell>,
 }
 
 type SpannedTable = IndexMap<Spanned<String>, Spanned<toml::Value>>;
 
-#[derive(Deserialize)]
+/// One cell: an experiment a plugin runs, and what must hold of what it
+/// measured.
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "Cell")]
 struct RawCell {
+    /// Unique in the chapter: letters, digits, `_` or `-`, starting with a
+    /// letter.
+    #[schemars(with = "String", regex(pattern = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"))]
     id: Spanned<String>,
+    /// The cell's heading.
     title: String,
+    /// Markdown shown before the results.
     #[serde(default)]
     prose: String,
+    /// The plugin that runs the cell (`workbook list` shows them).
+    #[schemars(with = "String")]
     plugin: Spanned<String>,
+    /// The plugin's parameters at full size (`workbook describe PLUGIN`).
     #[serde(default)]
+    #[schemars(with = "std::collections::BTreeMap<String, serde_json::Value>")]
     params: SpannedTable,
+    /// Parameters laid over `params` in check mode (`--check`, as CI runs).
     #[serde(default)]
+    #[schemars(with = "std::collections::BTreeMap<String, serde_json::Value>")]
     check: SpannedTable,
+    /// Expressions over the cell's metrics that must be true
+    /// (`peak_ratio < 0.5`).
     #[serde(default)]
+    #[schemars(with = "Vec<String>")]
     assertions: Vec<Spanned<String>>,
+    /// Assertions checked at full size only (reported as skipped in check
+    /// mode).
     #[serde(default)]
+    #[schemars(with = "Vec<String>")]
     full_size_assertions: Vec<Spanned<String>>,
+    /// The cell's time limit in seconds.
+    #[schemars(with = "Option<f64>", range(min = 0.001))]
     timeout: Option<Spanned<f64>>,
+}
+
+/// The JSON Schema of chapter files, for editors that complete and check
+/// TOML against one (taplo, Even Better TOML): the format, and each of
+/// `registry`'s plugins' parameters under the cells that name it.
+/// Draft 7, which those editors read.
+pub fn json_schema(registry: &Registry) -> serde_json::Value {
+    use serde_json::{json, Value};
+    let mut schema = schemars::generate::SchemaSettings::draft07()
+        .into_generator()
+        .into_root_schema_for::<RawChapter>()
+        .to_value();
+    let mut definitions = schema
+        .get("definitions")
+        .cloned()
+        .unwrap_or_else(|| json!({}));
+    let mut per_plugin = Vec::new();
+    for plugin in registry.iter() {
+        let info = plugin.info();
+        let name = &info.name;
+        let mut params = info.params.clone();
+        // The plugin's own definitions join the document's, under its name.
+        if let Some(Value::Object(defs)) = params.as_object_mut().and_then(|o| o.remove("$defs")) {
+            for (k, v) in defs {
+                let mut v = v;
+                rewrite_refs(&mut v, name);
+                definitions[format!("{name}.{k}")] = v;
+            }
+        }
+        rewrite_refs(&mut params, name);
+        if let Some(o) = params.as_object_mut() {
+            o.remove("$schema");
+            o.remove("title");
+        }
+        // `check` takes the same fields, none of them required.
+        let mut check = params.clone();
+        if let Some(o) = check.as_object_mut() {
+            o.remove("required");
+        }
+        per_plugin.push(json!({
+            "if": { "properties": { "plugin": { "const": name } }, "required": ["plugin"] },
+            "then": { "properties": { "params": params, "check": check } }
+        }));
+    }
+    schema["definitions"] = definitions;
+    if let Some(cell) = schema.pointer_mut("/definitions/Cell") {
+        cell["allOf"] = Value::Array(per_plugin);
+    }
+    schema
+}
+
+/// Points a plugin schema's `#/$defs/X` at the document's
+/// `#/definitions/PLUGIN.X`.
+fn rewrite_refs(v: &mut serde_json::Value, plugin: &str) {
+    use serde_json::Value;
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                match (k.as_str(), x) {
+                    ("$ref", Value::String(r)) => {
+                        if let Some(def) = r.strip_prefix("#/$defs/") {
+                            *r = format!("#/definitions/{plugin}.{def}");
+                        }
+                    }
+                    (_, x) => rewrite_refs(x, plugin),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rewrite_refs(x, plugin)),
+        _ => {}
+    }
 }
 
 /// A validated chapter.
@@ -305,11 +414,17 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             None => errors.push(src.error(
                 rc.plugin.span(),
                 Some(&shown_id),
-                format!(
-                    "unknown plugin `{}`; registered plugins: {}",
-                    quote(plugin_name),
-                    registry.names().join(", ")
-                ),
+                match registry.broken(plugin_name) {
+                    Some(why) => format!("plugin `{}` cannot be used: {why}", quote(plugin_name)),
+                    None => format!(
+                        "unknown plugin `{}`{}; registered plugins: {} (an external plugin is \
+                         an executable `workbook-plugin-NAME` on PATH or in a `plugins` folder \
+                         beside the chapter)",
+                        quote(plugin_name),
+                        suggest::did_you_mean(plugin_name, registry.names()),
+                        registry.names().join(", ")
+                    ),
+                },
             )),
             Some(plugin) => {
                 let cell = CellSource {
@@ -322,11 +437,42 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                 cell.check_params(plugin, &params, &check_params, &mut errors);
             }
         }
+        let declared = registry.get(plugin_name).map(|p| p.info().metrics);
         let mut parse_all = |list: &[Spanned<String>]| {
             let mut parsed = Vec::new();
             for a in list {
                 match Assertion::parse(a.get_ref()) {
-                    Ok(assertion) => parsed.push(assertion),
+                    Ok(assertion) => {
+                        if let Some(declared) = &declared {
+                            for metric in assertion.reads() {
+                                if declared.iter().any(|d| d.matches(metric)) {
+                                    continue;
+                                }
+                                errors.push(src.error(
+                                    a.span(),
+                                    Some(&shown_id),
+                                    format!(
+                                        "assertion `{}` reads `{metric}`, which plugin `{}` does \
+                                         not record{}; its metrics: {} (`workbook describe {}` \
+                                         says what each is)",
+                                        quote(a.get_ref()),
+                                        quote(plugin_name),
+                                        suggest::did_you_mean(
+                                            metric,
+                                            declared.iter().map(|d| d.name.as_str())
+                                        ),
+                                        declared
+                                            .iter()
+                                            .map(|d| d.name.as_str())
+                                            .collect::<Vec<_>>()
+                                            .join(", "),
+                                        quote(plugin_name),
+                                    ),
+                                ));
+                            }
+                        }
+                        parsed.push(assertion)
+                    }
                     Err(message) => errors.push(src.error(
                         a.span(),
                         Some(&shown_id),
@@ -441,10 +587,16 @@ impl CellSource<'_> {
                         },
                         None => (self.plugin.clone(), "parameters".to_string()),
                     };
+                    let hint = match &key {
+                        Some(k) if unknown_field(&e.message).is_some() => {
+                            suggest::did_you_mean(k, expected_fields(&e.message))
+                        }
+                        _ => String::new(),
+                    };
                     errors.push(self.src.error(
                         span,
                         Some(self.id),
-                        format!("{what}: {}", quote(&e.message)),
+                        format!("{what}: {}{hint}", quote(&e.message)),
                     ));
                     // Values are checked once the types are right.
                     return;
@@ -521,6 +673,14 @@ fn is_identifier(s: &str) -> bool {
 fn unknown_field(message: &str) -> Option<String> {
     let rest = message.strip_prefix("unknown field `")?;
     Some(rest[..rest.find('`')?].to_string())
+}
+
+/// The fields serde lists after an unknown one (`expected one of `a`, `b``).
+fn expected_fields(message: &str) -> Vec<&str> {
+    let Some((_, list)) = message.split_once("expected ") else {
+        return Vec::new();
+    };
+    list.split('`').skip(1).step_by(2).collect()
 }
 
 /// Reads and validates the chapter at `path`.
@@ -626,6 +786,7 @@ pub fn resolve(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ChapterError> {
     let names: Vec<String> = available(dirs).keys().cloned().collect();
     Err(ChapterError::NotFound {
         name: quote(name),
+        suggestion: suggest::did_you_mean(name, names.iter().map(String::as_str)),
         searched: dirs
             .iter()
             .map(|d| d.display().to_string())

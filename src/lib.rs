@@ -16,6 +16,7 @@
 //! # impl workbook_sdk::Plugin for MyPlugin {
 //! #     type Params = ();
 //! #     fn name(&self) -> &str { "mine" }
+//! #     fn metrics(&self) -> Vec<workbook_sdk::MetricSpec> { Vec::new() }
 //! #     fn run(&self, _: &mut workbook_sdk::Context, _: ()) -> anyhow::Result<()> { Ok(()) }
 //! # }
 //! let wb = Workbook::builtin().with_plugin(MyPlugin)?;
@@ -37,7 +38,13 @@
 pub mod assertion;
 #[cfg(feature = "runner")]
 pub mod chapter;
+#[cfg(feature = "runner")]
+pub mod describe;
 pub mod excerpt;
+#[cfg(feature = "runner")]
+pub mod external;
+#[cfg(feature = "runner")]
+pub mod new_plugin;
 pub mod notebook;
 #[cfg(feature = "runner")]
 pub mod registry;
@@ -45,6 +52,7 @@ pub mod render;
 pub mod report;
 #[cfg(feature = "runner")]
 pub mod runner;
+pub mod suggest;
 #[cfg(feature = "runner")]
 pub mod worker;
 
@@ -93,6 +101,14 @@ impl Workbook {
         plugin: impl sdk::DynPlugin + 'static,
     ) -> Result<Self, DuplicatePlugin> {
         self.registry.add(Box::new(plugin))?;
+        Ok(self)
+    }
+
+    /// Adds the external plugins (`workbook-plugin-NAME` executables) found
+    /// in `dirs`, the first folder's first; one with the name of a plugin
+    /// already registered is an error naming both.
+    pub fn with_external_plugins(mut self, dirs: &[PathBuf]) -> Result<Self, DuplicatePlugin> {
+        self.registry.add_external(dirs)?;
         Ok(self)
     }
 

@@ -53,8 +53,9 @@ enum Command {
         /// Run only this cell (repeat for several).
         #[arg(long = "cell", value_name = "ID")]
         cells: Vec<String>,
-        /// Where tensors go.
-        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        /// Where tensors go: auto (a CUDA GPU when this build has CUDA and
+        /// one answers, else the CPU), cpu, or cuda.
+        #[arg(long, default_value = "auto", value_parser = parse_device)]
         device: DeviceChoice,
         /// Output format on stdout.
         #[arg(long, value_enum, default_value_t = Format::Text)]
@@ -81,6 +82,32 @@ enum Command {
         #[arg(long, conflicts_with_all = ["timeout", "max_memory"])]
         in_process: bool,
     },
+    /// Print a plugin's parameters (type, default, range, meaning) and the
+    /// metrics it records; every plugin's when none is named.
+    Describe {
+        /// A plugin's name.
+        plugin: Option<String>,
+        /// Output format on stdout.
+        #[arg(long, value_enum, default_value_t = DescribeFormat::Text)]
+        format: DescribeFormat,
+    },
+    /// Print the JSON Schema of chapter files, with every plugin's
+    /// parameters (docs/chapter.schema.json holds the built-in plugins'),
+    /// for editors that check TOML against a schema.
+    Schema,
+    /// Create a plugin crate that builds against the SDK and runs as it is:
+    /// build it, put its binary on PATH, and name it in a chapter.
+    NewPlugin {
+        /// The plugin's name (lowercase letters, digits, `-`, `_`).
+        name: String,
+        /// The folder to create [default: ./workbook-plugin-NAME].
+        #[arg(long, value_name = "DIR")]
+        path: Option<PathBuf>,
+        /// The SDK's folder (plugins/sdk of a workbook source tree)
+        /// [default: the one this binary was built from].
+        #[arg(long, value_name = "DIR")]
+        sdk: Option<PathBuf>,
+    },
     /// Run one cell for a runner (the worker process; reads a request on
     /// standard input and answers on standard output).
     #[command(hide = true)]
@@ -104,6 +131,26 @@ enum Command {
         #[arg(long, value_name = "DIR", requires = "execute")]
         cache_dir: Option<PathBuf>,
     },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DescribeFormat {
+    /// Readable text.
+    Text,
+    /// The plugins' descriptions as JSON: name, description, the JSON
+    /// Schema of the parameters, the metrics.
+    Json,
+    /// The Markdown reference page (docs/plugins.md).
+    Markdown,
+}
+
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    DeviceChoice::from_name(s).ok_or_else(|| {
+        format!(
+            "`{s}` is not a device; expected one of: {}",
+            DeviceChoice::ALL.map(DeviceChoice::name).join(", ")
+        )
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -164,6 +211,30 @@ fn main() -> ExitCode {
     if let Some(dir) = &cli.chapters {
         wb = wb.with_chapter_dirs(vec![dir.clone()]);
     }
+    // External plugins: in a `plugins` folder beside the chapters (the
+    // chapter named on the command line first), then on PATH.
+    let named = match &cli.command {
+        Command::Validate { chapter }
+        | Command::Run { chapter, .. }
+        | Command::Notebook { chapter, .. } => Some(chapter.as_str()),
+        _ => None,
+    };
+    let mut dirs: Vec<PathBuf> = named
+        .map(std::path::Path::new)
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .and_then(|p| p.parent())
+        .map(|d| d.join("plugins"))
+        .into_iter()
+        .collect();
+    dirs.extend(wb.chapter_dirs().iter().map(|d| d.join("plugins")));
+    dirs.extend(workbook::external::path_dirs());
+    wb = match wb.with_external_plugins(&dirs) {
+        Ok(wb) => wb,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     match run(&cli, &wb) {
         Ok(code) => code,
         Err(e) => {
@@ -177,6 +248,15 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
     match &cli.command {
         Command::List => list(wb),
         Command::Worker => Ok(ExitCode::SUCCESS),
+        Command::Schema => {
+            let mut text =
+                serde_json::to_string_pretty(&workbook::chapter::json_schema(wb.registry()))?;
+            text.push('\n');
+            say(&text)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Describe { plugin, format } => describe(wb, plugin.as_deref(), *format),
+        Command::NewPlugin { name, path, sdk } => new_plugin(name, path.as_deref(), sdk.as_deref()),
         Command::Validate { chapter } => {
             let ch = wb.load(chapter)?;
             let assertions: usize = ch.cells.iter().map(|c| c.assertions.len()).sum();
@@ -376,6 +456,79 @@ fn notebook(
     }
 }
 
+fn describe(
+    wb: &Workbook,
+    plugin: Option<&str>,
+    format: DescribeFormat,
+) -> anyhow::Result<ExitCode> {
+    let registry = wb.registry();
+    let infos: Vec<workbook::sdk::PluginInfo> = match plugin {
+        Some(name) => match registry.get(name) {
+            Some(p) => vec![p.info()],
+            None => match registry.broken(name) {
+                Some(why) => anyhow::bail!("plugin `{name}` cannot be used: {why}"),
+                None => anyhow::bail!(
+                    "unknown plugin `{}`{}; plugins: {}",
+                    workbook::excerpt::quote(name),
+                    workbook::suggest::did_you_mean(name, registry.names()),
+                    registry.names().join(", ")
+                ),
+            },
+        },
+        None => registry.iter().map(|p| p.info()).collect(),
+    };
+    let text = match format {
+        DescribeFormat::Text => infos
+            .iter()
+            .map(workbook::describe::text)
+            .collect::<Vec<_>>()
+            .join("\n"),
+        DescribeFormat::Json => {
+            let mut json = match (plugin, infos.as_slice()) {
+                (Some(_), [one]) => serde_json::to_string_pretty(one)?,
+                _ => serde_json::to_string_pretty(&infos)?,
+            };
+            json.push('\n');
+            json
+        }
+        DescribeFormat::Markdown => workbook::describe::markdown(&infos),
+    };
+    say(&text)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn new_plugin(
+    name: &str,
+    path: Option<&std::path::Path>,
+    sdk: Option<&std::path::Path>,
+) -> anyhow::Result<ExitCode> {
+    let dir = path
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(format!("workbook-plugin-{name}")));
+    let sdk = match sdk {
+        Some(s) => s.to_path_buf(),
+        None => workbook::new_plugin::built_sdk().ok_or_else(|| {
+            anyhow::anyhow!(
+                "the SDK's source is not where this workbook was built from; give its folder \
+                 with --sdk DIR (plugins/sdk of a workbook source tree)"
+            )
+        })?,
+    };
+    workbook::new_plugin::write(name, &dir, &sdk)?;
+    let d = dir.display();
+    say(&format!(
+        "created {d}: the `{name}` plugin, its test, and chapters/{name}.toml\n\n\
+         next:\n  \
+         cd {d}\n  \
+         cargo test                      # its test: the buffer counted to the byte\n  \
+         cargo build\n  \
+         export PATH=\"$PWD/target/debug:$PATH\"\n  \
+         workbook describe {name}\n  \
+         workbook run chapters/{name}.toml --check\n"
+    ))?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
     use std::fmt::Write as _;
     let found = workbook::chapter::available(wb.chapter_dirs());
@@ -401,6 +554,12 @@ fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
     let _ = writeln!(text, "\nplugins:");
     for p in wb.registry().iter() {
         let _ = writeln!(text, "  {:<16} {}", p.name(), p.description());
+        if let Some(program) = wb.registry().program(p.name()) {
+            let _ = writeln!(text, "  {:<16} (external: {})", "", program.display());
+        }
+    }
+    for (name, why) in wb.registry().broken_plugins() {
+        let _ = writeln!(text, "  {name:<16} (cannot be used: {why})");
     }
     say(&text)?;
     Ok(code)

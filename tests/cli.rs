@@ -185,7 +185,7 @@ fn failed_assertions_fail_the_run_and_list_the_metrics_produced() {
     let (out, _) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{out}");
     assert!(out.contains("✗ small_params > large_params"), "{out}");
-    assert!(out.contains("metric `no_such_metric` was not produced; the cell produced: small_params, large_params,"), "{out}");
+    assert!(out.contains("metric `state_measured_f16` was not produced; the cell produced: small_params, large_params,"), "{out}");
     // The second cell still ran.
     assert!(out.contains("✓ small_params == 17802"), "{out}");
     assert_eq!(out.lines().last(), Some("2 passed, 2 failed"));
@@ -214,7 +214,9 @@ fn malformed_toml_names_file_line_and_column() {
 fn unknown_plugin_lists_the_registered_ones() {
     let err = bad_input(&["run", &fixture("unknown_plugin.toml")]);
     let expected = format!(
-        "unknown_plugin.toml:8:10: cell `first`: unknown plugin `footprnt`; registered plugins: {}\n",
+        "unknown_plugin.toml:8:10: cell `first`: unknown plugin `footprnt`; did you mean \
+         `footprint`?; registered plugins: {} (an external plugin is an executable \
+         `workbook-plugin-NAME` on PATH or in a `plugins` folder beside the chapter)\n",
         PLUGINS.join(", ")
     );
     assert!(err.contains(&expected), "{err}");

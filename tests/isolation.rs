@@ -328,14 +328,14 @@ fn a_worker_of_another_protocol_version_is_named() {
         .stdin
         .take()
         .unwrap()
-        .write_all(br#"{"protocol": 99, "plugin": "footprint", "params": {}, "check": true, "device": "cpu"}"#)
+        .write_all(br#"{"protocol": 99, "request": "run", "plugin": "footprint", "params": {}, "check": true, "device": "cpu"}"#)
         .unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         String::from_utf8_lossy(&o.stdout),
-        "{\"type\":\"fatal\",\"message\":\"the runner speaks protocol version 99; this worker \
-         speaks version 1\"}\n"
+        "{\"type\":\"fatal\",\"message\":\"the runner speaks protocol version 99; this process \
+         speaks version 2\"}\n"
     );
 }
 

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use workbook::report::Status;
 use workbook::runner::Quiet;
 use workbook::{RunOptions, Workbook};
-use workbook_sdk::{Category, Context, Plugin};
+use workbook_sdk::{Category, Context, MetricSpec, Plugin};
 
 #[global_allocator]
 static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::CountingAllocator;
@@ -15,7 +15,7 @@ static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::Coun
 /// Records the metrics it is given, and allocates a buffer of known size.
 struct Echo;
 
-#[derive(Serialize, Deserialize, Default)]
+#[derive(Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 struct EchoParams {
     value: f64,
@@ -26,6 +26,14 @@ impl Plugin for Echo {
     type Params = EchoParams;
     fn name(&self) -> &str {
         "echo"
+    }
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::number("value", "the value given"),
+            MetricSpec::number("not_a_number", "NaN"),
+            MetricSpec::number("infinite", "infinity"),
+            MetricSpec::bytes("buffer_peak", "the buffer's activation bytes"),
+        ]
     }
     fn run(&self, ctx: &mut Context, p: EchoParams) -> anyhow::Result<()> {
         ctx.print(format!("value: {}", p.value));
@@ -54,6 +62,9 @@ impl Plugin for Panics {
     fn name(&self) -> &str {
         "panics"
     }
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![MetricSpec::count("recorded", "one, before the panic")]
+    }
     fn run(&self, ctx: &mut Context, _: ()) -> anyhow::Result<()> {
         ctx.print("before the panic");
         ctx.metric("recorded", 1.0);
@@ -69,6 +80,12 @@ impl Plugin for Matmul {
     type Params = ();
     fn name(&self) -> &str {
         "matmul"
+    }
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::bytes("held_{dtype}", "the product's bytes, measured"),
+            MetricSpec::bytes("data_{dtype}", "the product's bytes, by arithmetic"),
+        ]
     }
     fn run(&self, ctx: &mut Context, _: ()) -> anyhow::Result<()> {
         use workbook_sdk::candle::{DType, Tensor};
@@ -100,6 +117,9 @@ impl Plugin for Freed {
     fn name(&self) -> &str {
         "freed"
     }
+    fn metrics(&self) -> Vec<MetricSpec> {
+        Vec::new()
+    }
     fn run(&self, ctx: &mut Context, _: ()) -> anyhow::Result<()> {
         let big = Category::Activations.scope(|| vec![1u8; 10_000_000]);
         drop(big);
@@ -119,6 +139,9 @@ impl Plugin for Fails {
     type Params = ();
     fn name(&self) -> &str {
         "fails"
+    }
+    fn metrics(&self) -> Vec<MetricSpec> {
+        Vec::new()
     }
     fn run(&self, _: &mut Context, _: ()) -> anyhow::Result<()> {
         anyhow::bail!("no data for this experiment")

@@ -4,14 +4,14 @@
 //! fails.
 
 mod device;
-mod in_process;
 mod process;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use workbook_sdk::protocol::{Request, PROTOCOL_VERSION};
+use workbook_sdk::protocol::{Body, Request, RunCell};
+use workbook_sdk::worker::{execute, panicked, CELL_STACK};
 use workbook_sdk::Context;
 
 use crate::assertion::AssertionResult;
@@ -20,10 +20,9 @@ use crate::registry::Registry;
 use crate::report::{CellMemory, CellReport, ChapterInfo, ChapterReport, Mode, Status};
 
 pub use device::DeviceChoice;
-pub(crate) use device::{device_name, select_device, select_meter};
-pub use in_process::CellOutcome;
-pub(crate) use in_process::{execute, panicked};
+use device::{device_name, select_device, select_meter};
 pub use process::{interrupt_flag, WorkerCommand};
+pub use workbook_sdk::worker::CellOutcome;
 
 /// A cell's time limit when neither the chapter nor the command line sets
 /// one: far above any cell of the chapters here at full size, so that only
@@ -90,12 +89,14 @@ impl std::fmt::Debug for RunOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// `--cell` named a cell the chapter does not have.
-    #[error("chapter `{chapter}` has no cell `{cell}`; its cells: {available}")]
+    #[error("chapter `{chapter}` has no cell `{cell}`{suggestion}; its cells: {available}")]
     UnknownCell {
         /// The chapter.
         chapter: String,
         /// The cell asked for.
         cell: String,
+        /// `; did you mean ...?`, or nothing.
+        suggestion: String,
         /// The cells it has.
         available: String,
     },
@@ -136,6 +137,10 @@ pub fn run(
             return Err(RunError::UnknownCell {
                 chapter: chapter.id.clone(),
                 cell: id.clone(),
+                suggestion: crate::suggest::did_you_mean(
+                    id,
+                    chapter.cells.iter().map(|c| c.id.as_str()),
+                ),
                 available: chapter
                     .cells
                     .iter()
@@ -233,9 +238,24 @@ fn run_in_process(
                     } else {
                         let _ = tx.send(Event::Started(position));
                         let plugin = registry.get(&cell.plugin);
-                        let outcome = match (refused(registry, cell, options), plugin) {
-                            (Some(why), _) => not_run(why),
-                            (None, Some(plugin)) => {
+                        let external = registry.program(&cell.plugin);
+                        let outcome = match (refused(registry, cell, options), plugin, external) {
+                            (Some(why), _, _) => not_run(why),
+                            (None, Some(_), Some(program)) => {
+                                // An external plugin runs in its own process
+                                // whatever the isolation.
+                                let progress = |m: &str| {
+                                    if let Some(p) = &options.progress {
+                                        p(m)
+                                    }
+                                };
+                                let command = WorkerCommand::external(program);
+                                match in_worker(&command, cell, options, &progress) {
+                                    process::WorkerResult::Ran(outcome, _) => *outcome,
+                                    process::WorkerResult::Fatal(message) => not_run(message),
+                                }
+                            }
+                            (None, Some(plugin), None) => {
                                 let mut ctx =
                                     Context::new(device.clone(), meter.clone(), options.check);
                                 if let Some(progress) = &options.progress {
@@ -244,7 +264,7 @@ fn run_in_process(
                                 }
                                 execute(plugin, cell.params_for(options.check), ctx, &meter)
                             }
-                            (None, None) => not_registered(cell),
+                            (None, None, _) => not_registered(cell),
                         };
                         assemble(registry, cell, options.check, outcome)
                     };
@@ -305,22 +325,16 @@ fn run_in_workers(
             if started {
                 observer.cell_started(index, cell);
             }
-            let request = Request {
-                protocol: PROTOCOL_VERSION,
-                plugin: cell.plugin.clone(),
-                params: serde_json::to_value(cell.params_for(options.check))
-                    .unwrap_or(serde_json::Value::Null),
-                check: options.check,
-                device: options.device.name().to_string(),
-                max_memory: options.max_memory,
-            };
-            let watch = process::Watch {
-                limit: options.timeout.or(cell.timeout).unwrap_or(DEFAULT_TIMEOUT),
-                interrupt: options.interrupt.as_deref(),
-                progress: &progress,
-                max_memory: options.max_memory,
-            };
-            let outcome = match process::run(command, &request, &watch) {
+            let external = registry.program(&cell.plugin).map(WorkerCommand::external);
+            let outcome = match in_worker(
+                external.as_ref().unwrap_or(command),
+                cell,
+                options,
+                &progress,
+            ) {
+                // An external plugin that cannot run is its cells' failure;
+                // the workbook's own worker that cannot, the run's.
+                process::WorkerResult::Fatal(message) if external.is_some() => not_run(message),
                 process::WorkerResult::Fatal(message) => return Err(RunError::Device(message)),
                 process::WorkerResult::Ran(outcome, hello) => {
                     if let Some(h) = hello {
@@ -344,6 +358,30 @@ fn run_in_workers(
     }
     begin(&mut started, observer, report);
     Ok(())
+}
+
+/// Runs `cell` in a new process of `command`.
+fn in_worker(
+    command: &WorkerCommand,
+    cell: &Cell,
+    options: &RunOptions,
+    progress: &dyn Fn(&str),
+) -> process::WorkerResult {
+    let request = Request::new(Body::Run(RunCell {
+        plugin: cell.plugin.clone(),
+        params: serde_json::to_value(cell.params_for(options.check))
+            .unwrap_or(serde_json::Value::Null),
+        check: options.check,
+        device: options.device.name().to_string(),
+        max_memory: options.max_memory,
+    }));
+    let watch = process::Watch {
+        limit: options.timeout.or(cell.timeout).unwrap_or(DEFAULT_TIMEOUT),
+        interrupt: options.interrupt.as_deref(),
+        progress,
+        max_memory: options.max_memory,
+    };
+    process::run(command, &request, &watch)
 }
 
 /// Tells the observer the run has started, once.
@@ -431,13 +469,6 @@ fn skipped(registry: &Registry, cell: &Cell, check: bool, why: &str) -> CellRepo
     }
 }
 
-/// The stack of a cell's thread. candle walks and drops autograd graphs
-/// recursively, one frame per op: a graph of 100,000 ops (the checkpointing
-/// cell's "heavy function") overflows the usual 8 MiB, and a stack overflow
-/// aborts the process where a panic would not. The memory is reserved, not
-/// committed, until used.
-pub(crate) const CELL_STACK: usize = 1 << 30;
-
 /// A cell's report from what its run produced: its assertions are checked
 /// against the metrics it recorded.
 fn assemble(registry: &Registry, cell: &Cell, check: bool, outcome: CellOutcome) -> CellReport {
@@ -455,6 +486,30 @@ fn assemble(registry: &Registry, cell: &Cell, check: bool, outcome: CellOutcome)
             a.evaluate(&output.metrics)
         }
     }));
+    // The plugin is held to the metrics it declares: what `validate`
+    // checked the assertions against.
+    if let Some(plugin) = registry.get(&cell.plugin) {
+        let declared = plugin.info().metrics;
+        let extra =
+            workbook_sdk::metric::undeclared(&declared, output.metrics.keys().map(String::as_str));
+        if !extra.is_empty() {
+            assertions.push(AssertionResult {
+                expr: "<the plugin records only the metrics it declares>".to_string(),
+                passed: false,
+                skipped: false,
+                values: Default::default(),
+                message: Some(format!(
+                    "plugin `{}` recorded {} that it does not declare in `Plugin::metrics`",
+                    cell.plugin,
+                    extra
+                        .iter()
+                        .map(|m| format!("`{m}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )),
+            });
+        }
+    }
     if let Some(e) = &error {
         assertions.push(AssertionResult {
             expr: "<the cell runs to completion>".to_string(),

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use workbook_sdk::output::CellOutput;
 use workbook_sdk::protocol::{CellEnd, Message, Request, PROTOCOL_VERSION};
 
-use super::in_process::CellOutcome;
 use crate::excerpt::excerpt;
+use workbook_sdk::worker::CellOutcome;
 
 /// How to start a worker: a program and its arguments, which together serve
 /// one [`Request`] on standard input (`workbook worker`).
@@ -28,6 +28,14 @@ pub struct WorkerCommand {
 }
 
 impl WorkerCommand {
+    /// An external plugin's program, which takes no arguments.
+    pub fn external(program: &std::path::Path) -> Self {
+        Self {
+            program: program.to_path_buf(),
+            args: Vec::new(),
+        }
+    }
+
     /// This executable, as `workbook worker`.
     pub fn current_exe() -> std::io::Result<Self> {
         Ok(Self {
@@ -184,6 +192,9 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
                 Message::Figure(f) => output.figures.push(f),
                 Message::Progress { message } => (watch.progress)(&message),
                 Message::End(e) => end = Some(e),
+                Message::Described { .. } | Message::Checked { .. } => {
+                    garbled.get_or_insert("an answer to another request than a run".into());
+                }
                 // Before the hello the worker cannot run cells at all; after
                 // it, whatever failed is this cell's alone.
                 Message::Fatal { message } if hello.is_none() => {
@@ -264,7 +275,9 @@ fn wait(child: &mut Child) -> std::io::Result<ExitStatus> {
             kill(child);
             return child.wait();
         }
-        std::thread::sleep(Duration::from_millis(10));
+        // A worker exits within a millisecond or two of its cell's end: a
+        // coarser poll would add its period to every cell.
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

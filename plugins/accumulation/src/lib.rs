@@ -24,31 +24,33 @@ use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Parameters of the accumulation cell.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// Widths of the notebook's model.
+    /// Widths of the notebook's model, input to output (features).
     pub widths: Vec<usize>,
-    /// The notebook's batch.
+    /// The notebook's batch (rows).
     pub batch: usize,
-    /// The notebook's micro-batch.
+    /// The notebook's micro-batch (rows; the last may be smaller).
     pub micro_batch: usize,
     /// AdamW's learning rate.
     pub lr: f64,
     /// Seed of weights and data.
     pub seed: u64,
-    /// Width of the sweep's model, where activations can dominate.
+    /// Width of the sweep's model, where activations can dominate (features).
     pub sweep_width: usize,
     /// Depth (Linear + ReLU blocks) of the sweep's model.
+    #[schemars(range(min = 1))]
     pub sweep_depth: usize,
-    /// A batch small enough that accumulation costs memory.
+    /// A batch small enough that accumulation costs memory (rows).
     pub small_batch: usize,
-    /// A batch large enough that accumulation saves memory.
+    /// A batch large enough that accumulation saves memory (rows).
     pub large_batch: usize,
     /// Micro-batch counts swept on the large batch (1 = the full batch).
     pub steps: Vec<usize>,
@@ -408,6 +410,103 @@ impl Plugin for Accumulation {
             p.large_batch,
             p.sweep_width,
         )
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        let mut specs = vec![
+            MetricSpec::count(
+                "micro_batches",
+                "micro-batches the notebook's batch is split into",
+            ),
+            MetricSpec::number("loss", "mean cross-entropy loss of the last micro-batch"),
+            MetricSpec::number(
+                "grad_max_abs_diff",
+                "largest difference of accumulated and full-batch gradients, element by element",
+            ),
+            MetricSpec::number(
+                "param_max_abs_diff_after_step",
+                "largest parameter difference after one AdamW step from each gradient set",
+            ),
+            MetricSpec::number("lr", "AdamW's learning rate (the `lr` parameter)"),
+            MetricSpec::number(
+                "lean_path_grad_max_abs_diff",
+                "largest gradient difference, lean path against candle-nn's, whole and split",
+            ),
+            MetricSpec::bytes(
+                "peak_full_large_lean",
+                "lean path's forward and backward peak, large batch whole",
+            ),
+            MetricSpec::bytes(
+                "peak_accum_large_lean",
+                "lean path's forward and backward peak, large batch in compare_steps micro-batches",
+            ),
+            MetricSpec::number(
+                "fused_step_max_abs_diff",
+                "largest weight difference after two LeanAdamW steps, fused layers against not",
+            ),
+        ];
+        // The step's optimizers, in the order they are reported.
+        for (key, what) in [
+            ("candle", "candle_nn::AdamW"),
+            ("lean", "LeanAdamW"),
+            ("fused", "LeanAdamW on fused layers"),
+        ] {
+            specs.extend([
+                MetricSpec::bytes(
+                    format!("step_peak_{key}"),
+                    format!("peak of a training step, parameters and moments included, {what}"),
+                ),
+                MetricSpec::ratio(
+                    format!("step_ratio_{key}"),
+                    format!("step_peak_{key} over step_analytic_{key}, {what}"),
+                ),
+                MetricSpec::bytes(
+                    format!("step_optimizer_peak_{key}"),
+                    format!("peak of optimizer-state allocations in a training step, {what}"),
+                ),
+                MetricSpec::bytes(
+                    format!("step_analytic_{key}"),
+                    format!(
+                        "analytic minimum of a step: 4 × parameter bytes + activation peak, {what}"
+                    ),
+                ),
+            ]);
+        }
+        specs.extend([
+            MetricSpec::number(
+                "lean_adamw_max_abs_diff",
+                "largest weight difference after two steps, LeanAdamW against candle_nn::AdamW",
+            ),
+            MetricSpec::bytes(
+                "peak_full_small",
+                "peak of forward and backward, small batch whole",
+            ),
+            MetricSpec::bytes(
+                "peak_accum_small",
+                "peak of forward and backward, small batch in compare_steps micro-batches",
+            ),
+            MetricSpec::bytes(
+                "peak_full_large",
+                "peak of forward and backward, large batch whole",
+            ),
+            MetricSpec::bytes(
+                "peak_accum_large",
+                "peak of forward and backward, large batch in compare_steps micro-batches",
+            ),
+            MetricSpec::bytes(
+                "gradient_bytes",
+                "bytes of one f32 gradient per parameter of the sweep's model",
+            ),
+            MetricSpec::bytes(
+                "peak_adamw_step",
+                "peak of one candle_nn::AdamW step on the sweep's model",
+            ),
+            MetricSpec::ratio(
+                "adamw_step_in_weights",
+                "peak_adamw_step over the bytes of one sweep_width² f32 weight",
+            ),
+        ]);
+        specs
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

@@ -18,27 +18,31 @@ use serde::{Deserialize, Serialize};
 use workbook_models::{max_abs_diff, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Device, Result, Tensor, Var};
+use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::output::{Axis, Guide, Series, Unit};
 use workbook_sdk::timing::{timed, Timed};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Parameters of the attention cell.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// Heads.
+    /// Attention heads.
     pub heads: usize,
-    /// Dimension per head.
+    /// Dimension per head (features).
     pub head_dim: usize,
-    /// Sequence lengths swept.
+    /// Sequence lengths swept (tokens).
     pub lengths: Vec<usize>,
     /// Query rows per chunk (chunked) and per tile (tiled).
+    #[schemars(range(min = 1))]
     pub q_block: usize,
     /// Key columns per tile (tiled).
+    #[schemars(range(min = 1))]
     pub k_block: usize,
-    /// Sequence length of the equality checks.
+    /// Sequence length of the equality checks (tokens).
     pub check_length: usize,
     /// Timed repetitions per point, methods taking turns (the best is reported).
+    #[schemars(range(min = 1))]
     pub repeats: usize,
     /// Seed of the data.
     pub seed: u64,
@@ -195,6 +199,88 @@ impl Plugin for AttentionCell {
             bytes,
             format!("the f32 scores of naive attention, {} × {n}²", p.heads),
         ))
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        let mut specs = Vec::new();
+        // Each method against naive attention at check_length, unmasked then causal.
+        for (suffix, mask) in [("", "no mask"), ("_causal", "causal mask")] {
+            for m in ["materialized", "chunked", "tiled"] {
+                specs.extend([
+                    MetricSpec::number(
+                        format!("out_diff_{m}{suffix}"),
+                        format!("largest output difference, {m} against naive, {mask}"),
+                    ),
+                    MetricSpec::number(
+                        format!("grad_diff_{m}{suffix}"),
+                        format!("largest gradient difference (q, k, v), {m} against naive, {mask}"),
+                    ),
+                ]);
+            }
+        }
+        for dtype in ["f16", "bf16"] {
+            specs.extend([
+                MetricSpec::number(
+                    format!("out_diff_tiled_causal_{dtype}"),
+                    format!("largest output difference, {dtype} tiled against f32 naive, causal"),
+                ),
+                MetricSpec::number(
+                    format!("grad_diff_tiled_causal_{dtype}"),
+                    format!("largest gradient difference, {dtype} tiled against f32 naive, causal"),
+                ),
+            ]);
+        }
+        // The sweep, read at the last length and between the first and last.
+        for m in ["naive", "materialized", "chunked", "tiled"] {
+            specs.extend([
+                MetricSpec::bytes(
+                    format!("peak_{m}"),
+                    format!("peak of {m} attention's forward and backward, last length"),
+                ),
+                MetricSpec::seconds(
+                    format!("time_{m}"),
+                    format!("best wall time of {m} attention's forward and backward, last length"),
+                ),
+                MetricSpec::number(
+                    format!("growth_{m}"),
+                    format!("exponent of N in {m} attention's peak, first length to last"),
+                ),
+            ]);
+        }
+        specs.extend([
+            MetricSpec::ratio("peak_ratio_naive_tiled", "peak_naive over peak_tiled"),
+            MetricSpec::ratio(
+                "peak_ratio_materialized_tiled",
+                "peak_materialized over peak_tiled",
+            ),
+            MetricSpec::ratio(
+                "peak_ratio_naive_materialized",
+                "peak_naive over peak_materialized",
+            ),
+            MetricSpec::number(
+                "naive_peak_in_score_matrices",
+                "peak_naive in f32 score matrices of all heads at the last length",
+            ),
+            MetricSpec::number(
+                "materialized_peak_in_score_matrices",
+                "peak_materialized in f32 score matrices of all heads at the last length",
+            ),
+            MetricSpec::ratio("time_ratio_tiled_naive", "time_tiled over time_naive"),
+            MetricSpec::ratio(
+                "time_ratio_tiled_materialized",
+                "time_tiled over time_materialized",
+            ),
+            MetricSpec::ratio(
+                "cpu_time_ratio_tiled_naive",
+                "best CPU time of tiled attention over naive's at the last length",
+            ),
+            MetricSpec::count("largest_n", "the last sequence length swept (tokens)"),
+            MetricSpec::number(
+                "scores_32h_4096_f16_gb",
+                "one 4096 × 4096 f16 score matrix for 32 heads, in GB (1e9 bytes), analytic",
+            ),
+        ]);
+        specs
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

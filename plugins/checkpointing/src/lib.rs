@@ -20,6 +20,7 @@ use workbook_models::{
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
+use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
@@ -49,40 +50,43 @@ impl Module for Heavy {
 }
 
 /// Parameters of the checkpointing cell.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// Width of the notebook's block.
+    /// Width of the notebook's block (features).
     pub width: usize,
-    /// The notebook's batch.
+    /// The notebook's batch (rows).
     pub batch: usize,
     /// The notebook's classes.
+    #[schemars(range(min = 2))]
     pub classes: usize,
     /// Seed of weights and data.
     pub seed: u64,
-    /// Width of the deep stack.
+    /// Width of the deep stack (features).
     pub stack_width: usize,
     /// Depth (Linear + GELU blocks) of the deep stack.
     pub stack_depth: usize,
-    /// Batch of the deep stack.
+    /// Batch of the deep stack (rows).
     pub stack_batch: usize,
     /// Segment counts swept.
     pub segments: Vec<usize>,
     /// Timed repetitions of each variant (the median is reported).
+    #[schemars(range(min = 1))]
     pub repeats: usize,
     /// Calls of the heavy function.
     pub heavy_calls: usize,
-    /// Additions inside one call.
+    /// Additions inside one call of the heavy function.
     pub heavy_adds: usize,
-    /// Width of the transformer the selective policies are measured on.
+    /// Width of the transformer the selective policies are measured on (features).
     pub policy_width: usize,
-    /// Its blocks.
+    /// Blocks of the policies' transformer.
+    #[schemars(range(min = 1))]
     pub policy_depth: usize,
-    /// Its attention heads (a divisor of `policy_width`).
+    /// Attention heads of the policies' transformer (a divisor of `policy_width`).
     pub policy_heads: usize,
-    /// Its sequence length.
+    /// Sequence length of the policies' transformer (tokens).
     pub policy_seq: usize,
-    /// Its batch.
+    /// Batch of the policies' transformer (sequences).
     pub policy_batch: usize,
 }
 
@@ -256,6 +260,128 @@ impl Plugin for Checkpointing {
             p.stack_batch,
             p.stack_width,
         )
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        let mut specs = vec![
+            MetricSpec::number("loss", "loss of the notebook's checkpointed block and head"),
+            MetricSpec::number(
+                "input_grad_present",
+                "1 if plain backprop gives the block's input a gradient, else 0",
+            ),
+            MetricSpec::number(
+                "input_grad_max_abs_diff",
+                "largest input-gradient difference, checkpointed block against plain",
+            ),
+            MetricSpec::number(
+                "block_grad_max_abs_diff",
+                "largest parameter-gradient difference, checkpointed block against plain",
+            ),
+            MetricSpec::bytes("peak_plain", "peak of plain backprop on the deep stack"),
+            MetricSpec::bytes(
+                "peak_plain_fused",
+                "peak of plain backprop on the deep stack's fused layers",
+            ),
+            MetricSpec::bytes(
+                "activation_peak_plain_fused",
+                "activations at their peak, plain backprop on the fused layers",
+            ),
+            MetricSpec::number(
+                "fused_grad_max_abs_diff",
+                "largest gradient difference, fused layers against plain backprop",
+            ),
+            MetricSpec::bytes(
+                "peak_plain_lean",
+                "peak of plain backprop on the fused layers under the lean backward",
+            ),
+            MetricSpec::seconds(
+                "time_plain_lean",
+                "median time of plain backprop on the fused layers under the lean backward",
+            ),
+            MetricSpec::number(
+                "lean_grad_max_abs_diff",
+                "largest gradient difference, lean backward against plain backprop",
+            ),
+            MetricSpec::bytes("peak_best", "lowest checkpointed peak of the segment sweep"),
+            MetricSpec::count("best_segments", "segment count with the lowest peak"),
+            MetricSpec::bytes(
+                "activation_peak_plain",
+                "activations at their peak, plain backprop on the deep stack",
+            ),
+            MetricSpec::bytes(
+                "activation_peak_best",
+                "lowest activations at their peak of the segment sweep",
+            ),
+            MetricSpec::count(
+                "best_activation_segments",
+                "segment count with the lowest activations at their peak",
+            ),
+            MetricSpec::number(
+                "sqrt_layers",
+                "square root of the stack's modules (2 × stack_depth) cut into segments",
+            ),
+            MetricSpec::number(
+                "stack_grad_max_abs_diff",
+                "largest gradient difference of the checkpointed stack and plain, over the sweep",
+            ),
+            MetricSpec::seconds(
+                "time_plain",
+                "median time of plain backprop on the deep stack",
+            ),
+            MetricSpec::seconds(
+                "time_best",
+                "median time of the segment count with the lowest peak",
+            ),
+            MetricSpec::ratio("time_overhead", "time_best over time_plain"),
+            MetricSpec::count("heavy_ops", "additions of the heavy function, calls × adds"),
+            MetricSpec::number(
+                "heavy_blocks_per_tensor",
+                "heap blocks one tensor made by an addition occupies, measured",
+            ),
+            MetricSpec::count(
+                "heavy_live_tensors_plain",
+                "tensors live at the peak, heavy function without checkpointing",
+            ),
+            MetricSpec::count(
+                "heavy_live_tensors_checkpointed",
+                "tensors live at the peak, heavy function checkpointed a call per segment",
+            ),
+            MetricSpec::count(
+                "heavy_expected_checkpointed",
+                "segment inputs plus one segment's intermediates: heavy_calls + heavy_adds",
+            ),
+            MetricSpec::number(
+                "heavy_grad_abs_diff",
+                "gradient difference, checkpointed heavy function against plain",
+            ),
+        ];
+        // The policies, in the order they are measured.
+        for (key, what) in [
+            ("plain", "plain backprop"),
+            ("nothing", "keeping nothing (nothing_saveable)"),
+            ("dots", "keeping every product (dots_saveable)"),
+            ("names", "keeping the linear layers' products"),
+        ] {
+            specs.extend([
+                MetricSpec::bytes(
+                    format!("policy_peak_{key}"),
+                    format!("peak of the transformer's forward and backward, {what}"),
+                ),
+                MetricSpec::bytes(
+                    format!("policy_activations_{key}"),
+                    format!("activations at their peak in the transformer, {what}"),
+                ),
+                MetricSpec::seconds(
+                    format!("policy_time_{key}"),
+                    format!("median time of the transformer's forward and backward, {what}"),
+                ),
+            ]);
+        }
+        specs.push(MetricSpec::number(
+            "policy_grad_max_abs_diff",
+            "largest gradient difference of a policy against plain backprop, worst policy",
+        ));
+        specs
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

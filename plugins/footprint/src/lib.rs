@@ -11,6 +11,7 @@ use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Module};
 use workbook_sdk::candle_nn::AdamW;
+use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::output::Unit;
 use workbook_sdk::{Category, Context, Plugin, Rules, Table, Violation};
 
@@ -53,20 +54,20 @@ impl TrainingState {
 }
 
 /// Parameters of the footprint cell.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// Widths of the small model.
+    /// Widths of the small model, input to output (features).
     pub small: Vec<usize>,
-    /// Widths of the large model.
+    /// Widths of the large model, input to output (features).
     pub large: Vec<usize>,
-    /// Widths of the model whose training state is materialised.
+    /// Widths of the model whose training state is materialised (features).
     pub state_model: Vec<usize>,
-    /// Batch of the backward pass that materialises the gradients.
+    /// Batch of the backward pass that materialises the gradients (rows).
     pub batch: usize,
     /// Dtypes to measure: `f32`, `f16`, `bf16`.
     pub dtypes: Vec<String>,
-    /// Parameters of the large language model of the analytic example.
+    /// Parameter count of the large language model of the analytic example.
     pub llm_params: u64,
     /// Seed of weights and data.
     pub seed: u64,
@@ -149,6 +150,53 @@ impl Plugin for Footprint {
             params.checked_mul(4)?.checked_mul(bytes)?,
             format!("the training state of {params} parameters, 4 × {bytes} bytes each"),
         ))
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::count("small_params", "parameters of the small model"),
+            MetricSpec::count("large_params", "parameters of the large model"),
+            MetricSpec::bytes(
+                "params_bytes_{dtype}",
+                "state model's parameters, measured, per dtype of `dtypes` (f32, f16, bf16)",
+            ),
+            MetricSpec::bytes(
+                "grads_bytes_{dtype}",
+                "state model's gradients after one backward, measured, per dtype of `dtypes`",
+            ),
+            MetricSpec::bytes(
+                "optimizer_bytes_{dtype}",
+                "state model's AdamW moments, measured, per dtype of `dtypes`",
+            ),
+            MetricSpec::bytes(
+                "state_measured_{dtype}",
+                "parameters + gradients + AdamW moments, measured, per dtype of `dtypes`",
+            ),
+            MetricSpec::bytes(
+                "state_analytic_{dtype}",
+                "parameters + gradients + AdamW moments, analytic, per dtype of `dtypes`",
+            ),
+            MetricSpec::ratio(
+                "state_ratio_{dtype}",
+                "measured training state over the analytic one, per dtype of `dtypes`",
+            ),
+            MetricSpec::number(
+                "llm_params_gb",
+                "parameters of an llm_params model in f32, in GB (1e9 bytes), analytic",
+            ),
+            MetricSpec::number(
+                "llm_grads_gb",
+                "gradients of an llm_params model in f32, in GB (1e9 bytes), analytic",
+            ),
+            MetricSpec::number(
+                "llm_adam_gb",
+                "AdamW's two moments of an llm_params model in f32, in GB (1e9 bytes), analytic",
+            ),
+            MetricSpec::number(
+                "llm_total_gb",
+                "training state of an llm_params model in f32, in GB (1e9 bytes), analytic",
+            ),
+        ]
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

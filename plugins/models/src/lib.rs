@@ -116,7 +116,9 @@ impl Module for Linear {
 }
 
 /// An element-wise activation. Both are differentiable in candle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
     /// `max(x, 0)`.

@@ -25,6 +25,7 @@ use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{mib, Unit};
 use workbook_sdk::{Category, Context, Plugin, Residency, Rules, Table, Violation};
@@ -43,16 +44,17 @@ fn copy_to(
 }
 
 /// Parameters of the offload cell.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// Width of the model.
+    /// Width of the model (features).
     pub width: usize,
-    /// Depth (Linear + ReLU blocks).
+    /// Depth of the model (Linear + ReLU blocks).
     pub depth: usize,
-    /// Batch.
+    /// Batch (rows).
     pub batch: usize,
     /// AdamW steps compared with candle_nn::AdamW.
+    #[schemars(range(min = 1))]
     pub steps: usize,
     /// AdamW's learning rate.
     pub lr: f64,
@@ -141,6 +143,100 @@ impl Plugin for Offload {
                 p.depth, p.width
             ),
         ))
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::bytes("param_bytes", "bytes of the model's parameters"),
+            MetricSpec::bytes(
+                "largest_layer_bytes",
+                "f32 bytes of the largest layer's weight and bias",
+            ),
+            MetricSpec::number(
+                "adamw_max_abs_diff",
+                "largest parameter difference after the steps, HostAdamW against candle_nn's",
+            ),
+            MetricSpec::bytes(
+                "device_optimizer_bytes_plain",
+                "optimizer state on the device after the steps, candle_nn::AdamW",
+            ),
+            MetricSpec::bytes(
+                "device_optimizer_bytes_offload",
+                "optimizer state on the device after the steps, HostAdamW",
+            ),
+            MetricSpec::bytes(
+                "host_optimizer_bytes_offload",
+                "optimizer state on the host after the steps, HostAdamW (masters and moments)",
+            ),
+            MetricSpec::bytes(
+                "bytes_moved_per_step",
+                "bytes HostAdamW copies per step, both ways, set-up excluded",
+            ),
+            MetricSpec::seconds(
+                "copy_seconds_per_step",
+                "time HostAdamW spends copying per step",
+            ),
+            MetricSpec::seconds(
+                "step_seconds_device",
+                "mean time of a candle_nn::AdamW step",
+            ),
+            MetricSpec::seconds(
+                "step_seconds_host",
+                "mean time of a HostAdamW step, copies included",
+            ),
+            MetricSpec::number(
+                "grad_offload_max_abs_diff",
+                "largest gradient difference, offloaded layer by layer against plain backward",
+            ),
+            MetricSpec::bytes(
+                "device_grad_peak_plain",
+                "gradients on the device at their peak, all kept there",
+            ),
+            MetricSpec::bytes(
+                "device_grad_peak_offload",
+                "gradients on the device at their peak, offloaded layer by layer",
+            ),
+            MetricSpec::bytes(
+                "host_grad_peak_offload",
+                "gradients on the host at their peak, offloaded layer by layer",
+            ),
+            MetricSpec::seconds(
+                "grad_copy_seconds",
+                "time copying gradients to the host in the layer-by-layer backward",
+            ),
+            MetricSpec::number(
+                "stream_max_abs_diff",
+                "largest output difference, streamed layers against resident",
+            ),
+            MetricSpec::number(
+                "stream_grad_max_abs_diff",
+                "largest weight and bias gradient difference, streamed layers against resident",
+            ),
+            MetricSpec::bytes(
+                "device_param_bytes_resident",
+                "parameters on the device when the model is resident",
+            ),
+            MetricSpec::bytes(
+                "device_param_peak_streamed",
+                "parameters on the device at their peak, streamed forward and backward",
+            ),
+            MetricSpec::bytes(
+                "stream_bytes_to_device",
+                "bytes the streamed layers copy to the device in a forward and backward",
+            ),
+            MetricSpec::seconds(
+                "stream_copy_seconds",
+                "time the streamed layers spend copying in a forward and backward",
+            ),
+            MetricSpec::seconds(
+                "stream_step_seconds",
+                "time of the streamed forward and backward",
+            ),
+            MetricSpec::seconds(
+                "resident_step_seconds",
+                "time of the resident forward and backward",
+            ),
+        ]
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

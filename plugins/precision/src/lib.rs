@@ -15,36 +15,39 @@ use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
 use workbook_sdk::candle_nn::{AdamW, Optimizer};
+use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::output::{Axis, Series, Unit};
 use workbook_sdk::{Category, Context, Figure, Plugin, Rules, Table, Violation};
 
 /// Parameters of the precision cell.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
     /// Seed of weights and data.
     pub seed: u64,
-    /// Width of the model whose activations are measured.
+    /// Width of the model whose activations are measured (features).
     pub act_width: usize,
-    /// Depth (Linear + GELU blocks) of that model.
+    /// Depth (Linear + GELU blocks) of the model whose activations are measured.
     pub act_depth: usize,
-    /// Its batch.
+    /// Batch of the model whose activations are measured (rows).
     pub act_batch: usize,
-    /// Widths of the trained model.
+    /// Widths of the trained model, input to output (features).
     pub train_widths: Vec<usize>,
-    /// Its batch.
+    /// Batch of the trained model (rows).
     pub train_batch: usize,
-    /// Training steps.
+    /// Training steps in each dtype.
+    #[schemars(range(min = 1))]
     pub train_steps: usize,
     /// AdamW's learning rate.
     pub lr: f64,
-    /// Global-norm clipping after unscaling.
+    /// Global gradient norm the gradients are clipped to, after unscaling.
     pub max_grad_norm: f64,
     /// The scaler's settings for f16 training.
     pub scaler: ScalerConfig,
-    /// The size of the gradients of the underflow demonstration.
+    /// The size of each output's gradient in the underflow demonstration.
     pub small_gradient: f64,
-    /// The fraction of training labels replaced at random.
+    /// The fraction of training labels replaced at random (0 to 1).
+    #[schemars(range(min = 0.0, max = 1.0))]
     pub label_noise: f64,
 }
 
@@ -132,6 +135,96 @@ impl Plugin for Precision {
             p.act_batch,
             p.act_width,
         )
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        let mut specs = Vec::new();
+        for dtype in ["f32", "f16", "bf16", "u8"] {
+            specs.push(MetricSpec::number(
+                format!("tensor_mb_{dtype}"),
+                format!("a 1000 × 1000 {dtype} tensor, measured, in MB (1e6 bytes)"),
+            ));
+        }
+        specs.extend([
+            MetricSpec::count(
+                "underflow_elements",
+                "elements of the weight gradient of the underflow demonstration",
+            ),
+            MetricSpec::count(
+                "flushed_f16_unscaled",
+                "weight-gradient elements nonzero in f32 but zero with an f16 forward, unscaled",
+            ),
+            MetricSpec::count(
+                "flushed_f16_scaled",
+                "weight-gradient elements nonzero in f32 but zero in f16, scaled by init_scale",
+            ),
+            MetricSpec::count(
+                "flushed_bf16_unscaled",
+                "weight-gradient elements nonzero in f32 but zero with a bf16 forward, unscaled",
+            ),
+        ]);
+        for dtype in ["f32", "f16", "bf16"] {
+            specs.extend([
+                MetricSpec::bytes(
+                    format!("act_held_{dtype}"),
+                    format!("activations a forward in {dtype} holds when it ends"),
+                ),
+                MetricSpec::bytes(
+                    format!("act_peak_{dtype}"),
+                    format!("activations at their peak during a forward in {dtype}"),
+                ),
+            ]);
+        }
+        specs.extend([
+            MetricSpec::bytes(
+                "act_held_f32_lean",
+                "activations an f32 forward on the fused layers holds when it ends",
+            ),
+            MetricSpec::bytes(
+                "act_peak_f32_lean",
+                "activations at their peak during an f32 forward on the fused layers",
+            ),
+        ]);
+        for dtype in ["f16", "bf16"] {
+            specs.extend([
+                MetricSpec::ratio(
+                    format!("act_held_ratio_{dtype}"),
+                    format!("act_held_{dtype} over act_held_f32"),
+                ),
+                MetricSpec::ratio(
+                    format!("act_peak_ratio_{dtype}"),
+                    format!("act_peak_{dtype} over act_peak_f32"),
+                ),
+            ]);
+        }
+        for dtype in ["f32", "bf16", "f16"] {
+            specs.push(MetricSpec::number(
+                format!("final_loss_{dtype}"),
+                format!("loss after training in {dtype}, evaluated with an f32 forward"),
+            ));
+        }
+        specs.extend([
+            MetricSpec::number("final_scale", "the f16 loss scale after the last step"),
+            MetricSpec::count(
+                "scale_decreases_f16",
+                "times the f16 loss scale fell from one step to the next (the final included)",
+            ),
+            MetricSpec::number(
+                "initial_loss",
+                "loss before training, evaluated with an f32 forward",
+            ),
+            MetricSpec::count(
+                "skipped_steps_f16",
+                "f16 steps the scaler skipped for inf or NaN gradients",
+            ),
+        ]);
+        for dtype in ["bf16", "f16"] {
+            specs.push(MetricSpec::number(
+                format!("loss_gap_{dtype}"),
+                format!("|final_loss_{dtype} - final_loss_f32|"),
+            ));
+        }
+        specs
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {

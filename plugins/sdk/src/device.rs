@@ -21,3 +21,111 @@ pub fn warm_up(device: &Device) -> Result<()> {
     }
     Ok(())
 }
+
+/// Where tensors go, as a runner asks for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// A CUDA GPU when this build has CUDA and one answers, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// A CUDA GPU (builds with the `cuda` feature).
+    Cuda,
+}
+
+impl DeviceChoice {
+    /// Every choice, in the order the command line lists them.
+    pub const ALL: [DeviceChoice; 3] = [DeviceChoice::Auto, DeviceChoice::Cpu, DeviceChoice::Cuda];
+
+    /// The name the command line and the worker protocol use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        }
+    }
+
+    /// The choice of that name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+}
+
+/// The device for `choice`, or why it cannot be had.
+#[cfg(not(feature = "cuda"))]
+pub fn select(choice: DeviceChoice) -> std::result::Result<Device, String> {
+    match choice {
+        DeviceChoice::Cpu | DeviceChoice::Auto => Ok(Device::Cpu),
+        DeviceChoice::Cuda => Err(
+            "this program was built without CUDA support; rebuild it with `--features cuda` \
+             (scripts/build-cuda.sh builds the workbook without a CUDA toolkit) to use \
+             `--device cuda`"
+                .to_string(),
+        ),
+    }
+}
+
+/// The device for `choice`, or why it cannot be had.
+#[cfg(feature = "cuda")]
+pub fn select(choice: DeviceChoice) -> std::result::Result<Device, String> {
+    // candle's errors carry a backtrace when RUST_BACKTRACE is set: keep the
+    // first line, the driver's answer.
+    let first_line = |e: candle_core::Error| {
+        e.to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda => Device::new_cuda(0).map_err(|e| {
+            format!(
+                "no CUDA GPU answered ({}); use `--device cpu`, or check the driver and \
+                 that LD_LIBRARY_PATH holds the CUDA libraries",
+                first_line(e)
+            )
+        }),
+        DeviceChoice::Auto => Device::new_cuda(0).or_else(|e| {
+            // The one line a user of `--device auto` needs to read the numbers.
+            eprintln!(
+                "notice: no CUDA GPU answered ({}); running on the CPU",
+                first_line(e)
+            );
+            Ok(Device::Cpu)
+        }),
+    }
+}
+
+/// The meter for `device`: the CUDA memory pool on a GPU, the counting
+/// allocator on the CPU.
+pub fn meter_for(
+    device: &Device,
+) -> std::result::Result<std::sync::Arc<dyn crate::Meter>, crate::meter::MeterError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let meter = crate::meter::cuda::CudaMeter::new(d.cuda_stream())?;
+        return Ok(std::sync::Arc::new(meter));
+    }
+    let _ = device;
+    Ok(std::sync::Arc::new(crate::meter::CpuMeter::new()?))
+}
+
+/// How a report names `device`: `cpu`, `cuda:0 (NVIDIA H100 80GB HBM3)`.
+pub fn name(device: &Device) -> String {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let stream = d.cuda_stream();
+            let ctx = stream.context();
+            match ctx.name() {
+                Ok(name) => format!("cuda:{} ({name})", ctx.ordinal()),
+                Err(_) => format!("cuda:{}", ctx.ordinal()),
+            }
+        }
+        other => format!("{other:?}").to_lowercase(),
+    }
+}

@@ -36,6 +36,7 @@
 #[cfg(feature = "candle")]
 pub mod device;
 pub mod meter;
+pub mod metric;
 #[cfg(feature = "candle")]
 pub mod observe;
 pub mod output;
@@ -44,6 +45,8 @@ pub mod plugin;
 pub mod protocol;
 pub mod rules;
 pub mod timing;
+#[cfg(feature = "candle")]
+pub mod worker;
 
 pub use anyhow;
 #[cfg(feature = "candle")]
@@ -52,10 +55,14 @@ pub use candle_core as candle;
 pub use candle_nn;
 #[cfg(feature = "candle")]
 pub use candle_observe;
+#[cfg(feature = "candle")]
+pub use schemars;
 pub use serde_json;
 
 pub use meter::{Category, Meter, Residency};
+pub use metric::MetricSpec;
 pub use output::{CellOutput, Figure, PoolUse, RegionReport, Table, Unit};
 #[cfg(feature = "candle")]
-pub use plugin::{Context, DynPlugin, ParamError, Plugin, Region};
+pub use plugin::{Context, DynPlugin, Plugin, Region};
+pub use protocol::{ParamError, PluginInfo};
 pub use rules::{Rules, Violation};

@@ -5,12 +5,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::meter::{ByCategory, Category, MemorySnapshot, Meter};
+use crate::metric::MetricSpec;
 use crate::output::{CellOutput, Figure, Mark, PoolUse, RegionReport, Table};
-use crate::protocol::Message;
+use crate::protocol::{Message, ParamError, PluginInfo, Verdict};
 
 /// A cell kind: an experiment that runs with typed parameters and records what
 /// it measured into its [`Context`].
@@ -20,11 +22,15 @@ use crate::protocol::Message;
 /// `#[serde(deny_unknown_fields)]` so a misspelt parameter is an error, and
 /// `#[serde(default)]` fields for what a chapter may leave out.
 ///
+/// `Params` also derives [`JsonSchema`] (re-exported as
+/// `workbook_sdk::schemars`): `workbook describe` prints the parameters from
+/// it, with their doc comments as their meaning, and editors complete them.
+///
 /// `run` records into the context instead of returning a value, so what a
 /// plugin printed and measured before it failed or panicked is kept.
 pub trait Plugin: Send + Sync + 'static {
     /// The parameters, read from the chapter.
-    type Params: DeserializeOwned + Serialize;
+    type Params: DeserializeOwned + Serialize + JsonSchema;
 
     /// The name chapters use in `plugin = "..."`.
     fn name(&self) -> &str;
@@ -54,19 +60,14 @@ pub trait Plugin: Send + Sync + 'static {
         None
     }
 
+    /// Every metric `run` may record, with its unit and meaning. The runner
+    /// holds the plugin to it (a metric recorded but not declared is the
+    /// cell's error), and `workbook validate` checks each assertion's
+    /// metrics against it.
+    fn metrics(&self) -> Vec<MetricSpec>;
+
     /// Runs the experiment.
     fn run(&self, ctx: &mut Context, params: Self::Params) -> anyhow::Result<()>;
-}
-
-/// A parameter table that does not fit a plugin's `Params`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct ParamError {
-    /// The path of the field at fault (`batch`, `sizes[2]`), empty when the
-    /// table as a whole is at fault.
-    pub field: String,
-    /// What was wrong, naming the expected type or the valid fields.
-    pub message: String,
 }
 
 /// The object-safe face of [`Plugin`], used by registries. Every `Plugin`
@@ -76,6 +77,9 @@ pub trait DynPlugin: Send + Sync {
     fn name(&self) -> &str;
     /// See [`Plugin::description`].
     fn description(&self) -> &str;
+    /// The plugin as `workbook describe` shows it: its parameters' JSON
+    /// Schema and its metrics.
+    fn info(&self) -> PluginInfo;
     /// Checks a parameter table and returns it with defaults filled in, as JSON.
     fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError>;
     /// The values of a well-typed parameter table that are not allowed; see
@@ -85,6 +89,23 @@ pub trait DynPlugin: Send + Sync {
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)>;
     /// Deserialises the parameters and runs.
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()>;
+
+    /// Everything a runner checks of a table before it runs, at once: what
+    /// the protocol's [`Check`](crate::protocol::Body::Check) answers.
+    fn verdict(&self, params: &toml::Table) -> Verdict {
+        match self.check_params(params) {
+            Ok(filled) => Verdict {
+                params: Ok(filled),
+                violations: self.validate_params(params).unwrap_or_default(),
+                memory_floor: self.memory_floor_of(params),
+            },
+            Err(e) => Verdict {
+                params: Err(e),
+                violations: Vec::new(),
+                memory_floor: None,
+            },
+        }
+    }
 }
 
 fn parse<P: DeserializeOwned>(params: &toml::Table) -> Result<P, ParamError> {
@@ -111,6 +132,15 @@ impl<T: Plugin> DynPlugin for T {
 
     fn description(&self) -> &str {
         Plugin::description(self)
+    }
+
+    fn info(&self) -> PluginInfo {
+        PluginInfo {
+            name: Plugin::name(self).to_string(),
+            description: Plugin::description(self).to_string(),
+            params: schemars::schema_for!(T::Params).to_value(),
+            metrics: self.metrics(),
+        }
     }
 
     fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError> {

@@ -1,33 +1,83 @@
-//! The worker protocol: how a runner and the process that runs one cell talk.
+//! The worker protocol: how a runner and the process that serves a plugin
+//! talk. The `workbook` binary's own worker (`workbook worker`) and an
+//! external plugin (an executable `workbook-plugin-NAME`, whose `main` is
+//! [`crate::main!`]) speak it alike.
 //!
-//! The runner starts a worker per cell, writes one [`Request`] as a line of
-//! JSON to its standard input and closes it. The worker answers on its
-//! standard output with one [`Message`] per line, as things happen:
-//! [`Message::Hello`] once the device answers, then what the cell records
-//! (printed lines, metrics, regions, tables, figures, progress), and last
-//! [`Message::End`] with the cell's memory. What reached the runner before a
-//! worker died (a panic, an abort, a signal, the kernel's out-of-memory
-//! killer, the time limit) is kept: the cell reports it beside the error.
+//! The runner starts the process, writes one [`Request`] as a line of JSON
+//! to its standard input and closes it. The process answers on its standard
+//! output with one [`Message`] per line:
 //!
-//! Standard error is free text, for the runner to quote when the worker dies.
+//! - to [`Body::Describe`], one [`Message::Described`]: the plugin's
+//!   name, description, parameters and metrics (the handshake: it names the
+//!   protocol version the plugin speaks);
+//! - to [`Body::Check`], one [`Message::Checked`] with a verdict per
+//!   parameter table;
+//! - to [`Body::Run`], [`Message::Hello`] once the device answers, then
+//!   what the cell records (printed lines, metrics, regions, tables,
+//!   figures, progress) as it happens, and last [`Message::End`] with the
+//!   cell's memory. What reached the runner before the process died (a
+//!   panic, an abort, a signal, the kernel's out-of-memory killer, the time
+//!   limit) is kept: the cell reports it beside the error.
 //!
-//! The protocol is versioned by [`PROTOCOL_VERSION`]; a worker that reads a
-//! request of another version answers [`Message::Fatal`] naming both.
+//! Standard error is free text, for the runner to quote when the process
+//! dies.
+//!
+//! The protocol is versioned by [`PROTOCOL_VERSION`]: a process that reads
+//! a request of another version answers [`Message::Fatal`] naming both, and
+//! a runner refuses an answer of another version the same way.
 
 use serde::{Deserialize, Serialize};
 
 use crate::meter::ByCategory;
+use crate::metric::MetricSpec;
 use crate::output::{json_float, Figure, PoolUse, RegionReport, Table};
+use crate::rules::Violation;
 
 /// The version of this protocol. A change that an older peer cannot read
 /// takes a new version.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
-/// What a worker is asked to run: one cell.
+/// One request: the protocol version and what is asked.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Request {
     /// [`PROTOCOL_VERSION`] of the runner.
     pub protocol: u32,
+    /// What is asked.
+    #[serde(flatten)]
+    pub body: Body,
+}
+
+impl Request {
+    /// A request of this protocol version.
+    pub fn new(body: Body) -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            body,
+        }
+    }
+}
+
+/// What a runner asks of a plugin's process.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "request", rename_all = "snake_case")]
+pub enum Body {
+    /// Describe the plugin(s) served: answered by [`Message::Described`].
+    Describe,
+    /// Check parameter tables: answered by [`Message::Checked`], one
+    /// verdict per table, in order.
+    Check {
+        /// The plugin.
+        plugin: String,
+        /// The tables, as a chapter gives them (JSON objects).
+        tables: Vec<serde_json::Value>,
+    },
+    /// Run one cell.
+    Run(RunCell),
+}
+
+/// What a process is asked to run: one cell.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunCell {
     /// The plugin that runs the cell.
     pub plugin: String,
     /// The cell's parameters, for the mode asked for (check parameters
@@ -43,6 +93,41 @@ pub struct Request {
     pub max_memory: Option<u64>,
 }
 
+/// A plugin as it describes itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PluginInfo {
+    /// The name chapters use in `plugin = "..."`.
+    pub name: String,
+    /// One line on what it measures.
+    pub description: String,
+    /// The JSON Schema of its parameters.
+    pub params: serde_json::Value,
+    /// The metrics it records.
+    pub metrics: Vec<MetricSpec>,
+}
+
+/// A parameter table that does not fit a plugin's parameters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ParamError {
+    /// The path of the field at fault (`batch`, `sizes[2]`), empty when the
+    /// table as a whole is at fault.
+    pub field: String,
+    /// What was wrong, naming the expected type or the valid fields.
+    pub message: String,
+}
+
+/// A plugin's verdict on one parameter table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// The table with defaults filled in, or why it does not fit.
+    pub params: Result<serde_json::Value, ParamError>,
+    /// Values the experiment cannot run with (when the table fits).
+    pub violations: Vec<Violation>,
+    /// The least memory the cell must hold, and what it is.
+    pub memory_floor: Option<(u64, String)>,
+}
+
 /// One line from a worker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -50,6 +135,18 @@ pub struct Request {
 // matter, and boxing the region would allocate inside what a cell measures.
 #[allow(clippy::large_enum_variant)]
 pub enum Message {
+    /// The answer to [`Body::Describe`]: the plugins served.
+    Described {
+        /// The process's [`PROTOCOL_VERSION`].
+        protocol: u32,
+        /// The plugins.
+        plugins: Vec<PluginInfo>,
+    },
+    /// The answer to [`Body::Check`].
+    Checked {
+        /// One verdict per table, in order.
+        verdicts: Vec<Verdict>,
+    },
     /// The worker is ready: the device answered and was warmed up.
     Hello {
         /// The worker's [`PROTOCOL_VERSION`].

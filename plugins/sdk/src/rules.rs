@@ -10,7 +10,7 @@
 use std::fmt;
 
 /// One parameter value that is not allowed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Violation {
     /// The parameter (`batch`), or an element of one (`steps[2]`), or a
     /// relation named by its first parameter.

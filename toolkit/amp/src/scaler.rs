@@ -7,15 +7,19 @@ use serde::{Deserialize, Serialize};
 
 /// The settings of a [`GradScaler`]; the defaults are torch.amp's.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct ScalerConfig {
-    /// The first scale.
+    /// The first scale the loss is multiplied by (positive).
     pub init_scale: f64,
-    /// What the scale is multiplied by after `growth_interval` clean steps.
+    /// What the scale is multiplied by after `growth_interval` clean steps
+    /// (above 1).
     pub growth_factor: f64,
-    /// What the scale is multiplied by after a step with inf or NaN.
+    /// What the scale is multiplied by after a step with inf or NaN (above
+    /// 0, below 1).
     pub backoff_factor: f64,
-    /// Clean steps in a row before the scale grows.
+    /// Clean steps in a row before the scale grows (at least 1).
+    #[cfg_attr(feature = "schemars", schemars(range(min = 1)))]
     pub growth_interval: u32,
 }
 

@@ -1,0 +1,312 @@
+//! External plugins as their authors make them: `workbook new-plugin`
+//! outside the workspace, built with cargo, put on PATH, and used by the
+//! stock binary; and programs that break the protocol, refused with a reason.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::{heavy, text};
+
+fn workbook(args: &[&str], path: &str, cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .args(args)
+        .current_dir(cwd)
+        .env("PATH", path)
+        .env_remove("WORKBOOK_CHECK_MODE")
+        .env_remove("WORKBOOK_CHAPTERS")
+        .output()
+        .expect("the binary runs")
+}
+
+fn path_with(dir: &Path) -> String {
+    let mut dirs = vec![dir.to_path_buf()];
+    dirs.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::join_paths(dirs).unwrap().into_string().unwrap()
+}
+
+/// Where the generated crate builds: beside this workspace's own outputs
+/// (which stay locked while its tests run), kept between runs.
+fn plugin_target() -> PathBuf {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_workbook"));
+    // <target>/<profile>/workbook
+    exe.parent()
+        .and_then(Path::parent)
+        .map(|t| t.join("external-plugin-test"))
+        .expect("the binary lies in a target folder")
+}
+
+fn cargo(args: &[&str], dir: &Path) {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let o = Command::new(cargo)
+        .args(args)
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", plugin_target())
+        .env_remove("RUSTFLAGS")
+        .output()
+        .expect("cargo runs");
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "cargo {args:?} failed:\n{out}\n{err}");
+}
+
+#[test]
+fn a_new_plugin_builds_runs_and_is_measured_like_a_built_in_one() {
+    let _machine = heavy();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let o = workbook(
+        &["new-plugin", "demo", "--path", dir.to_str().unwrap()],
+        &std::env::var("PATH").unwrap_or_default(),
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("cargo build"), "{out}");
+
+    // A panic and an abort on cue, to show each is its cell's error alone.
+    let lib = dir.join("src/lib.rs");
+    let code = std::fs::read_to_string(&lib).unwrap();
+    let cue = "let elements = usize::try_from(p.elements)?;";
+    assert!(code.contains(cue), "the template's run changed: {code}");
+    std::fs::write(
+        &lib,
+        code.replace(
+            cue,
+            &format!(
+                "if p.elements == 13 {{ panic!(\"thirteen is unlucky\") }}\n        \
+                 if p.elements == 17 {{ std::process::abort() }}\n        {cue}"
+            ),
+        ),
+    )
+    .unwrap();
+    cargo(&["test", "--quiet"], &dir);
+    cargo(&["build", "--quiet"], &dir);
+    let bin = plugin_target().join("debug");
+    assert!(bin.join("workbook-plugin-demo").is_file());
+    let path = path_with(&bin);
+
+    let o = workbook(&["list"], &path, &dir);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    // Run in the crate's folder, `list` shows its chapter too.
+    assert!(
+        out.starts_with("demo  The demo plugin  (chapters/demo.toml)\n  buffer "),
+        "{out}"
+    );
+    let plugins = out.split("\nplugins:\n").nth(1).unwrap_or_default();
+    let line = plugins
+        .lines()
+        .find(|l| l.trim_start().starts_with("demo "))
+        .unwrap_or_else(|| panic!("`list` does not show the plugin:\n{out}"));
+    assert!(line.contains("Allocates a buffer of f32 values"), "{line}");
+    assert!(out.contains("(external: "), "{out}");
+
+    let o = workbook(&["describe", "demo"], &path, &dir);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.contains("  elements (integer, default 1000000, at least 1)\n      How many f32 values the buffer holds."),
+        "{out}"
+    );
+    for metric in [
+        "peak_bytes (bytes)",
+        "expected_bytes (bytes)",
+        "sum (number)",
+    ] {
+        assert!(out.contains(metric), "{metric} in:\n{out}");
+    }
+
+    let chapter = dir.join("chapters/demo.toml");
+    let chapter_arg = chapter.to_str().unwrap();
+    let o = workbook(&["validate", chapter_arg], &path, &dir);
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+
+    let out_dir = tmp.path().join("report");
+    let o = workbook(
+        &[
+            "run",
+            chapter_arg,
+            "--check",
+            "--out",
+            out_dir.to_str().unwrap(),
+            "--format",
+            "json",
+        ],
+        &path,
+        &dir,
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let cell = &report["cells"][0];
+    assert_eq!(cell["status"], "passed", "{cell:#}");
+    // 1000 f32 values: the meter counts the buffer to the byte.
+    assert_eq!(cell["metrics"]["peak_bytes"], 4000.0);
+    assert_eq!(cell["metrics"]["expected_bytes"], 4000.0);
+    assert_eq!(report["meter"], "cpu-allocator");
+    assert!(out_dir.join("report.html").is_file());
+
+    // A panic and a crash inside the plugin are those cells' errors; the
+    // cells around them run.
+    let crashes = dir.join("chapters/crashes.toml");
+    std::fs::write(
+        &crashes,
+        r#"format_version = 1
+id = "crashes"
+title = "Crashes"
+
+[[cells]]
+id = "panics"
+title = "Panics"
+plugin = "demo"
+params = { elements = 13 }
+
+[[cells]]
+id = "aborts"
+title = "Aborts"
+plugin = "demo"
+params = { elements = 17 }
+
+[[cells]]
+id = "fine"
+title = "Fine"
+plugin = "demo"
+params = { elements = 10 }
+assertions = ["peak_bytes == 40"]
+"#,
+    )
+    .unwrap();
+    let o = workbook(
+        &["run", crashes.to_str().unwrap(), "--format", "json"],
+        &path,
+        &dir,
+    );
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells[0]["status"], "error");
+    assert_eq!(cells[0]["error"], "panicked: thirteen is unlucky");
+    assert_eq!(cells[1]["status"], "error");
+    let aborted = cells[1]["error"].as_str().unwrap();
+    assert!(
+        aborted.starts_with("the cell's worker process aborted (SIGABRT) before the cell ended"),
+        "{aborted}"
+    );
+    assert_eq!(cells[2]["status"], "passed", "{:#}", cells[2]);
+}
+
+/// A folder holding one executable script named `workbook-plugin-NAME`.
+fn script(dir: &Path, name: &str, body: &str) {
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(format!("workbook-plugin-{name}"));
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+#[test]
+fn a_plugin_of_another_protocol_version_is_named_with_both_versions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("bin");
+    script(
+        &bin,
+        "old",
+        r#"read line; echo '{"type":"described","protocol":1,"plugins":[]}'"#,
+    );
+    let path = path_with(&bin);
+    let o = workbook(&["list"], &path, tmp.path());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.contains(&format!(
+            "old              (cannot be used: plugin program {}: it speaks protocol version 1; \
+             this workbook speaks version 2 (rebuild the plugin against this workbook's SDK))",
+            bin.join("workbook-plugin-old").display()
+        )),
+        "{out}"
+    );
+    // A chapter that names it says why it cannot run.
+    let chapter = tmp.path().join("uses-old.toml");
+    std::fs::write(
+        &chapter,
+        "format_version = 1\nid = \"x\"\ntitle = \"x\"\n[[cells]]\nid = \"a\"\ntitle = \"a\"\n\
+         plugin = \"old\"\n",
+    )
+    .unwrap();
+    let o = workbook(&["validate", chapter.to_str().unwrap()], &path, tmp.path());
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err.contains("plugin `old` cannot be used: plugin program")
+            && err.contains("it speaks protocol version 1; this workbook speaks version 2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_external_plugin_with_a_built_in_name_is_an_error_naming_both() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("bin");
+    script(&bin, "footprint", "exit 1");
+    let o = workbook(&["list"], &path_with(&bin), tmp.path());
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        err.trim(),
+        format!(
+            "error: plugin `footprint` is both built in and an external program ({}); rename \
+             or remove the external one",
+            bin.join("workbook-plugin-footprint").display()
+        )
+    );
+}
+
+#[test]
+fn a_program_that_does_not_answer_is_set_aside_with_what_it_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("bin");
+    script(&bin, "mute", "echo 'no protocol here' >&2; exit 3");
+    let o = workbook(&["list"], &path_with(&bin), tmp.path());
+    let (out, _) = text(&o);
+    assert!(
+        out.contains(&format!(
+            "mute             (cannot be used: plugin program {}: it ended (exit status: 3) \
+             without an answer; it said: no protocol here)",
+            bin.join("workbook-plugin-mute").display()
+        )),
+        "{out}"
+    );
+}
+
+#[test]
+fn plugins_beside_a_chapter_are_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A plugin folder beside the chapter: found without PATH.
+    script(
+        &tmp.path().join("plugins"),
+        "local",
+        r#"read line; echo '{"type":"described","protocol":2,"plugins":[{"name":"local","description":"a local plugin","params":{},"metrics":[]}]}'"#,
+    );
+    let chapter = tmp.path().join("c.toml");
+    std::fs::write(
+        &chapter,
+        "format_version = 1\nid = \"c\"\ntitle = \"c\"\n[[cells]]\nid = \"a\"\ntitle = \"a\"\n\
+         plugin = \"lokal\"\n",
+    )
+    .unwrap();
+    let o = workbook(
+        &["validate", chapter.to_str().unwrap()],
+        &std::env::var("PATH").unwrap_or_default(),
+        Path::new(env!("CARGO_MANIFEST_DIR")),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err.contains("unknown plugin `lokal`; did you mean `local`?"),
+        "{err}"
+    );
+}
