@@ -410,11 +410,12 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
         let mut check_params = params.clone();
         check_params.extend(plain(&rc.check));
         let plugin_name = rc.plugin.get_ref();
-        match registry.get(plugin_name) {
+        let refusal = registry.refusal(plugin_name);
+        match registry.get(plugin_name).filter(|_| refusal.is_none()) {
             None => errors.push(src.error(
                 rc.plugin.span(),
                 Some(&shown_id),
-                match registry.broken(plugin_name) {
+                match refusal {
                     Some(why) => format!("plugin `{}` cannot be used: {why}", quote(plugin_name)),
                     None => format!(
                         "unknown plugin `{}`{}; registered plugins: {} (an external plugin is \

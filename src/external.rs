@@ -137,7 +137,10 @@ impl ExternalPlugin {
         });
         let verdict = match ask(&self.program, &request) {
             Ok(Message::Checked { mut verdicts }) if verdicts.len() == 1 => verdicts.remove(0),
-            Ok(_) => failed_check("it did not answer the check of its parameters".into()),
+            Ok(_) => failed_check(format!(
+                "plugin program {} answered the check of its parameters with another message",
+                self.program.display()
+            )),
             Err(e) => failed_check(format!(
                 "plugin program {} cannot check parameters: {e}",
                 self.program.display()
@@ -200,7 +203,13 @@ impl DynPlugin for ExternalPlugin {
     }
 }
 
-/// Sends `request` to a new process of `program` and reads its one answer.
+/// The most a plugin may write before its answer's line ends.
+const ANSWER_BYTES: u64 = 64 << 20;
+
+/// Sends `request` to a new process of `program` and reads its one answer:
+/// the first line it writes. Its standard input, output and error are each
+/// served by a thread of their own, so that no pipe can fill and stall it,
+/// and the process is killed at [`ANSWER_LIMIT`] whatever it does.
 fn ask(program: &Path, request: &Request) -> Result<Message, String> {
     let mut child = Command::new(program)
         .stdin(Stdio::piped())
@@ -209,51 +218,94 @@ fn ask(program: &Path, request: &Request) -> Result<Message, String> {
         .spawn()
         .map_err(|e| format!("cannot start it: {e}"))?;
     if let Some(mut stdin) = child.stdin.take() {
-        let mut line = serde_json::to_string(request).unwrap_or_default();
-        line.push('\n');
-        // A program that died at once is reported from its exit below.
-        let _ = stdin.write_all(line.as_bytes());
+        let mut line = serde_json::to_vec(request).unwrap_or_default();
+        line.push(b'\n');
+        // A program that does not read its input must not stall the runner;
+        // one that died at once is reported from its exit below.
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(&line);
+        });
     }
-    let pid = child.id();
     let (tx, rx) = mpsc::channel();
+    if let Some(stdout) = child.stdout.take() {
+        std::thread::spawn(move || {
+            let mut reader = std::io::BufReader::new(stdout.take(ANSWER_BYTES));
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match std::io::BufRead::read_until(&mut reader, b'\n', &mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) if line.iter().all(u8::is_ascii_whitespace) => continue,
+                    Ok(_) => {
+                        let _ = tx.send(String::from_utf8_lossy(&line).into_owned());
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    let stderr = child.stderr.take();
+    let (tail_tx, tail_rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let mut out = String::new();
-        let mut err = Vec::new();
-        if let Some(mut s) = child.stdout.take() {
-            let _ = s.read_to_string(&mut out);
+        let mut tail: Vec<u8> = Vec::new();
+        let Some(mut stderr) = stderr else {
+            let _ = tail_tx.send(tail);
+            return;
+        };
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            tail.extend_from_slice(&buf[..n]);
+            if tail.len() > 8192 {
+                tail.drain(..tail.len() - 4096);
+            }
         }
-        if let Some(mut s) = child.stderr.take() {
-            let _ = s.read_to_end(&mut err);
-        }
-        let _ = tx.send((out, err, child.wait()));
+        let _ = tail_tx.send(tail);
     });
-    let (out, err, status) = match rx.recv_timeout(ANSWER_LIMIT) {
-        Ok(answer) => answer,
+    let answer = rx.recv_timeout(ANSWER_LIMIT);
+    // Whatever it answered, the process has nothing more to say: it is
+    // stopped if it has not exited, and reaped either way (the `Child` is
+    // still ours, so the signal cannot reach a reused process id).
+    if !matches!(child.try_wait(), Ok(Some(_))) {
+        let exited = (0..100).any(|_| {
+            std::thread::sleep(Duration::from_millis(1));
+            matches!(child.try_wait(), Ok(Some(_)))
+        });
+        if !exited {
+            let _ = child.kill();
+        }
+    }
+    let status = child.wait();
+    let line = match answer {
+        Ok(line) => line,
         Err(RecvTimeoutError::Timeout) => {
-            // SAFETY: kill(2) on the pid of a child not yet waited for.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
             return Err(format!(
                 "it did not answer within {} s",
                 ANSWER_LIMIT.as_secs()
-            ));
+            ))
         }
-        Err(RecvTimeoutError::Disconnected) => return Err("it could not be waited for".into()),
+        Err(RecvTimeoutError::Disconnected) => {
+            // Its output ended without a line: why is on its standard error.
+            // (A process it started may hold the pipe open: not for long.)
+            let tail = tail_rx
+                .recv_timeout(Duration::from_secs(1))
+                .unwrap_or_default();
+            let said = String::from_utf8_lossy(&tail)
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .map(|l| format!("; it said: {}", excerpt(l.trim(), 300)))
+                .unwrap_or_default();
+            let how = match status {
+                Ok(s) => s.to_string(),
+                Err(e) => e.to_string(),
+            };
+            return Err(format!("it ended ({how}) without an answer{said}"));
+        }
     };
-    let said = String::from_utf8_lossy(&err);
-    let last_said = said
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .map(|l| format!("; it said: {}", excerpt(l.trim(), 300)))
-        .unwrap_or_default();
-    let Some(line) = out.lines().find(|l| !l.trim().is_empty()) else {
-        let how = match status {
-            Ok(s) => s.to_string(),
-            Err(e) => e.to_string(),
-        };
-        return Err(format!("it ended ({how}) without an answer{last_said}"));
-    };
-    match serde_json::from_str::<Message>(line) {
+    match serde_json::from_str::<Message>(&line) {
         Ok(Message::Fatal { message }) => Err(message),
         Ok(m) => Ok(m),
         Err(e) => Err(format!(

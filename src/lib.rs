@@ -105,11 +105,10 @@ impl Workbook {
     }
 
     /// Adds the external plugins (`workbook-plugin-NAME` executables) found
-    /// in `dirs`, the first folder's first; one with the name of a plugin
-    /// already registered is an error naming both.
-    pub fn with_external_plugins(mut self, dirs: &[PathBuf]) -> Result<Self, DuplicatePlugin> {
-        self.registry.add_external(dirs)?;
-        Ok(self)
+    /// in `dirs`, the first folder's first; see [`Registry::add_external`].
+    pub fn with_external_plugins(mut self, dirs: &[PathBuf]) -> Self {
+        self.registry.add_external(dirs);
+        self
     }
 
     /// Looks for chapters in `dirs` instead of the default folders.

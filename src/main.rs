@@ -228,13 +228,7 @@ fn main() -> ExitCode {
         .collect();
     dirs.extend(wb.chapter_dirs().iter().map(|d| d.join("plugins")));
     dirs.extend(workbook::external::path_dirs());
-    wb = match wb.with_external_plugins(&dirs) {
-        Ok(wb) => wb,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    wb = wb.with_external_plugins(&dirs);
     match run(&cli, &wb) {
         Ok(code) => code,
         Err(e) => {
@@ -256,7 +250,9 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Describe { plugin, format } => describe(wb, plugin.as_deref(), *format),
-        Command::NewPlugin { name, path, sdk } => new_plugin(name, path.as_deref(), sdk.as_deref()),
+        Command::NewPlugin { name, path, sdk } => {
+            new_plugin(wb, name, path.as_deref(), sdk.as_deref())
+        }
         Command::Validate { chapter } => {
             let ch = wb.load(chapter)?;
             let assertions: usize = ch.cells.iter().map(|c| c.assertions.len()).sum();
@@ -463,17 +459,15 @@ fn describe(
 ) -> anyhow::Result<ExitCode> {
     let registry = wb.registry();
     let infos: Vec<workbook::sdk::PluginInfo> = match plugin {
-        Some(name) => match registry.get(name) {
-            Some(p) => vec![p.info()],
-            None => match registry.broken(name) {
-                Some(why) => anyhow::bail!("plugin `{name}` cannot be used: {why}"),
-                None => anyhow::bail!(
-                    "unknown plugin `{}`{}; plugins: {}",
-                    workbook::excerpt::quote(name),
-                    workbook::suggest::did_you_mean(name, registry.names()),
-                    registry.names().join(", ")
-                ),
-            },
+        Some(name) => match (registry.refusal(name), registry.get(name)) {
+            (None, Some(p)) => vec![p.info()],
+            (Some(why), _) => anyhow::bail!("plugin `{name}` cannot be used: {why}"),
+            (None, None) => anyhow::bail!(
+                "unknown plugin `{}`{}; plugins: {}",
+                workbook::excerpt::quote(name),
+                workbook::suggest::did_you_mean(name, registry.names()),
+                registry.names().join(", ")
+            ),
         },
         None => registry.iter().map(|p| p.info()).collect(),
     };
@@ -498,6 +492,7 @@ fn describe(
 }
 
 fn new_plugin(
+    wb: &Workbook,
     name: &str,
     path: Option<&std::path::Path>,
     sdk: Option<&std::path::Path>,
@@ -514,7 +509,7 @@ fn new_plugin(
             )
         })?,
     };
-    workbook::new_plugin::write(name, &dir, &sdk)?;
+    workbook::new_plugin::write(name, &dir, &sdk, &wb.registry().names())?;
     let d = dir.display();
     say(&format!(
         "created {d}: the `{name}` plugin, its test, and chapters/{name}.toml\n\n\
@@ -558,7 +553,7 @@ fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
             let _ = writeln!(text, "  {:<16} (external: {})", "", program.display());
         }
     }
-    for (name, why) in wb.registry().broken_plugins() {
+    for (name, why) in wb.registry().refused() {
         let _ = writeln!(text, "  {name:<16} (cannot be used: {why})");
     }
     say(&text)?;

@@ -1,7 +1,9 @@
 //! The plugin registry: names to plugins, in the order they were added,
-//! built-in and external ([`crate::external`]) alike.
+//! built-in and external ([`crate::external`]) alike. An external plugin is
+//! started to describe itself only when it is first needed.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use indexmap::IndexMap;
 use workbook_sdk::DynPlugin;
@@ -14,7 +16,7 @@ pub enum DuplicatePlugin {
     /// Two plugins registered in a program under one name.
     #[error("a plugin named `{0}` is already registered")]
     Registered(String),
-    /// An external plugin with a built-in plugin's name.
+    /// An external plugin with the name of a plugin already registered.
     #[error(
         "plugin `{name}` is both built in and an external program ({program}); rename or \
          remove the external one"
@@ -27,18 +29,35 @@ pub enum DuplicatePlugin {
     },
 }
 
-struct Entry {
-    plugin: Box<dyn DynPlugin>,
-    /// The program that runs its cells, for an external plugin.
-    program: Option<PathBuf>,
+enum Entry {
+    BuiltIn(Box<dyn DynPlugin>),
+    External {
+        program: PathBuf,
+        /// What it said of itself, asked on first use (boxed: a
+        /// description is far larger than a built-in entry).
+        loaded: Box<OnceLock<Result<ExternalPlugin, ExternalError>>>,
+    },
+}
+
+impl Entry {
+    fn plugin(&self, name: &str) -> Result<&dyn DynPlugin, &ExternalError> {
+        match self {
+            Entry::BuiltIn(p) => Ok(p.as_ref()),
+            Entry::External { program, loaded } => loaded
+                .get_or_init(|| ExternalPlugin::load(name, program))
+                .as_ref()
+                .map(|p| p as &dyn DynPlugin),
+        }
+    }
 }
 
 /// Plugins by name, in insertion order.
 #[derive(Default)]
 pub struct Registry {
     plugins: IndexMap<String, Entry>,
-    /// External plugins found but unusable, by name.
-    broken: IndexMap<String, ExternalError>,
+    /// External programs with the name of a registered plugin: a chapter
+    /// that names it is refused, with both named.
+    clashes: IndexMap<String, DuplicatePlugin>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -68,72 +87,89 @@ impl Registry {
         if self.plugins.contains_key(&name) {
             return Err(DuplicatePlugin::Registered(name));
         }
-        self.plugins.insert(
-            name,
-            Entry {
-                plugin,
-                program: None,
-            },
-        );
+        self.plugins.insert(name, Entry::BuiltIn(plugin));
         Ok(self)
     }
 
     /// Adds the external plugins found in `dirs` (see
-    /// [`crate::external::discover`]). One that cannot describe itself is
-    /// kept aside, to be named when a chapter uses it; one with the name of
-    /// a plugin already here is an error naming both.
-    pub fn add_external(&mut self, dirs: &[PathBuf]) -> Result<&mut Self, DuplicatePlugin> {
+    /// [`crate::external::discover`]). Each is asked to describe itself when
+    /// first used; one that cannot is named, with why, where a chapter uses
+    /// it. One with the name of a plugin already here is set aside: a
+    /// chapter that names it is refused, with both named.
+    pub fn add_external(&mut self, dirs: &[PathBuf]) -> &mut Self {
         for (name, program) in crate::external::discover(dirs) {
             if self.plugins.contains_key(&name) {
-                return Err(DuplicatePlugin::External { name, program });
+                let clash = DuplicatePlugin::External {
+                    name: name.clone(),
+                    program,
+                };
+                self.clashes.insert(name, clash);
+                continue;
             }
-            match ExternalPlugin::load(&name, &program) {
-                Ok(plugin) => {
-                    self.plugins.insert(
-                        name,
-                        Entry {
-                            plugin: Box::new(plugin),
-                            program: Some(program),
-                        },
-                    );
-                }
-                Err(e) => {
-                    self.broken.insert(name, e);
-                }
-            }
+            self.plugins.insert(
+                name,
+                Entry::External {
+                    program,
+                    loaded: Box::default(),
+                },
+            );
         }
-        Ok(self)
+        self
     }
 
-    /// The plugin of that name.
+    /// The plugin of that name (an external one is asked to describe itself
+    /// the first time).
     pub fn get(&self, name: &str) -> Option<&dyn DynPlugin> {
-        self.plugins.get(name).map(|e| e.plugin.as_ref())
+        self.plugins.get(name)?.plugin(name).ok()
     }
 
     /// The program that runs the plugin's cells, for an external plugin.
     pub fn program(&self, name: &str) -> Option<&Path> {
-        self.plugins.get(name).and_then(|e| e.program.as_deref())
+        match self.plugins.get(name)? {
+            Entry::External { program, .. } => Some(program),
+            Entry::BuiltIn(_) => None,
+        }
     }
 
-    /// Why the external plugin of that name cannot be used, if one was found
-    /// and cannot.
-    pub fn broken(&self, name: &str) -> Option<&ExternalError> {
-        self.broken.get(name)
+    /// Why a chapter may not use the plugin of that name, when it may not:
+    /// an external program of a registered plugin's name, or an external
+    /// plugin that cannot describe itself.
+    pub fn refusal(&self, name: &str) -> Option<String> {
+        if let Some(clash) = self.clashes.get(name) {
+            return Some(clash.to_string());
+        }
+        self.plugins
+            .get(name)?
+            .plugin(name)
+            .err()
+            .map(ToString::to_string)
     }
 
-    /// The external plugins found that cannot be used.
-    pub fn broken_plugins(&self) -> impl Iterator<Item = (&str, &ExternalError)> {
-        self.broken.iter().map(|(n, e)| (n.as_str(), e))
+    /// The plugins that cannot be used (external ones are asked first), and
+    /// why.
+    pub fn refused(&self) -> Vec<(&str, String)> {
+        let mut out: Vec<(&str, String)> = self
+            .plugins
+            .iter()
+            .filter_map(|(n, e)| e.plugin(n).err().map(|why| (n.as_str(), why.to_string())))
+            .collect();
+        out.extend(
+            self.clashes
+                .iter()
+                .map(|(n, c)| (n.as_str(), c.to_string())),
+        );
+        out
     }
 
-    /// The registered names, in order.
+    /// The registered names, in order (external plugins are not started).
     pub fn names(&self) -> Vec<&str> {
         self.plugins.keys().map(String::as_str).collect()
     }
 
-    /// The plugins, in order.
+    /// The plugins that can be used, in order (external ones are asked to
+    /// describe themselves).
     pub fn iter(&self) -> impl Iterator<Item = &dyn DynPlugin> {
-        self.plugins.values().map(|e| e.plugin.as_ref())
+        self.plugins.iter().filter_map(|(n, e)| e.plugin(n).ok())
     }
 }
 

@@ -66,7 +66,9 @@ fn a_new_plugin_builds_runs_and_is_measured_like_a_built_in_one() {
     assert!(o.status.success(), "{err}");
     assert!(out.contains("cargo build"), "{out}");
 
-    // A panic and an abort on cue, to show each is its cell's error alone.
+    // A panic and an abort on cue, to show each is its cell's error alone,
+    // and a `print!` that must not garble the protocol's next line (the
+    // region's).
     let lib = dir.join("src/lib.rs");
     let code = std::fs::read_to_string(&lib).unwrap();
     let cue = "let elements = usize::try_from(p.elements)?;";
@@ -76,7 +78,8 @@ fn a_new_plugin_builds_runs_and_is_measured_like_a_built_in_one() {
         code.replace(
             cue,
             &format!(
-                "if p.elements == 13 {{ panic!(\"thirteen is unlucky\") }}\n        \
+                "print!(\"a stray print, no newline\");\n        \
+                 if p.elements == 13 {{ panic!(\"thirteen is unlucky\") }}\n        \
                  if p.elements == 17 {{ std::process::abort() }}\n        {cue}"
             ),
         ),
@@ -148,6 +151,9 @@ fn a_new_plugin_builds_runs_and_is_measured_like_a_built_in_one() {
     assert_eq!(cell["metrics"]["peak_bytes"], 4000.0);
     assert_eq!(cell["metrics"]["expected_bytes"], 4000.0);
     assert_eq!(report["meter"], "cpu-allocator");
+    let region = &cell["memory"]["regions"][0];
+    assert_eq!(region["name"], "buffer", "{cell:#}");
+    assert_eq!(region["analytic"], 4000);
     assert!(out_dir.join("report.html").is_file());
 
     // A panic and a crash inside the plugin are those cells' errors; the
@@ -252,16 +258,38 @@ fn an_external_plugin_with_a_built_in_name_is_an_error_naming_both() {
     let tmp = tempfile::tempdir().unwrap();
     let bin = tmp.path().join("bin");
     script(&bin, "footprint", "exit 1");
-    let o = workbook(&["list"], &path_with(&bin), tmp.path());
+    let path = path_with(&bin);
+    let both = format!(
+        "plugin `footprint` is both built in and an external program ({}); rename or remove \
+         the external one",
+        bin.join("workbook-plugin-footprint").display()
+    );
+    // `list` still works, to show what is wrong (with no chapter to load
+    // beside it)...
+    let o = workbook(
+        &["list", "--chapters", tmp.path().to_str().unwrap()],
+        &path,
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.contains(&format!("footprint        (cannot be used: {both})")),
+        "{out}"
+    );
+    // ...and a chapter that names it is refused.
+    let o = workbook(
+        &["validate", "chapter2"],
+        &path,
+        Path::new(env!("CARGO_MANIFEST_DIR")),
+    );
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2));
-    assert_eq!(
-        err.trim(),
-        format!(
-            "error: plugin `footprint` is both built in and an external program ({}); rename \
-             or remove the external one",
-            bin.join("workbook-plugin-footprint").display()
-        )
+    assert!(
+        err.contains(&format!(
+            "cell `footprint`: plugin `footprint` cannot be used: {both}"
+        )),
+        "{err}"
     );
 }
 
@@ -309,4 +337,43 @@ fn plugins_beside_a_chapter_are_found() {
         err.contains("unknown plugin `lokal`; did you mean `local`?"),
         "{err}"
     );
+}
+
+#[test]
+fn a_plugin_that_floods_its_error_stream_is_still_heard() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("bin");
+    // 1 MiB on standard error before the answer: far past a pipe's buffer.
+    script(
+        &bin,
+        "loud",
+        r#"head -c 1048576 /dev/zero | tr '\0' 'x' >&2; read line; echo '{"type":"described","protocol":2,"plugins":[{"name":"loud","description":"a loud plugin","params":{},"metrics":[]}]}'"#,
+    );
+    let o = workbook(&["describe", "loud"], &path_with(&bin), tmp.path());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{}", &err[..err.len().min(500)]);
+    assert!(out.starts_with("loud: a loud plugin\n"), "{out}");
+}
+
+#[test]
+fn new_plugin_refuses_a_taken_name_and_a_bad_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let o = workbook(&["new-plugin", "attention"], &path, tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim(),
+        "error: a plugin named `attention` exists already (`workbook list` shows the plugins); \
+         choose another name"
+    );
+    let o = workbook(&["new-plugin", "Kv Cache"], &path, tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o)
+            .1
+            .starts_with("error: plugin name `Kv Cache` must be lowercase letters"),
+        "{}",
+        text(&o).1
+    );
+    assert!(std::fs::read_dir(tmp.path()).unwrap().next().is_none());
 }

@@ -25,9 +25,11 @@ pub fn valid_name(name: &str) -> bool {
         && name.len() <= 48
 }
 
-/// `buffer-size` -> `BufferSize`.
+/// `buffer-size` -> `BufferSizePlugin` (the suffix keeps it clear of the
+/// names the crate imports, and of `Params`).
 fn type_name(name: &str) -> String {
-    name.split(['-', '_'])
+    let camel: String = name
+        .split(['-', '_'])
         .filter(|w| !w.is_empty())
         .map(|w| {
             let mut c = w.chars();
@@ -35,12 +37,20 @@ fn type_name(name: &str) -> String {
                 .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
                 .unwrap_or_default()
         })
-        .collect()
+        .collect();
+    camel + "Plugin"
 }
 
 /// Writes the crate for plugin `name` into `dir` (which must not exist or
-/// be empty), depending on the SDK at `sdk`. Returns the files written.
-pub fn write(name: &str, dir: &Path, sdk: &Path) -> anyhow::Result<Vec<PathBuf>> {
+/// be empty), depending on the SDK at `sdk`; `taken` are the names of the
+/// plugins already registered. Returns the files written.
+pub fn write(name: &str, dir: &Path, sdk: &Path, taken: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+    if taken.contains(&name) {
+        anyhow::bail!(
+            "a plugin named `{name}` exists already (`workbook list` shows the plugins); \
+             choose another name"
+        );
+    }
     if !valid_name(name) {
         anyhow::bail!(
             "plugin name `{}` must be lowercase letters, digits, `-` or `_`, starting with a \
@@ -119,8 +129,9 @@ mod tests {
 
     #[test]
     fn names_become_types_and_bad_names_are_refused() {
-        assert_eq!(type_name("buffer-size"), "BufferSize");
-        assert_eq!(type_name("kv_cache2"), "KvCache2");
+        assert_eq!(type_name("buffer-size"), "BufferSizePlugin");
+        assert_eq!(type_name("kv_cache2"), "KvCache2Plugin");
+        assert_eq!(type_name("params"), "ParamsPlugin");
         assert!(valid_name("kv-cache"));
         for bad in ["", "Kv", "2kv", "kv cache", "kv/cache", &"k".repeat(49)] {
             assert!(!valid_name(bad), "{bad:?}");

@@ -336,10 +336,24 @@ fn run_in_workers(
                 // the workbook's own worker that cannot, the run's.
                 process::WorkerResult::Fatal(message) if external.is_some() => not_run(message),
                 process::WorkerResult::Fatal(message) => return Err(RunError::Device(message)),
-                process::WorkerResult::Ran(outcome, hello) => {
-                    if let Some(h) = hello {
-                        report.device = h.device;
-                        report.meter = h.meter;
+                process::WorkerResult::Ran(mut outcome, hello) => {
+                    match hello {
+                        // The report names the device of its first cell...
+                        Some(h) if report.meter.is_empty() => {
+                            report.device = h.device;
+                            report.meter = h.meter;
+                        }
+                        // ...and a cell that ran elsewhere says so (an
+                        // external plugin built without CUDA runs on the CPU
+                        // under `--device auto`).
+                        Some(h) if h.device != report.device || h.meter != report.meter => {
+                            outcome.output.printed.push(format!(
+                                "(this cell ran on {} measured by {}, not on {} as the \
+                                 chapter's first cell did)",
+                                h.device, h.meter, report.device
+                            ));
+                        }
+                        _ => {}
                     }
                     *outcome
                 }

@@ -58,12 +58,24 @@ impl DeviceChoice {
 pub fn select(choice: DeviceChoice) -> std::result::Result<Device, String> {
     match choice {
         DeviceChoice::Cpu | DeviceChoice::Auto => Ok(Device::Cpu),
-        DeviceChoice::Cuda => Err(
-            "this program was built without CUDA support; rebuild it with `--features cuda` \
-             (scripts/build-cuda.sh builds the workbook without a CUDA toolkit) to use \
-             `--device cuda`"
-                .to_string(),
-        ),
+        DeviceChoice::Cuda => {
+            let program = std::env::current_exe()
+                .ok()
+                .and_then(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "this program".to_string());
+            Err(if program.starts_with("workbook-plugin-") {
+                format!(
+                    "{program} was built without CUDA support; rebuild the plugin with \
+                     `cargo build --features cuda` to use `--device cuda`"
+                )
+            } else {
+                format!(
+                    "{program} was built without CUDA support; rebuild it with `--features \
+                     cuda` (scripts/build-cuda.sh builds the workbook without a CUDA toolkit) \
+                     to use `--device cuda`"
+                )
+            })
+        }
     }
 }
 

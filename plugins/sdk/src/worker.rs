@@ -74,12 +74,51 @@ pub fn execute(
     }
 }
 
-/// Writes one message to standard output. A runner that has gone away
-/// cannot be told anything more: the process ends.
+/// The protocol's channel: the standard output the process was started
+/// with, once [`claim_stdout`] has moved it aside.
+static PROTOCOL: std::sync::OnceLock<std::sync::Mutex<std::io::BufWriter<std::fs::File>>> =
+    std::sync::OnceLock::new();
+
+/// Keeps standard output for the protocol alone: the runner's pipe moves to
+/// a descriptor of its own, and descriptor 1 becomes standard error, so a
+/// plugin's `println!` reaches the terminal's error stream instead of
+/// garbling a protocol line. (A cell's lines for the report go through
+/// `Context::print`.)
+fn claim_stdout() {
+    use std::os::fd::FromRawFd;
+    if PROTOCOL.get().is_some() {
+        return;
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    // SAFETY: dup and dup2 on this process's own standard descriptors; the
+    // new descriptor is owned by the `File` alone.
+    let fd = unsafe { libc::dup(1) };
+    if fd < 0 {
+        return;
+    }
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        unsafe { libc::close(fd) };
+        return;
+    }
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    let _ = PROTOCOL.set(std::sync::Mutex::new(std::io::BufWriter::with_capacity(
+        1 << 16,
+        file,
+    )));
+}
+
+/// Writes one message to the runner. A runner that has gone away cannot be
+/// told anything more: the process ends.
 fn send(message: &Message) {
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    if message.write_line(&mut out).is_err() {
+    let written = match PROTOCOL.get() {
+        Some(out) => {
+            let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+            message.write_line(&mut *out)
+        }
+        None => message.write_line(&mut std::io::stdout().lock()),
+    };
+    if written.is_err() {
         std::process::exit(3);
     }
 }
@@ -105,6 +144,7 @@ pub fn other_version(runner: u64) -> String {
 /// Reads one request from `input` and answers it on standard output, with
 /// `plugins`.
 pub fn serve(plugins: &[&dyn DynPlugin], mut input: impl BufRead) -> ExitCode {
+    claim_stdout();
     let mut line = String::new();
     if let Err(e) = input.read_line(&mut line) {
         return fatal(format!("cannot read the request: {e}"));
@@ -235,7 +275,9 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
 
 /// Runs one cell of `plugin` in this process, on the CPU, as a runner would:
 /// for a plugin's own tests. The counting allocator must be the program's
-/// global allocator (a test file declares it as [`crate::main!`] does).
+/// global allocator (a test file declares it as [`crate::main!`] does). A
+/// metric recorded but not declared in [`Plugin::metrics`](crate::Plugin)
+/// is the outcome's error, as it fails the cell under a runner.
 pub fn run_cell<P: crate::Plugin>(
     plugin: &P,
     params: &P::Params,
@@ -254,7 +296,19 @@ pub fn run_cell<P: crate::Plugin>(
             .spawn_scoped(scope, || -> anyhow::Result<CellOutcome> {
                 device::warm_up(&device)?;
                 let ctx = Context::new(device.clone(), meter.clone(), check);
-                Ok(execute(plugin, &table, ctx, &meter))
+                let mut outcome = execute(plugin, &table, ctx, &meter);
+                let declared = plugin.metrics();
+                let extra = crate::metric::undeclared(
+                    &declared,
+                    outcome.output.metrics.keys().map(String::as_str),
+                );
+                if !extra.is_empty() && outcome.end.error.is_none() {
+                    outcome.end.error = Some(format!(
+                        "recorded metrics not declared in `Plugin::metrics`: {}",
+                        extra.join(", ")
+                    ));
+                }
+                Ok(outcome)
             })?
             .join()
             .map_err(|payload| panicked(payload.as_ref()))?
