@@ -386,8 +386,15 @@ fn notebook(
     let path = output
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(format!("{}.ipynb", ch.id)));
-    let options = export::ExportOptions::current(check)
-        .context("cannot tell where this workbook binary is")?;
+    // Paths in the notebook are relative to its folder, where Jupyter
+    // starts its kernel: the notebook works wherever the source tree is.
+    let path =
+        std::path::absolute(&path).with_context(|| format!("cannot resolve {}", path.display()))?;
+    let folder = path
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let options = export::ExportOptions::portable(&folder, check);
     #[allow(unused_mut)]
     let mut nb = export::notebook(&ch, &options);
     let write = |nb: &_| -> anyhow::Result<()> {
@@ -415,11 +422,24 @@ fn notebook(
     #[cfg(feature = "evcxr")]
     {
         use workbook::notebook::execute::{self, ExecuteOptions, Progress};
+        // As Jupyter would: the kernel starts in the notebook's folder, and
+        // its cells run with this binary unless WORKBOOK_BIN names another.
+        if std::env::var_os(workbook::notebook::BINARY_ENV).is_none() {
+            let me = std::env::current_exe().context("cannot tell where this binary is")?;
+            // SAFETY: set before evcxr starts any thread or child process.
+            unsafe { std::env::set_var(workbook::notebook::BINARY_ENV, me) };
+        }
         let options = ExecuteOptions {
-            cache_dir: cache_dir
-                .map(PathBuf::from)
-                .or_else(execute::default_cache_dir),
+            cache_dir: match cache_dir {
+                Some(d) => Some(
+                    std::path::absolute(d)
+                        .with_context(|| format!("cannot resolve {}", d.display()))?,
+                ),
+                None => execute::default_cache_dir(),
+            },
         };
+        std::env::set_current_dir(&folder)
+            .with_context(|| format!("cannot enter {}", folder.display()))?;
         let run = execute::execute(&mut nb, &options, &mut |p| match p {
             Progress::Started { id, index } => eprintln!("[{index}] {id} ..."),
             Progress::Finished {

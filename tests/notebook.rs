@@ -34,6 +34,48 @@ fn source(cell: &Value) -> String {
     joined(&cell["source"])
 }
 
+/// What `text` holds between `start` and the next `end`.
+fn between(text: &str, start: &str, end: &str) -> String {
+    let from = text
+        .find(start)
+        .unwrap_or_else(|| panic!("no {start:?} in:\n{text}"))
+        + start.len();
+    let to = text[from..]
+        .find(end)
+        .unwrap_or_else(|| panic!("no {end:?} in:\n{text}"));
+    text[from..from + to].to_string()
+}
+
+/// The notebooks committed beside their chapters are what `workbook
+/// notebook CHAPTER -o chapters/CHAPTER.ipynb` writes today.
+#[test]
+fn the_committed_notebooks_are_current() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let chapters = root.join("chapters");
+    let wb = workbook::Workbook::builtin().with_chapter_dirs(vec![chapters.clone()]);
+    for (id, toml) in workbook::chapter::available(std::slice::from_ref(&chapters)) {
+        let ch = wb.load(toml.to_str().unwrap()).unwrap();
+        let options = workbook::notebook::export::ExportOptions::portable(&chapters, false);
+        let nb = workbook::notebook::export::notebook(&ch, &options);
+        let text = workbook::notebook::export::to_json(&nb).unwrap();
+        let path = chapters.join(format!("{id}.ipynb"));
+        if std::env::var_os("WORKBOOK_BLESS").is_some() {
+            std::fs::write(&path, &text).unwrap();
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == text,
+            "{} is stale: regenerate it with `cargo run -- notebook {id} -o chapters/{id}.ipynb` \
+             (or `WORKBOOK_BLESS=1 cargo test --test notebook`)",
+            path.display()
+        );
+        assert!(
+            !text.contains(root.to_str().unwrap()),
+            "an absolute path in {id}.ipynb"
+        );
+    }
+}
+
 fn read(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).expect("the notebook was written"))
         .expect("the notebook is JSON")
@@ -103,15 +145,29 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
     assert_eq!(cells[1]["cell_type"], "code");
     assert_eq!(cells[1]["id"], "setup");
     let setup = source(&cells[1]);
-    let root = env!("CARGO_MANIFEST_DIR");
-    for want in [
-        format!(":dep workbook = {{ path = \"{root}\", default-features = false }}\n"),
-        ":preserve_vars_on_panic 0\n".to_string(),
-        format!("workbook::Notebook::new(\"{root}/chapters/chapter2.toml\")"),
-        format!(".binary(\"{}\")", env!("CARGO_BIN_EXE_workbook")),
-        ".check(true);".to_string(),
-    ] {
-        assert!(setup.contains(&want), "setup lacks {want:?}:\n{setup}");
+    // Paths relative to the notebook's folder, where the kernel starts, and
+    // no binary: the notebook can be moved with the source tree.
+    let folder = path.parent().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dep = between(
+        &setup,
+        ":dep workbook = { path = \"",
+        "\", default-features = false }\n",
+    );
+    assert!(Path::new(&dep).is_relative(), "{setup}");
+    assert_eq!(
+        folder.join(&dep).canonicalize().unwrap(),
+        root.canonicalize().unwrap()
+    );
+    let ch = between(&setup, "workbook::Notebook::new(\"", "\")");
+    assert!(Path::new(&ch).is_relative(), "{setup}");
+    assert_eq!(
+        folder.join(&ch).canonicalize().unwrap(),
+        root.join("chapters/chapter2.toml").canonicalize().unwrap()
+    );
+    assert!(!setup.contains(".binary("), "{setup}");
+    for want in [":preserve_vars_on_panic 0\n", ".check(true);"] {
+        assert!(setup.contains(want), "setup lacks {want:?}:\n{setup}");
     }
     for (i, id) in CELLS.iter().enumerate() {
         let prose = &cells[2 + 2 * i];

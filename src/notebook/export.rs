@@ -13,21 +13,61 @@ use crate::chapter::Chapter;
 pub struct ExportOptions {
     /// The source tree of this crate, for the `:dep`.
     pub crate_dir: PathBuf,
-    /// The `workbook` binary that runs each cell.
-    pub binary: PathBuf,
+    /// The `workbook` binary that runs each cell; when `None`, the
+    /// notebook finds one itself (see [`crate::Notebook::new`]).
+    pub binary: Option<PathBuf>,
     /// Write `.check(true)` into the setup cell; otherwise the mode follows
     /// `WORKBOOK_CHECK_MODE` in the kernel's environment.
     pub check: bool,
+    /// The notebook's folder, where the kernel starts: paths are written
+    /// relative to it, so that the notebook can be committed, shared and
+    /// opened anywhere the source tree is. Absolute paths when `None`.
+    pub notebook_dir: Option<PathBuf>,
 }
 
 impl ExportOptions {
-    /// This crate's source tree and the running binary.
+    /// This crate's source tree and the running binary, by absolute paths.
     pub fn current(check: bool) -> std::io::Result<Self> {
         Ok(Self {
             crate_dir: PathBuf::from(env!("CARGO_MANIFEST_DIR")),
-            binary: std::env::current_exe()?,
+            binary: Some(std::env::current_exe()?),
             check,
+            notebook_dir: None,
         })
+    }
+
+    /// A notebook to be written into `notebook_dir`: this crate's source
+    /// tree and the chapter by paths relative to it, and no binary (the
+    /// notebook finds one). What `workbook notebook` writes, and what
+    /// `chapters/*.ipynb` are.
+    pub fn portable(notebook_dir: &Path, check: bool) -> Self {
+        Self {
+            crate_dir: PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+            binary: None,
+            check,
+            notebook_dir: Some(notebook_dir.to_path_buf()),
+        }
+    }
+
+    /// `path` as the notebook writes it.
+    fn written(&self, path: &Path) -> PathBuf {
+        let absolute = |p: &Path| {
+            let p = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+            p.canonicalize().unwrap_or(p)
+        };
+        let target = absolute(path);
+        match &self.notebook_dir {
+            Some(dir) => pathdiff::diff_paths(&target, absolute(dir))
+                .map(|p| {
+                    if p.as_os_str().is_empty() {
+                        PathBuf::from(".")
+                    } else {
+                        p
+                    }
+                })
+                .unwrap_or(target),
+            None => target,
+        }
     }
 }
 
@@ -97,11 +137,14 @@ fn toml_str(path: &Path) -> String {
 
 /// The setup cell's source.
 pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
-    let chapter_path = std::path::absolute(&chapter.path).unwrap_or(chapter.path.clone());
     let mode = if options.check {
         "\n    .check(true)"
     } else {
         ""
+    };
+    let binary = match &options.binary {
+        Some(b) => format!("\n    .binary({})", rust_str(b)),
+        None => String::new(),
     };
     format!(
         "// The workbook library, built without candle: it only displays results.\n\
@@ -110,11 +153,10 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
          :preserve_vars_on_panic 0\n\
          // Each cell runs in its own `workbook` process, which measures its memory\n\
          // exactly as `workbook run` does in a terminal.\n\
-         let wb = workbook::Notebook::new({chapter})\n    .binary({binary}){mode};\n\
+         let wb = workbook::Notebook::new({chapter}){binary}{mode};\n\
          println!(\"{{}} cells at {{}} size\", {cells}, if wb.is_check() {{ \"check\" }} else {{ \"full\" }});",
-        dep = toml_str(&options.crate_dir),
-        chapter = rust_str(&chapter_path),
-        binary = rust_str(&options.binary),
+        dep = toml_str(&options.written(&options.crate_dir)),
+        chapter = rust_str(&options.written(&chapter.path)),
         cells = chapter.cells.len(),
     )
 }

@@ -97,6 +97,20 @@ pub enum NotebookError {
     },
 }
 
+/// `$WORKBOOK_BIN`, else this source tree's release build when there is
+/// one (a notebook's `:dep` builds this library from the tree the binary is
+/// built in), else `workbook` on the `PATH`.
+fn default_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os(BINARY_ENV) {
+        return PathBuf::from(bin);
+    }
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/workbook");
+    if built.is_file() {
+        return built;
+    }
+    PathBuf::from("workbook")
+}
+
 fn env_flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| {
         !matches!(
@@ -108,15 +122,16 @@ fn env_flag(name: &str) -> bool {
 
 impl Notebook {
     /// Cells of `chapter`, a chapter id (`chapter2`, looked for as `workbook
-    /// run` does, from the kernel's working directory) or a file's path. The
-    /// binary is `$WORKBOOK_BIN`, else `workbook` on the `PATH`; check mode is
-    /// on when `WORKBOOK_CHECK_MODE` is set (to anything but 0, false, no, off).
+    /// run` does, from the kernel's working directory) or a file's path
+    /// (relative to that directory, which Jupyter makes the notebook's
+    /// folder). The binary is `$WORKBOOK_BIN`, else the release build of the
+    /// source tree this library was built from, else `workbook` on the
+    /// `PATH`; check mode is on when `WORKBOOK_CHECK_MODE` is set (to
+    /// anything but 0, false, no, off).
     pub fn new(chapter: impl Into<String>) -> Self {
         Self {
             chapter: chapter.into(),
-            binary: std::env::var_os(BINARY_ENV)
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("workbook")),
+            binary: default_binary(),
             check: env_flag(CHECK_ENV),
             device: None,
         }
