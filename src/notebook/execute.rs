@@ -110,6 +110,17 @@ fn stream(name: &str, lines: &[String]) -> Option<Output> {
     })
 }
 
+/// `code` without evcxr's `:cache` command. Here the build folder is kept
+/// between executions (`--cache-dir`), and evcxr's artifact cache on top of
+/// a kept folder hands a later execution a cell library built from an
+/// earlier one's code (`dlsym failed`); a Jupyter kernel builds in a fresh
+/// folder each session, where the cache is what makes it fast.
+fn without_artifact_cache(code: &str) -> String {
+    code.split_inclusive('\n')
+        .filter(|line| !line.trim_start().starts_with(":cache"))
+        .collect()
+}
+
 /// Executes every code cell of `nb` in order, writing their outputs and
 /// execution counts into it. `progress` hears each cell as it starts and ends.
 pub fn execute(
@@ -158,7 +169,7 @@ pub fn execute(
             index: count,
         });
         let t = Instant::now();
-        let result = ctx.execute(&source.concat());
+        let result = ctx.execute(&without_artifact_cache(&source.concat()));
         let seconds = t.elapsed().as_secs_f64();
         // Lines reach the collectors through evcxr's reader threads; a
         // failed cell's stderr may still be on its way when `execute` returns.

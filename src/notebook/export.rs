@@ -147,7 +147,10 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
         None => String::new(),
     };
     format!(
-        "// The workbook library, built without candle: it only displays results.\n\
+        "// evcxr keeps compiled crates between kernel sessions (up to 500 MiB in the\n\
+         // user's cache folder): a new session builds the library in seconds.\n\
+         :cache 500\n\
+         // The workbook library, built without candle: it only displays results.\n\
          :dep workbook = {{ path = {dep}, default-features = false }}\n\
          // A panic fails its cell (a failed chapter cell fails its notebook cell).\n\
          :preserve_vars_on_panic 0\n\
