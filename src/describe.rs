@@ -96,23 +96,37 @@ fn kind(root: &Value, v: &Value, depth: usize) -> String {
     }
     for key in ["oneOf", "anyOf"] {
         if let Some(options) = v.get(key).and_then(Value::as_array) {
-            // An enum of documented variants: each a `const` or an `enum`.
-            let consts: Vec<&Value> = options
+            // `Option<T>` is `T` or null: say optional instead.
+            let is_null = |o: &Value| o.get("type").and_then(Value::as_str) == Some("null");
+            let optional = options.iter().any(is_null);
+            let options: Vec<&Value> = options.iter().filter(|o| !is_null(o)).collect();
+            // An enum of documented variants: each option a `const` or an
+            // `enum`, read as one list of values.
+            let values: Option<Vec<&Value>> = options
                 .iter()
-                .flat_map(|o| {
+                .map(|o| {
                     let o = resolve(root, o);
                     match (o.get("const"), o.get("enum").and_then(Value::as_array)) {
-                        (Some(c), _) => vec![c],
-                        (None, Some(e)) => e.iter().collect(),
-                        _ => Vec::new(),
+                        (Some(c), _) => Some(vec![c]),
+                        (None, Some(e)) => Some(e.iter().collect()),
+                        _ => None,
                     }
                 })
-                .collect();
-            if !consts.is_empty() && consts.len() == options.len() {
-                return one_of(consts.into_iter());
-            }
-            let kinds: Vec<String> = options.iter().map(|o| kind(root, o, depth + 1)).collect();
-            return kinds.join(" or ");
+                .collect::<Option<Vec<_>>>()
+                .map(|v| v.concat());
+            let text = match values {
+                Some(values) if !values.is_empty() => one_of(values.into_iter()),
+                _ => options
+                    .iter()
+                    .map(|o| kind(root, o, depth + 1))
+                    .collect::<Vec<_>>()
+                    .join(" or "),
+            };
+            return if optional {
+                format!("{text} (optional)")
+            } else {
+                text
+            };
         }
     }
     match v.get("type") {
@@ -291,4 +305,79 @@ pub fn markdown(plugins: &[PluginInfo]) -> String {
         let _ = writeln!(out);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn info(params: Value) -> PluginInfo {
+        PluginInfo {
+            name: "p".into(),
+            description: String::new(),
+            params,
+            metrics: Vec::new(),
+        }
+    }
+
+    fn kinds(params: Value) -> Vec<(String, String)> {
+        super::params(&info(params))
+            .into_iter()
+            .map(|p| (p.name, p.kind))
+            .collect()
+    }
+
+    #[test]
+    fn enums_options_and_mixed_types_read_as_written() {
+        let schema = json!({
+            "properties": {
+                "mode": { "$ref": "#/$defs/Mode" },
+                "maybe_mode": { "anyOf": [{ "$ref": "#/$defs/Mode" }, { "type": "null" }] },
+                "size": { "anyOf": [{ "type": "integer" }, { "const": "auto" }] },
+                "widths": { "type": ["array", "null"], "items": { "type": "integer" } }
+            },
+            "$defs": {
+                "Mode": { "oneOf": [{ "const": "fast" }, { "enum": ["slow", "exact"] }] }
+            }
+        });
+        assert_eq!(
+            kinds(schema),
+            [
+                ("mode", "one of \"fast\", \"slow\", \"exact\""),
+                (
+                    "maybe_mode",
+                    "one of \"fast\", \"slow\", \"exact\" (optional)"
+                ),
+                ("size", "integer or \"auto\""),
+                ("widths", "array of integer (optional)"),
+            ]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+    }
+
+    #[test]
+    fn a_schema_that_refers_to_itself_is_read_to_a_bounded_depth() {
+        let schema = json!({
+            "properties": { "node": { "$ref": "#/$defs/Node" } },
+            "$defs": {
+                "Node": {
+                    "type": "object",
+                    "properties": {
+                        "next": { "$ref": "#/$defs/Node" },
+                        "list": { "type": "array", "items": { "$ref": "#/$defs/List" } }
+                    }
+                },
+                "List": { "type": "array", "items": { "$ref": "#/$defs/List" } }
+            }
+        });
+        let read = kinds(schema);
+        // `node`, then `node.next`, `node.next.next`, ... down to the bound.
+        assert!(
+            read.len() > DEPTH && read.len() < 4 * DEPTH,
+            "{}",
+            read.len()
+        );
+        assert!(read.iter().any(|(_, k)| k.ends_with("…")), "{read:?}");
+    }
 }

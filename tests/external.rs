@@ -377,3 +377,40 @@ fn new_plugin_refuses_a_taken_name_and_a_bad_one() {
     );
     assert!(std::fs::read_dir(tmp.path()).unwrap().next().is_none());
 }
+
+#[test]
+fn an_external_plugin_is_started_only_when_needed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("bin");
+    let started = tmp.path().join("started");
+    script(
+        &bin,
+        "idle",
+        &format!(
+            r#"touch "{}"; read line; echo '{{"type":"described","protocol":2,"plugins":[{{"name":"idle","description":"d","params":{{}},"metrics":[]}}]}}'"#,
+            started.display()
+        ),
+    );
+    let path = path_with(&bin);
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for args in [
+        &["describe", "footprint"][..],
+        &["validate", "chapter2"],
+        &[
+            "notebook",
+            "chapter2",
+            "-o",
+            tmp.path().join("c.ipynb").to_str().unwrap(),
+        ],
+    ] {
+        let o = workbook(args, &path, repo);
+        assert!(o.status.success(), "{args:?}: {}", text(&o).1);
+        assert!(
+            !started.exists(),
+            "{args:?} started a plugin it does not use"
+        );
+    }
+    let o = workbook(&["describe", "idle"], &path, repo);
+    assert!(o.status.success(), "{}", text(&o).1);
+    assert!(started.exists());
+}

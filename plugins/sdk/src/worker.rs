@@ -283,9 +283,11 @@ pub fn run_cell<P: crate::Plugin>(
     params: &P::Params,
     check: bool,
 ) -> anyhow::Result<CellOutcome> {
-    let table = match toml::Value::try_from(params)? {
-        toml::Value::Table(t) => t,
-        _ => toml::Table::new(),
+    // Through JSON, as a runner sends them: a plugin without parameters
+    // (`()`) has none to write, which TOML cannot say.
+    let table = match serde_json::to_value(params)? {
+        serde_json::Value::Null => toml::Table::new(),
+        v => serde_json::from_value::<toml::Table>(v)?,
     };
     let device = candle_core::Device::Cpu;
     let meter = device::meter_for(&device)?;
