@@ -14,7 +14,7 @@
 //! plugin = "footprint"                   # a registered plugin
 //! prose = "Markdown shown before the results."
 //! assertions = ["large_params > small_params"]
-//! full_size_assertions = ["time_ratio < 1"]  # checked at full size only
+//! full_size_assertions = ["large_params > 300000"]  # checked at full size only
 //! [cells.params]                         # full-size parameters
 //! batch = 32
 //! [cells.check]                          # laid over `params` in check mode
