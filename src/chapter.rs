@@ -35,7 +35,7 @@ use toml::Spanned;
 
 use crate::assertion::Assertion;
 use crate::excerpt::quote;
-use crate::registry::Registry;
+use crate::registry::{Registry, Unusable};
 use crate::suggest;
 
 /// The chapter format this version reads.
@@ -410,14 +410,15 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
         let mut check_params = params.clone();
         check_params.extend(plain(&rc.check));
         let plugin_name = rc.plugin.get_ref();
-        let refusal = registry.refusal(plugin_name);
-        match registry.get(plugin_name).filter(|_| refusal.is_none()) {
-            None => errors.push(src.error(
+        match registry.resolve(plugin_name) {
+            Err(unusable) => errors.push(src.error(
                 rc.plugin.span(),
                 Some(&shown_id),
-                match refusal {
-                    Some(why) => format!("plugin `{}` cannot be used: {why}", quote(plugin_name)),
-                    None => format!(
+                match unusable {
+                    Unusable::Refused(why) => {
+                        format!("plugin `{}` cannot be used: {why}", quote(plugin_name))
+                    }
+                    Unusable::Unknown => format!(
                         "unknown plugin `{}`{}; registered plugins: {} (an external plugin is \
                          an executable `workbook-plugin-NAME` on PATH or in a `plugins` folder \
                          beside the chapter)",
@@ -427,7 +428,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                     ),
                 },
             )),
-            Some(plugin) => {
+            Ok(plugin) => {
                 let cell = CellSource {
                     src: &src,
                     id: &shown_id,
@@ -438,7 +439,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                 cell.check_params(plugin, &params, &check_params, &mut errors);
             }
         }
-        let declared = registry.get(plugin_name).map(|p| p.info().metrics);
+        let declared = registry.get(plugin_name).map(|p| p.declared_metrics());
         let mut parse_all = |list: &[Spanned<String>]| {
             let mut parsed = Vec::new();
             for a in list {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use workbook_sdk::protocol::{
     Body, Message, ParamError, PluginInfo, Request, Verdict, PROTOCOL_VERSION,
 };
-use workbook_sdk::{Context, DynPlugin, Violation};
+use workbook_sdk::{Context, DynPlugin, MetricSpec, Violation};
 
 use crate::excerpt::excerpt;
 
@@ -177,6 +177,10 @@ impl DynPlugin for ExternalPlugin {
         self.info.clone()
     }
 
+    fn declared_metrics(&self) -> Vec<MetricSpec> {
+        self.info.metrics.clone()
+    }
+
     fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError> {
         self.verdict_of(params).params
     }
@@ -244,26 +248,7 @@ fn ask(program: &Path, request: &Request) -> Result<Message, String> {
             }
         });
     }
-    let stderr = child.stderr.take();
-    let (tail_tx, tail_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tail: Vec<u8> = Vec::new();
-        let Some(mut stderr) = stderr else {
-            let _ = tail_tx.send(tail);
-            return;
-        };
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = stderr.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            tail.extend_from_slice(&buf[..n]);
-            if tail.len() > 8192 {
-                tail.drain(..tail.len() - 4096);
-            }
-        }
-        let _ = tail_tx.send(tail);
-    });
+    let tail_rx = crate::runner::read_tail(child.stderr.take());
     let answer = rx.recv_timeout(ANSWER_LIMIT);
     // Whatever it answered, the process has nothing more to say: it is
     // stopped if it has not exited, and reaped either way (the `Child` is

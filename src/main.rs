@@ -14,6 +14,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use workbook::chapter::Cell;
+use workbook::registry::Unusable;
 use workbook::render::html::ReportWriter as HtmlWriter;
 use workbook::render::text::TextRenderer;
 use workbook::report::{CellReport, ChapterReport};
@@ -479,10 +480,10 @@ fn describe(
 ) -> anyhow::Result<ExitCode> {
     let registry = wb.registry();
     let infos: Vec<workbook::sdk::PluginInfo> = match plugin {
-        Some(name) => match (registry.refusal(name), registry.get(name)) {
-            (None, Some(p)) => vec![p.info()],
-            (Some(why), _) => anyhow::bail!("plugin `{name}` cannot be used: {why}"),
-            (None, None) => anyhow::bail!(
+        Some(name) => match registry.resolve(name) {
+            Ok(p) => vec![p.info()],
+            Err(Unusable::Refused(why)) => anyhow::bail!("plugin `{name}` cannot be used: {why}"),
+            Err(Unusable::Unknown) => anyhow::bail!(
                 "unknown plugin `{}`{}; plugins: {}",
                 workbook::excerpt::quote(name),
                 workbook::suggest::did_you_mean(name, registry.names()),

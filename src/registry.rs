@@ -29,6 +29,15 @@ pub enum DuplicatePlugin {
     },
 }
 
+/// Why [`Registry::resolve`] gives no plugin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unusable {
+    /// No plugin of that name.
+    Unknown,
+    /// One was found but cannot be used, for this reason.
+    Refused(String),
+}
+
 enum Entry {
     BuiltIn(Box<dyn DynPlugin>),
     External {
@@ -131,18 +140,18 @@ impl Registry {
         }
     }
 
-    /// Why a chapter may not use the plugin of that name, when it may not:
+    /// The plugin a chapter may use under that name, or why there is none:
     /// an external program of a registered plugin's name, or an external
-    /// plugin that cannot describe itself.
-    pub fn refusal(&self, name: &str) -> Option<String> {
+    /// plugin that cannot describe itself, is refused with why.
+    pub fn resolve(&self, name: &str) -> Result<&dyn DynPlugin, Unusable> {
         if let Some(clash) = self.clashes.get(name) {
-            return Some(clash.to_string());
+            return Err(Unusable::Refused(clash.to_string()));
         }
         self.plugins
-            .get(name)?
+            .get(name)
+            .ok_or(Unusable::Unknown)?
             .plugin(name)
-            .err()
-            .map(ToString::to_string)
+            .map_err(|e| Unusable::Refused(e.to_string()))
     }
 
     /// The plugins that cannot be used (external ones are asked first), and

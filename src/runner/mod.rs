@@ -21,6 +21,7 @@ use crate::report::{CellMemory, CellReport, ChapterInfo, ChapterReport, Mode, St
 
 pub use device::DeviceChoice;
 use device::{device_name, select_device, select_meter};
+pub(crate) use process::read_tail;
 pub use process::{interrupt_flag, WorkerCommand};
 pub use workbook_sdk::worker::CellOutcome;
 
@@ -244,13 +245,8 @@ fn run_in_process(
                             (None, Some(_), Some(program)) => {
                                 // An external plugin runs in its own process
                                 // whatever the isolation.
-                                let progress = |m: &str| {
-                                    if let Some(p) = &options.progress {
-                                        p(m)
-                                    }
-                                };
                                 let command = WorkerCommand::external(program);
-                                match in_worker(&command, cell, options, &progress) {
+                                match in_worker(&command, cell, options) {
                                     process::WorkerResult::Ran(outcome, _) => *outcome,
                                     process::WorkerResult::Fatal(message) => not_run(message),
                                 }
@@ -309,11 +305,6 @@ fn run_in_workers(
 ) -> Result<(), RunError> {
     let mut started = false;
     let mut stop = false;
-    let progress = |m: &str| {
-        if let Some(p) = &options.progress {
-            p(m)
-        }
-    };
     for &(index, cell) in selected {
         let cell_report = if stop {
             skipped(registry, cell, options.check, not_run_reason(options))
@@ -326,12 +317,7 @@ fn run_in_workers(
                 observer.cell_started(index, cell);
             }
             let external = registry.program(&cell.plugin).map(WorkerCommand::external);
-            let outcome = match in_worker(
-                external.as_ref().unwrap_or(command),
-                cell,
-                options,
-                &progress,
-            ) {
+            let outcome = match in_worker(external.as_ref().unwrap_or(command), cell, options) {
                 // An external plugin that cannot run is its cells' failure;
                 // the workbook's own worker that cannot, the run's.
                 process::WorkerResult::Fatal(message) if external.is_some() => not_run(message),
@@ -375,12 +361,12 @@ fn run_in_workers(
 }
 
 /// Runs `cell` in a new process of `command`.
-fn in_worker(
-    command: &WorkerCommand,
-    cell: &Cell,
-    options: &RunOptions,
-    progress: &dyn Fn(&str),
-) -> process::WorkerResult {
+fn in_worker(command: &WorkerCommand, cell: &Cell, options: &RunOptions) -> process::WorkerResult {
+    let progress = |m: &str| {
+        if let Some(p) = &options.progress {
+            p(m)
+        }
+    };
     let request = Request::new(Body::Run(RunCell {
         plugin: cell.plugin.clone(),
         params: serde_json::to_value(cell.params_for(options.check))
@@ -392,7 +378,7 @@ fn in_worker(
     let watch = process::Watch {
         limit: options.timeout.or(cell.timeout).unwrap_or(DEFAULT_TIMEOUT),
         interrupt: options.interrupt.as_deref(),
-        progress,
+        progress: &progress,
         max_memory: options.max_memory,
     };
     process::run(command, &request, &watch)
@@ -503,7 +489,7 @@ fn assemble(registry: &Registry, cell: &Cell, check: bool, outcome: CellOutcome)
     // The plugin is held to the metrics it declares: what `validate`
     // checked the assertions against.
     if let Some(plugin) = registry.get(&cell.plugin) {
-        let declared = plugin.info().metrics;
+        let declared = plugin.declared_metrics();
         let extra =
             workbook_sdk::metric::undeclared(&declared, output.metrics.keys().map(String::as_str));
         if !extra.is_empty() {

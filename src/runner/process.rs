@@ -73,6 +73,30 @@ pub(crate) struct Watch<'a> {
 /// The last bytes of a worker's standard error kept for its error message.
 const STDERR_TAIL: usize = 4096;
 
+/// Reads `stream` to its end on a thread of its own (so that the process
+/// never stalls on a full pipe) and sends its last [`STDERR_TAIL`] bytes or
+/// so once it closes.
+pub(crate) fn read_tail(stream: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tail = Vec::new();
+        if let Some(mut stream) = stream {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stream.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                tail.extend_from_slice(&buf[..n]);
+                if tail.len() > 2 * STDERR_TAIL {
+                    tail.drain(..tail.len() - STDERR_TAIL);
+                }
+            }
+        }
+        let _ = tx.send(tail);
+    });
+    rx
+}
+
 /// The error of the cell that was running when the run was stopped.
 const INTERRUPTED: &str = "interrupted: the run was stopped (Ctrl-C) while this cell ran";
 
@@ -124,24 +148,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
             }
         }
     });
-    let stderr = child.stderr.take();
-    let stderr_reader = std::thread::spawn(move || {
-        let mut tail = Vec::new();
-        let Some(mut stderr) = stderr else {
-            return tail;
-        };
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = stderr.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            tail.extend_from_slice(&buf[..n]);
-            if tail.len() > 2 * STDERR_TAIL {
-                tail.drain(..tail.len() - STDERR_TAIL);
-            }
-        }
-        tail
-    });
+    let stderr_tail = read_tail(child.stderr.take());
 
     let mut output = CellOutput::default();
     let mut hello = None;
@@ -225,7 +232,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
     }
     let status = wait(&mut child);
     let _ = reader.join();
-    let tail = stderr_reader.join().unwrap_or_default();
+    let tail = stderr_tail.recv().unwrap_or_default();
     if let Some(message) = fatal {
         return WorkerResult::Fatal(message);
     }

@@ -80,6 +80,9 @@ pub trait DynPlugin: Send + Sync {
     /// The plugin as `workbook describe` shows it: its parameters' JSON
     /// Schema and its metrics.
     fn info(&self) -> PluginInfo;
+    /// See [`Plugin::metrics`]: what a runner holds a cell to, without the
+    /// parameters' schema that [`DynPlugin::info`] builds.
+    fn declared_metrics(&self) -> Vec<MetricSpec>;
     /// Checks a parameter table and returns it with defaults filled in, as JSON.
     fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError>;
     /// The values of a well-typed parameter table that are not allowed; see
@@ -141,6 +144,10 @@ impl<T: Plugin> DynPlugin for T {
             params: schemars::schema_for!(T::Params).to_value(),
             metrics: self.metrics(),
         }
+    }
+
+    fn declared_metrics(&self) -> Vec<MetricSpec> {
+        self.metrics()
     }
 
     fn check_params(&self, params: &toml::Table) -> Result<serde_json::Value, ParamError> {
