@@ -15,6 +15,10 @@ struct Flash {
 }
 
 impl Backward3 for Flash {
+    fn kept(&self) -> Vec<Tensor> {
+        vec![self.lse.clone()]
+    }
+
     fn backward(
         &self,
         q: &Tensor,

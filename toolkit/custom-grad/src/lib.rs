@@ -45,6 +45,8 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod kept;
+
 use std::sync::Mutex;
 
 use candle_core::{
@@ -64,6 +66,13 @@ pub trait Backward2: Send + Sync {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)>;
+
+    /// The tensors this backward keeps beside its inputs and output (which
+    /// the graph holds already), for a ledger of what a graph holds. See
+    /// [`kept`].
+    fn kept(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// The backward of an operation of three inputs.
@@ -77,6 +86,12 @@ pub trait Backward3: Send + Sync {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>;
+
+    /// The tensors this backward keeps beside its inputs and output. See
+    /// [`Backward2::kept`].
+    fn kept(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 }
 
 /// The precomputed output, handed to candle once as storage.
@@ -262,13 +277,20 @@ pub fn with_backward2(
             a.device()
         );
     }
-    a.apply_op2(
+    let kept = if kept::is_recording() {
+        backward.kept()
+    } else {
+        Vec::new()
+    };
+    let out = a.apply_op2(
         b,
         Op2 {
             out: Handover::new(out),
             backward,
         },
-    )
+    )?;
+    kept::note(&out, kept);
+    Ok(out)
 }
 
 /// [`with_backward2`] for an operation of three inputs.
@@ -286,12 +308,19 @@ pub fn with_backward3(
             a.device()
         );
     }
-    a.apply_op3(
+    let kept = if kept::is_recording() {
+        backward.kept()
+    } else {
+        Vec::new()
+    };
+    let out = a.apply_op3(
         b,
         c,
         Op3 {
             out: Handover::new(out),
             backward,
         },
-    )
+    )?;
+    kept::note(&out, kept);
+    Ok(out)
 }

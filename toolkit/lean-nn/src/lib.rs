@@ -14,7 +14,8 @@
 //! parallel, vectorised pass each way.
 //!
 //! [`cross_entropy`] is the loss as one operation: its graph keeps the
-//! logits, not a log-softmax beside them.
+//! logits, not a log-softmax beside them. [`layer_norm`] keeps its input
+//! and two numbers per row, not five tensors the input's size.
 //!
 //! Built from a `candle_nn::Linear`, a [`LeanLinear`] shares its variables,
 //! so any optimizer steps it unchanged. Its gradients equal candle-nn's,
@@ -26,6 +27,8 @@ mod bias;
 mod cpu;
 mod linear;
 mod loss;
+mod norm;
 
 pub use linear::{Activation, LeanLinear};
 pub use loss::cross_entropy;
+pub use norm::layer_norm;

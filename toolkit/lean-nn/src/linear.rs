@@ -184,6 +184,10 @@ fn gelu_grad(z: &Tensor) -> Result<Tensor> {
 }
 
 impl Backward3 for Linear {
+    fn kept(&self) -> Vec<Tensor> {
+        self.z.iter().cloned().collect()
+    }
+
     fn backward(
         &self,
         x: &Tensor,
@@ -198,6 +202,10 @@ impl Backward3 for Linear {
 }
 
 impl Backward2 for Linear {
+    fn kept(&self) -> Vec<Tensor> {
+        self.z.iter().cloned().collect()
+    }
+
     fn backward(
         &self,
         x: &Tensor,

@@ -1,0 +1,85 @@
+//! The one-operation layer norm against candle-nn's differentiable one:
+//! values and gradients of input, weight and bias in every float dtype,
+//! and bad shapes.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+/// Deterministic values in about [-2, 2] (candle's CPU generator cannot be
+/// seeded).
+fn data(shape: &[usize], seed: u64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let k = (i + 1).wrapping_mul(seed.wrapping_mul(2654435761) | 1) % 1_000_003;
+            (k as f32 / 1_000_003.0) * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+#[test]
+fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
+    // f32: the two sum in different orders (measured below 1e-6 for values,
+    // a few 1e-6 for gradients summed over 24 rows); half types: their
+    // rounding of values near 2.
+    for (dtype, tol) in [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-5),
+        (DType::F16, 1e-2),
+        (DType::BF16, 6e-2),
+    ] {
+        let x = Var::from_tensor(&data(&[2, 12, 16], 3)?.to_dtype(dtype)?)?;
+        let w = Var::from_tensor(&data(&[16], 5)?.to_dtype(dtype)?)?;
+        let b = Var::from_tensor(&data(&[16], 7)?.to_dtype(dtype)?)?;
+        let up = data(&[2, 12, 16], 11)?.to_dtype(dtype)?;
+        let lean = candle_lean_nn::layer_norm(&x, &w, &b, 1e-5)?;
+        let plain = candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)?;
+        assert!(max_diff(&lean, &plain)? <= tol, "{dtype:?} values");
+        let gl = (lean * &up)?.sum_all()?.backward()?;
+        let gp = (plain * &up)?.sum_all()?.backward()?;
+        for (name, v) in [("x", &x), ("weight", &w), ("bias", &b)] {
+            let (a, p) = (gl.get(v).unwrap(), gp.get(v).unwrap());
+            let d = max_diff(a, p)?;
+            assert!(d <= tol * 4.0, "{dtype:?} gradient of {name}: {d}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn keeps_two_numbers_per_row_beside_the_graph() -> Result<()> {
+    let x = Var::from_tensor(&data(&[4, 8], 1)?)?;
+    let (w, b) = (
+        Tensor::ones(8, DType::F32, &Device::Cpu)?,
+        Tensor::zeros(8, DType::F32, &Device::Cpu)?,
+    );
+    let rec = candle_custom_grad::kept::Recording::start();
+    let y = candle_lean_nn::layer_norm(&x, &w, &b, 1e-5)?;
+    let kept = rec.kept_by(&y);
+    let shapes: Vec<Vec<usize>> = kept.iter().map(|t| t.dims().to_vec()).collect();
+    assert_eq!(shapes, [vec![4, 1], vec![4, 1]]);
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_are_refused() -> Result<()> {
+    let x = data(&[2, 8], 1)?;
+    let w = Tensor::ones(7, DType::F32, &Device::Cpu)?;
+    let b = Tensor::zeros(8, DType::F32, &Device::Cpu)?;
+    let err = candle_lean_nn::layer_norm(&x, &w, &b, 1e-5)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("layer norm over 8 features: the weight has shape [7], the bias [8]"),
+        "{err}"
+    );
+    Ok(())
+}
