@@ -190,5 +190,8 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_precision::Precision),
         Box::new(workbook_offload::Offload),
         Box::new(workbook_attention::AttentionCell),
+        Box::new(workbook_transformer::GptTraining),
+        Box::new(workbook_transformer::SavedTensors),
+        Box::new(workbook_transformer::Predictors),
     ]
 }

@@ -7,13 +7,16 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 6] = [
+const PLUGINS: [&str; 9] = [
     "footprint",
     "accumulation",
     "checkpointing",
     "precision",
     "offload",
     "attention",
+    "gpt_training",
+    "saved_tensors",
+    "predictors",
 ];
 
 fn workbook(args: &[&str]) -> Output {

@@ -66,14 +66,17 @@ fn category_colour(c: Category) -> RGBColor {
     }
 }
 
-/// Colours of series, in order.
-const SERIES: [RGBColor; 6] = [
+/// Colours of series, in order (Okabe and Ito's palette, safe for colour
+/// blindness; yellow last, as it is the faintest on white).
+const SERIES: [RGBColor; 8] = [
     RGBColor(0, 114, 178),
     RGBColor(213, 94, 0),
     RGBColor(0, 158, 115),
     RGBColor(204, 121, 167),
     RGBColor(230, 159, 0),
     RGBColor(86, 180, 233),
+    RGBColor(0, 0, 0),
+    RGBColor(240, 228, 66),
 ];
 
 /// The divisor and unit label for values of `unit` whose largest is `max`.

@@ -1,0 +1,320 @@
+//! A GPT-style decoder: token and position embeddings, blocks of layer norm,
+//! causal multi-head attention and a GELU MLP with residuals, a final layer
+//! norm and a head tied to the token embedding.
+
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_lean_nn::{Activation, LeanLinear};
+use candle_ledger::Labeller;
+use candle_tiled_attention::{
+    flash_attention, materialized_attention, naive_attention, FlashConfig,
+};
+use serde::{Deserialize, Serialize};
+use workbook_models::Rng;
+use workbook_sdk::Category;
+
+/// How the attention's core `softmax(Q K^T / sqrt(d)) V` is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// candle's own operations: the scores, the masked scores and the
+    /// softmax's intermediates all stay in the graph.
+    Naive,
+    /// One operation for scores and softmax, whose graph keeps the
+    /// probabilities only, as PyTorch's autograd does.
+    Materialized,
+    /// Tiled (FlashAttention): no `s x s` matrix is kept; the backward
+    /// recomputes it block by block.
+    Tiled,
+}
+
+impl AttentionKind {
+    /// The name used in parameters and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Naive => "naive",
+            AttentionKind::Materialized => "materialized",
+            AttentionKind::Tiled => "tiled",
+        }
+    }
+}
+
+/// The shape of a GPT and how its layers are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    /// Transformer blocks (L).
+    pub layers: usize,
+    /// Hidden size (h); a multiple of `heads`.
+    pub hidden: usize,
+    /// Attention heads (a).
+    pub heads: usize,
+    /// Longest sequence, the position table's length (s).
+    pub seq: usize,
+    /// Vocabulary (v).
+    pub vocab: usize,
+    /// The attention's core.
+    pub attention: AttentionKind,
+    /// The toolkit's lean layers (fused bias and GELU, one-operation layer
+    /// norm and cross-entropy) instead of candle-nn's.
+    pub lean: bool,
+}
+
+impl GptConfig {
+    /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` (the
+    /// head is tied to the token embedding).
+    ///
+    /// ```
+    /// use workbook_transformer::{AttentionKind, GptConfig};
+    /// // GPT-2 small: 124,439,808 parameters with its 1024 positions.
+    /// let c = GptConfig { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257,
+    ///                     attention: AttentionKind::Naive, lean: false };
+    /// assert_eq!(c.param_count(), 124_439_808);
+    /// ```
+    pub fn param_count(&self) -> u64 {
+        let (l, h, s, v) = (
+            self.layers as u64,
+            self.hidden as u64,
+            self.seq as u64,
+            self.vocab as u64,
+        );
+        h * v + s * h + l * (12 * h * h + 13 * h) + 2 * h
+    }
+}
+
+/// A layer norm's scale and shift.
+#[derive(Debug, Clone)]
+struct Norm {
+    weight: Var,
+    bias: Var,
+}
+
+impl Norm {
+    fn new(h: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(Self {
+            weight: Var::from_tensor(&Tensor::ones(h, dtype, device)?)?,
+            bias: Var::from_tensor(&Tensor::zeros(h, dtype, device)?)?,
+        })
+    }
+
+    /// candle-nn's layer norm as differentiable operations (its fused
+    /// kernel has no backward), or the toolkit's as one operation.
+    fn forward(&self, x: &Tensor, lean: bool) -> Result<Tensor> {
+        let (w, b) = (self.weight.as_tensor(), self.bias.as_tensor());
+        if lean {
+            candle_lean_nn::layer_norm(x, w, b, 1e-5)
+        } else {
+            candle_nn::ops::layer_norm_slow(x, w, b, 1e-5)
+        }
+    }
+}
+
+/// A linear layer `x W^T + b` with GPT-2's initialisation.
+#[derive(Debug, Clone)]
+struct Dense {
+    weight: Var,
+    bias: Var,
+}
+
+impl Dense {
+    fn new(
+        rng: &mut Rng,
+        input: usize,
+        output: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let w = (rng.randn((output, input), device)? * 0.02)?.to_dtype(dtype)?;
+        Ok(Self {
+            weight: Var::from_tensor(&w)?,
+            bias: Var::from_tensor(&Tensor::zeros(output, dtype, device)?)?,
+        })
+    }
+
+    /// `act(x W^T + b)`: candle-nn's `Linear` and activation, or the lean
+    /// layer's one operation.
+    fn forward(&self, x: &Tensor, gelu: bool, lean: bool) -> Result<Tensor> {
+        if lean {
+            let layer = LeanLinear::new(
+                self.weight.as_tensor().clone(),
+                Some(self.bias.as_tensor().clone()),
+            )?;
+            let act = if gelu {
+                Activation::Gelu
+            } else {
+                Activation::Identity
+            };
+            return layer.forward_act(x, act);
+        }
+        let linear = candle_nn::Linear::new(
+            self.weight.as_tensor().clone(),
+            Some(self.bias.as_tensor().clone()),
+        );
+        let y = linear.forward(x)?;
+        if gelu {
+            y.gelu()
+        } else {
+            Ok(y)
+        }
+    }
+
+    fn vars(&self) -> [Var; 2] {
+        [self.weight.clone(), self.bias.clone()]
+    }
+}
+
+/// One transformer block.
+#[derive(Debug, Clone)]
+struct Block {
+    ln1: Norm,
+    qkv: Dense,
+    proj: Dense,
+    ln2: Norm,
+    fc: Dense,
+    fc2: Dense,
+}
+
+/// A GPT-style decoder. See the module's docs.
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    config: GptConfig,
+    wte: Var,
+    wpe: Var,
+    blocks: Vec<Block>,
+    ln_f: Norm,
+    dtype: DType,
+}
+
+impl Gpt {
+    /// A model of `config` with parameters in `dtype`, initialised as GPT-2
+    /// (weights normal with deviation 0.02, biases 0, norms 1 and 0) from
+    /// `rng`. Its allocations are tagged [`Category::Parameters`].
+    pub fn new(config: GptConfig, dtype: DType, rng: &mut Rng, device: &Device) -> Result<Self> {
+        if config.heads == 0 || !config.hidden.is_multiple_of(config.heads) {
+            candle_core::bail!(
+                "hidden size {} is not a multiple of {} heads",
+                config.hidden,
+                config.heads
+            );
+        }
+        let _params = Category::Parameters.enter();
+        let (h, v, s) = (config.hidden, config.vocab, config.seq);
+        let table = |rng: &mut Rng, rows: usize| -> Result<Var> {
+            Var::from_tensor(&(rng.randn((rows, h), device)? * 0.02)?.to_dtype(dtype)?)
+        };
+        let wte = table(rng, v)?;
+        let wpe = table(rng, s)?;
+        let blocks = (0..config.layers)
+            .map(|_| {
+                Ok(Block {
+                    ln1: Norm::new(h, dtype, device)?,
+                    qkv: Dense::new(rng, h, 3 * h, dtype, device)?,
+                    proj: Dense::new(rng, h, h, dtype, device)?,
+                    ln2: Norm::new(h, dtype, device)?,
+                    fc: Dense::new(rng, h, 4 * h, dtype, device)?,
+                    fc2: Dense::new(rng, 4 * h, h, dtype, device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config,
+            wte,
+            wpe,
+            blocks,
+            ln_f: Norm::new(h, dtype, device)?,
+            dtype,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// The parameters' dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Every trainable variable.
+    pub fn vars(&self) -> Vec<Var> {
+        let mut vars = vec![self.wte.clone(), self.wpe.clone()];
+        for b in &self.blocks {
+            vars.extend([b.ln1.weight.clone(), b.ln1.bias.clone()]);
+            vars.extend(b.qkv.vars());
+            vars.extend(b.proj.vars());
+            vars.extend([b.ln2.weight.clone(), b.ln2.bias.clone()]);
+            vars.extend(b.fc.vars());
+            vars.extend(b.fc2.vars());
+        }
+        vars.extend([self.ln_f.weight.clone(), self.ln_f.bias.clone()]);
+        vars
+    }
+
+    /// Parameters, counted from the variables.
+    pub fn param_count(&self) -> u64 {
+        self.vars().iter().map(|v| v.elem_count() as u64).sum()
+    }
+
+    /// The logits `(b·s, v)` for `tokens` `(b, s)`, each part labelled in
+    /// `labels` (block index and part; embeddings and head have no block).
+    pub fn logits(&self, tokens: &Tensor, labels: &Labeller) -> Result<Tensor> {
+        let (b, s) = tokens.dims2()?;
+        let c = &self.config;
+        if s > c.seq {
+            candle_core::bail!("{s} tokens, the model's positions stop at {}", c.seq);
+        }
+        let (h, a, lean) = (c.hidden, c.heads, c.lean);
+        let d = h / a;
+        let positions = self.wpe.as_tensor().narrow(0, 0, s)?;
+        let x = self
+            .wte
+            .as_tensor()
+            .embedding(&tokens.flatten_all()?)?
+            .reshape((b, s, h))?
+            .broadcast_add(&positions)?;
+        let mut x = labels.label(x, None, "embedding");
+        let attn_cfg = FlashConfig::for_length(true, s);
+        for (i, blk) in self.blocks.iter().enumerate() {
+            let l = Some(i);
+            let n = labels.label(blk.ln1.forward(&x, lean)?, l, "ln1");
+            let qkv = labels.label(blk.qkv.forward(&n, false, lean)?, l, "qkv");
+            // (b, s, 3, a, d) -> (3, b, a, s, d), one copy: q, k and v are
+            // then contiguous views of it.
+            let qkv = qkv
+                .reshape((b, s, 3, a, d))?
+                .permute((2, 0, 3, 1, 4))?
+                .contiguous()?;
+            let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+            let y = match c.attention {
+                AttentionKind::Naive => naive_attention(&q, &k, &v, &attn_cfg)?,
+                AttentionKind::Materialized => materialized_attention(&q, &k, &v, &attn_cfg)?,
+                AttentionKind::Tiled => flash_attention(&q, &k, &v, &attn_cfg)?,
+            };
+            let y = labels.label(y, l, "attention");
+            let y = y.transpose(1, 2)?.reshape((b, s, h))?;
+            let y = labels.label(blk.proj.forward(&y, false, lean)?, l, "proj");
+            x = labels.label((x + y)?, l, "residual");
+            let n = labels.label(blk.ln2.forward(&x, lean)?, l, "ln2");
+            let m = labels.label(blk.fc.forward(&n, true, lean)?, l, "fc+gelu");
+            let m = labels.label(blk.fc2.forward(&m, false, lean)?, l, "fc2");
+            x = labels.label((x + m)?, l, "residual");
+        }
+        let x = labels.label(self.ln_f.forward(&x, lean)?, None, "ln_f");
+        let logits = x.reshape((b * s, h))?.matmul(&self.wte.as_tensor().t()?)?;
+        Ok(labels.label(logits, None, "head"))
+    }
+
+    /// The mean next-token cross-entropy of `tokens` `(b, s)` against
+    /// `targets` `(b, s)`, computed in f32.
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor, labels: &Labeller) -> Result<Tensor> {
+        let logits = self.logits(tokens, labels)?;
+        let targets = targets.flatten_all()?;
+        let loss = if self.config.lean {
+            candle_lean_nn::cross_entropy(&logits, &targets)?
+        } else {
+            let logits = logits.to_dtype(DType::F32)?;
+            candle_nn::loss::cross_entropy(&logits, &targets)?
+        };
+        Ok(labels.label(loss, None, "loss"))
+    }
+}

@@ -1,0 +1,30 @@
+//! Chapter 3's model and cells: a GPT-style decoder on candle, what its
+//! graph keeps for the backward, and the memory predictors people use set
+//! against the measured peak of a real training step.
+#![warn(missing_docs)]
+
+pub mod corpus;
+mod gpt;
+pub mod predict;
+pub mod saved;
+pub mod step;
+pub mod training;
+pub mod trial;
+
+pub use gpt::{AttentionKind, Gpt, GptConfig};
+pub use saved::SavedTensors;
+pub use training::GptTraining;
+pub use trial::Predictors;
+
+use workbook_sdk::anyhow;
+use workbook_sdk::candle::DType;
+
+/// The dtypes the cells take, by name.
+pub(crate) fn parse_dtype(name: &str) -> anyhow::Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => anyhow::bail!("unknown dtype `{other}`, expected one of `f32`, `f16`, `bf16`"),
+    }
+}
