@@ -23,7 +23,7 @@ pub struct Variant {
     pub hidden: Option<usize>,
     /// Sequence length (s), if not the base's.
     pub seq: Option<usize>,
-    /// Sequences per batch (b), if not the base's.
+    /// Sequences per batch (b), if not the base's; at least 3.
     pub batch: Option<usize>,
     /// Dtype, if not the base's.
     pub dtype: Option<String>,
@@ -37,7 +37,7 @@ pub struct Params {
     pub model: GptConfig,
     /// How the layers are computed.
     pub recipe: Recipe,
-    /// Sequences per batch of the base run (b).
+    /// Sequences per batch of the base run (b), at least 3.
     pub batch: usize,
     /// The base run's dtype: `f32`, `f16` or `bf16`.
     pub dtype: String,
@@ -108,7 +108,9 @@ impl Plugin for Predictors {
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
         check_model(&mut r, "model", &p.model);
-        r.at_least("batch", p.batch, 1);
+        // The calibrated predictor measures batches 1 and 2: from 3 on, its
+        // figure is an extrapolation, not one of its own measurements.
+        r.at_least("batch", p.batch, 3);
         r.one_of("dtype", &p.dtype, &["f32", "f16", "bf16"]);
         for (i, v) in p.variants.iter().enumerate() {
             let c = GptConfig {
@@ -119,7 +121,7 @@ impl Plugin for Predictors {
             };
             check_model(&mut r, &format!("variants[{i}]"), &c);
             if let Some(b) = v.batch {
-                r.at_least(&format!("variants[{i}].batch"), b, 1);
+                r.at_least(&format!("variants[{i}].batch"), b, 3);
             }
             if let Some(d) = &v.dtype {
                 r.one_of(&format!("variants[{i}].dtype"), d, &["f32", "f16", "bf16"]);
@@ -137,7 +139,23 @@ impl Plugin for Predictors {
             ),
             MetricSpec::ratio(
                 "unexplained_{run}",
-                "share of run `run`'s peak the ledger's terms leave unexplained (signed)",
+                "share of run `run`'s peak the calibration's two parts leave unexplained (signed)",
+            ),
+            MetricSpec::bytes(
+                "fixed_{run}",
+                "run `run`'s peak that does not grow with the batch: 2 × peak(b=1) - peak(b=2)",
+            ),
+            MetricSpec::bytes(
+                "per_sequence_{run}",
+                "what each sequence of the batch adds to run `run`'s peak: peak(b=2) - peak(b=1)",
+            ),
+            MetricSpec::bytes(
+                "ledger_{run}",
+                "bytes run `run`'s graph holds at the end of the forward, from the ledger",
+            ),
+            MetricSpec::bytes(
+                "states_{run}",
+                "parameters, gradients and two moments of run `run`: 4·P·e",
             ),
         ];
         for pr in Predictor::ALL {
@@ -172,7 +190,8 @@ impl Plugin for Predictors {
             &columns,
         );
         let mut terms = Table::new(
-            "The measured peak, by category at that moment, beside the ledger's terms",
+            "The measured peak: by category at that moment, the ledger, the model states, \
+             and the calibration's two parts",
             &[
                 ("run", Unit::None),
                 ("peak", Unit::Bytes),
@@ -180,8 +199,10 @@ impl Plugin for Predictors {
                 ("gradients", Unit::Bytes),
                 ("optimizer state", Unit::Bytes),
                 ("activations", Unit::Bytes),
-                ("inputs", Unit::Bytes),
                 ("ledger", Unit::Bytes),
+                ("4·P·e", Unit::Bytes),
+                ("fixed part", Unit::Bytes),
+                ("per sequence", Unit::Bytes),
                 ("unexplained", Unit::Ratio),
             ],
         );
@@ -204,6 +225,13 @@ impl Plugin for Predictors {
             let dtype_name = v.dtype.clone().unwrap_or_else(|| p.dtype.clone());
             let dtype = parse_dtype(&dtype_name)?;
             let name = label(v);
+            let mut calibration = [0u64; 2];
+            for (k, b) in [1usize, 2].into_iter().enumerate() {
+                ctx.progress(&format!("calibration step at batch {b}, {name}"));
+                calibration[k] =
+                    measured_step(ctx, format!("{name}, batch {b}"), config, dtype, b, p.seed)?
+                        .peak();
+            }
             ctx.progress(&format!("training step, {name}"));
             let step = measured_step(ctx, name.clone(), config, dtype, batch, p.seed)?;
             let run = Run {
@@ -221,6 +249,7 @@ impl Plugin for Predictors {
                 inputs,
                 ledger: step.ledger_bytes,
                 largest_held: step.largest_held,
+                calibration: (calibration[0], calibration[1]),
             };
             let peak = step.peak();
             ctx.metric(format!("peak_{i}"), peak as f64);
@@ -244,9 +273,18 @@ impl Plugin for Predictors {
                 .region
                 .peak_by_category
                 .saturating_sub(&step.region.baseline);
-            let ledger_terms = Predictor::Ledger.predict(&run, &known);
-            let unexplained = peak as f64 / ledger_terms as f64 - 1.0;
+            // The calibration's two parts: what does not grow with the batch
+            // and what each sequence adds; the rest of the peak is what no
+            // term explains.
+            let per_sequence = calibration[1].saturating_sub(calibration[0]);
+            let fixed = calibration[0].saturating_sub(per_sequence);
+            let explained = Predictor::Calibrated.predict(&run, &known);
+            let unexplained = (peak as f64 - explained as f64) / peak as f64;
             ctx.metric(format!("unexplained_{i}"), unexplained);
+            ctx.metric(format!("fixed_{i}"), fixed as f64);
+            ctx.metric(format!("per_sequence_{i}"), per_sequence as f64);
+            ctx.metric(format!("ledger_{i}"), step.ledger_bytes as f64);
+            ctx.metric(format!("states_{i}"), run.model_states() as f64);
             terms.row(vec![
                 name.into(),
                 peak.into(),
@@ -254,8 +292,10 @@ impl Plugin for Predictors {
                 at.get(Category::Gradients).into(),
                 at.get(Category::OptimizerState).into(),
                 at.get(Category::Activations).into(),
-                at.get(Category::Inputs).into(),
                 step.ledger_bytes.into(),
+                run.model_states().into(),
+                fixed.into(),
+                per_sequence.into(),
                 unexplained.into(),
             ]);
         }

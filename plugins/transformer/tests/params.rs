@@ -60,7 +60,7 @@ fn an_empty_recipe_list_and_bad_variants_are_refused() {
                 "variants[0].hidden",
                 "is 102; allowed: a positive multiple of heads (4)"
             ),
-            ("variants[1].batch", "is 0; allowed: at least 1"),
+            ("variants[1].batch", "is 0; allowed: at least 3"),
             (
                 "variants[1].dtype",
                 "is \"f64\"; allowed: one of f32, f16, bf16"
