@@ -47,6 +47,8 @@ pub mod external;
 pub mod new_plugin;
 pub mod notebook;
 #[cfg(feature = "runner")]
+pub mod plan;
+#[cfg(feature = "runner")]
 pub mod registry;
 pub mod render;
 pub mod report;

@@ -109,6 +109,54 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         sdk: Option<PathBuf>,
     },
+    /// Choose how to train a GPT within a memory budget: recipe (candle-nn
+    /// or lean layers; naive, materialized or tiled attention), dtype and
+    /// micro-batch, each option's peak predicted from two measured steps;
+    /// with --verify, run the plan and check its peak. Exit code 1 when
+    /// nothing fits or the plan did not keep its promise.
+    Plan {
+        /// The most memory a training step may hold: 2GiB, 500MB, or bytes.
+        #[arg(long, value_parser = parse_budget)]
+        budget: u64,
+        /// Sequences per optimizer step.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// A TOML file with the model's `layers`, `hidden`, `heads`, `seq`
+        /// and `vocab` (the flags below then are not used).
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "seq", "vocab"])]
+        model: Option<PathBuf>,
+        /// Transformer blocks.
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        /// Hidden size (a multiple of heads).
+        #[arg(long, default_value_t = 256)]
+        hidden: usize,
+        /// Attention heads.
+        #[arg(long, default_value_t = 4)]
+        heads: usize,
+        /// Sequence length.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Vocabulary.
+        #[arg(long, default_value_t = 512)]
+        vocab: usize,
+        /// Dtypes to consider, comma-separated: f32, bf16, f16.
+        #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = parse_dtype)]
+        dtypes: Vec<String>,
+        /// Run the chosen plan and check that its measured peak is within
+        /// the budget and within 5% of the prediction (exit code 1 if not).
+        #[arg(long)]
+        verify: bool,
+        /// Steps the verification runs.
+        #[arg(long, default_value_t = 2, requires = "verify")]
+        steps: usize,
+        /// Write the options' plot (plan.svg, plan.png) into this folder.
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// Print the plan as JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run one cell for a runner (the worker process; reads a request on
     /// standard input and answers on standard output).
     #[command(hide = true)]
@@ -143,6 +191,25 @@ enum DescribeFormat {
     Json,
     /// The Markdown reference page (docs/plugins.md).
     Markdown,
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    let size: bytesize::ByteSize = s.parse().map_err(|e| {
+        format!("`{s}` is not a size ({e}); write it as bytes or with a unit: 2GiB, 500MB")
+    })?;
+    if size.as_u64() == 0 {
+        return Err("the budget must be above 0 bytes".to_string());
+    }
+    Ok(size.as_u64())
+}
+
+fn parse_dtype(s: &str) -> Result<String, String> {
+    match s {
+        "f32" | "bf16" | "f16" => Ok(s.to_string()),
+        other => Err(format!(
+            "`{other}` is not a dtype; expected one of: f32, bf16, f16"
+        )),
+    }
 }
 
 fn parse_device(s: &str) -> Result<DeviceChoice, String> {
@@ -251,6 +318,7 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Describe { plugin, format } => describe(wb, plugin.as_deref(), *format),
+        Command::Plan { .. } => plan(&cli.command),
         Command::NewPlugin { name, path, sdk } => {
             new_plugin(wb, name, path.as_deref(), sdk.as_deref())
         }
@@ -688,4 +756,125 @@ impl<O: Observer> Observer for WithSpinner<'_, O> {
         self.first.finished(report);
         self.inner.finished(report);
     }
+}
+
+/// The tolerance `plan --verify` holds a plan's measured peak to.
+const PLAN_TOLERANCE: f64 = 0.05;
+
+fn plan(command: &Command) -> anyhow::Result<ExitCode> {
+    let Command::Plan {
+        budget,
+        batch,
+        model,
+        layers,
+        hidden,
+        heads,
+        seq,
+        vocab,
+        dtypes,
+        verify,
+        steps,
+        out,
+        json,
+    } = command
+    else {
+        unreachable!("plan() is called for the plan command")
+    };
+    use workbook::plan as view;
+    use workbook_transformer::plan::{plan as weigh, verify as run_plan, PlanRequest};
+    use workbook_transformer::Recipe;
+    let file = match model {
+        Some(path) => view::ModelFile::read(path)?,
+        None => view::ModelFile {
+            layers: *layers,
+            hidden: *hidden,
+            heads: *heads,
+            seq: *seq,
+            vocab: *vocab,
+        },
+    };
+    let config = file.config()?;
+    if *batch == 0 {
+        anyhow::bail!("`--batch` is 0; allowed: at least 1");
+    }
+    let dtypes = dtypes
+        .iter()
+        .map(|d| match d.as_str() {
+            "bf16" => workbook_sdk::candle::DType::BF16,
+            "f16" => workbook_sdk::candle::DType::F16,
+            _ => workbook_sdk::candle::DType::F32,
+        })
+        .collect();
+    let request = PlanRequest {
+        model: config,
+        batch: *batch,
+        budget: *budget,
+        margin: PLAN_TOLERANCE,
+        dtypes,
+        recipes: vec![Recipe::Candle, Recipe::Lean, Recipe::Tiled],
+        seed: 11,
+    };
+    let meter = workbook_sdk::device::meter_for(&workbook_sdk::candle::Device::Cpu)?;
+    let progress = spinner();
+    let mut ctx = {
+        let progress = progress.clone();
+        workbook_sdk::Context::new(workbook_sdk::candle::Device::Cpu, meter, false)
+            .with_progress(move |m| progress.set_message(m.to_string()))
+    };
+    let plan = weigh(&mut ctx, &request)?;
+    let verification = match (&plan.chosen, verify) {
+        (Some(chosen), true) => Some(run_plan(&mut ctx, &request, chosen, *steps)?),
+        _ => None,
+    };
+    progress.finish_and_clear();
+    if let Some(dir) = out {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+        let plot = workbook::render::plot::figure_plot(
+            &view::figure(&plan),
+            workbook::render::plot::Formats::SvgAndPng,
+        )?;
+        for (name, data) in [
+            ("plan.svg", plot.svg.as_bytes()),
+            ("plan.png", &plot.png[..]),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, data)
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        }
+    }
+    if *json {
+        let value = serde_json::json!({ "plan": plan, "verification": verification });
+        say(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;
+    } else {
+        say(&view::text(&plan, *batch))?;
+        if let Some(v) = &verification {
+            say(&view::verified(v, PLAN_TOLERANCE))?;
+        }
+    }
+    if plan.chosen.is_none() {
+        if *json {
+            eprintln!("error: {}", view::nothing_fits(&plan, *batch));
+        }
+        return Ok(ExitCode::from(1));
+    }
+    Ok(match verification {
+        Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
+    })
+}
+
+/// A spinner on standard error for a long command, hidden when standard
+/// error is not a terminal.
+fn spinner() -> ProgressBar {
+    let bar = if std::io::stderr().is_terminal() {
+        ProgressBar::new_spinner()
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.enable_steady_tick(Duration::from_millis(120));
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg}") {
+        bar.set_style(style);
+    }
+    bar
 }

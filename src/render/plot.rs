@@ -240,6 +240,11 @@ fn render(id: &str, title: &str, d: &impl Draw, formats: Formats) -> anyhow::Res
     })
 }
 
+/// One figure, drawn.
+pub fn figure_plot(f: &Figure, formats: Formats) -> anyhow::Result<Plot> {
+    render(&f.id, &f.title, &FigurePlot(f), formats)
+}
+
 /// The plots of one cell: its timeline and peaks when it measured regions,
 /// and one per figure it declared.
 pub fn cell_plots(cell: &CellReport, formats: Formats) -> anyhow::Result<Vec<Plot>> {

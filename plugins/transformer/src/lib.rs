@@ -5,6 +5,7 @@
 
 pub mod corpus;
 mod gpt;
+pub mod plan;
 pub mod predict;
 pub mod saved;
 pub mod step;
@@ -12,7 +13,7 @@ pub mod training;
 pub mod trial;
 
 pub use gpt::{AttentionKind, Gpt, GptConfig};
-pub use saved::SavedTensors;
+pub use saved::{Recipe, SavedTensors};
 pub use training::GptTraining;
 pub use trial::Predictors;
 

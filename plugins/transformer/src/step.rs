@@ -1,12 +1,16 @@
 //! One training step measured: model, optimizer state, batch, forward,
-//! backward and AdamW update, by category.
+//! backward and AdamW update, by category; whole or in micro-batches.
 
-use candle_core::{DType, Device};
+use std::time::Instant;
+
+use candle_accumulate::GradAccumulator;
+use candle_core::{DType, Device, Tensor};
 use candle_lean_optim::LeanAdamW;
 use candle_ledger::{Labeller, Ledger};
 use candle_nn::{Optimizer, ParamsAdamW};
 use workbook_models::{param_grads, Rng};
 use workbook_sdk::meter::ByCategory;
+use workbook_sdk::observe::Tags;
 use workbook_sdk::{anyhow, Category, Context, RegionReport};
 
 use crate::corpus;
@@ -17,17 +21,20 @@ use crate::gpt::{Gpt, GptConfig};
 pub struct StepReport {
     /// The region: peak, its split by category, the timeline.
     pub region: RegionReport,
-    /// Bytes live at the end of the forward, above the region's start, by
-    /// category.
+    /// Bytes live at the end of the (first micro-batch's) forward, above
+    /// the region's start, by category.
     pub after_forward: ByCategory,
-    /// Bytes the graph held at the end of the forward, from the ledger.
+    /// Bytes the graph held at the end of that forward, from the ledger.
     pub ledger_bytes: u64,
     /// The largest tensor the graph held, in bytes.
     pub largest_held: u64,
     /// Parameters of the model.
     pub params: u64,
-    /// The step's loss.
+    /// The step's loss (the last micro-batch's).
     pub loss: f32,
+    /// Wall time of the step itself: forwards, backwards and the update,
+    /// without building the model and the batch.
+    pub seconds: f64,
 }
 
 impl StepReport {
@@ -38,15 +45,36 @@ impl StepReport {
     }
 }
 
+/// How a step is run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepShape {
+    /// Sequences per batch.
+    pub batch: usize,
+    /// Sequences per micro-batch: the batch, or fewer with gradients
+    /// accumulated (the last micro-batch takes what is left).
+    pub micro_batch: usize,
+}
+
+impl StepShape {
+    /// The whole batch at once.
+    pub fn whole(batch: usize) -> Self {
+        Self {
+            batch,
+            micro_batch: batch,
+        }
+    }
+}
+
 /// Builds a model of `config` in `dtype` and trains it one step on a batch
-/// of `batch` sequences of `config.seq` tokens with the toolkit's in-place
-/// AdamW, all inside one region named `name`.
+/// of `config.seq`-token sequences with the toolkit's in-place AdamW, all
+/// inside one region named `name`. With micro-batches, their gradients are
+/// summed by `candle-accumulate` (weighted by their rows) before the update.
 pub fn measured_step(
     ctx: &mut Context,
     name: String,
     config: GptConfig,
     dtype: DType,
-    batch: usize,
+    shape: StepShape,
     seed: u64,
 ) -> anyhow::Result<StepReport> {
     let device: Device = ctx.device().clone();
@@ -64,30 +92,55 @@ pub fn measured_step(
         )
     })?;
     let (x, y) = Category::Inputs
-        .scope(|| corpus::batch(&mut rng, batch, config.seq, config.vocab, &device))?;
+        .scope(|| corpus::batch(&mut rng, shape.batch, config.seq, config.vocab, &device))?;
     region.mark("model, optimizer state, batch");
-    // Notes what the toolkit's fused operations keep beside the graph (a
-    // few bytes each), for the ledger.
-    let labels = Labeller::unlabelled();
-    let loss = Category::Activations.scope(|| model.loss(&x, &y, &labels))?;
-    region.mark("after forward");
-    let after_forward = region.current_above_baseline();
-    let (ledger_bytes, largest_held) = Category::Other.scope(|| -> anyhow::Result<_> {
-        let ledger = Ledger::of(&loss, &labels)?;
-        let largest = ledger.held.iter().map(|h| h.bytes).max().unwrap_or(0);
-        Ok((ledger.total_bytes(), largest))
-    })?;
-    let loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-    let grads = Category::Gradients.scope(|| -> anyhow::Result<_> {
-        let store = loss.backward()?;
-        Ok(param_grads(&store, &model.vars()))
-    })?;
-    drop((loss, labels));
+    let start = Instant::now();
+    let micro = shape.micro_batch.clamp(1, shape.batch.max(1));
+    let mut accumulator = (micro < shape.batch)
+        .then(|| GradAccumulator::new(model.vars(), shape.batch).with_observer(Tags));
+    let mut first = None;
+    let mut loss_value = 0f32;
+    let mut grads = None;
+    for start_row in (0..shape.batch).step_by(micro) {
+        let rows = micro.min(shape.batch - start_row);
+        let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
+        // Notes what the toolkit's fused operations keep beside the graph
+        // (a few bytes each), for the ledger.
+        let labels = Labeller::unlabelled();
+        let loss: Tensor = Category::Activations.scope(|| model.loss(&xm, &ym, &labels))?;
+        if first.is_none() {
+            region.mark("after forward");
+            let after = region.current_above_baseline();
+            let (bytes, largest) = Category::Other.scope(|| -> anyhow::Result<_> {
+                let ledger = Ledger::of(&loss, &labels)?;
+                let largest = ledger.held.iter().map(|h| h.bytes).max().unwrap_or(0);
+                Ok((ledger.total_bytes(), largest))
+            })?;
+            first = Some((after, bytes, largest));
+        }
+        loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        match accumulator.as_mut() {
+            Some(acc) => Category::Gradients.scope(|| acc.backward(&loss, rows))?,
+            None => {
+                grads = Some(Category::Gradients.scope(|| -> anyhow::Result<_> {
+                    let store = loss.backward()?;
+                    Ok(param_grads(&store, &model.vars()))
+                })?);
+            }
+        }
+        drop((loss, labels));
+    }
     region.mark("after backward");
-    Category::OptimizerState.scope(|| opt.step(&grads))?;
+    match (&accumulator, &grads) {
+        (Some(acc), _) => Category::OptimizerState.scope(|| opt.step(acc.grads()?))?,
+        (None, Some(g)) => Category::OptimizerState.scope(|| opt.step(g))?,
+        (None, None) => anyhow::bail!("a step of an empty batch"),
+    }
+    let seconds = start.elapsed().as_secs_f64();
     region.mark("after AdamW step");
-    drop((grads, opt, x, y, model));
+    drop((grads, accumulator, opt, x, y, model));
     let region = ctx.end_region(region);
+    let (after_forward, ledger_bytes, largest_held) = first.unwrap_or_default();
     Ok(StepReport {
         region,
         after_forward,
@@ -95,5 +148,6 @@ pub fn measured_step(
         largest_held,
         params,
         loss: loss_value,
+        seconds,
     })
 }

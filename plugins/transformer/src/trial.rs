@@ -10,7 +10,7 @@ use crate::gpt::{AttentionKind, GptConfig};
 use crate::parse_dtype;
 use crate::predict::{Measured, Predictor, Run};
 use crate::saved::Recipe;
-use crate::step::measured_step;
+use crate::step::{measured_step, StepShape};
 use crate::training::check_model;
 
 /// One training run of the sweep: the base model with some sizes changed.
@@ -228,12 +228,25 @@ impl Plugin for Predictors {
             let mut calibration = [0u64; 2];
             for (k, b) in [1usize, 2].into_iter().enumerate() {
                 ctx.progress(&format!("calibration step at batch {b}, {name}"));
-                calibration[k] =
-                    measured_step(ctx, format!("{name}, batch {b}"), config, dtype, b, p.seed)?
-                        .peak();
+                calibration[k] = measured_step(
+                    ctx,
+                    format!("{name}, batch {b}"),
+                    config,
+                    dtype,
+                    StepShape::whole(b),
+                    p.seed,
+                )?
+                .peak();
             }
             ctx.progress(&format!("training step, {name}"));
-            let step = measured_step(ctx, name.clone(), config, dtype, batch, p.seed)?;
+            let step = measured_step(
+                ctx,
+                name.clone(),
+                config,
+                dtype,
+                StepShape::whole(batch),
+                p.seed,
+            )?;
             let run = Run {
                 layers: config.layers as u64,
                 hidden: config.hidden as u64,

@@ -1,0 +1,293 @@
+//! The planner: fits a GPT's training step into a memory budget, predicts
+//! the peak and the time of every option it weighed, and proves its choice
+//! by running it.
+//!
+//! Each way of computing the model (a [`Recipe`]) in each dtype is
+//! calibrated by two measured steps, at batch 1 and 2: a step's peak is a
+//! fixed part (parameters, gradients, optimizer state) and a part in
+//! proportion to the batch (saved activations, the backward's working
+//! set). A micro-batch of `m` sequences then peaks at `fixed + m ·
+//! per_sequence`, plus, when gradients are accumulated over several
+//! micro-batches, the sum they are added into (the parameters' size).
+
+use candle_core::DType;
+use serde::Serialize;
+use workbook_sdk::{anyhow, Context};
+
+use crate::gpt::GptConfig;
+use crate::saved::Recipe;
+use crate::step::{measured_step, StepShape};
+
+/// What to plan for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanRequest {
+    /// The model (its `attention` and `lean` are the planner's to choose).
+    pub model: GptConfig,
+    /// Sequences per optimizer step.
+    pub batch: usize,
+    /// The most bytes the step may hold at once.
+    pub budget: u64,
+    /// The share of a prediction it may be off by: an option fits when its
+    /// predicted peak, so much larger, is within the budget. With the
+    /// verification's tolerance here, a plan whose measured peak is within
+    /// that tolerance of its prediction is within the budget too.
+    pub margin: f64,
+    /// The dtypes to consider.
+    pub dtypes: Vec<DType>,
+    /// The recipes to consider.
+    pub recipes: Vec<Recipe>,
+    /// Seed of weights and data.
+    pub seed: u64,
+}
+
+/// Two measured steps of one recipe in one dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Calibration {
+    /// The recipe.
+    pub recipe: Recipe,
+    /// The dtype's name.
+    pub dtype: &'static str,
+    /// Peak at batch 1 and 2.
+    pub peaks: (u64, u64),
+    /// Step time at batch 1 and 2, seconds.
+    pub seconds: (f64, f64),
+    /// Bytes of the parameters (what an accumulated gradient sum takes).
+    pub param_bytes: u64,
+}
+
+impl Calibration {
+    /// What each sequence adds to the peak.
+    pub fn per_sequence(&self) -> u64 {
+        self.peaks.1.saturating_sub(self.peaks.0)
+    }
+
+    /// What the peak holds whatever the batch.
+    pub fn fixed(&self) -> u64 {
+        self.peaks.0.saturating_sub(self.per_sequence())
+    }
+
+    /// The predicted peak of a step of `batch` in micro-batches of `micro`.
+    pub fn peak(&self, batch: usize, micro: usize) -> u64 {
+        let sum = if micro < batch { self.param_bytes } else { 0 };
+        self.fixed() + micro as u64 * self.per_sequence() + sum
+    }
+
+    /// The predicted time of such a step: the time each sequence adds, for
+    /// every sequence, and the fixed time once per micro-batch (two runs do
+    /// not tell the update's share of it from the passes': counting it
+    /// each time errs on the slow side).
+    pub fn seconds(&self, batch: usize, micro: usize) -> f64 {
+        let per_sequence = (self.seconds.1 - self.seconds.0).max(0.0);
+        let fixed = (self.seconds.0 - per_sequence).max(0.0);
+        fixed * batch.div_ceil(micro.max(1)) as f64 + per_sequence * batch as f64
+    }
+}
+
+/// One option the planner weighed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// How the layers are computed.
+    pub recipe: Recipe,
+    /// The dtype's name.
+    pub dtype: &'static str,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per step.
+    pub micro_steps: usize,
+    /// Predicted peak, bytes.
+    pub peak: u64,
+    /// Predicted step time, seconds.
+    pub seconds: f64,
+    /// Whether the peak, with the request's margin, is within the budget.
+    pub fits: bool,
+    /// Whether no other option is both smaller and faster.
+    pub on_frontier: bool,
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// The budget, bytes.
+    pub budget: u64,
+    /// The margin every option was held to.
+    pub margin: f64,
+    /// The calibrations it rests on.
+    pub calibrations: Vec<Calibration>,
+    /// Every option weighed: for each recipe and dtype, the whole batch and,
+    /// when it does not fit, the largest micro-batch that does (or one
+    /// sequence at a time, when none does).
+    pub candidates: Vec<Candidate>,
+    /// The fastest option that fits, if one does.
+    pub chosen: Option<Candidate>,
+}
+
+/// The dtype's name in options and tables.
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        _ => "f32",
+    }
+}
+
+fn dtype_of(name: &str) -> DType {
+    match name {
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        "f64" => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// Calibrates every recipe in every dtype of `req` and weighs the options.
+pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
+    if req.batch == 0 {
+        anyhow::bail!("a batch of 0 sequences: nothing to plan");
+    }
+    let mut calibrations = Vec::new();
+    for &recipe in &req.recipes {
+        for &dtype in &req.dtypes {
+            let config = recipe.apply(req.model);
+            let name = dtype_name(dtype);
+            let mut peaks = [0u64; 2];
+            let mut seconds = [0f64; 2];
+            let mut param_bytes = 0;
+            for (k, b) in [1usize, 2].into_iter().enumerate() {
+                ctx.progress(&format!(
+                    "calibrating {} in {name}, batch {b}",
+                    recipe.name()
+                ));
+                let step = measured_step(
+                    ctx,
+                    format!("{} {name}, batch {b}", recipe.name()),
+                    config,
+                    dtype,
+                    StepShape::whole(b),
+                    req.seed,
+                )?;
+                peaks[k] = step.peak();
+                seconds[k] = step.seconds;
+                param_bytes = step.params * dtype.size_in_bytes() as u64;
+            }
+            calibrations.push(Calibration {
+                recipe,
+                dtype: name,
+                peaks: (peaks[0], peaks[1]),
+                seconds: (seconds[0], seconds[1]),
+                param_bytes,
+            });
+        }
+    }
+    Ok(weigh(req, calibrations))
+}
+
+/// The options from calibrations: for each, the whole batch and the
+/// largest micro-batch that fits; the fastest that fits is chosen.
+pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
+    let mut candidates = Vec::new();
+    for c in &calibrations {
+        let mut micros = vec![req.batch];
+        let fits = |peak: u64| peak as f64 * (1.0 + req.margin) <= req.budget as f64;
+        let largest_fitting = (1..req.batch).rev().find(|&m| fits(c.peak(req.batch, m)));
+        if !fits(c.peak(req.batch, req.batch)) && req.batch > 1 {
+            // The largest micro-batch that fits, or, when none does, one
+            // sequence at a time: the least this recipe and dtype can need.
+            micros.push(largest_fitting.unwrap_or(1));
+        }
+        for m in micros {
+            let peak = c.peak(req.batch, m);
+            candidates.push(Candidate {
+                recipe: c.recipe,
+                dtype: c.dtype,
+                micro_batch: m,
+                micro_steps: req.batch.div_ceil(m),
+                peak,
+                seconds: c.seconds(req.batch, m),
+                fits: fits(peak),
+                on_frontier: false,
+            });
+        }
+    }
+    let all = candidates.clone();
+    for c in &mut candidates {
+        c.on_frontier = !all.iter().any(|o| {
+            o.peak <= c.peak && o.seconds <= c.seconds && (o.peak < c.peak || o.seconds < c.seconds)
+        });
+    }
+    let chosen = candidates
+        .iter()
+        .filter(|c| c.fits)
+        .min_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.peak.cmp(&b.peak)))
+        .cloned();
+    Plan {
+        budget: req.budget,
+        margin: req.margin,
+        calibrations,
+        candidates,
+        chosen,
+    }
+}
+
+/// What running the chosen option measured.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Verification {
+    /// The measured peak, bytes (the largest of the steps run).
+    pub peak: u64,
+    /// The predicted peak, bytes.
+    pub predicted: u64,
+    /// The budget, bytes.
+    pub budget: u64,
+    /// The median measured step time, seconds.
+    pub seconds: f64,
+}
+
+impl Verification {
+    /// Measured over predicted, less one.
+    pub fn error(&self) -> f64 {
+        self.peak as f64 / self.predicted as f64 - 1.0
+    }
+
+    /// Whether the plan kept its promise: within the budget and within
+    /// `tolerance` of the prediction.
+    pub fn kept(&self, tolerance: f64) -> bool {
+        self.peak <= self.budget && self.error().abs() <= tolerance
+    }
+}
+
+/// Runs `steps` training steps of `chosen` (each from a fresh model, as the
+/// calibration's) and measures them.
+pub fn verify(
+    ctx: &mut Context,
+    req: &PlanRequest,
+    chosen: &Candidate,
+    steps: usize,
+) -> anyhow::Result<Verification> {
+    let config = chosen.recipe.apply(req.model);
+    let dtype = dtype_of(chosen.dtype);
+    let mut peak = 0;
+    let mut times = Vec::new();
+    for i in 0..steps.max(1) {
+        ctx.progress(&format!("verifying: step {} of {steps}", i + 1));
+        let step = measured_step(
+            ctx,
+            format!("plan, step {}", i + 1),
+            config,
+            dtype,
+            StepShape {
+                batch: req.batch,
+                micro_batch: chosen.micro_batch,
+            },
+            req.seed,
+        )?;
+        peak = peak.max(step.peak());
+        times.push(step.seconds);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(Verification {
+        peak,
+        predicted: chosen.peak,
+        budget: req.budget,
+        seconds: times[times.len() / 2],
+    })
+}

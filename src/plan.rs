@@ -1,0 +1,261 @@
+//! `workbook plan`: the planner's request from the command line or a model
+//! file, and its answer as text, JSON and a plot.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use workbook_sdk::output::{Axis, Series};
+use workbook_sdk::{Figure, Unit};
+use workbook_transformer::plan::{Candidate, Plan, Verification};
+use workbook_transformer::{AttentionKind, GptConfig};
+
+use crate::render::text::bytes;
+
+/// A model file: the GPT's sizes, as `workbook plan --model FILE` reads it.
+///
+/// ```toml
+/// layers = 4
+/// hidden = 256
+/// heads = 4
+/// seq = 256
+/// vocab = 512
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFile {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Hidden size; a multiple of `heads`.
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+}
+
+impl ModelFile {
+    /// Reads a model file; errors name the file, line and column.
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| {
+            let at = e
+                .span()
+                .map(|s| {
+                    let before = &text[..s.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                    format!(":{line}:{column}")
+                })
+                .unwrap_or_default();
+            anyhow::anyhow!("{}{at}: {}", path.display(), e.message())
+        })
+    }
+
+    /// The model, checked: sizes above zero, the hidden size a multiple of
+    /// the heads.
+    pub fn config(&self) -> anyhow::Result<GptConfig> {
+        for (name, value) in [
+            ("layers", self.layers),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("seq", self.seq),
+        ] {
+            if value == 0 {
+                anyhow::bail!("`{name}` is 0; allowed: at least 1");
+            }
+        }
+        if self.vocab < 2 {
+            anyhow::bail!("`vocab` is {}; allowed: at least 2", self.vocab);
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            anyhow::bail!(
+                "`hidden` is {}; allowed: a multiple of heads ({})",
+                self.hidden,
+                self.heads
+            );
+        }
+        Ok(GptConfig {
+            layers: self.layers,
+            hidden: self.hidden,
+            heads: self.heads,
+            seq: self.seq,
+            vocab: self.vocab,
+            attention: AttentionKind::Tiled,
+            lean: true,
+        })
+    }
+}
+
+fn option(c: &Candidate) -> String {
+    let micro = if c.micro_steps > 1 {
+        format!(
+            "{} micro-batches of {} (gradients accumulated)",
+            c.micro_steps, c.micro_batch
+        )
+    } else {
+        format!("the whole batch of {}", c.micro_batch)
+    };
+    format!("{} layers in {}, {micro}", c.recipe.name(), c.dtype)
+}
+
+/// The plan as text: the calibrations, every option with its predicted
+/// peak and time, the choice (or why there is none).
+pub fn text(plan: &Plan, batch: usize) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "Budget {} for a step of {batch} sequences.\n\nCalibration (two measured steps each):\n",
+        bytes(plan.budget)
+    ));
+    for c in &plan.calibrations {
+        out.push_str(&format!(
+            "  {:<9} {:<5} peak {} at batch 1, {} at batch 2: fixed {}, per sequence {}\n",
+            c.recipe.name(),
+            c.dtype,
+            bytes(c.peaks.0),
+            bytes(c.peaks.1),
+            bytes(c.fixed()),
+            bytes(c.per_sequence())
+        ));
+    }
+    out.push_str("\nOptions (predicted):\n");
+    let mut sorted: Vec<&Candidate> = plan.candidates.iter().collect();
+    sorted.sort_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.peak.cmp(&b.peak)));
+    for c in sorted {
+        let verdict = if plan.chosen.as_ref() == Some(c) {
+            "chosen"
+        } else if !c.fits {
+            "over budget"
+        } else if c.on_frontier {
+            "fits, slower"
+        } else {
+            "fits, dominated"
+        };
+        out.push_str(&format!(
+            "  {:>10}  {:>7.3} s  {:<15} {}\n",
+            bytes(c.peak),
+            c.seconds,
+            verdict,
+            option(c)
+        ));
+    }
+    match &plan.chosen {
+        Some(c) => out.push_str(&format!(
+            "\nPlan: {}; predicted peak {} ({:.0}% of the budget: an option fits when its \
+             prediction plus {:.0}% is within it), step {:.3} s.\n",
+            option(c),
+            bytes(c.peak),
+            100.0 * c.peak as f64 / plan.budget as f64,
+            100.0 * plan.margin,
+            c.seconds
+        )),
+        None => out.push_str(&format!("\n{}\n", nothing_fits(plan, batch))),
+    }
+    out
+}
+
+/// Why no option fits, with the smallest there is.
+pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
+    let smallest = plan.calibrations.iter().min_by_key(|c| c.peak(batch, 1));
+    match smallest {
+        Some(c) => {
+            let sum = if batch > 1 {
+                format!(
+                    ", and {} for the accumulated gradients",
+                    bytes(c.param_bytes)
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "Nothing fits in {}: the smallest option, {} layers in {} one sequence at a \
+                 time, needs {} ({} whatever the batch: parameters, gradients and optimizer \
+                 state; {} per sequence{sum}), and {:.0}% more as a margin for the \
+                 prediction. A smaller model, a shorter sequence or more memory would fit.",
+                bytes(plan.budget),
+                c.recipe.name(),
+                c.dtype,
+                bytes(c.peak(batch, 1)),
+                bytes(c.fixed()),
+                bytes(c.per_sequence()),
+                100.0 * plan.margin,
+            )
+        }
+        None => format!(
+            "Nothing fits in {}: no option was weighed.",
+            bytes(plan.budget)
+        ),
+    }
+}
+
+/// The verification as text.
+pub fn verified(v: &Verification, tolerance: f64) -> String {
+    format!(
+        "Verified: measured peak {} against {} predicted ({:+.1}%) and a budget of {}; \
+         step {:.3} s (median). {}\n",
+        bytes(v.peak),
+        bytes(v.predicted),
+        100.0 * v.error(),
+        bytes(v.budget),
+        v.seconds,
+        if v.kept(tolerance) {
+            format!(
+                "The plan kept its promise (within the budget and {:.0}% of the prediction).",
+                100.0 * tolerance
+            )
+        } else {
+            format!(
+                "The plan did NOT keep its promise (it must stay within the budget and {:.0}% of \
+                 the prediction).",
+                100.0 * tolerance
+            )
+        }
+    )
+}
+
+/// The options on the memory-time plane: one line per recipe and dtype
+/// through its options, the budget as the top of the plot's useful range.
+pub fn figure(plan: &Plan) -> Figure {
+    let mut series: Vec<Series> = Vec::new();
+    for c in &plan.candidates {
+        let name = format!("{} {}", c.recipe.name(), c.dtype);
+        let point = (c.seconds, c.peak as f64);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push(point),
+            None => series.push(Series {
+                name,
+                points: vec![point],
+            }),
+        }
+    }
+    for s in &mut series {
+        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    series.push(Series {
+        name: "budget".into(),
+        points: {
+            let xs = plan.candidates.iter().map(|c| c.seconds);
+            let lo = xs.clone().fold(f64::INFINITY, f64::min);
+            let hi = xs.fold(0f64, f64::max);
+            vec![(lo, plan.budget as f64), (hi, plan.budget as f64)]
+        },
+    });
+    Figure {
+        id: "plan".into(),
+        title: "The planner's options: predicted peak against step time".into(),
+        x: Axis {
+            label: "predicted step time".into(),
+            unit: Unit::Seconds,
+            log: false,
+        },
+        y: Axis {
+            label: "predicted peak".into(),
+            unit: Unit::Bytes,
+            log: false,
+        },
+        series,
+        ..Figure::default()
+    }
+}

@@ -1,0 +1,126 @@
+//! `workbook plan`: a plan for each of three budgets, run and measured; a
+//! budget nothing fits, refused with the smallest option; bad input.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const SMALL: [&str; 12] = [
+    "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "128", "--batch",
+    "8",
+];
+
+fn plan(extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .arg("plan")
+        .args(SMALL)
+        .args(extra)
+        .output()
+        .expect("the binary runs")
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout).expect("the plan is JSON")
+}
+
+#[test]
+fn three_budgets_three_plans_each_kept_when_run() {
+    let mut chosen = Vec::new();
+    for budget in ["3MiB", "6MiB", "16MiB"] {
+        let o = plan(&["--budget", budget, "--verify", "--json"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{budget}: {err}");
+        let v = json(&o);
+        let budget_bytes = v["plan"]["budget"].as_u64().unwrap();
+        let c = &v["plan"]["chosen"];
+        let predicted = c["peak"].as_u64().unwrap();
+        let measured = v["verification"]["peak"].as_u64().unwrap();
+        // Within the budget, and within 5% of the prediction.
+        assert!(measured <= budget_bytes, "{budget}: measured {measured}");
+        let error = measured as f64 / predicted as f64 - 1.0;
+        assert!(
+            error.abs() <= 0.05,
+            "{budget}: {measured} against {predicted}"
+        );
+        // Every option over the budget was rejected, and the chosen one is
+        // the fastest of those that fit.
+        let options = v["plan"]["candidates"].as_array().unwrap();
+        for o in options {
+            let fits = o["peak"].as_f64().unwrap() * 1.05 <= budget_bytes as f64;
+            assert_eq!(o["fits"].as_bool(), Some(fits), "{budget}: {o}");
+            if fits {
+                assert!(
+                    o["seconds"].as_f64() >= c["seconds"].as_f64(),
+                    "{budget}: {o}"
+                );
+            }
+        }
+        chosen.push((
+            c["recipe"].as_str().unwrap().to_string(),
+            c["micro_batch"].as_u64().unwrap(),
+            predicted,
+        ));
+    }
+    // A larger budget allows a plan that holds more at once.
+    assert!(
+        chosen[0].2 < chosen[1].2 && chosen[1].2 < chosen[2].2,
+        "{chosen:?}"
+    );
+}
+
+#[test]
+fn a_budget_nothing_fits_is_refused_with_the_smallest_option() {
+    let o = plan(&["--budget", "1MiB"]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("Nothing fits in 1.00 MiB: the smallest option, "),
+        "{out}"
+    );
+    assert!(out.contains("one sequence at a time, needs"), "{out}");
+    assert!(
+        out.contains("A smaller model, a shorter sequence or more memory would fit."),
+        "{out}"
+    );
+    assert!(!out.contains("Plan:"), "{out}");
+}
+
+#[test]
+fn bad_input_is_named() {
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_workbook"))
+            .arg("plan")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (code, err) = run(&["--budget", "lots"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("`lots` is not a size"), "{err}");
+    let (code, err) = run(&["--budget", "1GiB", "--hidden", "66", "--heads", "4"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("`hidden` is 66; allowed: a multiple of heads (4)"),
+        "{err}"
+    );
+    let (code, err) = run(&["--budget", "1GiB", "--dtypes", "f8"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("`f8` is not a dtype"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model.toml");
+    std::fs::write(
+        &model,
+        "layers = 2\nhidden = 64\nheads = 4\nseq = 64\nvocab = 128\nwidth = 3\n",
+    )
+    .unwrap();
+    let (code, err) = run(&["--budget", "1GiB", "--model", model.to_str().unwrap()]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains(&format!("{}:6:1: unknown field `width`", model.display())),
+        "{err}"
+    );
+}
