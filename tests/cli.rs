@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 9] = [
+const PLUGINS: [&str; 10] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -16,6 +16,7 @@ const PLUGINS: [&str; 9] = [
     "attention",
     "gpt_training",
     "saved_tensors",
+    "layer_profile",
     "predictors",
 ];
 

@@ -7,12 +7,14 @@ pub mod corpus;
 mod gpt;
 pub mod plan;
 pub mod predict;
+pub mod profile;
 pub mod saved;
 pub mod step;
 pub mod training;
 pub mod trial;
 
 pub use gpt::{AttentionKind, Gpt, GptConfig};
+pub use profile::LayerProfile;
 pub use saved::{Recipe, SavedTensors};
 pub use training::GptTraining;
 pub use trial::Predictors;

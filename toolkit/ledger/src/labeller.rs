@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use candle_core::{Tensor, TensorId};
 use candle_custom_grad::kept::Recording;
@@ -15,23 +16,38 @@ pub struct Label {
     pub part: String,
 }
 
-/// Labels graph nodes as a forward makes them, and while it lives notes
-/// what the custom backwards of `candle-custom-grad` (the toolkit's fused
-/// layers, tiled attention) keep beside the graph. A disabled labeller (the
-/// [`Default`]) does nothing and costs nothing, so a model can take one
-/// always. Create it on the thread that runs the forward.
+/// Labels graph nodes as a forward makes them, times each labelled part,
+/// and while it lives notes what the custom backwards of
+/// `candle-custom-grad` (the toolkit's fused layers, tiled attention) keep
+/// beside the graph. A disabled labeller (the [`Default`]) does nothing
+/// and costs nothing, so a model can take one always. Create it on the
+/// thread that runs the forward, just before it.
 #[derive(Debug, Default)]
 pub struct Labeller {
     map: Option<RefCell<HashMap<TensorId, Label>>>,
     kept: Option<Recording>,
+    clock: Option<RefCell<Clock>>,
+}
+
+/// The time of each labelled part: from the end of the previous label
+/// (its graph walk excluded) to the start of this one.
+#[derive(Debug)]
+struct Clock {
+    since: Instant,
+    spans: Vec<(Label, Duration)>,
 }
 
 impl Labeller {
-    /// A labeller that labels and notes what custom backwards keep.
+    /// A labeller that labels, times each part, and notes what custom
+    /// backwards keep.
     pub fn new() -> Self {
         Self {
             map: Some(RefCell::new(HashMap::new())),
             kept: Some(Recording::start()),
+            clock: Some(RefCell::new(Clock {
+                since: Instant::now(),
+                spans: Vec::new(),
+            })),
         }
     }
 
@@ -42,7 +58,19 @@ impl Labeller {
         Self {
             map: None,
             kept: Some(Recording::start()),
+            clock: None,
         }
+    }
+
+    /// Each labelled part's forward time, in order: the time from the
+    /// previous label (or the labeller's creation) to this one, without
+    /// the labeller's own work. On a device that computes asynchronously
+    /// (a GPU) it is the time to queue the work, not to do it.
+    pub fn times(&self) -> Vec<(Label, Duration)> {
+        self.clock
+            .as_ref()
+            .map(|c| c.borrow().spans.clone())
+            .unwrap_or_default()
     }
 
     /// What the custom backward that made `t` keeps beside the graph.
@@ -60,6 +88,17 @@ impl Labeller {
     /// `t`. Walking the graph at each label costs time proportional to the
     /// graph: fine for a ledger, and skipped when disabled.
     pub fn label(&self, t: Tensor, layer: Option<usize>, part: &str) -> Tensor {
+        if let Some(clock) = &self.clock {
+            let mut clock = clock.borrow_mut();
+            let spent = clock.since.elapsed();
+            clock.spans.push((
+                Label {
+                    layer,
+                    part: part.to_string(),
+                },
+                spent,
+            ));
+        }
         if let Some(map) = &self.map {
             let mut map = map.borrow_mut();
             for node in t.sorted_nodes() {
@@ -70,6 +109,9 @@ impl Labeller {
                     });
                 }
             }
+        }
+        if let Some(clock) = &self.clock {
+            clock.borrow_mut().since = Instant::now();
         }
         t
     }

@@ -55,3 +55,26 @@ fn without_a_recording_labeller_kept_tensors_are_not_seen() -> Result<()> {
     assert!(ledger.held.iter().all(|h| h.label.is_none()));
     Ok(())
 }
+
+#[test]
+fn each_labelled_part_is_timed_in_order() -> Result<()> {
+    let w = Var::from_tensor(&filled((64, 64), 0.01)?)?;
+    let x = filled((64, 64), 1.0)?;
+    let labels = Labeller::new();
+    let h = labels.label(x.matmul(w.as_tensor())?, Some(0), "matmul");
+    let t = labels.label(h.tanh()?, Some(1), "tanh");
+    drop(labels.label(t.sum_all()?, None, "loss"));
+    let times = labels.times();
+    let names: Vec<(Option<usize>, &str)> = times
+        .iter()
+        .map(|(l, _)| (l.layer, l.part.as_str()))
+        .collect();
+    assert_eq!(
+        names,
+        [(Some(0), "matmul"), (Some(1), "tanh"), (None, "loss")]
+    );
+    // A disabled or unlabelled labeller times nothing.
+    assert!(Labeller::default().times().is_empty());
+    assert!(Labeller::unlabelled().times().is_empty());
+    Ok(())
+}
