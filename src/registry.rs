@@ -193,6 +193,7 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_transformer::GptTraining),
         Box::new(workbook_transformer::SavedTensors),
         Box::new(workbook_transformer::LayerProfile),
+        Box::new(workbook_transformer::GptCheckpointing),
         Box::new(workbook_transformer::Predictors),
     ]
 }

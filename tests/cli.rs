@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 10] = [
+const PLUGINS: [&str; 11] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -17,6 +17,7 @@ const PLUGINS: [&str; 10] = [
     "gpt_training",
     "saved_tensors",
     "layer_profile",
+    "gpt_checkpointing",
     "predictors",
 ];
 

@@ -2,6 +2,7 @@
 //! causal multi-head attention and a GELU MLP with residuals, a final layer
 //! norm and a head tied to the token embedding.
 
+use candle_checkpoint::{Tape, TapeModule};
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear};
 use candle_ledger::Labeller;
@@ -258,63 +259,168 @@ impl Gpt {
     /// The logits `(b·s, v)` for `tokens` `(b, s)`, each part labelled in
     /// `labels` (block index and part; embeddings and head have no block).
     pub fn logits(&self, tokens: &Tensor, labels: &Labeller) -> Result<Tensor> {
+        let mut x = self.embed(tokens, labels)?;
+        for i in 0..self.blocks.len() {
+            x = self.block(i, &x, labels, None)?;
+        }
+        self.head(&x, labels)
+    }
+
+    /// [`Gpt::logits`] with the blocks' products through `tape` (see
+    /// [`GptLayer`]): the computation checkpointing policies apply to.
+    pub fn logits_taped(&self, tokens: &Tensor, labels: &Labeller, tape: &Tape) -> Result<Tensor> {
+        let mut x = self.embed(tokens, labels)?;
+        for i in 0..self.blocks.len() {
+            x = self.block(i, &x, labels, Some(tape))?;
+        }
+        self.head(&x, labels)
+    }
+
+    /// The token and position embeddings of `tokens` `(b, s)`: `(b, s, h)`.
+    fn embed(&self, tokens: &Tensor, labels: &Labeller) -> Result<Tensor> {
         let (b, s) = tokens.dims2()?;
         let c = &self.config;
         if s > c.seq {
             candle_core::bail!("{s} tokens, the model's positions stop at {}", c.seq);
         }
-        let (h, a, lean) = (c.hidden, c.heads, c.lean);
-        let d = h / a;
         let positions = self.wpe.as_tensor().narrow(0, 0, s)?;
         let x = self
             .wte
             .as_tensor()
             .embedding(&tokens.flatten_all()?)?
-            .reshape((b, s, h))?
+            .reshape((b, s, c.hidden))?
             .broadcast_add(&positions)?;
-        let mut x = labels.label(x, None, "embedding");
+        Ok(labels.label(x, None, "embedding"))
+    }
+
+    /// Block `i` on the residual stream `x` `(b, s, h)`. With a `tape`, its
+    /// four products (named `qkv`, `proj`, `fc`, `fc2`) go through it, so a
+    /// checkpointing policy can keep them; the bias and GELU are then
+    /// candle's operations.
+    fn block(
+        &self,
+        i: usize,
+        x: &Tensor,
+        labels: &Labeller,
+        tape: Option<&Tape>,
+    ) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let c = &self.config;
+        let (a, lean) = (c.heads, c.lean);
+        let d = h / a;
+        let blk = &self.blocks[i];
+        let dense = |name: &str, layer: &Dense, x: &Tensor, gelu: bool| -> Result<Tensor> {
+            match tape {
+                Some(tape) => {
+                    let y = tape.named_linear(
+                        Some(name),
+                        x,
+                        layer.weight.as_tensor(),
+                        Some(layer.bias.as_tensor()),
+                    )?;
+                    if gelu {
+                        y.gelu()
+                    } else {
+                        Ok(y)
+                    }
+                }
+                None => layer.forward(x, gelu, lean),
+            }
+        };
+        let l = Some(i);
+        let n = labels.label(blk.ln1.forward(x, lean)?, l, "ln1");
+        let qkv = labels.label(dense("qkv", &blk.qkv, &n, false)?, l, "qkv");
+        // (b, s, 3, a, d) -> (3, b, a, s, d), one copy: q, k and v are then
+        // contiguous views of it.
+        let qkv = qkv
+            .reshape((b, s, 3, a, d))?
+            .permute((2, 0, 3, 1, 4))?
+            .contiguous()?;
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
         let attn_cfg = FlashConfig::for_length(true, s);
-        for (i, blk) in self.blocks.iter().enumerate() {
-            let l = Some(i);
-            let n = labels.label(blk.ln1.forward(&x, lean)?, l, "ln1");
-            let qkv = labels.label(blk.qkv.forward(&n, false, lean)?, l, "qkv");
-            // (b, s, 3, a, d) -> (3, b, a, s, d), one copy: q, k and v are
-            // then contiguous views of it.
-            let qkv = qkv
-                .reshape((b, s, 3, a, d))?
-                .permute((2, 0, 3, 1, 4))?
-                .contiguous()?;
-            let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-            let y = match c.attention {
-                AttentionKind::Naive => naive_attention(&q, &k, &v, &attn_cfg)?,
-                AttentionKind::Materialized => materialized_attention(&q, &k, &v, &attn_cfg)?,
-                AttentionKind::Tiled => flash_attention(&q, &k, &v, &attn_cfg)?,
-            };
-            let y = labels.label(y, l, "attention");
-            let y = y.transpose(1, 2)?.reshape((b, s, h))?;
-            let y = labels.label(blk.proj.forward(&y, false, lean)?, l, "proj");
-            x = labels.label((x + y)?, l, "residual");
-            let n = labels.label(blk.ln2.forward(&x, lean)?, l, "ln2");
-            let m = labels.label(blk.fc.forward(&n, true, lean)?, l, "fc+gelu");
-            let m = labels.label(blk.fc2.forward(&m, false, lean)?, l, "fc2");
-            x = labels.label((x + m)?, l, "residual");
-        }
-        let x = labels.label(self.ln_f.forward(&x, lean)?, None, "ln_f");
+        let y = match c.attention {
+            AttentionKind::Naive => naive_attention(&q, &k, &v, &attn_cfg)?,
+            AttentionKind::Materialized => materialized_attention(&q, &k, &v, &attn_cfg)?,
+            AttentionKind::Tiled => flash_attention(&q, &k, &v, &attn_cfg)?,
+        };
+        let y = labels.label(y, l, "attention");
+        let y = y.transpose(1, 2)?.reshape((b, s, h))?;
+        let y = labels.label(dense("proj", &blk.proj, &y, false)?, l, "proj");
+        let x = labels.label((x + y)?, l, "residual");
+        let n = labels.label(blk.ln2.forward(&x, lean)?, l, "ln2");
+        let m = match tape {
+            // Through a tape the product and the GELU are two operations,
+            // timed and counted apart.
+            Some(_) => {
+                let m = labels.label(dense("fc", &blk.fc, &n, false)?, l, "fc");
+                labels.label(m.gelu()?, l, "gelu")
+            }
+            None => labels.label(dense("fc", &blk.fc, &n, true)?, l, "fc+gelu"),
+        };
+        let m = labels.label(dense("fc2", &blk.fc2, &m, false)?, l, "fc2");
+        Ok(labels.label((x + m)?, l, "residual"))
+    }
+
+    /// The final norm and the tied head: the logits `(b·s, v)`.
+    fn head(&self, x: &Tensor, labels: &Labeller) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let x = labels.label(self.ln_f.forward(x, self.config.lean)?, None, "ln_f");
         let logits = x.reshape((b * s, h))?.matmul(&self.wte.as_tensor().t()?)?;
         Ok(labels.label(logits, None, "head"))
+    }
+
+    /// The model as a stack for `candle-checkpoint`: the embeddings (token
+    /// ids in), then each block; [`Gpt::head_loss`] closes it.
+    pub fn stack(&self) -> Vec<GptLayer<'_>> {
+        std::iter::once(GptLayer::Embedding(self))
+            .chain((0..self.blocks.len()).map(|i| GptLayer::Block(self, i)))
+            .collect()
+    }
+
+    /// The final norm, the head and the loss on the last block's output.
+    pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = self.head(x, &Labeller::default())?;
+        self.cross_entropy(&logits, targets)
+    }
+
+    fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let targets = targets.flatten_all()?;
+        if self.config.lean {
+            candle_lean_nn::cross_entropy(logits, &targets)
+        } else {
+            candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &targets)
+        }
     }
 
     /// The mean next-token cross-entropy of `tokens` `(b, s)` against
     /// `targets` `(b, s)`, computed in f32.
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor, labels: &Labeller) -> Result<Tensor> {
         let logits = self.logits(tokens, labels)?;
-        let targets = targets.flatten_all()?;
-        let loss = if self.config.lean {
-            candle_lean_nn::cross_entropy(&logits, &targets)?
-        } else {
-            let logits = logits.to_dtype(DType::F32)?;
-            candle_nn::loss::cross_entropy(&logits, &targets)?
-        };
+        let loss = self.cross_entropy(&logits, targets)?;
         Ok(labels.label(loss, None, "loss"))
+    }
+}
+
+/// One layer of a [`Gpt`] as a stack (see [`Gpt::stack`]).
+#[derive(Debug, Clone, Copy)]
+pub enum GptLayer<'a> {
+    /// The token and position embeddings: token ids in, `(b, s, h)` out.
+    Embedding(&'a Gpt),
+    /// Block `i`: `(b, s, h)` in and out.
+    Block(&'a Gpt, usize),
+}
+
+impl TapeModule for GptLayer<'_> {
+    fn forward_t(&self, x: &Tensor, tape: &Tape) -> Result<Tensor> {
+        match *self {
+            GptLayer::Embedding(gpt) => gpt.embed(x, &Labeller::default()),
+            GptLayer::Block(gpt, i) => gpt.block(i, x, &Labeller::default(), Some(tape)),
+        }
+    }
+}
+
+impl Module for GptLayer<'_> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_t(x, &Tape::plain())
     }
 }

@@ -8,13 +8,15 @@ mod gpt;
 pub mod plan;
 pub mod predict;
 pub mod profile;
+pub mod recompute;
 pub mod saved;
 pub mod step;
 pub mod training;
 pub mod trial;
 
-pub use gpt::{AttentionKind, Gpt, GptConfig};
+pub use gpt::{AttentionKind, Gpt, GptConfig, GptLayer};
 pub use profile::LayerProfile;
+pub use recompute::GptCheckpointing;
 pub use saved::{Recipe, SavedTensors};
 pub use training::GptTraining;
 pub use trial::Predictors;

@@ -56,7 +56,7 @@ impl Default for Params {
 }
 
 /// The parts of the model, in forward order, as the model labels them.
-pub const PARTS: [&str; 12] = [
+pub const PARTS: [&str; 14] = [
     "embedding",
     "ln1",
     "qkv",
@@ -65,6 +65,8 @@ pub const PARTS: [&str; 12] = [
     "residual",
     "ln2",
     "fc+gelu",
+    "fc",
+    "gelu",
     "fc2",
     "ln_f",
     "head",

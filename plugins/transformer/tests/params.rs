@@ -69,3 +69,20 @@ fn an_empty_recipe_list_and_bad_variants_are_refused() {
     );
     assert!(Predictors.validate(&Default::default()).is_empty());
 }
+
+#[test]
+fn a_checkpoint_interval_beyond_the_stack_is_refused() {
+    let p = workbook_transformer::recompute::Params {
+        every: vec![2, 0, 6],
+        repeats: 0,
+        ..Default::default()
+    };
+    assert_eq!(
+        said(&workbook_transformer::GptCheckpointing.validate(&p)),
+        pairs(&[
+            ("repeats", "is 0; allowed: at least 1"),
+            ("every[1]", "is 0; allowed: from 1 to 5"),
+            ("every[2]", "is 6; allowed: from 1 to 5"),
+        ])
+    );
+}
