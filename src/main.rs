@@ -110,8 +110,9 @@ enum Command {
         sdk: Option<PathBuf>,
     },
     /// Choose how to train a GPT within a memory budget: recipe (candle-nn
-    /// or lean layers; naive, materialized or tiled attention), dtype and
-    /// micro-batch, each option's peak predicted from two measured steps;
+    /// or lean layers; naive, materialized or tiled attention), dtype,
+    /// checkpointing and micro-batch, each option's peak predicted from two
+    /// measured steps;
     /// with --verify, run the plan and check its peak. Exit code 1 when
     /// nothing fits or the plan did not keep its promise.
     Plan {
@@ -140,6 +141,14 @@ enum Command {
         /// Vocabulary.
         #[arg(long, default_value_t = 512)]
         vocab: usize,
+        /// Ways of computing the layers to consider, comma-separated: candle
+        /// (candle-nn's layers, naive attention), lean (the toolkit's lean
+        /// layers, the probabilities kept), tiled (lean, tiled attention).
+        #[arg(long, value_delimiter = ',', default_value = "candle,lean,tiled", value_parser = parse_recipe)]
+        recipes: Vec<workbook_transformer::Recipe>,
+        /// Leave checkpointing out of the options.
+        #[arg(long)]
+        no_checkpointing: bool,
         /// Dtypes to consider, comma-separated: f32, bf16, f16.
         #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = parse_dtype)]
         dtypes: Vec<String>,
@@ -194,13 +203,7 @@ enum DescribeFormat {
 }
 
 fn parse_budget(s: &str) -> Result<u64, String> {
-    let size: bytesize::ByteSize = s.parse().map_err(|e| {
-        format!("`{s}` is not a size ({e}); write it as bytes or with a unit: 2GiB, 500MB")
-    })?;
-    if size.as_u64() == 0 {
-        return Err("the budget must be above 0 bytes".to_string());
-    }
-    Ok(size.as_u64())
+    bytes_above_zero(s, "the budget")
 }
 
 fn parse_dtype(s: &str) -> Result<String, String> {
@@ -210,6 +213,14 @@ fn parse_dtype(s: &str) -> Result<String, String> {
             "`{other}` is not a dtype; expected one of: f32, bf16, f16"
         )),
     }
+}
+
+fn parse_recipe(s: &str) -> Result<workbook_transformer::Recipe, String> {
+    use workbook_transformer::Recipe;
+    [Recipe::Candle, Recipe::Lean, Recipe::Tiled]
+        .into_iter()
+        .find(|r| r.name() == s)
+        .ok_or_else(|| format!("`{s}` is not a recipe; expected one of: candle, lean, tiled"))
 }
 
 fn parse_device(s: &str) -> Result<DeviceChoice, String> {
@@ -236,14 +247,19 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
     workbook::chapter::seconds(value)
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
+/// A size such as `8GiB`, above zero; `what` names it in the error.
+fn bytes_above_zero(s: &str, what: &str) -> Result<u64, String> {
     let size: bytesize::ByteSize = s.parse().map_err(|e| {
         format!("`{s}` is not a size ({e}); write it as bytes or with a unit: 8GiB, 500MB")
     })?;
     if size.as_u64() == 0 {
-        return Err("the memory limit must be above 0 bytes".to_string());
+        return Err(format!("{what} must be above 0 bytes"));
     }
     Ok(size.as_u64())
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    bytes_above_zero(s, "the memory limit")
 }
 
 /// The machine's physical memory, the default cap on what a cell may hold.
@@ -771,6 +787,8 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         heads,
         seq,
         vocab,
+        recipes,
+        no_checkpointing,
         dtypes,
         verify,
         steps,
@@ -782,7 +800,6 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
     };
     use workbook::plan as view;
     use workbook_transformer::plan::{plan as weigh, verify as run_plan, PlanRequest};
-    use workbook_transformer::Recipe;
     let file = match model {
         Some(path) => view::ModelFile::read(path)?,
         None => view::ModelFile {
@@ -811,7 +828,8 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         budget: *budget,
         margin: PLAN_TOLERANCE,
         dtypes,
-        recipes: vec![Recipe::Candle, Recipe::Lean, Recipe::Tiled],
+        recipes: recipes.clone(),
+        checkpointing: !no_checkpointing,
         seed: 11,
     };
     let meter = workbook_sdk::device::meter_for(&workbook_sdk::candle::Device::Cpu)?;

@@ -98,7 +98,16 @@ fn option(c: &Candidate) -> String {
     } else {
         format!("the whole batch of {}", c.micro_batch)
     };
-    format!("{} layers in {}, {micro}", c.recipe.name(), c.dtype)
+    let checkpointed = if c.checkpointed {
+        ", every layer checkpointed"
+    } else {
+        ""
+    };
+    format!(
+        "{} layers in {}, {micro}{checkpointed}",
+        c.recipe.name(),
+        c.dtype
+    )
 }
 
 /// The plan as text: the calibrations, every option with its predicted
@@ -106,16 +115,19 @@ fn option(c: &Candidate) -> String {
 pub fn text(plan: &Plan, batch: usize) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "Budget {} for a step of {batch} sequences.\n\nCalibration (two measured steps each):\n",
+        "Budget {} for a step of {batch} sequences.\n\nCalibration (measured steps at batch 1, 2 and 4; \
+         the line through 2 and 4):\n",
         bytes(plan.budget)
     ));
     for c in &plan.calibrations {
         out.push_str(&format!(
-            "  {:<9} {:<5} peak {} at batch 1, {} at batch 2: fixed {}, per sequence {}\n",
+            "  {:<6} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}: fixed {:>9}, per sequence {:>9}\n",
             c.recipe.name(),
             c.dtype,
-            bytes(c.peaks.0),
-            bytes(c.peaks.1),
+            if c.checkpointed { "checkpointed" } else { "" },
+            bytes(c.peaks[0]),
+            bytes(c.peaks[1]),
+            bytes(c.peaks[2]),
             bytes(c.fixed()),
             bytes(c.per_sequence())
         ));
@@ -163,23 +175,27 @@ pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
         Some(c) => {
             let sum = if batch > 1 {
                 format!(
-                    ", and {} for the accumulated gradients",
+                    " and {} for the gradients accumulated over the batch",
                     bytes(c.param_bytes)
                 )
             } else {
                 String::new()
             };
             format!(
-                "Nothing fits in {}: the smallest option, {} layers in {} one sequence at a \
-                 time, needs {} ({} whatever the batch: parameters, gradients and optimizer \
-                 state; {} per sequence{sum}), and {:.0}% more as a margin for the \
+                "Nothing fits in {}: the smallest option, {} layers in {}{} one sequence at a \
+                 time, needs {} (measured for one sequence: {}, parameters, gradients and \
+                 optimizer state included{sum}), and {:.0}% more as a margin for the \
                  prediction. A smaller model, a shorter sequence or more memory would fit.",
                 bytes(plan.budget),
                 c.recipe.name(),
                 c.dtype,
+                if c.checkpointed {
+                    ", checkpointed,"
+                } else {
+                    ""
+                },
                 bytes(c.peak(batch, 1)),
-                bytes(c.fixed()),
-                bytes(c.per_sequence()),
+                bytes(c.peaks[0]),
                 100.0 * plan.margin,
             )
         }
@@ -215,36 +231,36 @@ pub fn verified(v: &Verification, tolerance: f64) -> String {
     )
 }
 
-/// The options on the memory-time plane: one line per recipe and dtype
-/// through its options, the budget as the top of the plot's useful range.
+/// The options on the memory-time plane: the Pareto frontier (no other
+/// option both smaller and faster), the chosen option, and the budget.
 pub fn figure(plan: &Plan) -> Figure {
-    let mut series: Vec<Series> = Vec::new();
-    for c in &plan.candidates {
-        let name = format!("{} {}", c.recipe.name(), c.dtype);
-        let point = (c.seconds, c.peak as f64);
-        match series.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.points.push(point),
-            None => series.push(Series {
-                name,
-                points: vec![point],
-            }),
-        }
-    }
-    for s in &mut series {
-        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut frontier: Vec<(f64, f64)> = plan
+        .candidates
+        .iter()
+        .filter(|c| c.on_frontier)
+        .map(|c| (c.seconds, c.peak as f64))
+        .collect();
+    frontier.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let xs = plan.candidates.iter().map(|c| c.seconds);
+    let lo = xs.clone().fold(f64::INFINITY, f64::min);
+    let hi = xs.fold(0f64, f64::max);
+    let mut series = vec![Series {
+        name: "Pareto frontier of the options".into(),
+        points: frontier,
+    }];
+    if let Some(c) = &plan.chosen {
+        series.push(Series {
+            name: "chosen".into(),
+            points: vec![(c.seconds, c.peak as f64)],
+        });
     }
     series.push(Series {
         name: "budget".into(),
-        points: {
-            let xs = plan.candidates.iter().map(|c| c.seconds);
-            let lo = xs.clone().fold(f64::INFINITY, f64::min);
-            let hi = xs.fold(0f64, f64::max);
-            vec![(lo, plan.budget as f64), (hi, plan.budget as f64)]
-        },
+        points: vec![(lo, plan.budget as f64), (hi, plan.budget as f64)],
     });
     Figure {
         id: "plan".into(),
-        title: "The planner's options: predicted peak against step time".into(),
+        title: "The planner's options: their Pareto frontier, the choice and the budget".into(),
         x: Axis {
             label: "predicted step time".into(),
             unit: Unit::Seconds,

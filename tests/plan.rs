@@ -69,6 +69,41 @@ fn three_budgets_three_plans_each_kept_when_run() {
 }
 
 #[test]
+fn a_budget_only_checkpointing_meets_gets_a_checkpointed_plan_that_keeps_it() {
+    // candle-nn's layers: one sequence at a time needs about 5.75 MiB with
+    // the whole graph kept, 4.5 MiB checkpointed; 5.2 MiB (less the 5%
+    // margin) admits only the second.
+    let o = plan(&[
+        "--recipes",
+        "candle",
+        "--dtypes",
+        "f32",
+        "--budget",
+        "5.2MiB",
+        "--verify",
+        "--json",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v = json(&o);
+    let c = &v["plan"]["chosen"];
+    assert_eq!(c["checkpointed"].as_bool(), Some(true), "{c}");
+    assert_eq!(c["micro_batch"].as_u64(), Some(1), "{c}");
+    let (predicted, measured) = (
+        c["peak"].as_u64().unwrap(),
+        v["verification"]["peak"].as_u64().unwrap(),
+    );
+    assert!(measured as f64 <= 5.2 * 1024.0 * 1024.0, "{measured}");
+    assert!((measured as f64 / predicted as f64 - 1.0).abs() <= 0.05);
+    let calibrations = v["plan"]["calibrations"].as_array().unwrap();
+    assert_eq!(calibrations.len(), 2, "with and without checkpointing");
+}
+
+#[test]
 fn a_budget_nothing_fits_is_refused_with_the_smallest_option() {
     let o = plan(&["--budget", "1MiB"]);
     assert_eq!(o.status.code(), Some(1));
@@ -105,6 +140,12 @@ fn bad_input_is_named() {
     assert_eq!(code, Some(2));
     assert!(
         err.contains("`hidden` is 66; allowed: a multiple of heads (4)"),
+        "{err}"
+    );
+    let (code, err) = run(&["--budget", "1GiB", "--recipes", "fast"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("`fast` is not a recipe; expected one of: candle, lean, tiled"),
         "{err}"
     );
     let (code, err) = run(&["--budget", "1GiB", "--dtypes", "f8"]);

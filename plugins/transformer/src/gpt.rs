@@ -60,6 +60,23 @@ pub struct GptConfig {
     pub lean: bool,
 }
 
+impl Default for GptConfig {
+    /// Chapter 3's model at full size: 4 blocks, hidden 256, 4 heads, 256
+    /// positions, a vocabulary of 512, lean layers with the attention's
+    /// probabilities kept.
+    fn default() -> Self {
+        Self {
+            layers: 4,
+            hidden: 256,
+            heads: 4,
+            seq: 256,
+            vocab: 512,
+            attention: AttentionKind::Materialized,
+            lean: true,
+        }
+    }
+}
+
 impl GptConfig {
     /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` (the
     /// head is tied to the token embedding).

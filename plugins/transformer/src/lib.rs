@@ -24,6 +24,12 @@ pub use trial::Predictors;
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::DType;
 
+/// The median of `values` (the upper one of an even count); 0 for none.
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// The dtypes the cells take, by name.
 pub(crate) fn parse_dtype(name: &str) -> anyhow::Result<DType> {
     match name {

@@ -2,13 +2,18 @@
 //! the peak and the time of every option it weighed, and proves its choice
 //! by running it.
 //!
-//! Each way of computing the model (a [`Recipe`]) in each dtype is
-//! calibrated by two measured steps, at batch 1 and 2: a step's peak is a
-//! fixed part (parameters, gradients, optimizer state) and a part in
-//! proportion to the batch (saved activations, the backward's working
-//! set). A micro-batch of `m` sequences then peaks at `fixed + m ·
-//! per_sequence`, plus, when gradients are accumulated over several
-//! micro-batches, the sum they are added into (the parameters' size).
+//! Each way of computing the model (a [`Recipe`]) in each dtype, with and
+//! without checkpointing, is calibrated by measured steps at batch 1, 2
+//! and 4. A step's peak is the largest of a few lines in the batch (each
+//! moment of the step holds a fixed part, parameters, gradients so far and
+//! optimizer state, and a part in proportion to the batch, activations and
+//! working set), so it grows in steps of a slope that can only rise with
+//! the batch; from batch 2 on, the line through batch 2 and 4 held within
+//! a few percent in every case measured, where the one through 1 and 2 fell
+//! 8% short at batch 16. A micro-batch of `m >= 2` sequences is predicted
+//! on that line, one sequence at a time is measured; when gradients are
+//! accumulated over several micro-batches, the sum they are added into
+//! (the parameters' size) comes on top.
 
 use candle_core::DType;
 use serde::Serialize;
@@ -36,6 +41,8 @@ pub struct PlanRequest {
     pub dtypes: Vec<DType>,
     /// The recipes to consider.
     pub recipes: Vec<Recipe>,
+    /// Whether to consider checkpointing every layer as well.
+    pub checkpointing: bool,
     /// Seed of weights and data.
     pub seed: u64,
 }
@@ -45,41 +52,57 @@ pub struct PlanRequest {
 pub struct Calibration {
     /// The recipe.
     pub recipe: Recipe,
+    /// Whether every layer is checkpointed.
+    pub checkpointed: bool,
     /// The dtype's name.
     pub dtype: &'static str,
-    /// Peak at batch 1 and 2.
-    pub peaks: (u64, u64),
-    /// Step time at batch 1 and 2, seconds.
-    pub seconds: (f64, f64),
+    /// Peak at batch 1, 2 and 4.
+    pub peaks: [u64; 3],
+    /// Step time at batch 1, 2 and 4, seconds.
+    pub seconds: [f64; 3],
     /// Bytes of the parameters (what an accumulated gradient sum takes).
     pub param_bytes: u64,
 }
 
 impl Calibration {
-    /// What each sequence adds to the peak.
+    /// What each sequence adds to the peak, from batch 2 on.
     pub fn per_sequence(&self) -> u64 {
-        self.peaks.1.saturating_sub(self.peaks.0)
+        self.peaks[2].saturating_sub(self.peaks[1]) / 2
     }
 
-    /// What the peak holds whatever the batch.
+    /// What the peak's line from batch 2 on holds whatever the batch.
     pub fn fixed(&self) -> u64 {
-        self.peaks.0.saturating_sub(self.per_sequence())
+        self.peaks[1].saturating_sub(2 * self.per_sequence())
+    }
+
+    /// The predicted peak of one micro-batch of `micro` sequences.
+    fn micro_peak(&self, micro: usize) -> u64 {
+        match micro {
+            0 | 1 => self.peaks[0],
+            m => self.fixed() + m as u64 * self.per_sequence(),
+        }
     }
 
     /// The predicted peak of a step of `batch` in micro-batches of `micro`.
     pub fn peak(&self, batch: usize, micro: usize) -> u64 {
         let sum = if micro < batch { self.param_bytes } else { 0 };
-        self.fixed() + micro as u64 * self.per_sequence() + sum
+        self.micro_peak(micro) + sum
     }
 
-    /// The predicted time of such a step: the time each sequence adds, for
-    /// every sequence, and the fixed time once per micro-batch (two runs do
-    /// not tell the update's share of it from the passes': counting it
-    /// each time errs on the slow side).
+    /// The predicted time of such a step: each micro-batch's time on the
+    /// line through batch 2 and 4 (measured for one sequence), the update's
+    /// share of the fixed time counted each time, which errs on the slow
+    /// side.
     pub fn seconds(&self, batch: usize, micro: usize) -> f64 {
-        let per_sequence = (self.seconds.1 - self.seconds.0).max(0.0);
-        let fixed = (self.seconds.0 - per_sequence).max(0.0);
-        fixed * batch.div_ceil(micro.max(1)) as f64 + per_sequence * batch as f64
+        let micro = micro.clamp(1, batch.max(1));
+        let per_sequence = ((self.seconds[2] - self.seconds[1]) / 2.0).max(0.0);
+        let fixed = (self.seconds[1] - 2.0 * per_sequence).max(0.0);
+        let time = |m: usize| match m {
+            1 => self.seconds[0],
+            m => fixed + per_sequence * m as f64,
+        };
+        let (whole, rest) = (batch / micro, batch % micro);
+        whole as f64 * time(micro) + if rest > 0 { time(rest) } else { 0.0 }
     }
 }
 
@@ -88,6 +111,8 @@ impl Calibration {
 pub struct Candidate {
     /// How the layers are computed.
     pub recipe: Recipe,
+    /// Whether every layer is checkpointed.
+    pub checkpointed: bool,
     /// The dtype's name.
     pub dtype: &'static str,
     /// Sequences per micro-batch.
@@ -146,37 +171,66 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         anyhow::bail!("a batch of 0 sequences: nothing to plan");
     }
     let mut calibrations = Vec::new();
+    let checkpointing: &[bool] = if req.checkpointing {
+        &[false, true]
+    } else {
+        &[false]
+    };
     for &recipe in &req.recipes {
         for &dtype in &req.dtypes {
-            let config = recipe.apply(req.model);
-            let name = dtype_name(dtype);
-            let mut peaks = [0u64; 2];
-            let mut seconds = [0f64; 2];
-            let mut param_bytes = 0;
-            for (k, b) in [1usize, 2].into_iter().enumerate() {
-                ctx.progress(&format!(
-                    "calibrating {} in {name}, batch {b}",
-                    recipe.name()
-                ));
-                let step = measured_step(
+            for &checkpointed in checkpointing {
+                let config = recipe.apply(req.model);
+                let name = dtype_name(dtype);
+                let what = format!(
+                    "{} in {name}{}",
+                    recipe.name(),
+                    if checkpointed { ", checkpointed" } else { "" }
+                );
+                let mut peaks = [0u64; 3];
+                let mut seconds = [0f64; 3];
+                let mut param_bytes = 0;
+                // One step first, unmeasured: what a process sets up once
+                // (thread pools, the matrix products' per-thread buffers)
+                // is not a part of the step's peak.
+                ctx.progress(&format!("warming up {what}"));
+                let shape = StepShape {
+                    checkpointed,
+                    ..StepShape::whole(4)
+                };
+                measured_step(
                     ctx,
-                    format!("{} {name}, batch {b}", recipe.name()),
+                    format!("{what}, warm-up"),
                     config,
                     dtype,
-                    StepShape::whole(b),
+                    shape,
                     req.seed,
                 )?;
-                peaks[k] = step.peak();
-                seconds[k] = step.seconds;
-                param_bytes = step.params * dtype.size_in_bytes() as u64;
+                for (k, b) in [1usize, 2, 4].into_iter().enumerate() {
+                    ctx.progress(&format!("calibrating {what}, batch {b}"));
+                    let step = measured_step(
+                        ctx,
+                        format!("{what}, batch {b}"),
+                        config,
+                        dtype,
+                        StepShape {
+                            checkpointed,
+                            ..StepShape::whole(b)
+                        },
+                        req.seed,
+                    )?;
+                    peaks[k] = step.peak();
+                    seconds[k] = step.seconds;
+                    param_bytes = step.params * dtype.size_in_bytes() as u64;
+                }
+                calibrations.push(Calibration {
+                    recipe,
+                    checkpointed,
+                    dtype: name,
+                    peaks,
+                    seconds,
+                    param_bytes,
+                });
             }
-            calibrations.push(Calibration {
-                recipe,
-                dtype: name,
-                peaks: (peaks[0], peaks[1]),
-                seconds: (seconds[0], seconds[1]),
-                param_bytes,
-            });
         }
     }
     Ok(weigh(req, calibrations))
@@ -199,6 +253,7 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
             let peak = c.peak(req.batch, m);
             candidates.push(Candidate {
                 recipe: c.recipe,
+                checkpointed: c.checkpointed,
                 dtype: c.dtype,
                 micro_batch: m,
                 micro_steps: req.batch.div_ceil(m),
@@ -277,17 +332,17 @@ pub fn verify(
             StepShape {
                 batch: req.batch,
                 micro_batch: chosen.micro_batch,
+                checkpointed: chosen.checkpointed,
             },
             req.seed,
         )?;
         peak = peak.max(step.peak());
         times.push(step.seconds);
     }
-    times.sort_by(f64::total_cmp);
     Ok(Verification {
         peak,
         predicted: chosen.peak,
         budget: req.budget,
-        seconds: times[times.len() / 2],
+        seconds: crate::median(times),
     })
 }

@@ -11,10 +11,10 @@ use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{anyhow, Context, Figure, Plugin, Rules, Table, Unit, Violation};
 
-use crate::gpt::{AttentionKind, Gpt, GptConfig};
+use crate::gpt::{Gpt, GptConfig};
 use crate::saved::Recipe;
 use crate::training::check_model;
-use crate::{corpus, parse_dtype};
+use crate::{corpus, median, parse_dtype};
 
 /// Parameters of the `layer_profile` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -37,15 +37,7 @@ pub struct Params {
 impl Default for Params {
     fn default() -> Self {
         Self {
-            model: GptConfig {
-                layers: 4,
-                hidden: 256,
-                heads: 4,
-                seq: 256,
-                vocab: 512,
-                attention: AttentionKind::Materialized,
-                lean: true,
-            },
+            model: GptConfig::default(),
             recipe: Recipe::Lean,
             batch: 4,
             dtype: "f32".into(),
@@ -87,11 +79,6 @@ struct Totals {
     bytes: u64,
     tensors: u64,
     seconds: f64,
-}
-
-fn median(mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    v.get(v.len() / 2).map_or(0.0, Duration::as_secs_f64)
 }
 
 impl Plugin for LayerProfile {
@@ -177,7 +164,8 @@ impl Plugin for LayerProfile {
             t.tensors += 1;
         }
         for (key, spans) in times {
-            cells.entry(key).or_default().seconds = median(spans);
+            cells.entry(key).or_default().seconds =
+                median(spans.iter().map(Duration::as_secs_f64).collect());
         }
         let held: u64 = cells.values().map(|t| t.bytes).sum();
         let total_seconds: f64 = cells.values().map(|t| t.seconds).sum();

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 use candle_ledger::{Labeller, Ledger};
 use serde::{Deserialize, Serialize};
 use workbook_models::Rng;
@@ -15,9 +15,9 @@ use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{anyhow, Category, Context, Figure, Plugin, Rules, Table, Unit, Violation};
 
-use crate::gpt::{AttentionKind, Gpt, GptConfig};
+use crate::gpt::{Gpt, GptConfig};
 use crate::training::check_model;
-use crate::{corpus, parse_dtype};
+use crate::{corpus, median, parse_dtype};
 
 /// The products a block computes through its tape, with the part of the
 /// profile each is timed and counted under.
@@ -50,15 +50,7 @@ pub struct Params {
 impl Default for Params {
     fn default() -> Self {
         Self {
-            model: GptConfig {
-                layers: 4,
-                hidden: 256,
-                heads: 4,
-                seq: 256,
-                vocab: 512,
-                attention: AttentionKind::Materialized,
-                lean: true,
-            },
+            model: GptConfig::default(),
             batch: 4,
             dtype: "f32".into(),
             every: vec![2],
@@ -79,22 +71,6 @@ enum Strategy {
     None,
     /// `candle-checkpoint` in `segments` segments, keeping what `policy` says.
     Segments { segments: usize, policy: Policy },
-}
-
-fn grads_diff(a: &GradStore, b: &GradStore, vars: &[Var]) -> anyhow::Result<f64> {
-    let mut worst = 0f64;
-    for v in vars {
-        let (Some(x), Some(y)) = (a.get(v.as_tensor()), b.get(v.as_tensor())) else {
-            anyhow::bail!("a variable without a gradient");
-        };
-        let d = (x.to_dtype(candle_core::DType::F64)? - y.to_dtype(candle_core::DType::F64)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f64>()?;
-        worst = worst.max(d);
-    }
-    Ok(worst)
 }
 
 impl Plugin for GptCheckpointing {
@@ -170,13 +146,7 @@ impl Plugin for GptCheckpointing {
                 }
             }
         }
-        let times: Vec<f64> = spans
-            .into_iter()
-            .map(|mut v| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            })
-            .collect();
+        let times: Vec<f64> = spans.into_iter().map(median).collect();
         // Keep what costs more time per byte to recompute than the products
         // on average; recompute the rest (and everything between them).
         let average = times.iter().sum::<f64>() / bytes.iter().sum::<u64>().max(1) as f64;
@@ -295,11 +265,10 @@ impl Plugin for GptCheckpointing {
                 times.push(s);
                 grads = Some(g);
             }
-            times.sort_by(f64::total_cmp);
-            let seconds = times[times.len() / 2];
+            let seconds = median(times);
             let grads = grads.unwrap_or_default();
             let diff = match &reference {
-                Some(r) => grads_diff(&grads, r, &vars)?,
+                Some(r) => workbook_models::grads_max_abs_diff(&grads, r, &vars)?,
                 None => 0.0,
             };
             if reference.is_none() {

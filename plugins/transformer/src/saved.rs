@@ -70,15 +70,7 @@ pub struct Params {
 impl Default for Params {
     fn default() -> Self {
         Self {
-            model: GptConfig {
-                layers: 4,
-                hidden: 256,
-                heads: 4,
-                seq: 256,
-                vocab: 512,
-                attention: AttentionKind::Naive,
-                lean: false,
-            },
+            model: GptConfig::default(),
             batch: 4,
             dtype: "f32".into(),
             recipes: vec![Recipe::Candle, Recipe::Lean, Recipe::Tiled],

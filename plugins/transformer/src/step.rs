@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use candle_accumulate::GradAccumulator;
+use candle_checkpoint::{checkpoint_sequential_with, Policy};
 use candle_core::{DType, Device, Tensor};
 use candle_lean_optim::LeanAdamW;
 use candle_ledger::{Labeller, Ledger};
@@ -24,7 +25,8 @@ pub struct StepReport {
     /// Bytes live at the end of the (first micro-batch's) forward, above
     /// the region's start, by category.
     pub after_forward: ByCategory,
-    /// Bytes the graph held at the end of that forward, from the ledger.
+    /// Bytes the graph held at the end of that forward, from the ledger (0
+    /// when checkpointed: no whole graph is ever held).
     pub ledger_bytes: u64,
     /// The largest tensor the graph held, in bytes.
     pub largest_held: u64,
@@ -53,14 +55,20 @@ pub struct StepShape {
     /// Sequences per micro-batch: the batch, or fewer with gradients
     /// accumulated (the last micro-batch takes what is left).
     pub micro_batch: usize,
+    /// Every layer of the stack (embeddings, each block) checkpointed by
+    /// `candle-checkpoint`: the forward keeps the layers' inputs only, the
+    /// backward recomputes one layer at a time (its products through a
+    /// tape, the bias and GELU as candle's operations).
+    pub checkpointed: bool,
 }
 
 impl StepShape {
-    /// The whole batch at once.
+    /// The whole batch at once, nothing recomputed.
     pub fn whole(batch: usize) -> Self {
         Self {
             batch,
             micro_batch: batch,
+            checkpointed: false,
         }
     }
 }
@@ -104,6 +112,36 @@ pub fn measured_step(
     for start_row in (0..shape.batch).step_by(micro) {
         let rows = micro.min(shape.batch - start_row);
         let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
+        if shape.checkpointed {
+            let stack = model.stack();
+            let vars = model.vars();
+            // The accumulator takes gradients already weighted by the
+            // micro-batch's share of the rows.
+            let weight = if accumulator.is_some() {
+                rows as f64 / shape.batch as f64
+            } else {
+                1.0
+            };
+            let head = |h: &Tensor| model.head_loss(h, &ym)? * weight;
+            let out = Category::Activations.scope(|| {
+                checkpoint_sequential_with(
+                    &stack,
+                    stack.len(),
+                    &xm,
+                    &vars,
+                    head,
+                    &Policy::Nothing,
+                    &Tags,
+                )
+            })?;
+            loss_value =
+                (out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 / weight) as f32;
+            match accumulator.as_mut() {
+                Some(acc) => Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?,
+                None => grads = Some(out.grads),
+            }
+            continue;
+        }
         // Notes what the toolkit's fused operations keep beside the graph
         // (a few bytes each), for the ledger.
         let labels = Labeller::unlabelled();

@@ -37,11 +37,10 @@ impl Default for Params {
             model: GptConfig {
                 layers: 2,
                 hidden: 64,
-                heads: 4,
                 seq: 32,
                 vocab: 64,
                 attention: AttentionKind::Tiled,
-                lean: true,
+                ..GptConfig::default()
             },
             batch: 16,
             steps: 60,
@@ -140,7 +139,6 @@ impl Plugin for GptTraining {
             losses.push(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? as f64);
             times.push(start.elapsed().as_secs_f64());
         }
-        times.sort_by(f64::total_cmp);
         let tail = &losses[losses.len().saturating_sub(5)..];
         let last = tail.iter().sum::<f64>() / tail.len() as f64;
         ctx.print(format!(
@@ -151,7 +149,7 @@ impl Plugin for GptTraining {
         ctx.metric("loss_first", losses[0]);
         ctx.metric("loss_last", last);
         ctx.metric("loss_uniform", (p.model.vocab as f64).ln());
-        ctx.metric("step_seconds", times[times.len() / 2]);
+        ctx.metric("step_seconds", crate::median(times));
         ctx.figure(Figure {
             id: "gpt-loss".into(),
             title: "Training loss of the GPT on arithmetic sequences".into(),
