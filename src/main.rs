@@ -111,8 +111,8 @@ enum Command {
     },
     /// Choose how to train a GPT within a memory budget: recipe (candle-nn
     /// or lean layers; naive, materialized or tiled attention), dtype,
-    /// checkpointing and micro-batch, each option's peak predicted from two
-    /// measured steps;
+    /// checkpointing and micro-batch, each option's peak predicted from
+    /// measured steps at batch 1, 2 and 4;
     /// with --verify, run the plan and check its peak. Exit code 1 when
     /// nothing fits or the plan did not keep its promise.
     Plan {
@@ -156,8 +156,8 @@ enum Command {
         /// the budget and within 5% of the prediction (exit code 1 if not).
         #[arg(long)]
         verify: bool,
-        /// Steps the verification runs.
-        #[arg(long, default_value_t = 2, requires = "verify")]
+        /// Steps the verification runs (at least 1).
+        #[arg(long, default_value_t = 2, requires = "verify", value_parser = parse_steps)]
         steps: usize,
         /// Write the options' plot (plan.svg, plan.png) into this folder.
         #[arg(long, value_name = "DIR")]
@@ -211,6 +211,15 @@ fn parse_dtype(s: &str) -> Result<String, String> {
         "f32" | "bf16" | "f16" => Ok(s.to_string()),
         other => Err(format!(
             "`{other}` is not a dtype; expected one of: f32, bf16, f16"
+        )),
+    }
+}
+
+fn parse_steps(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a number of steps; allowed: 1 or more"
         )),
     }
 }

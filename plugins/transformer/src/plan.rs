@@ -62,6 +62,9 @@ pub struct Calibration {
     pub seconds: [f64; 3],
     /// Bytes of the parameters (what an accumulated gradient sum takes).
     pub param_bytes: u64,
+    /// Bytes of one sequence's tokens and targets: the whole batch's are
+    /// held while its micro-batches run one after another.
+    pub batch_bytes_per_sequence: u64,
 }
 
 impl Calibration {
@@ -85,8 +88,16 @@ impl Calibration {
 
     /// The predicted peak of a step of `batch` in micro-batches of `micro`.
     pub fn peak(&self, batch: usize, micro: usize) -> u64 {
-        let sum = if micro < batch { self.param_bytes } else { 0 };
-        self.micro_peak(micro) + sum
+        let micro = micro.clamp(1, batch.max(1));
+        let (sum, tokens) = if micro < batch {
+            (
+                self.param_bytes,
+                (batch - micro) as u64 * self.batch_bytes_per_sequence,
+            )
+        } else {
+            (0, 0)
+        };
+        self.micro_peak(micro) + sum + tokens
     }
 
     /// The predicted time of such a step: each micro-batch's time on the
@@ -229,6 +240,8 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
                     peaks,
                     seconds,
                     param_bytes,
+                    // Token ids and targets, u32 each.
+                    batch_bytes_per_sequence: (2 * config.seq * 4) as u64,
                 });
             }
         }

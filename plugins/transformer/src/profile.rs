@@ -140,11 +140,14 @@ impl Plugin for LayerProfile {
             ctx.progress(&format!("timed forward {} of {}", r + 1, p.repeats));
             let labels = Labeller::new();
             let loss = model.loss(&x, &y, &labels)?;
+            // A part may come twice in a layer (its two residual additions):
+            // its time in this forward is the sum.
+            let mut this: BTreeMap<(Option<usize>, String), Duration> = BTreeMap::new();
             for (label, spent) in labels.times() {
-                times
-                    .entry((label.layer, label.part))
-                    .or_default()
-                    .push(spent);
+                *this.entry((label.layer, label.part)).or_default() += spent;
+            }
+            for (key, spent) in this {
+                times.entry(key).or_default().push(spent);
             }
             if r == 0 {
                 ledger = Ledger::of(&loss, &labels)?;

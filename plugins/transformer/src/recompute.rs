@@ -117,7 +117,7 @@ impl Plugin for GptCheckpointing {
 
         // The policy: each product's bytes and forward time, measured.
         let mut profile = Table::new(
-            "Each product of a block: bytes its output holds, forward time, and what keeping it costs",
+            "Each product, over all blocks: bytes its output holds, forward time, and what keeping it costs",
             &[
                 ("product", Unit::None),
                 ("bytes", Unit::Bytes),
@@ -132,10 +132,15 @@ impl Plugin for GptCheckpointing {
         for r in 0..p.repeats.max(1) {
             let labels = Labeller::new();
             let logits = model.logits_taped(&x, &labels, &Tape::plain())?;
+            // Each product's time over all blocks, as its bytes are.
+            let mut this = [0f64; 4];
             for (label, spent) in labels.times() {
                 if let Some(k) = PRODUCTS.iter().position(|(_, part)| *part == label.part) {
-                    spans[k].push(spent.as_secs_f64());
+                    this[k] += spent.as_secs_f64();
                 }
+            }
+            for (k, t) in this.into_iter().enumerate() {
+                spans[k].push(t);
             }
             if r == 0 {
                 let ledger = Ledger::of(&logits, &labels)?;

@@ -107,6 +107,7 @@ pub fn measured_step(
     let mut accumulator = (micro < shape.batch)
         .then(|| GradAccumulator::new(model.vars(), shape.batch).with_observer(Tags));
     let mut first = None;
+    let mut ledger_time = std::time::Duration::ZERO;
     let mut loss_value = 0f32;
     let mut grads = None;
     for start_row in (0..shape.batch).step_by(micro) {
@@ -148,6 +149,7 @@ pub fn measured_step(
         let loss: Tensor = Category::Activations.scope(|| model.loss(&xm, &ym, &labels))?;
         if first.is_none() {
             region.mark("after forward");
+            let walking = Instant::now();
             let after = region.current_above_baseline();
             let (bytes, largest) = Category::Other.scope(|| -> anyhow::Result<_> {
                 let ledger = Ledger::of(&loss, &labels)?;
@@ -155,6 +157,8 @@ pub fn measured_step(
                 Ok((ledger.total_bytes(), largest))
             })?;
             first = Some((after, bytes, largest));
+            // The ledger's walk is not the step's time.
+            ledger_time += walking.elapsed();
         }
         loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         match accumulator.as_mut() {
@@ -174,7 +178,7 @@ pub fn measured_step(
         (None, Some(g)) => Category::OptimizerState.scope(|| opt.step(g))?,
         (None, None) => anyhow::bail!("a step of an empty batch"),
     }
-    let seconds = start.elapsed().as_secs_f64();
+    let seconds = start.elapsed().saturating_sub(ledger_time).as_secs_f64();
     region.mark("after AdamW step");
     drop((grads, accumulator, opt, x, y, model));
     let region = ctx.end_region(region);

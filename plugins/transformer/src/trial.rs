@@ -170,6 +170,13 @@ impl Plugin for Predictors {
                     pr.id()
                 ),
             ));
+            m.push(MetricSpec::ratio(
+                format!("highest_{}", pr.id()),
+                format!(
+                    "{}'s largest signed error over the runs (below 0: it fell short of every run)",
+                    pr.id()
+                ),
+            ));
         }
         m
     }
@@ -204,6 +211,7 @@ impl Plugin for Predictors {
             ],
         );
         let mut worst = vec![0f64; Predictor::ALL.len()];
+        let mut highest = vec![f64::NEG_INFINITY; Predictor::ALL.len()];
         let mut series: Vec<Series> = Predictor::ALL
             .iter()
             .map(|pr| Series {
@@ -280,6 +288,7 @@ impl Plugin for Predictors {
                 let predicted = pr.predict(&run, &known);
                 let error = predicted as f64 / peak as f64 - 1.0;
                 ctx.metric(format!("error_{}_{i}", pr.id()), error);
+                highest[k] = highest[k].max(error);
                 worst[k] = if error.abs() > worst[k].abs() {
                     error
                 } else {
@@ -324,6 +333,7 @@ impl Plugin for Predictors {
         ctx.metric("runs", variants.len() as f64);
         for (k, pr) in Predictor::ALL.iter().enumerate() {
             ctx.metric(format!("worst_{}", pr.id()), worst[k]);
+            ctx.metric(format!("highest_{}", pr.id()), highest[k]);
         }
         ctx.table(table);
         ctx.table(terms);

@@ -14,6 +14,8 @@ use candle_core::{Tensor, TensorId};
 
 thread_local! {
     static NOTES: RefCell<Option<HashMap<TensorId, Vec<Tensor>>>> = const { RefCell::new(None) };
+    /// Recordings alive on this thread: the notes go with the last.
+    static LIVE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Notes what the custom backwards made on this thread keep, from
@@ -28,11 +30,13 @@ pub struct Recording {
 
 impl Recording {
     /// Starts recording on this thread (a recording already running goes
-    /// on, its notes kept).
+    /// on, its notes kept, and the notes are shared until the last
+    /// recording is dropped).
     pub fn start() -> Self {
         NOTES.with(|n| {
             n.borrow_mut().get_or_insert_with(HashMap::new);
         });
+        LIVE.with(|l| l.set(l.get() + 1));
         Self {
             _thread: std::marker::PhantomData,
         }
@@ -52,7 +56,14 @@ impl Recording {
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        NOTES.with(|n| n.borrow_mut().take());
+        let left = LIVE.with(|l| {
+            let left = l.get().saturating_sub(1);
+            l.set(left);
+            left
+        });
+        if left == 0 {
+            NOTES.with(|n| n.borrow_mut().take());
+        }
     }
 }
 

@@ -158,6 +158,9 @@ impl Collect {
         if let Some(&i) = self.index_of.get(&key) {
             let entry = &mut self.held[i];
             entry.nodes += 1;
+            // Off the CPU a storage's size is read from its nodes' views:
+            // the allocating node, seen last, is the largest.
+            entry.bytes = entry.bytes.max(bytes);
             // Nodes come from the root back: of a storage's nodes the last
             // seen is the one that allocated it (the others are its views,
             // made later), and the storage belongs to its part.
