@@ -31,6 +31,9 @@ pub(crate) fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// The dtypes the cells take, by name.
+pub(crate) const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// A dtype by its name in [`DTYPES`].
 pub(crate) fn parse_dtype(name: &str) -> anyhow::Result<DType> {
     match name {
         "f32" => Ok(DType::F32),

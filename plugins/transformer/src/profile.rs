@@ -13,7 +13,7 @@ use workbook_sdk::{anyhow, Context, Figure, Plugin, Rules, Table, Unit, Violatio
 
 use crate::gpt::{Gpt, GptConfig};
 use crate::saved::Recipe;
-use crate::training::check_model;
+use crate::training::check_run;
 use crate::{corpus, median, parse_dtype};
 
 /// Parameters of the `layer_profile` cell.
@@ -94,10 +94,8 @@ impl Plugin for LayerProfile {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_model(&mut r, "model", &p.model);
-        r.at_least("batch", p.batch, 1)
-            .at_least("repeats", p.repeats, 1);
-        r.one_of("dtype", &p.dtype, &["f32", "f16", "bf16"]);
+        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        r.at_least("repeats", p.repeats, 1);
         r.into_violations()
     }
 

@@ -16,7 +16,7 @@ use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{anyhow, Category, Context, Figure, Plugin, Rules, Table, Unit, Violation};
 
 use crate::gpt::{Gpt, GptConfig};
-use crate::training::check_model;
+use crate::training::check_run;
 use crate::{corpus, median, parse_dtype};
 
 /// The products a block computes through its tape, with the part of the
@@ -86,10 +86,8 @@ impl Plugin for GptCheckpointing {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_model(&mut r, "model", &p.model);
-        r.at_least("batch", p.batch, 1)
-            .at_least("repeats", p.repeats, 1);
-        r.one_of("dtype", &p.dtype, &["f32", "f16", "bf16"]);
+        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        r.at_least("repeats", p.repeats, 1);
         for (i, k) in p.every.iter().enumerate() {
             r.between(&format!("every[{i}]"), *k, 1, p.model.layers + 1);
         }

@@ -9,7 +9,7 @@ use workbook_sdk::{anyhow, Category, Context, Plugin, Rules, Table, Unit, Violat
 
 use crate::gpt::{AttentionKind, Gpt, GptConfig};
 use crate::predict::Run;
-use crate::training::check_model;
+use crate::training::check_run;
 use crate::{corpus, parse_dtype};
 
 /// How the layers are computed: candle-nn's, or the toolkit's lean layers
@@ -101,9 +101,7 @@ impl Plugin for SavedTensors {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_model(&mut r, "model", &p.model);
-        r.at_least("batch", p.batch, 1);
-        r.one_of("dtype", &p.dtype, &["f32", "f16", "bf16"]);
+        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
         if p.recipes.is_empty() {
             r.violation(
                 "recipes",

@@ -51,6 +51,14 @@ impl Default for Params {
     }
 }
 
+/// Checks what every cell of this crate takes: the model, a batch of at
+/// least `least` sequences, and a dtype by name.
+pub(crate) fn check_run(r: &mut Rules, model: &GptConfig, batch: usize, least: usize, dtype: &str) {
+    check_model(r, "model", model);
+    r.at_least("batch", batch, least);
+    r.one_of("dtype", dtype, &crate::DTYPES);
+}
+
 /// Checks a model configuration's fields.
 pub(crate) fn check_model(r: &mut Rules, field: &str, m: &GptConfig) {
     r.at_least(&format!("{field}.layers"), m.layers, 1)
@@ -82,11 +90,9 @@ impl Plugin for GptTraining {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_model(&mut r, "model", &p.model);
-        r.at_least("batch", p.batch, 1)
-            .at_least("steps", p.steps, 2);
+        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        r.at_least("steps", p.steps, 2);
         r.positive("lr", p.lr);
-        r.one_of("dtype", &p.dtype, &["f32", "f16", "bf16"]);
         r.into_violations()
     }
 

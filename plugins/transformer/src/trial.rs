@@ -11,7 +11,7 @@ use crate::parse_dtype;
 use crate::predict::{Measured, Predictor, Run};
 use crate::saved::Recipe;
 use crate::step::{measured_step, StepShape};
-use crate::training::check_model;
+use crate::training::{check_model, check_run};
 
 /// One training run of the sweep: the base model with some sizes changed.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
@@ -104,11 +104,9 @@ impl Plugin for Predictors {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_model(&mut r, "model", &p.model);
         // The calibrated predictor measures batches 1 and 2: from 3 on, its
         // figure is an extrapolation, not one of its own measurements.
-        r.at_least("batch", p.batch, 3);
-        r.one_of("dtype", &p.dtype, &["f32", "f16", "bf16"]);
+        check_run(&mut r, &p.model, p.batch, 3, &p.dtype);
         for (i, v) in p.variants.iter().enumerate() {
             let c = GptConfig {
                 layers: v.layers.unwrap_or(p.model.layers),
@@ -121,7 +119,7 @@ impl Plugin for Predictors {
                 r.at_least(&format!("variants[{i}].batch"), b, 3);
             }
             if let Some(d) = &v.dtype {
-                r.one_of(&format!("variants[{i}].dtype"), d, &["f32", "f16", "bf16"]);
+                r.one_of(&format!("variants[{i}].dtype"), d, &crate::DTYPES);
             }
         }
         r.into_violations()

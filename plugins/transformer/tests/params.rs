@@ -27,8 +27,8 @@ fn a_hidden_size_that_is_not_a_multiple_of_the_heads_is_refused() {
                 "model.hidden",
                 "is 66; allowed: a positive multiple of heads (4)"
             ),
-            ("steps", "is 1; allowed: at least 2"),
             ("dtype", "is \"f8\"; allowed: one of f32, f16, bf16"),
+            ("steps", "is 1; allowed: at least 2"),
         ])
     );
     assert!(GptTraining.validate(&Default::default()).is_empty());
