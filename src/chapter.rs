@@ -52,6 +52,18 @@ pub struct Location {
     pub column: usize,
 }
 
+impl Location {
+    /// The place of byte `offset` of `text`, read from `path`.
+    pub fn in_text(path: &Path, text: &str, offset: usize) -> Self {
+        let (line, column) = line_col(text, offset);
+        Self {
+            path: path.to_path_buf(),
+            line,
+            column,
+        }
+    }
+}
+
 impl fmt::Display for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}", self.path.display(), self.line, self.column)
@@ -324,12 +336,7 @@ struct Source<'a> {
 
 impl Source<'_> {
     fn at(&self, span: std::ops::Range<usize>) -> Location {
-        let (line, column) = line_col(self.text, span.start);
-        Location {
-            path: self.path.to_path_buf(),
-            line,
-            column,
-        }
+        Location::in_text(self.path, self.text, span.start)
     }
 
     fn error(

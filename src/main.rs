@@ -151,7 +151,7 @@ enum Command {
         no_checkpointing: bool,
         /// Dtypes to consider, comma-separated: f32, bf16, f16.
         #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = parse_dtype)]
-        dtypes: Vec<String>,
+        dtypes: Vec<workbook_sdk::candle::DType>,
         /// Run the chosen plan and check that its measured peak is within
         /// the budget and within 5% of the prediction (exit code 1 if not).
         #[arg(long)]
@@ -206,13 +206,9 @@ fn parse_budget(s: &str) -> Result<u64, String> {
     bytes_above_zero(s, "the budget")
 }
 
-fn parse_dtype(s: &str) -> Result<String, String> {
-    match s {
-        "f32" | "bf16" | "f16" => Ok(s.to_string()),
-        other => Err(format!(
-            "`{other}` is not a dtype; expected one of: f32, bf16, f16"
-        )),
-    }
+fn parse_dtype(s: &str) -> Result<workbook_sdk::candle::DType, String> {
+    workbook_transformer::parse_dtype(s)
+        .map_err(|_| format!("`{s}` is not a dtype; expected one of: f32, bf16, f16"))
 }
 
 fn parse_steps(s: &str) -> Result<usize, String> {
@@ -823,26 +819,19 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
     if *batch == 0 {
         anyhow::bail!("`--batch` is 0; allowed: at least 1");
     }
-    let dtypes = dtypes
-        .iter()
-        .map(|d| match d.as_str() {
-            "bf16" => workbook_sdk::candle::DType::BF16,
-            "f16" => workbook_sdk::candle::DType::F16,
-            _ => workbook_sdk::candle::DType::F32,
-        })
-        .collect();
     let request = PlanRequest {
         model: config,
         batch: *batch,
         budget: *budget,
         margin: PLAN_TOLERANCE,
-        dtypes,
+        dtypes: dtypes.clone(),
         recipes: recipes.clone(),
         checkpointing: !no_checkpointing,
         seed: 11,
     };
     let meter = workbook_sdk::device::meter_for(&workbook_sdk::candle::Device::Cpu)?;
-    let progress = spinner();
+    let progress = Spinner::new(0).bar;
+    progress.enable_steady_tick(Duration::from_millis(120));
     let mut ctx = {
         let progress = progress.clone();
         workbook_sdk::Context::new(workbook_sdk::candle::Device::Cpu, meter, false)
@@ -889,19 +878,4 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
     })
-}
-
-/// A spinner on standard error for a long command, hidden when standard
-/// error is not a terminal.
-fn spinner() -> ProgressBar {
-    let bar = if std::io::stderr().is_terminal() {
-        ProgressBar::new_spinner()
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.enable_steady_tick(Duration::from_millis(120));
-    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg}") {
-        bar.set_style(style);
-    }
-    bar
 }

@@ -9,6 +9,7 @@ use workbook_sdk::{Figure, Unit};
 use workbook_transformer::plan::{Candidate, Plan, Verification};
 use workbook_transformer::{AttentionKind, GptConfig};
 
+use crate::chapter::Location;
 use crate::render::text::bytes;
 
 /// A model file: the GPT's sizes, as `workbook plan --model FILE` reads it.
@@ -40,17 +41,12 @@ impl ModelFile {
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| {
-            let at = e
-                .span()
-                .map(|s| {
-                    let before = &text[..s.start.min(text.len())];
-                    let line = before.matches('\n').count() + 1;
-                    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-                    format!(":{line}:{column}")
-                })
-                .unwrap_or_default();
-            anyhow::anyhow!("{}{at}: {}", path.display(), e.message())
+        toml::from_str(&text).map_err(|e| match e.span() {
+            Some(span) => {
+                let at = Location::in_text(path, &text, span.start);
+                anyhow::anyhow!("{at}: {}", e.message())
+            }
+            None => anyhow::anyhow!("{}: {}", path.display(), e.message()),
         })
     }
 

@@ -30,11 +30,11 @@ pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// The dtypes the cells take, by name.
-pub(crate) const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+/// The dtypes the cells and the planner take, by name.
+pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 
 /// A dtype by its name in [`DTYPES`].
-pub(crate) fn parse_dtype(name: &str) -> anyhow::Result<DType> {
+pub fn parse_dtype(name: &str) -> anyhow::Result<DType> {
     match name {
         "f32" => Ok(DType::F32),
         "f16" => Ok(DType::F16),

@@ -21,7 +21,7 @@ use workbook_sdk::{anyhow, Context};
 
 use crate::gpt::GptConfig;
 use crate::saved::Recipe;
-use crate::step::{measured_step, StepShape};
+use crate::step::{calibrate, measured_step, StepShape};
 
 /// What to plan for.
 #[derive(Debug, Clone, PartialEq)]
@@ -157,25 +157,6 @@ pub struct Plan {
     pub chosen: Option<Candidate>,
 }
 
-/// The dtype's name in options and tables.
-pub fn dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        _ => "f32",
-    }
-}
-
-fn dtype_of(name: &str) -> DType {
-    match name {
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        "f64" => DType::F64,
-        _ => DType::F32,
-    }
-}
-
 /// Calibrates every recipe in every dtype of `req` and weighs the options.
 pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
     if req.batch == 0 {
@@ -191,55 +172,28 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         for &dtype in &req.dtypes {
             for &checkpointed in checkpointing {
                 let config = recipe.apply(req.model);
-                let name = dtype_name(dtype);
                 let what = format!(
-                    "{} in {name}{}",
+                    "{} in {}{}",
                     recipe.name(),
+                    dtype.as_str(),
                     if checkpointed { ", checkpointed" } else { "" }
                 );
-                let mut peaks = [0u64; 3];
-                let mut seconds = [0f64; 3];
-                let mut param_bytes = 0;
-                // One step first, unmeasured: what a process sets up once
-                // (thread pools, the matrix products' per-thread buffers)
-                // is not a part of the step's peak.
-                ctx.progress(&format!("warming up {what}"));
-                let shape = StepShape {
-                    checkpointed,
-                    ..StepShape::whole(4)
-                };
-                measured_step(
+                let steps = calibrate(
                     ctx,
-                    format!("{what}, warm-up"),
+                    &what,
                     config,
                     dtype,
-                    shape,
+                    checkpointed,
+                    &[1, 2, 4],
                     req.seed,
                 )?;
-                for (k, b) in [1usize, 2, 4].into_iter().enumerate() {
-                    ctx.progress(&format!("calibrating {what}, batch {b}"));
-                    let step = measured_step(
-                        ctx,
-                        format!("{what}, batch {b}"),
-                        config,
-                        dtype,
-                        StepShape {
-                            checkpointed,
-                            ..StepShape::whole(b)
-                        },
-                        req.seed,
-                    )?;
-                    peaks[k] = step.peak();
-                    seconds[k] = step.seconds;
-                    param_bytes = step.params * dtype.size_in_bytes() as u64;
-                }
                 calibrations.push(Calibration {
                     recipe,
                     checkpointed,
-                    dtype: name,
-                    peaks,
-                    seconds,
-                    param_bytes,
+                    dtype: dtype.as_str(),
+                    peaks: [steps[0].peak(), steps[1].peak(), steps[2].peak()],
+                    seconds: [steps[0].seconds, steps[1].seconds, steps[2].seconds],
+                    param_bytes: steps[0].params * dtype.size_in_bytes() as u64,
                     // Token ids and targets, u32 each.
                     batch_bytes_per_sequence: (2 * config.seq * 4) as u64,
                 });
@@ -332,7 +286,7 @@ pub fn verify(
     steps: usize,
 ) -> anyhow::Result<Verification> {
     let config = chosen.recipe.apply(req.model);
-    let dtype = dtype_of(chosen.dtype);
+    let dtype = crate::parse_dtype(chosen.dtype)?;
     let mut peak = 0;
     let mut times = Vec::new();
     for i in 0..steps.max(1) {

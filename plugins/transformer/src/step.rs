@@ -104,8 +104,10 @@ pub fn measured_step(
     region.mark("model, optimizer state, batch");
     let start = Instant::now();
     let micro = shape.micro_batch.clamp(1, shape.batch.max(1));
+    let vars = model.vars();
+    let stack = model.stack();
     let mut accumulator = (micro < shape.batch)
-        .then(|| GradAccumulator::new(model.vars(), shape.batch).with_observer(Tags));
+        .then(|| GradAccumulator::new(vars.clone(), shape.batch).with_observer(Tags));
     let mut first = None;
     let mut ledger_time = std::time::Duration::ZERO;
     let mut loss_value = 0f32;
@@ -114,8 +116,6 @@ pub fn measured_step(
         let rows = micro.min(shape.batch - start_row);
         let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
         if shape.checkpointed {
-            let stack = model.stack();
-            let vars = model.vars();
             // The accumulator takes gradients already weighted by the
             // micro-batch's share of the rows.
             let weight = if accumulator.is_some() {
@@ -166,7 +166,7 @@ pub fn measured_step(
             None => {
                 grads = Some(Category::Gradients.scope(|| -> anyhow::Result<_> {
                     let store = loss.backward()?;
-                    Ok(param_grads(&store, &model.vars()))
+                    Ok(param_grads(&store, &vars))
                 })?);
             }
         }
@@ -192,4 +192,47 @@ pub fn measured_step(
         loss: loss_value,
         seconds,
     })
+}
+
+/// Measured steps of `config` in `dtype`, whole batches of each size in
+/// `batches`, named `what`, after one step at the largest whose peak is not
+/// used: what a process sets up once for these shapes (thread pools, the
+/// matrix products' per-thread buffers) is not a part of a step's peak.
+pub fn calibrate(
+    ctx: &mut Context,
+    what: &str,
+    config: GptConfig,
+    dtype: DType,
+    checkpointed: bool,
+    batches: &[usize],
+    seed: u64,
+) -> anyhow::Result<Vec<StepReport>> {
+    let shape = |batch| StepShape {
+        checkpointed,
+        ..StepShape::whole(batch)
+    };
+    let largest = batches.iter().copied().max().unwrap_or(1);
+    ctx.progress(&format!("warming up {what}"));
+    measured_step(
+        ctx,
+        format!("{what}, warm-up"),
+        config,
+        dtype,
+        shape(largest),
+        seed,
+    )?;
+    batches
+        .iter()
+        .map(|&b| {
+            ctx.progress(&format!("calibrating {what}, batch {b}"));
+            measured_step(
+                ctx,
+                format!("{what}, batch {b}"),
+                config,
+                dtype,
+                shape(b),
+                seed,
+            )
+        })
+        .collect()
 }

@@ -10,7 +10,7 @@ use crate::gpt::GptConfig;
 use crate::parse_dtype;
 use crate::predict::{Measured, Predictor, Run};
 use crate::saved::Recipe;
-use crate::step::{measured_step, StepShape};
+use crate::step::{calibrate, measured_step, StepShape};
 use crate::training::{check_model, check_run};
 
 /// One training run of the sweep: the base model with some sizes changed.
@@ -228,31 +228,8 @@ impl Plugin for Predictors {
             let dtype_name = v.dtype.clone().unwrap_or_else(|| p.dtype.clone());
             let dtype = parse_dtype(&dtype_name)?;
             let name = label(v);
-            let mut calibration = [0u64; 2];
-            // A step first whose peak is not used: what a process sets up
-            // once for these shapes (the matrix products' per-thread
-            // buffers) is not a part of a step's peak.
-            ctx.progress(&format!("warm-up step, {name}"));
-            measured_step(
-                ctx,
-                format!("{name}, warm-up"),
-                config,
-                dtype,
-                StepShape::whole(2),
-                p.seed,
-            )?;
-            for (k, b) in [1usize, 2].into_iter().enumerate() {
-                ctx.progress(&format!("calibration step at batch {b}, {name}"));
-                calibration[k] = measured_step(
-                    ctx,
-                    format!("{name}, batch {b}"),
-                    config,
-                    dtype,
-                    StepShape::whole(b),
-                    p.seed,
-                )?
-                .peak();
-            }
+            let steps = calibrate(ctx, &name, config, dtype, false, &[1, 2], p.seed)?;
+            let calibration = [steps[0].peak(), steps[1].peak()];
             ctx.progress(&format!("training step, {name}"));
             let step = measured_step(
                 ctx,
