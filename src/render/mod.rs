@@ -18,6 +18,19 @@ pub fn json(out: &mut dyn Write, report: &ChapterReport) -> std::io::Result<()> 
     writeln!(out)
 }
 
+/// A category's column heading.
+fn short_name(c: Category) -> &'static str {
+    match c {
+        Category::Parameters => "params",
+        Category::Gradients => "grads",
+        Category::OptimizerState => "optim",
+        Category::Activations => "activ",
+        Category::Inputs => "inputs",
+        Category::Communication => "comm",
+        Category::Other => "other",
+    }
+}
+
 /// A cell's memory as a table, for every renderer: each variant's peak above
 /// its start, split by category at that peak, what it left behind, and the
 /// whole cell. On a GPU a last column gives the CUDA memory pool's own peak
@@ -30,11 +43,19 @@ pub fn memory_table(cell: &CellReport) -> Table {
         ("memory (peak above start)", Unit::None),
         ("peak", Unit::Bytes),
     ];
-    columns.extend(
-        ["params", "grads", "optim", "activ", "inputs", "other"]
-            .into_iter()
-            .map(|name| (name, Unit::Bytes)),
-    );
+    // Communication buffers exist only in distributed cells: elsewhere the
+    // column would be zeros.
+    let communicates = m
+        .regions
+        .iter()
+        .map(|r| &r.peak_by_category)
+        .chain([&m.peak_by_category])
+        .any(|c| c.get(Category::Communication) > 0);
+    let shown: Vec<Category> = Category::ALL
+        .into_iter()
+        .filter(|&c| c != Category::Communication || communicates)
+        .collect();
+    columns.extend(shown.iter().map(|&c| (short_name(c), Unit::Bytes)));
     columns.push(("after", Unit::Bytes));
     if on_gpu {
         columns.push(("pool peak", Unit::Bytes));
@@ -48,7 +69,7 @@ pub fn memory_table(cell: &CellReport) -> Table {
                    pool: Option<PoolUse>| {
         let mut r = vec![name.into(), peak.saturating_sub(base.total()).into()];
         r.extend(
-            Category::ALL
+            shown
                 .iter()
                 .map(|&c| at_peak.get(c).saturating_sub(base.get(c)).into()),
         );

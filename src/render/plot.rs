@@ -62,6 +62,7 @@ fn category_colour(c: Category) -> RGBColor {
         Category::OptimizerState => RGBColor(0, 158, 115),
         Category::Activations => RGBColor(230, 159, 0),
         Category::Inputs => RGBColor(86, 180, 233),
+        Category::Communication => RGBColor(140, 86, 75),
         Category::Other => RGBColor(160, 160, 160),
     }
 }

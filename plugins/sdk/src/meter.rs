@@ -37,18 +37,22 @@ pub enum Category {
     Activations,
     /// Input batches and targets.
     Inputs,
+    /// Buffers that a collective (all-reduce, all-gather...) sends from or
+    /// receives into.
+    Communication,
     /// Everything not tagged otherwise.
     Other,
 }
 
 impl Category {
     /// All categories, in the order tables and plots show them.
-    pub const ALL: [Category; 6] = [
+    pub const ALL: [Category; CATEGORIES] = [
         Category::Parameters,
         Category::Gradients,
         Category::OptimizerState,
         Category::Activations,
         Category::Inputs,
+        Category::Communication,
         Category::Other,
     ];
 
@@ -60,6 +64,7 @@ impl Category {
             Category::OptimizerState => "optimizer_state",
             Category::Activations => "activations",
             Category::Inputs => "inputs",
+            Category::Communication => "communication",
             Category::Other => "other",
         }
     }
@@ -160,9 +165,12 @@ impl Drop for ResidencyGuard {
     }
 }
 
+/// The number of categories.
+pub const CATEGORIES: usize = 7;
+
 /// Bytes per category, indexed in the order of [`Category::ALL`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ByCategory(pub [u64; 6]);
+pub struct ByCategory(pub [u64; CATEGORIES]);
 
 impl ByCategory {
     /// The bytes of one category.
@@ -182,7 +190,7 @@ impl ByCategory {
 
     /// Each category's bytes minus `base`'s, floored at zero.
     pub fn saturating_sub(&self, base: &ByCategory) -> ByCategory {
-        let mut out = [0; 6];
+        let mut out = [0; CATEGORIES];
         for (i, slot) in out.iter_mut().enumerate() {
             *slot = self.0[i].saturating_sub(base.0[i]);
         }
@@ -193,7 +201,7 @@ impl ByCategory {
 impl Serialize for ByCategory {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut map = s.serialize_map(Some(6))?;
+        let mut map = s.serialize_map(Some(Category::ALL.len()))?;
         for (c, b) in self.iter() {
             map.serialize_entry(c.name(), &b)?;
         }
@@ -299,14 +307,14 @@ fn current_category() -> u8 {
 /// residency asked for, and the device's bytes come from [`device_allocated`].
 static HEAP_IS_HOST: AtomicBool = AtomicBool::new(false);
 
-/// The header's tag: the category, plus 6 for host residency.
+/// The header's tag: the category, plus CATEGORIES for host residency.
 fn current_tag() -> u8 {
     let residency = if HEAP_IS_HOST.load(Ordering::Relaxed) {
         Residency::Host as u8
     } else {
         CURRENT_RESIDENCY.try_with(|c| c.get()).unwrap_or(0)
     };
-    current_category() + 6 * residency
+    current_category() + CATEGORIES as u8 * residency
 }
 
 /// Counts `bytes` of device memory allocated outside the heap (a GPU buffer)
@@ -358,14 +366,14 @@ pub fn limit() -> Option<u64> {
         l => Some(l),
     }
 }
-static CURRENT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+static CURRENT: [AtomicU64; CATEGORIES] = [const { AtomicU64::new(0) }; CATEGORIES];
 static TOTAL: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
-static PEAK_BY_CATEGORY: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
-static PEAK_EACH: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
-/// By tag: category, and residency (device 0..6, host 6..12).
-static CURRENT_TAG: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
-static PEAK_EACH_TAG: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
+static PEAK_BY_CATEGORY: [AtomicU64; CATEGORIES] = [const { AtomicU64::new(0) }; CATEGORIES];
+static PEAK_EACH: [AtomicU64; CATEGORIES] = [const { AtomicU64::new(0) }; CATEGORIES];
+/// By tag: category, and residency (device below CATEGORIES, host above).
+static CURRENT_TAG: [AtomicU64; 2 * CATEGORIES] = [const { AtomicU64::new(0) }; 2 * CATEGORIES];
+static PEAK_EACH_TAG: [AtomicU64; 2 * CATEGORIES] = [const { AtomicU64::new(0) }; 2 * CATEGORIES];
 static BLOCKS: AtomicU64 = AtomicU64::new(0);
 static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
 
@@ -373,18 +381,18 @@ static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
 #[derive(Clone, Copy)]
 struct SavedPeaks {
     peak: u64,
-    peak_by_category: [u64; 6],
-    peak_each: [u64; 6],
-    peak_each_tag: [u64; 12],
+    peak_by_category: [u64; CATEGORIES],
+    peak_each: [u64; CATEGORIES],
+    peak_each_tag: [u64; 2 * CATEGORIES],
     peak_blocks: u64,
 }
 
 impl SavedPeaks {
     const ZERO: Self = Self {
         peak: 0,
-        peak_by_category: [0; 6],
-        peak_each: [0; 6],
-        peak_each_tag: [0; 12],
+        peak_by_category: [0; CATEGORIES],
+        peak_each: [0; CATEGORIES],
+        peak_each_tag: [0; 2 * CATEGORIES],
         peak_blocks: 0,
     };
 }
@@ -481,7 +489,7 @@ fn outer(layout: Layout) -> Option<(Layout, usize)> {
 }
 
 fn record_alloc(tag: u8, size: u64) {
-    let cat = (tag % 6) as usize;
+    let cat = tag as usize % CATEGORIES;
     let mine = CURRENT[cat].fetch_add(size, Ordering::Relaxed) + size;
     PEAK_EACH[cat].fetch_max(mine, Ordering::Relaxed);
     let tagged = CURRENT_TAG[tag as usize].fetch_add(size, Ordering::Relaxed) + size;
@@ -497,7 +505,7 @@ fn record_alloc(tag: u8, size: u64) {
 }
 
 fn record_free(tag: u8, size: u64) {
-    CURRENT[(tag % 6) as usize].fetch_sub(size, Ordering::Relaxed);
+    CURRENT[tag as usize % CATEGORIES].fetch_sub(size, Ordering::Relaxed);
     CURRENT_TAG[tag as usize].fetch_sub(size, Ordering::Relaxed);
     TOTAL.fetch_sub(size, Ordering::Relaxed);
     BLOCKS.fetch_sub(1, Ordering::Relaxed);
@@ -639,12 +647,13 @@ impl Meter for CpuMeter {
     }
 
     fn snapshot(&self) -> MemorySnapshot {
-        let load =
-            |a: &[AtomicU64; 6]| ByCategory(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)));
+        let load = |a: &[AtomicU64; CATEGORIES]| {
+            ByCategory(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)))
+        };
         // The device half (tags 0..6) or the host half (6..12) of a tag array.
-        let half = |a: &[AtomicU64; 12], host: bool| {
+        let half = |a: &[AtomicU64; 2 * CATEGORIES], host: bool| {
             ByCategory(std::array::from_fn(|i| {
-                a[i + 6 * usize::from(host)].load(Ordering::Relaxed)
+                a[i + CATEGORIES * usize::from(host)].load(Ordering::Relaxed)
             }))
         };
         MemorySnapshot {

@@ -15,6 +15,7 @@ fn category(kind: Kind) -> Category {
         Kind::Activations => Category::Activations,
         Kind::Gradients => Category::Gradients,
         Kind::OptimizerState => Category::OptimizerState,
+        Kind::Communication => Category::Communication,
         // The hook's kinds may grow; untagged memory is "other".
         _ => Category::Other,
     }

@@ -52,6 +52,8 @@ pub enum Kind {
     Gradients,
     /// Optimizer moments and master weights.
     OptimizerState,
+    /// Buffers that a collective sends from or receives into.
+    Communication,
 }
 
 /// Where memory lives.

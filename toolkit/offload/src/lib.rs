@@ -9,13 +9,17 @@
 //!   visit the device for its forward and again for its backward (as FSDP
 //!   gathers a layer's shards twice); its weight gradients go straight back
 //!   to the host. A [`Module`](candle_core::Module) inside candle's autograd.
+//! * [`WeightSource`] and [`fetched_linear`]: the mechanism under it, for
+//!   weights kept anywhere (sharded over peers, for ZeRO stage 3).
 //! * [`Transfers`]: the bytes and time of every copy.
 #![warn(missing_docs)]
 
 mod host;
+mod source;
 mod stream;
 mod transfers;
 
 pub use host::HostAdamW;
+pub use source::{fetched_linear, WeightSource};
 pub use stream::StreamedLinear;
 pub use transfers::Transfers;

@@ -4,10 +4,10 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Tensor, Var};
-use candle_custom_grad::{with_backward2, Backward2};
 
 use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
+use crate::source::{fetched_linear, WeightSource};
 use crate::Transfers;
 
 /// What the layer and its backward share: the copies made, and the weight
@@ -50,12 +50,18 @@ fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
 /// ```
 #[derive(Clone)]
 pub struct StreamedLinear {
-    weight: Var,
-    bias: Option<Var>,
-    device: Device,
+    host: Arc<Host>,
     /// Makes the op part of the graph even when its input is plain data, so
     /// that the weights still get their gradients.
     anchor: Var,
+}
+
+/// The host copies of a layer's weights: its [`WeightSource`].
+#[derive(Clone)]
+struct Host {
+    weight: Var,
+    bias: Option<Var>,
+    device: Device,
     shared: Arc<Mutex<Shared>>,
     observer: Arc<dyn Observer + Send + Sync>,
 }
@@ -63,9 +69,9 @@ pub struct StreamedLinear {
 impl std::fmt::Debug for StreamedLinear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamedLinear")
-            .field("weight", &self.weight.dims())
-            .field("bias", &self.bias.is_some())
-            .field("device", &self.device)
+            .field("weight", &self.host.weight.dims())
+            .field("bias", &self.host.bias.is_some())
+            .field("device", &self.host.device)
             .finish()
     }
 }
@@ -130,12 +136,14 @@ impl StreamedLinear {
             (to_host(weight)?, bias.map(&mut to_host).transpose()?)
         };
         Ok(Self {
-            weight,
-            bias,
-            device: device.clone(),
+            host: Arc::new(Host {
+                weight,
+                bias,
+                device: device.clone(),
+                shared: Arc::new(Mutex::new(shared)),
+                observer: Arc::new(observer),
+            }),
             anchor: Var::zeros(1, DType::F32, device)?,
-            shared: Arc::new(Mutex::new(shared)),
-            observer: Arc::new(observer),
         })
     }
 
@@ -152,26 +160,28 @@ impl StreamedLinear {
 
     /// Reports memory to `observer` from now on.
     pub fn observed(mut self, observer: impl Observer + Send + Sync + 'static) -> Self {
-        self.observer = Arc::new(observer);
+        let mut host = (*self.host).clone();
+        host.observer = Arc::new(observer);
+        self.host = Arc::new(host);
         self
     }
 
     /// The host variables: the weight, then the bias if any.
     pub fn vars(&self) -> Vec<Var> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
+        std::iter::once(self.host.weight.clone())
+            .chain(self.host.bias.clone())
             .collect()
     }
 
     /// The weight gradients sent to the host since the last call, summed
     /// over backward passes, keyed by [`vars`](Self::vars).
     pub fn take_grads(&self) -> GradStore {
-        std::mem::take(&mut lock(&self.shared).grads)
+        std::mem::take(&mut lock(&self.host.shared).grads)
     }
 
     /// The copies made so far.
     pub fn transfers(&self) -> Transfers {
-        lock(&self.shared).transfers
+        lock(&self.host.shared).transfers
     }
 
     /// The bytes of its parameters.
@@ -181,7 +191,9 @@ impl StreamedLinear {
             .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
             .sum()
     }
+}
 
+impl Host {
     /// `var` copied to the device, in `dtype`: cast on the host first, so
     /// that only the compute dtype's bytes cross and land.
     fn fetch(&self, var: &Var, dtype: DType) -> Result<Tensor> {
@@ -196,70 +208,26 @@ impl StreamedLinear {
     }
 }
 
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.broadcast_matmul(&w.t()?)?;
-    match b {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
+impl WeightSource for Host {
+    fn device(&self) -> &Device {
+        &self.device
     }
-}
 
-impl Module for StreamedLinear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !x.device().same_device(&self.device) {
-            bail!(
-                "the input is on {:?}, the layer computes on {:?}",
-                x.device(),
-                self.device
-            );
-        }
-        let out = {
-            let w = self.fetch(&self.weight, x.dtype())?;
-            let b = match &self.bias {
-                Some(b) => Some(self.fetch(b, x.dtype())?),
-                None => None,
-            };
-            linear(&x.detach(), &w, b.as_ref())?
-            // The device copies of the weights are dropped here.
-        };
-        with_backward2(
-            out,
-            x,
-            self.anchor.as_tensor(),
-            Stream {
-                layer: self.clone(),
-            },
-        )
+    fn fetch_weight(&self, dtype: DType) -> Result<Tensor> {
+        self.fetch(&self.weight, dtype)
     }
-}
 
-/// The backward: fetch the weight again, give the input its gradient, send
-/// the weight's and the bias's to the host.
-struct Stream {
-    layer: StreamedLinear,
-}
+    fn has_bias(&self) -> bool {
+        self.bias.is_some()
+    }
 
-impl Backward2 for Stream {
-    fn backward(
-        &self,
-        x: &Tensor,
-        _anchor: &Tensor,
-        _out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let l = &self.layer;
-        // The backward needs the weight only, not the bias.
-        let w = l.fetch(&l.weight, grad.dtype())?;
-        let (out_f, in_f) = w.dims2()?;
-        // Every leading dimension is a row.
-        let g2 = grad.reshape(((), out_f))?;
-        let x2 = x.detach().reshape(((), in_f))?;
-        let dx = g2.matmul(&w)?.reshape(x.shape())?;
-        drop(w);
-        let dw = g2.t()?.matmul(&x2)?;
-        let db = l.bias.as_ref().map(|_| g2.sum(0)).transpose()?;
-        let _grads = scope(&*l.observer, Kind::Gradients, Place::Host);
-        let mut s = lock(&l.shared);
+    fn fetch_bias(&self, dtype: DType) -> Result<Option<Tensor>> {
+        self.bias.as_ref().map(|b| self.fetch(b, dtype)).transpose()
+    }
+
+    fn give_gradients(&self, dw: Tensor, db: Option<Tensor>) -> Result<()> {
+        let _grads = scope(&*self.observer, Kind::Gradients, Place::Host);
+        let mut s = lock(&self.shared);
         let mut send = |var: &Var, g: Tensor| -> Result<()> {
             let host = s
                 .transfers
@@ -272,10 +240,16 @@ impl Backward2 for Stream {
             s.grads.insert(var.as_tensor(), total);
             Ok(())
         };
-        send(&l.weight, dw)?;
-        if let (Some(b), Some(db)) = (&l.bias, db) {
+        send(&self.weight, dw)?;
+        if let (Some(b), Some(db)) = (&self.bias, db) {
             send(b, db)?;
         }
-        Ok((Some(dx), None))
+        Ok(())
+    }
+}
+
+impl Module for StreamedLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        fetched_linear(x, &self.host, &self.anchor)
     }
 }

@@ -1,0 +1,205 @@
+//! ZeRO stage 3 (FSDP): the parameters themselves partitioned, each layer's
+//! gathered from the peers just before its forward and again before its
+//! backward.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backprop::GradStore;
+use candle_core::{bail, DType, Device, Module, Result, Shape, Tensor, Var};
+use candle_observe::{scope, Kind, Place};
+use candle_offload::{fetched_linear, WeightSource};
+
+use crate::split::{flat_f32, Split};
+use crate::Comm;
+
+/// One partitioned parameter: this rank's block, in f32.
+#[derive(Debug)]
+struct Block {
+    var: Var,
+    shape: Shape,
+    split: Split,
+}
+
+/// The peers as a layer's [`WeightSource`]: a fetch all-gathers the blocks,
+/// the gradients are reduce-scattered back into blocks.
+struct Peers {
+    comm: Arc<Comm>,
+    weight: Block,
+    bias: Option<Block>,
+    device: Device,
+    grads: Mutex<GradStore>,
+}
+
+impl Peers {
+    fn gather(&self, block: &Block, dtype: DType) -> Result<Tensor> {
+        let comm = &self.comm;
+        let send = comm.within_buffers(|| block.var.to_vec1::<f32>())?;
+        let mut full = comm.buffer(block.split.padded());
+        comm.all_gather(&send, &mut full)?;
+        drop(send);
+        let _params = scope(comm.observer(), Kind::Parameters, Place::Device);
+        Tensor::from_slice(&full[..block.split.len()], &block.shape, &self.device)?.to_dtype(dtype)
+    }
+
+    fn scatter(&self, block: &Block, grad: &Tensor) -> Result<()> {
+        let comm = &self.comm;
+        let send = flat_f32(comm, grad, block.split.padded())?;
+        let mut recv = comm.buffer(block.split.block());
+        comm.reduce_scatter_sum(&send, &mut recv)?;
+        drop(send);
+        let scale = 1.0 / comm.size() as f32;
+        let _grads = scope(comm.observer(), Kind::Gradients, Place::Device);
+        let mean: Vec<f32> = recv.iter().map(|x| x * scale).collect();
+        let mean = Tensor::from_vec(mean, block.split.block(), &self.device)?;
+        let mut grads = self.grads.lock().unwrap_or_else(|e| e.into_inner());
+        let total = match grads.remove(block.var.as_tensor()) {
+            Some(sum) => (sum + mean)?,
+            None => mean,
+        };
+        grads.insert(block.var.as_tensor(), total);
+        Ok(())
+    }
+}
+
+impl WeightSource for Peers {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn fetch_weight(&self, dtype: DType) -> Result<Tensor> {
+        self.gather(&self.weight, dtype)
+    }
+    fn has_bias(&self) -> bool {
+        self.bias.is_some()
+    }
+    fn fetch_bias(&self, dtype: DType) -> Result<Option<Tensor>> {
+        self.bias
+            .as_ref()
+            .map(|b| self.gather(b, dtype))
+            .transpose()
+    }
+    fn give_gradients(&self, weight: Tensor, bias: Option<Tensor>) -> Result<()> {
+        self.scatter(&self.weight, &weight)?;
+        if let (Some(b), Some(g)) = (&self.bias, bias) {
+            self.scatter(b, &g)?;
+        }
+        Ok(())
+    }
+}
+
+/// A linear layer under ZeRO stage 3: each rank keeps a `1/N` block of its
+/// weight and bias (in f32: the master weights); its forward all-gathers
+/// them, computes and drops them; its backward all-gathers the weight
+/// again and reduce-scatters the weight gradients, each rank keeping the
+/// mean over the ranks of its block ([`take_grads`](Self::take_grads)).
+/// The blocks are ordinary variables ([`vars`](Self::vars)): any optimizer
+/// updates them (`candle_lean_optim::LeanAdamW`, or
+/// `candle_offload::HostAdamW` for ZeRO-Offload), and no all-gather
+/// follows the step.
+///
+/// This is `candle_offload::StreamedLinear` with the peers in place of the
+/// host: the same [`fetched_linear`]. Every rank must run the same layers
+/// in the same order.
+#[derive(Clone)]
+pub struct ShardedLinear {
+    peers: Arc<Peers>,
+    anchor: Var,
+}
+
+impl std::fmt::Debug for ShardedLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedLinear")
+            .field("weight", &self.peers.weight.shape)
+            .field("bias", &self.peers.bias.is_some())
+            .field("rank", &self.peers.comm.rank())
+            .finish()
+    }
+}
+
+impl ShardedLinear {
+    /// A layer computing on `device`, partitioned from `weight` `(out, in)`
+    /// and `bias` `(out,)`, which must be equal on every rank; this rank
+    /// keeps its block of each.
+    pub fn new(
+        comm: Arc<Comm>,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        device: &Device,
+    ) -> Result<Self> {
+        if weight.rank() != 2 {
+            bail!(
+                "the weight must be (out, in), got shape {:?}",
+                weight.dims()
+            );
+        }
+        if let Some(b) = bias {
+            if b.dims() != [weight.dim(0)?] {
+                bail!(
+                    "the bias has shape {:?}, the weight {:?}",
+                    b.dims(),
+                    weight.dims()
+                );
+            }
+        }
+        let rank = comm.rank();
+        let block = |t: &Tensor| -> Result<Block> {
+            let split = Split::new(t.elem_count(), comm.size());
+            let full = flat_f32(&comm, t, split.padded())?;
+            let start = rank * split.block();
+            let _params = scope(comm.observer(), Kind::Parameters, Place::Device);
+            Ok(Block {
+                var: Var::from_slice(&full[start..start + split.block()], split.block(), device)?,
+                shape: t.shape().clone(),
+                split,
+            })
+        };
+        let (weight, bias) = (block(weight)?, bias.map(block).transpose()?);
+        Ok(Self {
+            peers: Arc::new(Peers {
+                comm: Arc::clone(&comm),
+                weight,
+                bias,
+                device: device.clone(),
+                grads: Mutex::new(GradStore::default()),
+            }),
+            anchor: Var::zeros(1, DType::F32, device)?,
+        })
+    }
+
+    /// This rank's blocks: the weight's, then the bias's if any.
+    pub fn vars(&self) -> Vec<Var> {
+        std::iter::once(self.peers.weight.var.clone())
+            .chain(self.peers.bias.as_ref().map(|b| b.var.clone()))
+            .collect()
+    }
+
+    /// The gradient blocks reduced since the last call (means over the
+    /// ranks, summed over backward passes), keyed by [`vars`](Self::vars).
+    pub fn take_grads(&self) -> GradStore {
+        let mut grads = self.peers.grads.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *grads)
+    }
+
+    /// The whole weight, all-gathered (for checking; it costs a gather).
+    pub fn gather_weight(&self) -> Result<Tensor> {
+        self.peers.gather(&self.peers.weight, DType::F32)
+    }
+
+    /// The whole bias, all-gathered.
+    pub fn gather_bias(&self) -> Result<Option<Tensor>> {
+        self.peers.fetch_bias(DType::F32)
+    }
+
+    /// The bytes of this rank's blocks.
+    pub fn bytes(&self) -> u64 {
+        self.vars()
+            .iter()
+            .map(|v| (v.elem_count() * 4) as u64)
+            .sum()
+    }
+}
+
+impl Module for ShardedLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        fetched_linear(x, &self.peers, &self.anchor)
+    }
+}

@@ -1,0 +1,213 @@
+//! ZeRO stages 1 and 2: the optimizer state (and the gradients) partitioned
+//! over the ranks, the parameters whole on every rank.
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{bail, DType, Result, Tensor, Var};
+use candle_lean_optim::{adamw_update, AdamWStep};
+use candle_nn::ParamsAdamW;
+use candle_observe::{scope, Kind, Place};
+
+use crate::split::{flat_f32, Split};
+use crate::Comm;
+
+/// One parameter: whole on every rank; its block of the state on this one.
+#[derive(Debug)]
+struct Slot {
+    var: Var,
+    split: Split,
+    /// The f32 master copy of this rank's block, for a parameter that is not
+    /// f32 itself (mixed precision). An f32 parameter is its own master.
+    master: Option<Var>,
+    m: Var,
+    v: Var,
+    /// This rank's block of the gradient averaged over the ranks, in f32,
+    /// summed over the backward passes since the last step.
+    grad: Option<Tensor>,
+}
+
+/// AdamW with ZeRO's partitioned state (Rajbhandari et al. 2020): each of
+/// `N` ranks keeps the moments (and, for parameters not in f32, the f32
+/// master weights) of one `1/N` block of every parameter, updates that
+/// block, and all-gathers the updated blocks into the whole parameters.
+///
+/// * **Stage 1**: after the backward, [`step`](Self::step) reduce-scatters
+///   each gradient (every rank held all of them through the backward) and
+///   updates.
+/// * **Stage 2**: during the backward, [`reduce_gradient`](Self::reduce_gradient)
+///   reduce-scatters each gradient as soon as it exists and keeps only this
+///   rank's block (with a backward that hands gradients over one layer at a
+///   time, such as `candle_checkpoint::layerwise_backward`); then
+///   [`step_reduced`](Self::step_reduced).
+///
+/// A reduce-scatter and an all-gather per step move what DDP's all-reduce
+/// moves. Its arithmetic is `candle_lean_optim`'s, so in f32 the parameters
+/// equal those of `candle_nn::AdamW` on the averaged gradients (up to the
+/// order of the sums over ranks).
+#[derive(Debug)]
+pub struct ZeroAdamW {
+    comm: Arc<Comm>,
+    slots: Vec<Slot>,
+    params: ParamsAdamW,
+    step_t: usize,
+}
+
+impl ZeroAdamW {
+    /// Partitions the state of `vars` over `comm`'s ranks. The parameters
+    /// must be equal on every rank (initialized alike, or broadcast).
+    pub fn new(comm: Arc<Comm>, vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
+        let (rank, ranks) = (comm.rank(), comm.size());
+        let mut slots = Vec::with_capacity(vars.len());
+        for var in vars {
+            if !var.dtype().is_float() {
+                bail!(
+                    "ZeroAdamW: a parameter of type {:?} is not a float",
+                    var.dtype()
+                );
+            }
+            let split = Split::new(var.elem_count(), ranks);
+            let _state = scope(comm.observer(), Kind::OptimizerState, Place::Device);
+            let zeros = || Var::zeros(split.block(), DType::F32, var.device());
+            let master = if var.dtype() == DType::F32 {
+                None
+            } else {
+                let full = flat_f32(&comm, var.as_tensor(), split.padded())?;
+                let start = rank * split.block();
+                Some(Var::from_slice(
+                    &full[start..start + split.block()],
+                    split.block(),
+                    var.device(),
+                )?)
+            };
+            slots.push(Slot {
+                split,
+                master,
+                m: zeros()?,
+                v: zeros()?,
+                grad: None,
+                var,
+            });
+        }
+        Ok(Self {
+            comm,
+            slots,
+            params,
+            step_t: 0,
+        })
+    }
+
+    /// The hyper-parameters.
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.params
+    }
+
+    /// The bytes of optimizer state this rank holds: moments and master
+    /// blocks.
+    pub fn state_bytes(&self) -> u64 {
+        let per_slot = |s: &Slot| {
+            let blocks = 2 + usize::from(s.master.is_some());
+            (blocks * s.split.block() * 4) as u64
+        };
+        self.slots.iter().map(per_slot).sum()
+    }
+
+    /// The bytes of gradient blocks held for the next step.
+    pub fn gradient_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .filter_map(|s| s.grad.as_ref())
+            .map(|g| (g.elem_count() * 4) as u64)
+            .sum()
+    }
+
+    /// Stage 2: reduce-scatters `grad`, the gradient of `var` on this rank,
+    /// and keeps this rank's block of its mean over the ranks. Every rank
+    /// must hand over the same variables in the same order.
+    pub fn reduce_gradient(&mut self, var: &Var, grad: &Tensor) -> Result<()> {
+        let Some(i) = self.slots.iter().position(|s| s.var.id() == var.id()) else {
+            bail!("ZeroAdamW: a gradient for a variable it does not update");
+        };
+        self.reduce(i, grad)
+    }
+
+    fn reduce(&mut self, i: usize, grad: &Tensor) -> Result<()> {
+        let comm = &self.comm;
+        let slot = &mut self.slots[i];
+        if grad.elem_count() != slot.split.len() {
+            bail!(
+                "ZeroAdamW: a gradient of {} elements for a parameter of {}",
+                grad.elem_count(),
+                slot.split.len()
+            );
+        }
+        let send = flat_f32(comm, grad, slot.split.padded())?;
+        let mut recv = comm.buffer(slot.split.block());
+        comm.reduce_scatter_sum(&send, &mut recv)?;
+        drop(send);
+        let scale = 1.0 / comm.size() as f32;
+        let _grads = scope(comm.observer(), Kind::Gradients, Place::Device);
+        let mean: Vec<f32> = recv.iter().map(|x| x * scale).collect();
+        let mean = Tensor::from_vec(mean, slot.split.block(), slot.var.device())?;
+        slot.grad = Some(match slot.grad.take() {
+            Some(sum) => (sum + mean)?,
+            None => mean,
+        });
+        Ok(())
+    }
+
+    /// Stage 1: reduce-scatters every gradient in `grads`, then updates as
+    /// [`step_reduced`](Self::step_reduced).
+    pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        for i in 0..self.slots.len() {
+            if let Some(g) = grads.get(self.slots[i].var.as_tensor()) {
+                let g = g.clone();
+                self.reduce(i, &g)?;
+            }
+        }
+        self.step_reduced()
+    }
+
+    /// Updates this rank's block of every parameter that has a gradient
+    /// block, then all-gathers the blocks into the whole parameters.
+    pub fn step_reduced(&mut self) -> Result<()> {
+        self.step_t += 1;
+        let k = AdamWStep::new(&self.params, self.step_t);
+        let comm = &self.comm;
+        let rank = comm.rank();
+        for slot in &mut self.slots {
+            let Some(g) = slot.grad.take() else { continue };
+            let split = slot.split;
+            let block = match &slot.master {
+                Some(master) => master.clone(),
+                None => {
+                    // An f32 parameter's own block, taken out to update.
+                    let full = flat_f32(comm, slot.var.as_tensor(), split.padded())?;
+                    let start = rank * split.block();
+                    comm.within_buffers(|| {
+                        Var::from_slice(
+                            &full[start..start + split.block()],
+                            split.block(),
+                            slot.var.device(),
+                        )
+                    })?
+                }
+            };
+            {
+                let _state = scope(comm.observer(), Kind::OptimizerState, Place::Device);
+                adamw_update(&block, &slot.m, &slot.v, &g, &k)?;
+            }
+            drop(g);
+            let send = comm.within_buffers(|| block.to_vec1::<f32>())?;
+            let mut full = comm.buffer(split.padded());
+            comm.all_gather(&send, &mut full)?;
+            drop(send);
+            let whole = comm.within_buffers(|| {
+                Tensor::from_slice(&full[..split.len()], slot.var.shape(), slot.var.device())?
+                    .to_dtype(slot.var.dtype())
+            })?;
+            slot.var.set(&whole)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,399 @@
+//! DDP and ZeRO stages 1, 2 and 3 against one process training on the whole
+//! batch, with 2 and 4 MPI ranks.
+//!
+//! Run without `mpirun`, this program starts itself under `mpirun` with 2
+//! and then 4 ranks and fails if any rank fails. Each rank trains the same
+//! small network four ways on its shard of the batch and compares the
+//! parameters after every step with those of a single-process run that it
+//! computes itself.
+
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+
+use candle_checkpoint::lean_backward_with;
+use candle_core::{Device, Module, Result, Tensor, Var};
+use candle_distributed::{Comm, DataParallel, ShardedLinear, Split, ZeroAdamW};
+use candle_lean_optim::LeanAdamW;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_observe::NoObserver;
+
+const BATCH: usize = 8;
+const DIMS: [usize; 4] = [8, 8, 8, 4];
+const STEPS: usize = 3;
+const TOLERANCE: f32 = 1e-6;
+
+fn params() -> ParamsAdamW {
+    ParamsAdamW {
+        lr: 0.01,
+        weight_decay: 0.01,
+        ..Default::default()
+    }
+}
+
+/// Deterministic weights `(out, in)` and bias of layer `l`.
+fn init(l: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let (i, o) = (DIMS[l], DIMS[l + 1]);
+    let w: Vec<f32> = (0..o * i)
+        .map(|k| (((l * 13 + k * 7) % 17) as f32 / 17.0 - 0.5) * 0.6)
+        .collect();
+    let b: Vec<f32> = (0..o)
+        .map(|k| ((l + k * 3) % 5) as f32 * 0.05 - 0.1)
+        .collect();
+    Ok((
+        Tensor::from_vec(w, (o, i), dev)?,
+        Tensor::from_vec(b, o, dev)?,
+    ))
+}
+
+/// The whole batch for step `step`: inputs and targets.
+fn batch(step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let x: Vec<f32> = (0..BATCH * DIMS[0])
+        .map(|k| (((k * 5 + step * 11) % 13) as f32 / 13.0 - 0.5) * 2.0)
+        .collect();
+    let y: Vec<f32> = (0..BATCH * DIMS[3])
+        .map(|k| ((k * 3 + step) % 7) as f32 / 7.0 - 0.5)
+        .collect();
+    Ok((
+        Tensor::from_vec(x, (BATCH, DIMS[0]), dev)?,
+        Tensor::from_vec(y, (BATCH, DIMS[3]), dev)?,
+    ))
+}
+
+/// A linear layer, with ReLU after all but the last.
+struct Layer<L> {
+    linear: L,
+    relu: bool,
+}
+
+impl<L: Module> Module for Layer<L> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.linear.forward(x)?;
+        if self.relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
+    (out - y)?.sqr()?.mean_all()
+}
+
+fn dense_stack(dev: &Device) -> Result<(Vec<Layer<candle_nn::Linear>>, Vec<Var>)> {
+    let mut layers = Vec::new();
+    let mut vars = Vec::new();
+    for l in 0..DIMS.len() - 1 {
+        let (w, b) = init(l, dev)?;
+        let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
+        layers.push(Layer {
+            linear: candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone())),
+            relu: l + 2 < DIMS.len(),
+        });
+        vars.extend([w, b]);
+    }
+    Ok((layers, vars))
+}
+
+fn forward<L: Module>(layers: &[Layer<L>], x: &Tensor) -> Result<Tensor> {
+    layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+}
+
+fn values(ts: &[Tensor]) -> Result<Vec<Vec<f32>>> {
+    ts.iter()
+        .map(|t| t.flatten_all()?.to_vec1::<f32>())
+        .collect()
+}
+
+fn var_values(vars: &[Var]) -> Result<Vec<Vec<f32>>> {
+    values(
+        &vars
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// The parameters after each step of one process on the whole batch.
+fn reference(dev: &Device) -> Result<Vec<Vec<Vec<f32>>>> {
+    let (layers, vars) = dense_stack(dev)?;
+    let mut opt = AdamW::new(vars.clone(), params())?;
+    let mut after = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch(step, dev)?;
+        opt.backward_step(&mse(&forward(&layers, &x)?, &y)?)?;
+        after.push(var_values(&vars)?);
+    }
+    Ok(after)
+}
+
+/// This rank's rows of the batch.
+fn shard(comm: &Comm, t: &Tensor) -> Result<Tensor> {
+    let rows = BATCH / comm.size();
+    t.narrow(0, comm.rank() * rows, rows)
+}
+
+fn compare(
+    what: &str,
+    step: usize,
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+) -> std::result::Result<f32, String> {
+    let mut worst = 0f32;
+    for (g, w) in got.iter().zip(want) {
+        if g.len() != w.len() {
+            return Err(format!(
+                "{what}, step {step}: {} values, expected {}",
+                g.len(),
+                w.len()
+            ));
+        }
+        for (a, b) in g.iter().zip(w) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    if worst > TOLERANCE {
+        return Err(format!("{what}, step {step}: parameters differ by {worst:e} from one process on the whole batch"));
+    }
+    Ok(worst)
+}
+
+type Check = std::result::Result<f32, String>;
+
+fn ddp(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
+    let (layers, vars) = dense_stack(dev)?;
+    // Buckets of 100 bytes: the stack's 720 bytes of gradients in several.
+    let ddp = DataParallel::new(Arc::clone(comm), vars.clone()).with_bucket_bytes(100);
+    ddp.broadcast_parameters()?;
+    let mut opt = AdamW::new(vars.clone(), params())?;
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = batch(step, dev)?;
+        let mut grads =
+            mse(&forward(&layers, &shard(comm, &x)?)?, &shard(comm, &y)?)?.backward()?;
+        ddp.average(&mut grads)?;
+        opt.step(&grads)?;
+        match compare("DDP", step, &var_values(&vars)?, want) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
+fn zero(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
+    let (layers, vars) = dense_stack(dev)?;
+    let mut opt = ZeroAdamW::new(Arc::clone(comm), vars.clone(), params())?;
+    let expected_state: usize = vars
+        .iter()
+        .map(|v| 8 * Split::new(v.elem_count(), comm.size()).block())
+        .sum();
+    if opt.state_bytes() != expected_state as u64 {
+        return Ok(Err(format!(
+            "stage {stage}: {} bytes of state, expected {expected_state}",
+            opt.state_bytes()
+        )));
+    }
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = batch(step, dev)?;
+        let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
+        if stage == 1 {
+            let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
+            opt.step(&grads)?;
+        } else {
+            lean_backward_with(
+                &layers,
+                &x,
+                &vars,
+                |h| mse(h, &y),
+                |var, g| opt.reduce_gradient(var, &g),
+                &NoObserver,
+            )?;
+            let expected: usize = vars
+                .iter()
+                .map(|v| 4 * Split::new(v.elem_count(), comm.size()).block())
+                .sum();
+            if opt.gradient_bytes() != expected as u64 {
+                return Ok(Err(format!(
+                    "stage 2: {} bytes of gradient blocks, expected {expected}",
+                    opt.gradient_bytes()
+                )));
+            }
+            opt.step_reduced()?;
+        }
+        match compare(
+            &format!("ZeRO stage {stage}"),
+            step,
+            &var_values(&vars)?,
+            want,
+        ) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
+fn stage3(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
+    let mut layers = Vec::new();
+    for l in 0..DIMS.len() - 1 {
+        let (w, b) = init(l, dev)?;
+        layers.push(Layer {
+            linear: ShardedLinear::new(Arc::clone(comm), &w, Some(&b), dev)?,
+            relu: l + 2 < DIMS.len(),
+        });
+    }
+    let blocks: Vec<Var> = layers.iter().flat_map(|l| l.linear.vars()).collect();
+    let mut opt = LeanAdamW::new(blocks, params())?;
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = batch(step, dev)?;
+        mse(&forward(&layers, &shard(comm, &x)?)?, &shard(comm, &y)?)?.backward()?;
+        let mut grads = candle_core::backprop::GradStore::default();
+        for l in &layers {
+            let mut g = l.linear.take_grads();
+            for v in l.linear.vars() {
+                if let Some(t) = g.remove(v.as_tensor()) {
+                    grads.insert(v.as_tensor(), t);
+                }
+            }
+        }
+        opt.step(&grads)?;
+        let mut whole = Vec::new();
+        for l in &layers {
+            whole.push(l.linear.gather_weight()?);
+            whole.extend(l.linear.gather_bias()?);
+        }
+        match compare("ZeRO stage 3", step, &values(&whole)?, want) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
+fn collectives(comm: &Comm) -> std::result::Result<(), String> {
+    let (r, n) = (comm.rank() as f32, comm.size());
+    let fail = |what: &str, e: candle_core::Error| format!("{what}: {e}");
+    let mut buf = vec![r, 1.0];
+    comm.all_reduce_sum(&mut buf)
+        .map_err(|e| fail("all-reduce", e))?;
+    let ranks_sum = (n * (n - 1) / 2) as f32;
+    if buf != [ranks_sum, n as f32] {
+        return Err(format!("all-reduce gave {buf:?}"));
+    }
+    let send: Vec<f32> = (0..2 * n).map(|i| i as f32 + r).collect();
+    let mut recv = vec![0f32; 2];
+    comm.reduce_scatter_sum(&send, &mut recv)
+        .map_err(|e| fail("reduce-scatter", e))?;
+    let k = 2 * comm.rank();
+    let want = [
+        n as f32 * k as f32 + ranks_sum,
+        n as f32 * (k + 1) as f32 + ranks_sum,
+    ];
+    if recv != want {
+        return Err(format!("reduce-scatter gave {recv:?}, expected {want:?}"));
+    }
+    let mut all = vec![0f32; n];
+    comm.all_gather(&[r * 10.0], &mut all)
+        .map_err(|e| fail("all-gather", e))?;
+    if all != (0..n).map(|i| i as f32 * 10.0).collect::<Vec<_>>() {
+        return Err(format!("all-gather gave {all:?}"));
+    }
+    let mut b = vec![r + 5.0];
+    comm.broadcast(&mut b, n - 1)
+        .map_err(|e| fail("broadcast", e))?;
+    if b != [(n - 1) as f32 + 5.0] {
+        return Err(format!("broadcast gave {b:?}"));
+    }
+    // A mismatch that one rank can see is an error, not a hang.
+    let err = comm.all_gather(&[1.0], &mut [0.0; 1]);
+    if n > 1 && err.is_ok() {
+        return Err("an all-gather into too small a buffer was accepted".into());
+    }
+    let t = comm.traffic();
+    let (ring, payload) = ((n - 1) as u64, 2 * n as u64 * 4);
+    if t.reduce_scatter.sent != payload * ring / n as u64
+        || t.all_reduce.sent != 2 * 8 * ring / n as u64
+    {
+        return Err(format!("traffic counted {t:?}"));
+    }
+    Ok(())
+}
+
+fn rank_main() -> Result<ExitCode> {
+    let comm = Arc::new(Comm::mpi()?);
+    let dev = Device::Cpu;
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let mut failures = Vec::new();
+    if let Err(e) = collectives(&comm) {
+        failures.push(e);
+    }
+    let want = reference(&dev)?;
+    let checks = [
+        ("DDP", ddp(&comm, &want, &dev)?),
+        ("ZeRO stage 1", zero(&comm, 1, &want, &dev)?),
+        ("ZeRO stage 2", zero(&comm, 2, &want, &dev)?),
+        ("ZeRO stage 3", stage3(&comm, &want, &dev)?),
+    ];
+    for (what, check) in checks {
+        match check {
+            Ok(worst) => println!(
+                "rank {rank}/{ranks}: {what} equals one process (largest difference {worst:e})"
+            ),
+            Err(e) => failures.push(e),
+        }
+    }
+    comm.barrier()?;
+    for f in &failures {
+        eprintln!("rank {rank}/{ranks}: {f}");
+    }
+    Ok(if failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn launch() -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: where is this test's executable? {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for ranks in [2, 4] {
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--oversubscribe", "-n", &ranks.to_string()]);
+        // Open MPI refuses to run as root unless told.
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("CANDLE_DISTRIBUTED_RANK", "1")
+            .arg(&exe);
+        match cmd.status() {
+            Ok(s) if s.success() => println!("{ranks} ranks: ok"),
+            Ok(s) => {
+                eprintln!("error: {ranks} ranks: mpirun ended with {s}");
+                return ExitCode::FAILURE;
+            }
+            Err(e) => {
+                eprintln!("error: mpirun could not be started ({e}): install Open MPI (Debian: apt install openmpi-bin libopenmpi-dev)");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os("CANDLE_DISTRIBUTED_RANK").is_some() {
+        rank_main().unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        })
+    } else {
+        launch()
+    }
+}

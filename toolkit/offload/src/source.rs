@@ -1,0 +1,103 @@
+//! Layers whose weights live elsewhere and visit the device only while
+//! used: the mechanism that offload (weights on the host) and ZeRO stage 3
+//! / FSDP (weights sharded over peers) share.
+
+use std::sync::Arc;
+
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_custom_grad::{with_backward2, Backward2};
+
+/// Where a linear layer's weights are kept between uses, and where its
+/// weight gradients go.
+///
+/// [`fetched_linear`] calls it twice per step: the forward fetches the
+/// weight and the bias, the backward the weight again, then hands over the
+/// gradients. What is fetched is dropped as soon as the product is done.
+pub trait WeightSource: Send + Sync + 'static {
+    /// The device the layer computes on.
+    fn device(&self) -> &Device;
+    /// The weight `(out, in)` on [`device`](Self::device), in `dtype`.
+    fn fetch_weight(&self, dtype: DType) -> Result<Tensor>;
+    /// Whether the layer has a bias.
+    fn has_bias(&self) -> bool;
+    /// The bias `(out,)` on the device in `dtype`, if the layer has one.
+    fn fetch_bias(&self, dtype: DType) -> Result<Option<Tensor>>;
+    /// The gradients of one backward: the weight's and the bias's (when
+    /// there is a bias), on the device.
+    fn give_gradients(&self, weight: Tensor, bias: Option<Tensor>) -> Result<()>;
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.broadcast_matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// `y = x W^T + b`, `W` and `b` fetched from `source` for this product and
+/// dropped after it, as one operation of candle's autograd: its backward
+/// fetches `W` again, gives `x` its gradient and hands the weight
+/// gradients to `source`. `anchor` (any variable on the device) makes the
+/// operation part of the graph when `x` itself needs no gradient, so that
+/// the weights still get theirs.
+pub fn fetched_linear<S: WeightSource>(
+    x: &Tensor,
+    source: &Arc<S>,
+    anchor: &Var,
+) -> Result<Tensor> {
+    if !x.device().same_device(source.device()) {
+        bail!(
+            "the input is on {:?}, the layer computes on {:?}",
+            x.device(),
+            source.device()
+        );
+    }
+    let out = {
+        let w = source.fetch_weight(x.dtype())?;
+        let b = source.fetch_bias(x.dtype())?;
+        linear(&x.detach(), &w, b.as_ref())?
+        // The fetched weights are dropped here.
+    };
+    with_backward2(
+        out,
+        x,
+        anchor.as_tensor(),
+        Fetch {
+            source: Arc::clone(source),
+        },
+    )
+}
+
+/// The backward: fetch the weight again, give the input its gradient, hand
+/// the weight's and the bias's to the source.
+struct Fetch<S> {
+    source: Arc<S>,
+}
+
+impl<S: WeightSource> Backward2 for Fetch<S> {
+    fn backward(
+        &self,
+        x: &Tensor,
+        _anchor: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The backward needs the weight only, not the bias.
+        let w = self.source.fetch_weight(grad.dtype())?;
+        let (out_f, in_f) = w.dims2()?;
+        // Every leading dimension is a row.
+        let g2 = grad.reshape(((), out_f))?;
+        let x2 = x.detach().reshape(((), in_f))?;
+        let dx = g2.matmul(&w)?.reshape(x.shape())?;
+        drop(w);
+        let dw = g2.t()?.matmul(&x2)?;
+        let db = if self.source.has_bias() {
+            Some(g2.sum(0)?)
+        } else {
+            None
+        };
+        self.source.give_gradients(dw, db)?;
+        Ok((Some(dx), None))
+    }
+}
