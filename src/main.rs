@@ -170,6 +170,14 @@ enum Command {
     /// standard input and answers on standard output).
     #[command(hide = true)]
     Worker,
+    /// Serve as one rank of a data-parallel cell's MPI job (what the cell
+    /// starts under `mpirun`).
+    #[command(hide = true)]
+    Rank {
+        /// The job, as JSON.
+        #[arg(long)]
+        request: String,
+    },
     /// Write a chapter as a Jupyter notebook for the evcxr Rust kernel.
     Notebook {
         /// A chapter id (`chapter2`) or a path to a .toml file.
@@ -296,6 +304,12 @@ fn main() -> ExitCode {
     if let Command::Worker = cli.command {
         return workbook::worker::serve(Workbook::builtin().registry(), std::io::stdin().lock());
     }
+    if let Command::Rank { request } = &cli.command {
+        return rank(request).unwrap_or_else(|e| {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        });
+    }
     let mut wb = Workbook::builtin();
     if let Some(dir) = &cli.chapters {
         wb = wb.with_chapter_dirs(vec![dir.clone()]);
@@ -330,7 +344,7 @@ fn main() -> ExitCode {
 fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
     match &cli.command {
         Command::List => list(wb),
-        Command::Worker => Ok(ExitCode::SUCCESS),
+        Command::Worker | Command::Rank { .. } => Ok(ExitCode::SUCCESS),
         Command::Schema => {
             let mut text =
                 serde_json::to_string_pretty(&workbook::chapter::json_schema(wb.registry()))?;
@@ -878,4 +892,25 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
     })
+}
+
+/// One rank of a data-parallel cell's job.
+fn rank(request: &str) -> anyhow::Result<ExitCode> {
+    use anyhow::Context as _;
+    let request: workbook_distributed::rank::RankRequest =
+        serde_json::from_str(request).context("reading the rank's request")?;
+    #[cfg(feature = "mpi")]
+    {
+        let comm = candle_distributed::Comm::mpi()?;
+        workbook_distributed::rank::rank_main(comm, &request)?;
+        Ok(ExitCode::SUCCESS)
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = request;
+        anyhow::bail!(
+            "this workbook was built without the `mpi` feature: {}",
+            workbook_distributed::launch::INSTALL
+        )
+    }
 }

@@ -195,5 +195,6 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_transformer::LayerProfile),
         Box::new(workbook_transformer::GptCheckpointing),
         Box::new(workbook_transformer::Predictors),
+        Box::new(workbook_distributed::ZeroStages),
     ]
 }

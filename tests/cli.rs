@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 11] = [
+const PLUGINS: [&str; 12] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -19,6 +19,7 @@ const PLUGINS: [&str; 11] = [
     "layer_profile",
     "gpt_checkpointing",
     "predictors",
+    "zero_stages",
 ];
 
 fn workbook(args: &[&str]) -> Output {

@@ -140,7 +140,7 @@ fn a_misspelt_parameter_or_chapter_gets_the_closest_names() {
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("; did you mean `chapter2` or `chapter3`?"),
+        err.contains("; did you mean `chapter2` or `chapter3` or `chapter4`?"),
         "{err}"
     );
     let o = workbook(&["run", "chapter2", "--cell", "footprnt"]);

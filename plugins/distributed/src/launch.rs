@@ -1,0 +1,154 @@
+//! Starting the ranks: `mpirun -n N` over this very executable, with a time
+//! limit, and reading back what each rank reported.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use workbook_sdk::anyhow::{self, Context as _};
+
+use crate::rank::{report_path, RankReport, RankRequest};
+
+/// One MPI job.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Ranks to start.
+    pub ranks: usize,
+    /// Linear + ReLU layers.
+    pub layers: usize,
+    /// Width of each.
+    pub width: usize,
+    /// Rows of the whole batch.
+    pub batch: usize,
+    /// Steps per stage.
+    pub steps: usize,
+    /// Seed.
+    pub seed: u64,
+    /// The job's time limit.
+    pub timeout: Duration,
+}
+
+/// What came back from a job: every report that was written, and what went
+/// wrong, if anything.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// The reports of the ranks that wrote one, in rank order.
+    pub reports: Vec<RankReport>,
+    /// Why the job failed: a rank's error, a crash, the time limit, missing
+    /// reports.
+    pub error: Option<String>,
+}
+
+/// How to install what a job needs.
+pub const INSTALL: &str = "install Open MPI and libclang (Debian and Ubuntu: apt install openmpi-bin libopenmpi-dev libclang-dev) and build with `--features mpi`";
+
+/// Whether this executable can run ranks.
+pub fn built_with_mpi() -> bool {
+    cfg!(feature = "mpi")
+}
+
+/// The executable that serves as a rank: `$WORKBOOK_BIN`, else this one.
+fn rank_executable() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("WORKBOOK_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    std::env::current_exe().context("finding the workbook executable to start as ranks")
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Runs `job` under `mpirun` and gathers the ranks' reports. Fails only
+/// when the job cannot start at all; a job that starts and fails comes
+/// back with its error and the reports written before it.
+pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
+    if !built_with_mpi() {
+        anyhow::bail!("this cell runs MPI ranks, and this workbook was built without the `mpi` feature: {INSTALL}");
+    }
+    let exe = rank_executable()?;
+    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
+    let request = RankRequest {
+        layers: job.layers,
+        width: job.width,
+        batch: job.batch,
+        steps: job.steps,
+        seed: job.seed,
+        out: dir.path().to_path_buf(),
+    };
+    let log = dir.path().join("mpirun.log");
+    let log_file = std::fs::File::create(&log).context("making the job's log")?;
+    let mut child = Command::new("mpirun")
+        .args(["--oversubscribe", "-n", &job.ranks.to_string()])
+        // Open MPI refuses to start as root unless told.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Each rank computes on one thread: N ranks share this machine's cores.
+        .env("RAYON_NUM_THREADS", "1")
+        .arg(&exe)
+        .args(["rank", "--request", &serde_json::to_string(&request)?])
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file)
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("mpirun could not be started ({e}): {INSTALL}"))?;
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if start.elapsed() > job.timeout {
+            // mpirun passes the signal on to its ranks.
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut outcome = Outcome::default();
+    let mut missing = Vec::new();
+    for rank in 0..job.ranks {
+        let path = report_path(dir.path(), rank);
+        match std::fs::read(&path) {
+            Ok(bytes) => outcome.reports.push(
+                serde_json::from_slice(&bytes)
+                    .with_context(|| format!("reading rank {rank}'s report"))?,
+            ),
+            Err(_) => missing.push(rank),
+        }
+    }
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    let mut problems = Vec::new();
+    match status {
+        None => problems.push(format!(
+            "the job ran past its time limit of {:.0} s and was stopped",
+            job.timeout.as_secs_f64()
+        )),
+        Some(s) if !s.success() => problems.push(format!("mpirun ended with {s}")),
+        Some(_) => {}
+    }
+    if !missing.is_empty() {
+        problems.push(format!("no report from rank(s) {missing:?}"));
+    }
+    let complete = outcome
+        .reports
+        .iter()
+        .filter(|r| r.stages.len() == 4)
+        .count();
+    if problems.is_empty() && complete < job.ranks {
+        problems.push(format!(
+            "{} of {} ranks finished every stage",
+            complete, job.ranks
+        ));
+    }
+    if !problems.is_empty() {
+        let said = tail(&log_text, 8);
+        outcome.error = Some(if said.is_empty() {
+            problems.join("; ")
+        } else {
+            format!("{}; the ranks said:\n{said}", problems.join("; "))
+        });
+    }
+    Ok(outcome)
+}

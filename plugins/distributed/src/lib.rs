@@ -1,0 +1,318 @@
+//! The data-parallel cell: DDP and ZeRO stages 1, 2 and 3 on 1, 2, 4...
+//! MPI ranks, each rank's memory measured by its own counting allocator by
+//! category and its traffic counted, beside ZeRO's formulas.
+//!
+//! The cell starts the ranks itself: `mpirun -n N workbook rank ...` for
+//! each N, where every rank runs the four stages in turn ([`rank`]) and
+//! writes what it measured to a file. A rank that fails, or a job that runs
+//! past the time limit, makes the cell's error; what the other ranks
+//! reported is kept.
+//!
+//! The techniques are the toolkit's `candle-distributed`.
+#![warn(missing_docs)]
+
+pub mod launch;
+pub mod rank;
+pub mod stage;
+
+use serde::{Deserialize, Serialize};
+use workbook_sdk::anyhow;
+use workbook_sdk::metric::MetricSpec;
+use workbook_sdk::output::{mib, Axis, Series, Unit};
+use workbook_sdk::{Context, Figure, Plugin, Rules, Table, Violation};
+
+use crate::launch::{launch, Job};
+use crate::rank::{RankReport, StageReport};
+use crate::stage::{ModelState, Stage};
+
+/// Parameters of the data-parallel cell.
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Params {
+    /// Linear + ReLU layers of the model.
+    pub layers: usize,
+    /// Features in and out of each layer.
+    pub width: usize,
+    /// Rows of the whole batch, split evenly over the ranks.
+    pub batch: usize,
+    /// Training steps per stage.
+    #[schemars(range(min = 1))]
+    pub steps: usize,
+    /// The rank counts to run, each an MPI job.
+    pub ranks: Vec<usize>,
+    /// The per-rank memory budget that the model sizes which fit are
+    /// computed for, in MiB.
+    pub budget_mib: f64,
+    /// The time limit of one job, in seconds.
+    pub timeout_seconds: f64,
+    /// Seed of weights and data.
+    pub seed: u64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            layers: 4,
+            width: 512,
+            batch: 64,
+            steps: 2,
+            ranks: vec![1, 2, 4],
+            budget_mib: 1024.0,
+            timeout_seconds: 300.0,
+            seed: 19,
+        }
+    }
+}
+
+/// The data-parallel plugin.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ZeroStages;
+
+/// The most ranks a cell may ask for.
+const MAX_RANKS: usize = 64;
+
+impl Plugin for ZeroStages {
+    type Params = Params;
+
+    fn name(&self) -> &str {
+        "zero_stages"
+    }
+
+    fn description(&self) -> &str {
+        "DDP and ZeRO stages 1-3 on MPI ranks: model states and bytes sent per rank, measured beside the formulas"
+    }
+
+    fn validate(&self, p: &Params) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.at_least("layers", p.layers, 1)
+            .at_least("width", p.width, 1)
+            .at_least("batch", p.batch, 1)
+            .at_least("steps", p.steps, 1)
+            .positive("budget_mib", p.budget_mib)
+            .positive("timeout_seconds", p.timeout_seconds);
+        let w = p.width as u64;
+        r.elements("width", "layers × width × width", &[p.layers as u64, w, w])
+            .elements("batch", "batch × width", &[p.batch as u64, w]);
+        r.list("ranks", &p.ranks, 1, 1);
+        for (i, &n) in p.ranks.iter().enumerate() {
+            let field = format!("ranks[{i}]");
+            if n > MAX_RANKS {
+                r.violation(
+                    &field,
+                    n.to_string(),
+                    format!("allowed: at most {MAX_RANKS}"),
+                );
+            } else if n > 0 && !p.batch.is_multiple_of(n) {
+                r.violation(
+                    &field,
+                    n.to_string(),
+                    format!("allowed: a divisor of the batch, {}", p.batch),
+                );
+            }
+        }
+        r.into_violations()
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::count("psi", "parameters of the model, Ψ"),
+            MetricSpec::bytes(
+                "{stage}_n{ranks}_state",
+                "model states one rank holds (parameters + gradients + optimizer state), measured, highest over the ranks",
+            ),
+            MetricSpec::bytes(
+                "{stage}_n{ranks}_formula",
+                "model states per rank by ZeRO's formula in f32 (4 + 4 + 8 bytes per parameter, the partitioned parts over N)",
+            ),
+            MetricSpec::bytes("{stage}_n{ranks}_params", "parameters one rank holds, measured"),
+            MetricSpec::bytes("{stage}_n{ranks}_grads", "gradients one rank holds at the step, measured"),
+            MetricSpec::bytes("{stage}_n{ranks}_optim", "optimizer state one rank holds, measured"),
+            MetricSpec::bytes("{stage}_n{ranks}_peak", "one rank's highest memory in the stage above its start"),
+            MetricSpec::bytes("{stage}_n{ranks}_comm_peak", "communication buffers at their highest on one rank"),
+            MetricSpec::bytes("{stage}_n{ranks}_sent", "bytes one rank sends per step (ring algorithms), counted"),
+            MetricSpec::bytes(
+                "{stage}_n{ranks}_sent_formula",
+                "bytes per rank per step by the formula: 2Ψ (DDP, stages 1 and 2) or 3Ψ (stage 3) f32 elements times (N - 1)/N",
+            ),
+            MetricSpec::count("{stage}_n{ranks}_calls", "collective calls per step on one rank"),
+            MetricSpec::seconds("{stage}_n{ranks}_seconds", "time of a step, slowest rank"),
+            MetricSpec::count(
+                "{stage}_n{ranks}_fits",
+                "parameters whose model states fit the per-rank budget at the measured bytes per parameter",
+            ),
+            MetricSpec::bytes(
+                "{stage}_n{ranks}_excess_per_tensor",
+                "measured model states minus the formula, per tensor that holds them: candle's bookkeeping",
+            ),
+            MetricSpec::count("{stage}_n{ranks}_ranks_reported", "ranks that wrote a report for the stage"),
+        ]
+    }
+
+    fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
+        let budget = p.budget_mib * 1_048_576.0;
+        let mut failures = Vec::new();
+        let mut rows: Vec<(usize, Vec<StageReport>)> = Vec::new();
+        for &n in &p.ranks {
+            ctx.progress(&format!("{n} rank(s)"));
+            let job = Job {
+                ranks: n,
+                layers: p.layers,
+                width: p.width,
+                batch: p.batch,
+                steps: p.steps,
+                seed: p.seed,
+                timeout: std::time::Duration::from_secs_f64(p.timeout_seconds),
+            };
+            let outcome = launch(&job)?;
+            if let Some(e) = &outcome.error {
+                failures.push(format!("{n} ranks: {e}"));
+            }
+            for stage in Stage::ALL {
+                let per_rank: Vec<&StageReport> = outcome
+                    .reports
+                    .iter()
+                    .filter_map(|r: &RankReport| r.stages.iter().find(|s| s.stage == stage))
+                    .collect();
+                let key = |what: &str| format!("{}_n{n}_{what}", stage.name());
+                ctx.metric(key("ranks_reported"), per_rank.len() as f64);
+                let Some(first) = per_rank.first() else {
+                    continue;
+                };
+                let max = |f: &dyn Fn(&StageReport) -> u64| {
+                    per_rank.iter().map(|s| f(s)).max().unwrap_or(0)
+                };
+                let state = max(&|s| s.held.total());
+                let formula = stage.formula(first.psi, first.block);
+                ctx.metric("psi", first.psi as f64);
+                ctx.metric(key("state"), state as f64);
+                ctx.metric(key("formula"), formula.total() as f64);
+                ctx.metric(key("params"), max(&|s| s.held.params) as f64);
+                ctx.metric(key("grads"), max(&|s| s.held.grads) as f64);
+                ctx.metric(key("optim"), max(&|s| s.held.optim) as f64);
+                ctx.metric(key("peak"), max(&|s| s.peak) as f64);
+                ctx.metric(key("comm_peak"), max(&|s| s.comm_peak) as f64);
+                ctx.metric(key("sent"), max(&|s| s.sent_per_step) as f64);
+                ctx.metric(
+                    key("sent_formula"),
+                    stage.sent_formula(first.padded, n as u64) as f64,
+                );
+                ctx.metric(key("calls"), max(&|s| s.calls_per_step) as f64);
+                let seconds = per_rank
+                    .iter()
+                    .map(|s| s.seconds_per_step)
+                    .fold(0.0, f64::max);
+                ctx.metric(key("seconds"), seconds);
+                let per_param = state as f64 / first.psi as f64;
+                ctx.metric(key("fits"), (budget / per_param).floor());
+                ctx.metric(
+                    key("excess_per_tensor"),
+                    (state as f64 - formula.total() as f64) / first.tensors as f64,
+                );
+            }
+            let full: Vec<StageReport> = Stage::ALL
+                .iter()
+                .filter_map(|&st| {
+                    outcome
+                        .reports
+                        .iter()
+                        .filter_map(|r| r.stages.iter().find(|s| s.stage == st))
+                        .max_by_key(|s| s.held.total())
+                        .cloned()
+                })
+                .collect();
+            rows.push((n, full));
+        }
+        table(ctx, &rows);
+        figures(ctx, &rows);
+        if !failures.is_empty() {
+            anyhow::bail!("{}", failures.join("; "));
+        }
+        Ok(())
+    }
+}
+
+fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
+    let mut t = Table::new(
+        "Per rank: model states measured against ZeRO's formula, and bytes sent per step",
+        &[
+            ("stage", Unit::None),
+            ("N", Unit::None),
+            ("params", Unit::Bytes),
+            ("grads", Unit::Bytes),
+            ("optim", Unit::Bytes),
+            ("measured", Unit::Bytes),
+            ("formula", Unit::Bytes),
+            ("peak", Unit::Bytes),
+            ("comm buffers", Unit::Bytes),
+            ("sent / step", Unit::Bytes),
+            ("formula", Unit::Bytes),
+            ("step", Unit::Seconds),
+        ],
+    );
+    for (n, stages) in rows {
+        for s in stages {
+            let f: ModelState = s.stage.formula(s.psi, s.block);
+            t.row(vec![
+                s.stage.name().into(),
+                (*n).into(),
+                s.held.params.into(),
+                s.held.grads.into(),
+                s.held.optim.into(),
+                s.held.total().into(),
+                f.total().into(),
+                s.peak.into(),
+                s.comm_peak.into(),
+                s.sent_per_step.into(),
+                s.stage.sent_formula(s.padded, *n as u64).into(),
+                s.seconds_per_step.into(),
+            ]);
+        }
+    }
+    ctx.table(t);
+}
+
+fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
+    let series = |f: &dyn Fn(&StageReport) -> f64| -> Vec<Series> {
+        Stage::ALL
+            .iter()
+            .map(|&st| Series {
+                name: st.name().to_string(),
+                points: rows
+                    .iter()
+                    .filter_map(|(n, ss)| {
+                        ss.iter().find(|s| s.stage == st).map(|s| (*n as f64, f(s)))
+                    })
+                    .collect(),
+            })
+            .collect()
+    };
+    let ranks = Axis {
+        label: "ranks N".into(),
+        unit: Unit::None,
+        log: true,
+    };
+    ctx.figure(Figure {
+        id: "zero-model-states".into(),
+        title: "Model states per rank, measured".into(),
+        x: ranks.clone(),
+        y: Axis {
+            label: "MiB per rank".into(),
+            unit: Unit::None,
+            log: false,
+        },
+        series: series(&|s| mib(s.held.total())),
+        ..Default::default()
+    });
+    ctx.figure(Figure {
+        id: "zero-bytes-sent".into(),
+        title: "Bytes each rank sends per step".into(),
+        x: ranks,
+        y: Axis {
+            label: "MiB per step".into(),
+            unit: Unit::None,
+            log: false,
+        },
+        series: series(&|s| mib(s.sent_per_step)),
+        ..Default::default()
+    });
+}

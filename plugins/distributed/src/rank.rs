@@ -1,0 +1,385 @@
+//! What each rank runs: the four ways to train, one after the other, each
+//! measured by the rank's own counting allocator and written to a report
+//! file as soon as it is done (so that a rank that fails later keeps what
+//! it measured).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_checkpoint::lean_backward_with;
+use candle_distributed::{Comm, DataParallel, ShardedLinear, Split, ZeroAdamW};
+use candle_lean_optim::LeanAdamW;
+use serde::{Deserialize, Serialize};
+use workbook_models::{param_grads, Rng};
+use workbook_sdk::anyhow::{self, Context as _};
+use workbook_sdk::candle::backprop::GradStore;
+use workbook_sdk::candle::{Device, Module, Result, Tensor, Var};
+use workbook_sdk::candle_nn::{self, Optimizer, ParamsAdamW};
+use workbook_sdk::meter::CpuMeter;
+use workbook_sdk::observe::Tags;
+use workbook_sdk::{Category, Context};
+
+use crate::stage::{ModelState, Stage};
+
+/// What the cell asks of every rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankRequest {
+    /// Linear + ReLU layers.
+    pub layers: usize,
+    /// Features in and out of each layer.
+    pub width: usize,
+    /// Rows of the whole batch, split evenly over the ranks.
+    pub batch: usize,
+    /// Training steps per stage.
+    pub steps: usize,
+    /// Seed of the weights and the data (the same on every rank).
+    pub seed: u64,
+    /// The folder each rank writes `rank-R.json` into.
+    pub out: PathBuf,
+}
+
+/// What one rank measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankReport {
+    /// This rank.
+    pub rank: usize,
+    /// The ranks of the job.
+    pub ranks: usize,
+    /// The collective library.
+    pub engine: String,
+    /// Each stage done so far.
+    pub stages: Vec<StageReport>,
+}
+
+/// One stage on one rank.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageReport {
+    /// Which.
+    pub stage: Stage,
+    /// Parameters of the model.
+    pub psi: u64,
+    /// Parameters of this rank's blocks (Ψ/N, each tensor's split rounded up).
+    pub block: u64,
+    /// Parameters once each tensor is padded to a multiple of the ranks.
+    pub padded: u64,
+    /// Model states held, from the meter: parameters after the step,
+    /// gradients when the optimizer is about to use them, optimizer state
+    /// after the step.
+    pub held: ModelState,
+    /// The highest bytes live at once in the stage, above its start.
+    pub peak: u64,
+    /// Communication buffers at their highest.
+    pub comm_peak: u64,
+    /// Activations at their highest.
+    pub activations_peak: u64,
+    /// Bytes this rank sent per step (ring algorithms).
+    pub sent_per_step: u64,
+    /// Bytes this rank received per step.
+    pub received_per_step: u64,
+    /// Collective calls per step.
+    pub calls_per_step: u64,
+    /// Mean time of a step.
+    pub seconds_per_step: f64,
+    /// The loss of this rank's shard at the last step.
+    pub loss: f32,
+    /// Tensors that hold the model states (each with candle's bookkeeping).
+    pub tensors: u64,
+}
+
+/// A Linear + ReLU layer over any linear map.
+struct Layer<L>(L);
+
+impl<L: Module> Module for Layer<L> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)?.relu()
+    }
+}
+
+fn forward<L: Module>(layers: &[Layer<L>], x: &Tensor) -> Result<Tensor> {
+    layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+}
+
+fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
+    (out - y)?.sqr()?.mean_all()
+}
+
+/// The initial weights and biases, equal on every rank.
+fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
+    let mut rng = Rng::seeded(req.seed);
+    let scale = (1.0 / req.width as f64).sqrt();
+    (0..req.layers)
+        .map(|_| {
+            let w = (rng.randn((req.width, req.width), dev)? * scale)?;
+            let b = (rng.randn(req.width, dev)? * 0.1)?;
+            Ok((w, b))
+        })
+        .collect()
+}
+
+/// This rank's rows of step `step`'s batch.
+fn batch(req: &RankRequest, comm: &Comm, step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let mut rng = Rng::seeded(req.seed ^ (0x9e37_79b9 + step as u64));
+    let x = rng.randn((req.batch, req.width), dev)?;
+    let y = rng.randn((req.batch, req.width), dev)?;
+    let rows = req.batch / comm.size();
+    let at = comm.rank() * rows;
+    Ok((
+        x.narrow(0, at, rows)?.copy()?,
+        y.narrow(0, at, rows)?.copy()?,
+    ))
+}
+
+fn adamw() -> ParamsAdamW {
+    ParamsAdamW {
+        lr: 1e-3,
+        ..Default::default()
+    }
+}
+
+/// The model of the dense stages: whole parameters as variables.
+type Dense = (Vec<Layer<candle_nn::Linear>>, Vec<Var>);
+
+fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
+    Category::Parameters.scope(|| {
+        let mut layers = Vec::new();
+        let mut vars = Vec::new();
+        for (w, b) in init(req, dev)? {
+            let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
+            layers.push(Layer(candle_nn::Linear::new(
+                w.as_tensor().clone(),
+                Some(b.as_tensor().clone()),
+            )));
+            vars.extend([w, b]);
+        }
+        Ok((layers, vars))
+    })
+}
+
+/// What a stage's optimizer and model are.
+enum Trainer {
+    Ddp(Dense, DataParallel, LeanAdamW),
+    Zero1(Dense, ZeroAdamW),
+    Zero2(Dense, ZeroAdamW),
+    Zero3(Vec<Layer<ShardedLinear>>, LeanAdamW),
+}
+
+fn trainer(stage: Stage, comm: &Arc<Comm>, req: &RankRequest, dev: &Device) -> Result<Trainer> {
+    Ok(match stage {
+        Stage::Ddp => {
+            let model = dense(req, dev)?;
+            let ddp = DataParallel::new(Arc::clone(comm), model.1.clone());
+            let opt = LeanAdamW::with_observer(model.1.clone(), adamw(), Tags)?;
+            Trainer::Ddp(model, ddp, opt)
+        }
+        Stage::Zero1 | Stage::Zero2 => {
+            let model = dense(req, dev)?;
+            let opt = ZeroAdamW::new(Arc::clone(comm), model.1.clone(), adamw())?;
+            if stage == Stage::Zero1 {
+                Trainer::Zero1(model, opt)
+            } else {
+                Trainer::Zero2(model, opt)
+            }
+        }
+        Stage::Zero3 => {
+            // Every rank makes the whole initial weights, keeps its blocks
+            // and drops the rest (a real job would load its blocks only).
+            let init = init(req, dev)?;
+            let layers = Category::Parameters.scope(|| {
+                init.iter()
+                    .map(|(w, b)| {
+                        Ok(Layer(ShardedLinear::new(
+                            Arc::clone(comm),
+                            w,
+                            Some(b),
+                            dev,
+                        )?))
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })?;
+            drop(init);
+            let blocks = layers.iter().flat_map(|l| l.0.vars()).collect();
+            let opt = LeanAdamW::with_observer(blocks, adamw(), Tags)?;
+            Trainer::Zero3(layers, opt)
+        }
+    })
+}
+
+fn tensors_bytes(vars: &[Var]) -> u64 {
+    vars.iter().map(|v| (v.elem_count() * 4) as u64).sum()
+}
+
+/// Runs one stage for `req.steps` steps, measured in a region of `ctx`.
+fn run_stage(
+    ctx: &mut Context,
+    comm: &Arc<Comm>,
+    stage: Stage,
+    req: &RankRequest,
+) -> anyhow::Result<StageReport> {
+    let dev = Device::Cpu;
+    let ranks = comm.size();
+    let region = ctx.region(stage.name());
+    let mut t = trainer(stage, comm, req, &dev)?;
+    let sizes: Vec<usize> = init(req, &dev)?
+        .iter()
+        .flat_map(|(w, b)| [w.elem_count(), b.elem_count()])
+        .collect();
+    let splits: Vec<Split> = sizes.iter().map(|&n| Split::new(n, ranks)).collect();
+    let mut held = ModelState::default();
+    let mut loss = f32::NAN;
+    let traffic_start = comm.traffic();
+    let start = Instant::now();
+    for step in 0..req.steps {
+        let (x, y) = Category::Inputs.scope(|| batch(req, comm, step, &dev))?;
+        let grads_now = |region: &workbook_sdk::Region| {
+            region.current_above_baseline().get(Category::Gradients)
+        };
+        match &mut t {
+            Trainer::Ddp((layers, vars), ddp, opt) => {
+                let l = mse(&forward(layers, &x)?, &y)?;
+                let all = Category::Gradients.scope(|| l.backward())?;
+                loss = l.to_scalar()?;
+                drop(l);
+                // candle's store holds every node's gradient: keep the
+                // parameters'.
+                let mut grads = param_grads(&all, vars);
+                drop(all);
+                ddp.average(&mut grads)?;
+                held.grads = grads_now(&region);
+                opt.step(&grads)?;
+            }
+            Trainer::Zero1((layers, vars), opt) => {
+                let l = mse(&forward(layers, &x)?, &y)?;
+                let all = Category::Gradients.scope(|| l.backward())?;
+                loss = l.to_scalar()?;
+                drop(l);
+                let grads = param_grads(&all, vars);
+                drop(all);
+                held.grads = grads_now(&region);
+                opt.step(&grads)?;
+            }
+            Trainer::Zero2((layers, vars), opt) => {
+                let (l, _) = Category::Gradients.scope(|| {
+                    lean_backward_with(
+                        layers,
+                        &x,
+                        vars,
+                        |h| mse(h, &y),
+                        |var, g| opt.reduce_gradient(var, &g),
+                        &Tags,
+                    )
+                })?;
+                loss = l.to_scalar()?;
+                drop(l);
+                held.grads = grads_now(&region);
+                opt.step_reduced()?;
+            }
+            Trainer::Zero3(layers, opt) => {
+                let l = mse(&forward(layers, &x)?, &y)?;
+                let all = Category::Gradients.scope(|| l.backward())?;
+                loss = l.to_scalar()?;
+                drop(l);
+                drop(all);
+                let mut grads = GradStore::default();
+                for layer in layers.iter() {
+                    let mut g = layer.0.take_grads();
+                    for v in layer.0.vars() {
+                        if let Some(t) = g.remove(v.as_tensor()) {
+                            grads.insert(v.as_tensor(), t);
+                        }
+                    }
+                }
+                held.grads = grads_now(&region);
+                opt.step(&grads)?;
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let traffic = comm.traffic().since(&traffic_start).total();
+    let now = region.current_above_baseline();
+    held.params = now.get(Category::Parameters);
+    held.optim = now.get(Category::OptimizerState);
+    let block_bytes = match &t {
+        Trainer::Zero3(layers, _) => {
+            tensors_bytes(&layers.iter().flat_map(|l| l.0.vars()).collect::<Vec<_>>())
+        }
+        _ => splits.iter().map(|s| (s.block() * 4) as u64).sum(),
+    };
+    // Weights and biases, their gradients, two moments each; stage 3 adds
+    // a one-element anchor per layer.
+    let layers = req.layers as u64;
+    let tensors = 8 * layers + u64::from(stage == Stage::Zero3) * layers;
+    drop(t);
+    let report = ctx.end_region(region);
+    let steps = req.steps.max(1) as u64;
+    Ok(StageReport {
+        stage,
+        psi: sizes.iter().sum::<usize>() as u64,
+        block: block_bytes / 4,
+        padded: splits.iter().map(|s| s.padded() as u64).sum(),
+        held,
+        peak: report.peak_above_baseline(),
+        comm_peak: report.category_peak_above_baseline(Category::Communication),
+        activations_peak: report.category_peak_above_baseline(Category::Activations),
+        sent_per_step: traffic.sent / steps,
+        received_per_step: traffic.received / steps,
+        calls_per_step: traffic.calls / steps,
+        seconds_per_step: seconds / steps as f64,
+        loss,
+        tensors,
+    })
+}
+
+/// The report file of `rank` in `dir`.
+pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank}.json"))
+}
+
+fn write_report(report: &RankReport, dir: &Path) -> anyhow::Result<()> {
+    let path = report_path(dir, report.rank);
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(report)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// A rank's whole run (what `workbook rank` does under `mpirun`): every
+/// stage in turn, the report rewritten after each.
+pub fn rank_main(comm: Comm, req: &RankRequest) -> anyhow::Result<()> {
+    if !req.batch.is_multiple_of(comm.size()) {
+        anyhow::bail!(
+            "a batch of {} rows does not split evenly over {} ranks",
+            req.batch,
+            comm.size()
+        );
+    }
+    let comm = Arc::new(comm.observed(Tags));
+    let meter = Arc::new(CpuMeter::new()?);
+    let mut ctx = Context::new(Device::Cpu, meter, false);
+    let mut report = RankReport {
+        rank: comm.rank(),
+        ranks: comm.size(),
+        engine: comm.describe(),
+        stages: Vec::new(),
+    };
+    // The first products and backward allocate workspaces that live as
+    // long as the process (the matrix-product library's per-thread
+    // buffers): allocate them here, untagged, not in the first stage.
+    Category::Other.scope(|| -> anyhow::Result<()> {
+        let (layers, vars) = dense(req, &Device::Cpu)?;
+        let (x, y) = batch(req, &comm, 0, &Device::Cpu)?;
+        let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
+        drop((grads, layers, vars));
+        Ok(())
+    })?;
+    for stage in Stage::ALL {
+        let s = run_stage(&mut ctx, &comm, stage, req).with_context(|| {
+            format!("rank {} of {}, {}", comm.rank(), comm.size(), stage.name())
+        })?;
+        report.stages.push(s);
+        write_report(&report, &req.out)?;
+    }
+    comm.barrier()?;
+    Ok(())
+}
