@@ -125,6 +125,12 @@ export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
 
 if [ "$mode" = check ]; then
   cargo clippy --features cuda --all-targets -- -D warnings
+  # NCCL's engine (candle-distributed's `nccl` feature) needs Open MPI too.
+  if command -v mpicc >/dev/null 2>&1; then
+    cargo clippy -p candle-distributed --features nccl --all-targets -- -D warnings
+  else
+    echo "notice: no Open MPI (mpicc); the nccl feature was not type-checked"
+  fi
   # The interposer against the stand-in driver; the GPU tests skip.
   LD_LIBRARY_PATH="$lib/fake:$cuda/lib" WORKBOOK_FAKE_DRIVER=1 \
     cargo test --features cuda --test cuda

@@ -82,6 +82,10 @@ enum Command {
         /// the run (for a debugger, and to measure what isolation costs).
         #[arg(long, conflicts_with_all = ["timeout", "max_memory"])]
         in_process: bool,
+        /// Data-parallel cells (chapter 4) also run with N ranks, beside
+        /// the counts their chapter names.
+        #[arg(long, value_name = "N", env = "WORKBOOK_RANKS")]
+        ranks: Option<usize>,
     },
     /// Print a plugin's parameters (type, default, range, meaning) and the
     /// metrics it records; every plugin's when none is named.
@@ -378,7 +382,13 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             timeout,
             max_memory,
             in_process,
+            ranks,
         } => {
+            if let Some(n) = ranks {
+                // Read by the data-parallel plugin, in this process or a
+                // worker started from it.
+                std::env::set_var("WORKBOOK_RANKS", n.to_string());
+            }
             let ch = wb.load(chapter)?;
             // An unwritable folder is found before any cell runs, and an
             // earlier report there is removed.
@@ -902,8 +912,7 @@ fn rank(request: &str) -> anyhow::Result<ExitCode> {
     #[cfg(feature = "mpi")]
     {
         let comm = candle_distributed::Comm::mpi()?;
-        workbook_distributed::rank::rank_main(comm, &request)?;
-        Ok(ExitCode::SUCCESS)
+        workbook_distributed::rank::rank_main(comm, &request)
     }
     #[cfg(not(feature = "mpi"))]
     {

@@ -25,7 +25,8 @@
 //!     "memory": {
 //!       "baseline_bytes": 0, "peak_bytes": 0, "current_bytes": 0, "baseline_by_category": {..},
 //!       "peak_by_category": { "parameters": 0, "gradients": 0, "optimizer_state": 0,
-//!                             "activations": 0, "inputs": 0, "other": 0 },
+//!                             "activations": 0, "inputs": 0, "communication": 0,
+//!                             "other": 0 },
 //!       "current_by_category": { ... },
 //!       "pool": { "baseline": 0, "peak": 0, "end": 0, "reserved": 0 },
 //!                                         // on a GPU only: the CUDA memory pool's own figures

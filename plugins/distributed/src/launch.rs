@@ -55,9 +55,39 @@ fn rank_executable() -> anyhow::Result<PathBuf> {
     std::env::current_exe().context("finding the workbook executable to start as ranks")
 }
 
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
+/// What the ranks said that matters: their `error:` lines (which MPI's
+/// own abort banner would push out of a plain tail), else the last lines.
+fn said(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    let errors: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| l.trim_start().starts_with("error:"))
+        .collect();
+    if errors.is_empty() {
+        lines[lines.len().saturating_sub(8)..].join("\n")
+    } else {
+        errors.join("\n")
+    }
+}
+
+/// Ends a job: SIGTERM to its process group (mpirun and every rank), and
+/// SIGKILL to what is left after a grace period.
+fn stop(child: &mut std::process::Child) {
+    let group = child.id() as libc::pid_t;
+    // SAFETY: kill(2) with a negative pid signals the process group that
+    // `process_group(0)` made for this job alone.
+    unsafe { libc::kill(-group, libc::SIGTERM) };
+    let grace = Instant::now();
+    while grace.elapsed() < Duration::from_secs(3) {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: as above; the group may be gone already, which is fine.
+    unsafe { libc::kill(-group, libc::SIGKILL) };
+    let _ = child.wait();
 }
 
 /// Runs `job` under `mpirun` and gathers the ranks' reports. Fails only
@@ -79,13 +109,20 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
     };
     let log = dir.path().join("mpirun.log");
     let log_file = std::fs::File::create(&log).context("making the job's log")?;
-    let mut child = Command::new("mpirun")
+    let mut command = Command::new("mpirun");
+    // Its own process group: on the time limit the whole job, ranks
+    // included, is signalled at once.
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    let mut child = command
         .args(["--oversubscribe", "-n", &job.ranks.to_string()])
         // Open MPI refuses to start as root unless told.
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         // Each rank computes on one thread: N ranks share this machine's cores.
         .env("RAYON_NUM_THREADS", "1")
+        // Shared memory between ranks without cross-process copies, which
+        // containers often forbid.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .arg(&exe)
         .args(["rank", "--request", &serde_json::to_string(&request)?])
         .stdin(Stdio::null())
@@ -99,27 +136,25 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
             break Some(status);
         }
         if start.elapsed() > job.timeout {
-            // mpirun passes the signal on to its ranks.
-            let _ = child.kill();
-            let _ = child.wait();
+            stop(&mut child);
             break None;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut outcome = Outcome::default();
     let mut missing = Vec::new();
+    let mut problems = Vec::new();
     for rank in 0..job.ranks {
         let path = report_path(dir.path(), rank);
         match std::fs::read(&path) {
-            Ok(bytes) => outcome.reports.push(
-                serde_json::from_slice(&bytes)
-                    .with_context(|| format!("reading rank {rank}'s report"))?,
-            ),
+            Ok(bytes) => match serde_json::from_slice(&bytes) {
+                Ok(report) => outcome.reports.push(report),
+                Err(e) => problems.push(format!("rank {rank}'s report does not read: {e}")),
+            },
             Err(_) => missing.push(rank),
         }
     }
     let log_text = std::fs::read_to_string(&log).unwrap_or_default();
-    let mut problems = Vec::new();
     match status {
         None => problems.push(format!(
             "the job ran past its time limit of {:.0} s and was stopped",
@@ -143,7 +178,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         ));
     }
     if !problems.is_empty() {
-        let said = tail(&log_text, 8);
+        let said = said(&log_text);
         outcome.error = Some(if said.is_empty() {
             problems.join("; ")
         } else {

@@ -89,7 +89,7 @@ impl Plugin for ZeroStages {
             .at_least("batch", p.batch, 1)
             .at_least("steps", p.steps, 1)
             .positive("budget_mib", p.budget_mib)
-            .positive("timeout_seconds", p.timeout_seconds);
+            .within("timeout_seconds", p.timeout_seconds, 1.0, 604_800.0);
         let w = p.width as u64;
         r.elements("width", "layers × width × width", &[p.layers as u64, w, w])
             .elements("batch", "batch × width", &[p.batch as u64, w]);
@@ -152,7 +152,14 @@ impl Plugin for ZeroStages {
         let budget = p.budget_mib * 1_048_576.0;
         let mut failures = Vec::new();
         let mut rows: Vec<(usize, Vec<StageReport>)> = Vec::new();
-        for &n in &p.ranks {
+        let mut counts = p.ranks.clone();
+        if let Some(n) = extra_ranks(p.batch)? {
+            if !counts.contains(&n) {
+                counts.push(n);
+                counts.sort_unstable();
+            }
+        }
+        for &n in &counts {
             ctx.progress(&format!("{n} rank(s)"));
             let job = Job {
                 ranks: n,
@@ -194,7 +201,7 @@ impl Plugin for ZeroStages {
                 ctx.metric(key("sent"), max(&|s| s.sent_per_step) as f64);
                 ctx.metric(
                     key("sent_formula"),
-                    stage.sent_formula(first.padded, n as u64) as f64,
+                    stage.sent_formula(first.psi, first.padded, n as u64) as f64,
                 );
                 ctx.metric(key("calls"), max(&|s| s.calls_per_step) as f64);
                 let seconds = per_rank
@@ -231,6 +238,25 @@ impl Plugin for ZeroStages {
     }
 }
 
+/// The rank count that `workbook run --ranks N` adds to every cell's
+/// (passed on as `WORKBOOK_RANKS`).
+fn extra_ranks(batch: usize) -> anyhow::Result<Option<usize>> {
+    let Ok(text) = std::env::var("WORKBOOK_RANKS") else {
+        return Ok(None);
+    };
+    let n: usize = text
+        .trim()
+        .parse()
+        .map_err(|_| anyhow::anyhow!("--ranks is `{text}`; expected a whole number of ranks"))?;
+    if n == 0 || n > MAX_RANKS {
+        anyhow::bail!("--ranks is {n}; allowed: 1 to {MAX_RANKS}");
+    }
+    if !batch.is_multiple_of(n) {
+        anyhow::bail!("--ranks is {n}, which does not divide this cell's batch of {batch} rows");
+    }
+    Ok(Some(n))
+}
+
 fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
     let mut t = Table::new(
         "Per rank: model states measured against ZeRO's formula, and bytes sent per step",
@@ -263,7 +289,7 @@ fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
                 s.peak.into(),
                 s.comm_peak.into(),
                 s.sent_per_step.into(),
-                s.stage.sent_formula(s.padded, *n as u64).into(),
+                s.stage.sent_formula(s.psi, s.padded, *n as u64).into(),
                 s.seconds_per_step.into(),
             ]);
         }

@@ -67,7 +67,8 @@ pub struct StageReport {
     /// gradients when the optimizer is about to use them, optimizer state
     /// after the step.
     pub held: ModelState,
-    /// The highest bytes live at once in the stage, above its start.
+    /// The highest bytes live at once during the steps, above the stage's
+    /// start (model states included, their set-up not).
     pub peak: u64,
     /// Communication buffers at their highest.
     pub comm_peak: u64,
@@ -220,9 +221,11 @@ fn run_stage(
     let ranks = comm.size();
     let region = ctx.region(stage.name());
     let mut t = trainer(stage, comm, req, &dev)?;
-    let sizes: Vec<usize> = init(req, &dev)?
-        .iter()
-        .flat_map(|(w, b)| [w.elem_count(), b.elem_count()])
+    // The training's own peak, set-up left out (stage 3 makes the whole
+    // initial model once to keep its blocks).
+    let steps_region = ctx.region(format!("{} steps", stage.name()));
+    let sizes: Vec<usize> = (0..req.layers)
+        .flat_map(|_| [req.width * req.width, req.width])
         .collect();
     let splits: Vec<Split> = sizes.iter().map(|&n| Split::new(n, ranks)).collect();
     let mut held = ModelState::default();
@@ -309,8 +312,18 @@ fn run_stage(
     // a one-element anchor per layer.
     let layers = req.layers as u64;
     let tensors = 8 * layers + u64::from(stage == Stage::Zero3) * layers;
+    let trained = ctx.end_region(steps_region);
     drop(t);
     let report = ctx.end_region(region);
+    // Above the stage's start: the steps' peaks, less what was live when
+    // the stage began.
+    let above = |peak: u64, category: Option<Category>| {
+        let base = match category {
+            Some(c) => report.baseline.get(c),
+            None => report.baseline.total(),
+        };
+        peak.saturating_sub(base)
+    };
     let steps = req.steps.max(1) as u64;
     Ok(StageReport {
         stage,
@@ -318,9 +331,15 @@ fn run_stage(
         block: block_bytes / 4,
         padded: splits.iter().map(|s| s.padded() as u64).sum(),
         held,
-        peak: report.peak_above_baseline(),
-        comm_peak: report.category_peak_above_baseline(Category::Communication),
-        activations_peak: report.category_peak_above_baseline(Category::Activations),
+        peak: above(trained.peak_bytes, None),
+        comm_peak: above(
+            trained.peak_each.get(Category::Communication),
+            Some(Category::Communication),
+        ),
+        activations_peak: above(
+            trained.peak_each.get(Category::Activations),
+            Some(Category::Activations),
+        ),
         sent_per_step: traffic.sent / steps,
         received_per_step: traffic.received / steps,
         calls_per_step: traffic.calls / steps,
@@ -344,9 +363,84 @@ fn write_report(report: &RankReport, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a test asks a rank to do wrong: `RANK:STAGE:crash` exits at the
+/// start of that stage, `RANK:STAGE:hang` sleeps there (from
+/// `WORKBOOK_RANK_FAULT`, read by [`rank_main`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    rank: usize,
+    stage: Stage,
+    hang: bool,
+}
+
+impl Fault {
+    /// The fault that `WORKBOOK_RANK_FAULT` describes, if any.
+    pub fn from_env() -> anyhow::Result<Option<Fault>> {
+        let Ok(text) = std::env::var("WORKBOOK_RANK_FAULT") else {
+            return Ok(None);
+        };
+        let bad = || {
+            anyhow::anyhow!("WORKBOOK_RANK_FAULT is `{text}`; expected RANK:STAGE:crash or RANK:STAGE:hang, STAGE one of ddp, zero1, zero2, zero3")
+        };
+        let parts: Vec<&str> = text.split(':').collect();
+        let [rank, stage, what] = parts[..] else {
+            return Err(bad());
+        };
+        let stage = Stage::ALL
+            .into_iter()
+            .find(|s| s.name() == stage)
+            .ok_or_else(bad)?;
+        let hang = match what {
+            "hang" => true,
+            "crash" => false,
+            _ => return Err(bad()),
+        };
+        Ok(Some(Fault {
+            rank: rank.parse().map_err(|_| bad())?,
+            stage,
+            hang,
+        }))
+    }
+
+    fn strike(&self, rank: usize, stage: Stage) {
+        if self.rank != rank || self.stage != stage {
+            return;
+        }
+        if self.hang {
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
+        eprintln!(
+            "error: rank {rank}: crashing at {} as WORKBOOK_RANK_FAULT asks",
+            stage.name()
+        );
+        std::process::exit(3);
+    }
+}
+
 /// A rank's whole run (what `workbook rank` does under `mpirun`): every
-/// stage in turn, the report rewritten after each.
-pub fn rank_main(comm: Comm, req: &RankRequest) -> anyhow::Result<()> {
+/// stage in turn, the report rewritten after each. A rank that fails ends
+/// the whole job (`MPI_Abort`), so that no other rank waits for it in a
+/// collective.
+pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
+    let comm = Arc::new(comm.observed(Tags));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(&comm, req)))
+        .unwrap_or_else(|payload| Err(workbook_sdk::worker::panicked(payload.as_ref())));
+    match result {
+        Ok(()) => {
+            drop(comm);
+            std::process::exit(0)
+        }
+        Err(e) => {
+            eprintln!("error: rank {} of {}: {e:#}", comm.rank(), comm.size());
+            comm.abort(1)
+        }
+    }
+}
+
+fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
+    let fault = Fault::from_env()?;
     if !req.batch.is_multiple_of(comm.size()) {
         anyhow::bail!(
             "a batch of {} rows does not split evenly over {} ranks",
@@ -354,7 +448,6 @@ pub fn rank_main(comm: Comm, req: &RankRequest) -> anyhow::Result<()> {
             comm.size()
         );
     }
-    let comm = Arc::new(comm.observed(Tags));
     let meter = Arc::new(CpuMeter::new()?);
     let mut ctx = Context::new(Device::Cpu, meter, false);
     let mut report = RankReport {
@@ -368,13 +461,16 @@ pub fn rank_main(comm: Comm, req: &RankRequest) -> anyhow::Result<()> {
     // buffers): allocate them here, untagged, not in the first stage.
     Category::Other.scope(|| -> anyhow::Result<()> {
         let (layers, vars) = dense(req, &Device::Cpu)?;
-        let (x, y) = batch(req, &comm, 0, &Device::Cpu)?;
+        let (x, y) = batch(req, comm, 0, &Device::Cpu)?;
         let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
         drop((grads, layers, vars));
         Ok(())
     })?;
     for stage in Stage::ALL {
-        let s = run_stage(&mut ctx, &comm, stage, req).with_context(|| {
+        if let Some(f) = &fault {
+            f.strike(comm.rank(), stage);
+        }
+        let s = run_stage(&mut ctx, comm, stage, req).with_context(|| {
             format!("rank {} of {}, {}", comm.rank(), comm.size(), stage.name())
         })?;
         report.stages.push(s);

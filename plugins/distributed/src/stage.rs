@@ -46,13 +46,20 @@ impl Stage {
         }
     }
 
-    /// Bytes a rank sends per step under the ring algorithms: 2Ψ elements
-    /// times (N - 1)/N for DDP and stages 1 and 2 (an all-reduce, or a
-    /// reduce-scatter and an all-gather), 3Ψ for stage 3 (two all-gathers of
-    /// the parameters and a reduce-scatter of the gradients).
-    pub fn sent_formula(self, padded: u64, ranks: u64) -> u64 {
-        let volumes = if self == Stage::Zero3 { 3 } else { 2 };
-        volumes * 4 * padded * (ranks - 1) / ranks
+    /// Bytes a rank sends per step under the ring algorithms: 2Ψ f32
+    /// elements times (N - 1)/N for DDP (an all-reduce of the gradients as
+    /// they are) and for stages 1 and 2 (a reduce-scatter and an all-gather
+    /// of each tensor padded to a multiple of N, `padded` in all), 3Ψ for
+    /// stage 3 (two all-gathers of the parameters and a reduce-scatter of
+    /// the gradients). The count rounds each call down to the byte, so the
+    /// two agree to the byte where every bucket and tensor divides by N.
+    pub fn sent_formula(self, psi: u64, padded: u64, ranks: u64) -> u64 {
+        let (volumes, elements) = match self {
+            Stage::Ddp => (2, psi),
+            Stage::Zero1 | Stage::Zero2 => (2, padded),
+            Stage::Zero3 => (3, padded),
+        };
+        volumes * 4 * elements * (ranks - 1) / ranks
     }
 }
 

@@ -27,6 +27,11 @@ pub trait Engine: Send + Sync {
     fn barrier(&self) -> Result<()>;
     /// The library's name and version, for reports.
     fn describe(&self) -> String;
+    /// Ends every rank of the job at once with `code` (a rank that cannot
+    /// go on would otherwise leave the others waiting in a collective).
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
 }
 
 /// One process alone: every collective is a copy (rank 0 of 1).
@@ -64,10 +69,16 @@ impl Engine for Solo {
 }
 
 /// The ranks of a job and the collectives between them: an [`Engine`] with
-/// the buffers' lengths checked (an error, never a hang on a mismatch that
-/// one rank can see), every call counted in [`Traffic`], and the buffers it
-/// allocates reported to an [`Observer`] as
+/// the buffers' lengths checked, every call counted in [`Traffic`], and the
+/// buffers it allocates reported to an [`Observer`] as
 /// [`Kind::Communication`](candle_observe::Kind::Communication).
+///
+/// A length that does not fit is an error on the rank that sees it, not
+/// undefined behaviour in the library. The other ranks are then waiting in
+/// the collective: a rank that cannot go on should end the job with
+/// [`abort`](Self::abort) rather than return. The buffers are `f32`
+/// whatever the parameters' type: with bf16 parameters a gather moves twice
+/// the bytes that a bf16 gather would.
 ///
 /// ```
 /// use candle_distributed::Comm;
@@ -216,5 +227,10 @@ impl Comm {
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
         self.engine.barrier()
+    }
+
+    /// Ends every rank of the job at once with exit status `code`.
+    pub fn abort(&self, code: i32) -> ! {
+        self.engine.abort(code)
     }
 }

@@ -85,38 +85,121 @@ impl DataParallel {
     /// Replaces each variable's gradient in `grads` with its mean over the
     /// ranks. Every rank must have a gradient for the same variables.
     pub fn average(&self, grads: &mut GradStore) -> Result<()> {
-        let scale = 1.0 / self.comm.size() as f32;
         for bucket in self.buckets() {
             let present: Vec<(&Var, Tensor)> = bucket
                 .into_iter()
                 .filter_map(|v| grads.remove(v.as_tensor()).map(|g| (v, g)))
                 .collect();
-            let total: usize = present.iter().map(|(v, _)| v.elem_count()).sum();
-            let mut buf = self.comm.buffer(total);
-            let mut at = 0;
-            for (_, g) in &present {
-                let n = g.elem_count();
-                let values = flat_f32(&self.comm, g, n)?;
-                buf[at..at + n].copy_from_slice(&values);
-                at += n;
-            }
-            self.comm.all_reduce_sum(&mut buf)?;
-            let mut at = 0;
-            for (var, g) in present {
-                let n = g.elem_count();
-                let _grads = scope(self.comm.observer(), Kind::Gradients, Place::Device);
-                let mean: Vec<f32> = buf[at..at + n].iter().map(|x| x * scale).collect();
-                let t = Tensor::from_vec(mean, g.shape(), g.device())?;
-                let t = if g.dtype() == DType::F32 {
-                    t
-                } else {
-                    t.to_dtype(g.dtype())?
-                };
-                drop(g);
-                grads.insert(var.as_tensor(), t);
-                at += n;
+            for (var, mean) in self.reduce(present)? {
+                grads.insert(var.as_tensor(), mean);
             }
         }
         Ok(())
+    }
+
+    /// Averaging as the backward goes: hand each gradient to
+    /// [`Bucketing::push`] as a layer-wise backward produces it
+    /// (`candle_checkpoint::lean_backward_with`), and a bucket is
+    /// all-reduced as soon as it is full, as DDP's hooks do;
+    /// [`Bucketing::finish`] reduces the last one and returns the means.
+    pub fn bucketing(&self) -> Bucketing<'_> {
+        Bucketing {
+            ddp: self,
+            pending: Vec::new(),
+            bytes: 0,
+            done: GradStore::default(),
+        }
+    }
+
+    /// One bucket's all-reduce: the gradients' means, in order.
+    fn reduce<'v>(&self, bucket: Vec<(&'v Var, Tensor)>) -> Result<Vec<(&'v Var, Tensor)>> {
+        let scale = 1.0 / self.comm.size() as f32;
+        let total: usize = bucket.iter().map(|(_, g)| g.elem_count()).sum();
+        let mut buf = self.comm.buffer(total);
+        let mut at = 0;
+        for (_, g) in &bucket {
+            let n = g.elem_count();
+            let values = flat_f32(&self.comm, g, n)?;
+            buf[at..at + n].copy_from_slice(&values);
+            at += n;
+        }
+        self.comm.all_reduce_sum(&mut buf)?;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(bucket.len());
+        for (var, g) in bucket {
+            let n = g.elem_count();
+            let _grads = scope(self.comm.observer(), Kind::Gradients, Place::Device);
+            let mean: Vec<f32> = buf[at..at + n].iter().map(|x| x * scale).collect();
+            let t = Tensor::from_vec(mean, g.shape(), g.device())?;
+            let t = if g.dtype() == DType::F32 {
+                t
+            } else {
+                t.to_dtype(g.dtype())?
+            };
+            drop(g);
+            out.push((var, t));
+            at += n;
+        }
+        Ok(out)
+    }
+}
+
+/// Gradients averaged a bucket at a time during a backward: see
+/// [`DataParallel::bucketing`]. Every rank must push the same variables in
+/// the same order.
+pub struct Bucketing<'a> {
+    ddp: &'a DataParallel,
+    pending: Vec<(Var, Tensor)>,
+    bytes: usize,
+    done: GradStore,
+}
+
+impl std::fmt::Debug for Bucketing<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bucketing")
+            .field("pending", &self.pending.len())
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Bucketing<'_> {
+    /// Takes `var`'s gradient on this rank; all-reduces the bucket once it
+    /// holds `bucket_bytes` (in f32).
+    pub fn push(&mut self, var: &Var, grad: Tensor) -> Result<()> {
+        self.bytes += grad.elem_count() * 4;
+        self.pending.push((var.clone(), grad));
+        if self.bytes >= self.ddp.bucket_bytes {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        let pending = std::mem::take(&mut self.pending);
+        self.bytes = 0;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let bucket: Vec<(&Var, Tensor)> = pending.iter().map(|(v, g)| (v, g.clone())).collect();
+        let means = self.ddp.reduce(bucket)?;
+        let means: Vec<(Var, Tensor)> = means.into_iter().map(|(v, t)| (v.clone(), t)).collect();
+        drop(pending);
+        for (var, mean) in means {
+            // A variable used twice is handed over twice: sum.
+            let total = match self.done.remove(var.as_tensor()) {
+                Some(prev) => (prev + mean)?,
+                None => mean,
+            };
+            self.done.insert(var.as_tensor(), total);
+        }
+        Ok(())
+    }
+
+    /// Reduces what is left and returns every gradient's mean over the
+    /// ranks.
+    pub fn finish(mut self) -> Result<GradStore> {
+        self.flush()?;
+        Ok(std::mem::take(&mut self.done))
     }
 }

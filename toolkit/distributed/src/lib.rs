@@ -4,13 +4,16 @@
 //! * [`Comm`]: the ranks of a job and their collectives (all-reduce,
 //!   reduce-scatter, all-gather, broadcast, barrier) on `f32` buffers, over
 //!   an [`Engine`]: [`Mpi`] (feature `mpi`: ranks as processes under
-//!   `mpirun`, on one machine or a cluster) or [`Solo`] (one process). Each
+//!   `mpirun`, on one machine or a cluster), `Nccl` (feature `nccl`: one
+//!   GPU per rank, NCCL's collectives, MPI to start them) or [`Solo`] (one
+//!   process). Each
 //!   call is counted ([`Traffic`]: payload, and bytes sent and received per
 //!   rank under the ring algorithms), and the buffers it allocates are
 //!   reported to an observer as
 //!   [`Kind::Communication`](candle_observe::Kind::Communication).
 //! * [`DataParallel`]: DistributedDataParallel's gradient averaging, in
-//!   buckets.
+//!   buckets, after the backward or during a layer-wise one
+//!   ([`Bucketing`]).
 //! * [`ZeroAdamW`]: ZeRO stages 1 and 2, the optimizer state (and the
 //!   gradients) partitioned.
 //! * [`ShardedLinear`]: ZeRO stage 3 / FSDP, the parameters partitioned too
@@ -31,15 +34,19 @@ mod ddp;
 mod fsdp;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod split;
 mod traffic;
 mod zero;
 
 pub use comm::{Comm, Engine, Solo};
-pub use ddp::{DataParallel, DEFAULT_BUCKET_BYTES};
+pub use ddp::{Bucketing, DataParallel, DEFAULT_BUCKET_BYTES};
 pub use fsdp::ShardedLinear;
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
+#[cfg(feature = "nccl")]
+pub use nccl::Nccl;
 pub use split::Split;
 pub use traffic::{OpTraffic, Traffic};
 pub use zero::ZeroAdamW;
@@ -50,5 +57,12 @@ impl Comm {
     #[cfg(feature = "mpi")]
     pub fn mpi() -> candle_core::Result<Self> {
         Ok(Self::new(Mpi::init()?))
+    }
+
+    /// The GPUs of the MPI job this process is a rank of, over NCCL, this
+    /// rank computing on `device`.
+    #[cfg(feature = "nccl")]
+    pub fn nccl(device: &candle_core::Device) -> candle_core::Result<Self> {
+        Ok(Self::new(Nccl::init(Mpi::init()?, device)?))
     }
 }

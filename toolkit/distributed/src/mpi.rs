@@ -59,6 +59,19 @@ impl Mpi {
         })
     }
 
+    /// Broadcasts raw bytes from `root` (NCCL's unique id, say).
+    pub fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        if root >= self.size {
+            bail!(
+                "broadcast from rank {root}, but there are {} ranks",
+                self.size
+            );
+        }
+        let world = self.world();
+        world.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+
     fn world(&self) -> std::sync::MutexGuard<'_, SimpleCommunicator> {
         self.world.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -93,6 +106,9 @@ impl Engine for Mpi {
     fn barrier(&self) -> Result<()> {
         self.world().barrier();
         Ok(())
+    }
+    fn abort(&self, code: i32) -> ! {
+        self.world().abort(code)
     }
     fn describe(&self) -> String {
         let library = mpi::environment::library_version().unwrap_or_default();

@@ -176,20 +176,28 @@ impl ZeroAdamW {
         let comm = &self.comm;
         let rank = comm.rank();
         for slot in &mut self.slots {
+            // Every rank has the same variables' gradients (the same model
+            // and backward), so every rank skips the same ones.
             let Some(g) = slot.grad.take() else { continue };
             let split = slot.split;
             let block = match &slot.master {
                 Some(master) => master.clone(),
                 None => {
-                    // An f32 parameter's own block, taken out to update.
-                    let full = flat_f32(comm, slot.var.as_tensor(), split.padded())?;
-                    let start = rank * split.block();
-                    comm.within_buffers(|| {
-                        Var::from_slice(
-                            &full[start..start + split.block()],
-                            split.block(),
-                            slot.var.device(),
-                        )
+                    // An f32 parameter's own block, taken out to update
+                    // (zeros past its end in the last block).
+                    let range = split.range(rank);
+                    comm.within_buffers(|| -> Result<Var> {
+                        let mut values = vec![0f32; split.block()];
+                        if !range.is_empty() {
+                            let mine = slot
+                                .var
+                                .as_tensor()
+                                .flatten_all()?
+                                .narrow(0, range.start, range.len())?
+                                .to_vec1::<f32>()?;
+                            values[..mine.len()].copy_from_slice(&mine);
+                        }
+                        Var::from_vec(values, split.block(), slot.var.device())
                     })?
                 }
             };
@@ -207,6 +215,52 @@ impl ZeroAdamW {
                     .to_dtype(slot.var.dtype())
             })?;
             slot.var.set(&whole)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_lean_optim::LeanAdamW;
+    use candle_nn::Optimizer;
+
+    /// A bf16 parameter keeps an f32 master block: one rank's ZeroAdamW
+    /// equals LeanAdamW on an f32 copy, cast back to bf16 after each step.
+    #[test]
+    fn a_half_precision_parameter_steps_from_its_f32_master() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let init: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) * 0.37).collect();
+        let half = Var::from_tensor(&Tensor::new(init.as_slice(), &dev)?.to_dtype(DType::BF16)?)?;
+        let master = Var::from_tensor(&half.as_tensor().to_dtype(DType::F32)?)?;
+        let p = ParamsAdamW {
+            lr: 0.05,
+            ..Default::default()
+        };
+        let mut zero = ZeroAdamW::new(Arc::new(Comm::solo()), vec![half.clone()], p.clone())?;
+        assert_eq!(zero.state_bytes(), 3 * 10 * 4);
+        let mut reference = LeanAdamW::new(vec![master.clone()], p)?;
+        for step in 0..3 {
+            let g: Vec<f32> = (0..10)
+                .map(|i| ((i * 7 + step) % 5) as f32 * 0.1 - 0.2)
+                .collect();
+            let g = Tensor::new(g.as_slice(), &dev)?;
+            let mut grads = GradStore::default();
+            grads.insert(half.as_tensor(), g.to_dtype(DType::BF16)?);
+            zero.step(&grads)?;
+            let mut grads = GradStore::default();
+            grads.insert(
+                master.as_tensor(),
+                g.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+            );
+            reference.step(&grads)?;
+            let want = master
+                .as_tensor()
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?;
+            let got = half.as_tensor().to_dtype(DType::F32)?;
+            assert_eq!(got.to_vec1::<f32>()?, want.to_vec1::<f32>()?, "step {step}");
         }
         Ok(())
     }

@@ -181,6 +181,34 @@ fn ddp(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> 
     Ok(Ok(worst))
 }
 
+/// DDP with the gradients averaged a bucket at a time during a layer-wise
+/// backward.
+fn ddp_during_backward(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
+    let (layers, vars) = dense_stack(dev)?;
+    let ddp = DataParallel::new(Arc::clone(comm), vars.clone()).with_bucket_bytes(100);
+    let mut opt = AdamW::new(vars.clone(), params())?;
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = batch(step, dev)?;
+        let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
+        let mut buckets = ddp.bucketing();
+        lean_backward_with(
+            &layers,
+            &x,
+            &vars,
+            |h| mse(h, &y),
+            |var, g| buckets.push(var, g),
+            &NoObserver,
+        )?;
+        opt.step(&buckets.finish()?)?;
+        match compare("DDP during the backward", step, &var_values(&vars)?, want) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
 fn zero(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
     let (layers, vars) = dense_stack(dev)?;
     let mut opt = ZeroAdamW::new(Arc::clone(comm), vars.clone(), params())?;
@@ -322,20 +350,23 @@ fn collectives(comm: &Comm) -> std::result::Result<(), String> {
     Ok(())
 }
 
-fn rank_main() -> Result<ExitCode> {
-    let comm = Arc::new(Comm::mpi()?);
+fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
     let dev = Device::Cpu;
     let (rank, ranks) = (comm.rank(), comm.size());
     let mut failures = Vec::new();
-    if let Err(e) = collectives(&comm) {
+    if let Err(e) = collectives(comm) {
         failures.push(e);
     }
     let want = reference(&dev)?;
     let checks = [
-        ("DDP", ddp(&comm, &want, &dev)?),
-        ("ZeRO stage 1", zero(&comm, 1, &want, &dev)?),
-        ("ZeRO stage 2", zero(&comm, 2, &want, &dev)?),
-        ("ZeRO stage 3", stage3(&comm, &want, &dev)?),
+        ("DDP", ddp(comm, &want, &dev)?),
+        (
+            "DDP during the backward",
+            ddp_during_backward(comm, &want, &dev)?,
+        ),
+        ("ZeRO stage 1", zero(comm, 1, &want, &dev)?),
+        ("ZeRO stage 2", zero(comm, 2, &want, &dev)?),
+        ("ZeRO stage 3", stage3(comm, &want, &dev)?),
     ];
     for (what, check) in checks {
         match check {
@@ -356,6 +387,9 @@ fn rank_main() -> Result<ExitCode> {
     })
 }
 
+/// The most a job of this test may take.
+const TIME_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
 fn launch() -> ExitCode {
     let exe = match std::env::current_exe() {
         Ok(p) => p,
@@ -370,16 +404,45 @@ fn launch() -> ExitCode {
         // Open MPI refuses to run as root unless told.
         cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            // No cross-process copies, which containers often forbid.
+            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
             .env("CANDLE_DISTRIBUTED_RANK", "1")
             .arg(&exe);
-        match cmd.status() {
-            Ok(s) if s.success() => println!("{ranks} ranks: ok"),
-            Ok(s) => {
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: mpirun could not be started ({e}): install Open MPI (Debian: apt install openmpi-bin libopenmpi-dev)");
+                return ExitCode::FAILURE;
+            }
+        };
+        let start = std::time::Instant::now();
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if start.elapsed() < TIME_LIMIT => {
+                    std::thread::sleep(std::time::Duration::from_millis(50))
+                }
+                _ => {
+                    // mpirun passes SIGTERM on to its ranks.
+                    let _ = Command::new("kill").arg(child.id().to_string()).status();
+                    std::thread::sleep(std::time::Duration::from_secs(3));
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+            }
+        };
+        match status {
+            Some(s) if s.success() => println!("{ranks} ranks: ok"),
+            Some(s) => {
                 eprintln!("error: {ranks} ranks: mpirun ended with {s}");
                 return ExitCode::FAILURE;
             }
-            Err(e) => {
-                eprintln!("error: mpirun could not be started ({e}): install Open MPI (Debian: apt install openmpi-bin libopenmpi-dev)");
+            None => {
+                eprintln!(
+                    "error: {ranks} ranks: past {} s, stopped",
+                    TIME_LIMIT.as_secs()
+                );
                 return ExitCode::FAILURE;
             }
         }
@@ -389,10 +452,23 @@ fn launch() -> ExitCode {
 
 fn main() -> ExitCode {
     if std::env::var_os("CANDLE_DISTRIBUTED_RANK").is_some() {
-        rank_main().unwrap_or_else(|e| {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        })
+        let comm = match Comm::mpi() {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        // A rank that fails ends the job: the others wait in a collective.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rank_main(&comm)));
+        match result {
+            Ok(Ok(code)) => code,
+            Ok(Err(e)) => {
+                eprintln!("error: rank {}: {e}", comm.rank());
+                comm.abort(1)
+            }
+            Err(_) => comm.abort(101),
+        }
     } else {
         launch()
     }

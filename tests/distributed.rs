@@ -1,0 +1,129 @@
+//! Chapter 4's data-parallel cell through the binary, with MPI ranks: a rank
+//! that crashes, one that hangs past the time limit, and `--ranks`. Each
+//! failure is the cell's error, with what the ranks reported before it kept.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+/// A chapter of one tiny data-parallel cell on 2 ranks, `seed` marking its
+/// ranks' command lines.
+fn chapter(dir: &std::path::Path, seed: u64, timeout: u32) -> std::path::PathBuf {
+    let path = dir.join("dp.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "format_version = 1\nid = \"dp\"\ntitle = \"t\"\n\n[[cells]]\nid = \"zero\"\n\
+             title = \"z\"\nplugin = \"zero_stages\"\nassertions = [\"ddp_n2_state > 0\"]\n\
+             [cells.params]\nlayers = 1\nwidth = 8\nbatch = 8\nsteps = 1\nranks = [2]\n\
+             seed = {seed}\ntimeout_seconds = {timeout}\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Runs the chapter with `env`, returns the cell's JSON report.
+fn run(path: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> (Value, i32) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_workbook"));
+    cmd.arg("run")
+        .arg(path)
+        .args(["--format", "json"])
+        .args(args)
+        .env_remove("WORKBOOK_RANKS")
+        .env_remove("WORKBOOK_RANK_FAULT");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("the binary runs");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (report["cells"][0].clone(), out.status.code().unwrap_or(-1))
+}
+
+/// Processes still running whose command line names `seed`.
+fn leftovers(seed: u64) -> usize {
+    let out = Command::new("pgrep")
+        .args(["-f", &format!("\"seed\":{seed}")])
+        .output()
+        .expect("pgrep runs");
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+#[test]
+fn a_clean_run_measures_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cell, code) = run(&chapter(dir.path(), 91_001, 60), &[], &[]);
+    assert_eq!(code, 0, "{cell}");
+    assert_eq!(cell["status"], "passed", "{cell}");
+    for stage in ["ddp", "zero1", "zero2", "zero3"] {
+        assert_eq!(
+            cell["metrics"][format!("{stage}_n2_ranks_reported")],
+            2.0,
+            "{cell}"
+        );
+    }
+}
+
+#[test]
+fn a_crashing_rank_is_the_cells_error_and_earlier_stages_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cell, code) = run(
+        &chapter(dir.path(), 91_002, 60),
+        &[],
+        &[("WORKBOOK_RANK_FAULT", "1:zero2:crash")],
+    );
+    assert_eq!(code, 1, "{cell}");
+    assert_eq!(cell["status"], "error", "{cell}");
+    let error = cell["error"].as_str().unwrap();
+    assert!(error.contains("2 ranks: mpirun ended with"), "{error}");
+    assert!(error.contains("crashing at zero2"), "{error}");
+    // Both ranks reported DDP and stage 1 before rank 1 crashed.
+    assert_eq!(cell["metrics"]["ddp_n2_ranks_reported"], 2.0, "{cell}");
+    assert_eq!(cell["metrics"]["zero1_n2_ranks_reported"], 2.0, "{cell}");
+    assert!(cell["metrics"]["ddp_n2_state"].as_f64().unwrap() > 0.0);
+    assert_eq!(cell["metrics"]["zero2_n2_ranks_reported"], 0.0, "{cell}");
+    assert_eq!(leftovers(91_002), 0);
+}
+
+#[test]
+fn a_hanging_rank_is_stopped_at_the_time_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cell, code) = run(
+        &chapter(dir.path(), 91_003, 5),
+        &[],
+        &[("WORKBOOK_RANK_FAULT", "0:zero1:hang")],
+    );
+    assert_eq!(code, 1, "{cell}");
+    assert_eq!(cell["status"], "error", "{cell}");
+    let error = cell["error"].as_str().unwrap();
+    assert!(
+        error.contains("the job ran past its time limit of 5 s and was stopped"),
+        "{error}"
+    );
+    assert_eq!(cell["metrics"]["ddp_n2_ranks_reported"], 2.0, "{cell}");
+    assert_eq!(cell["metrics"]["zero1_n2_ranks_reported"], 0.0, "{cell}");
+    // The stopped job left no rank behind.
+    assert_eq!(leftovers(91_003), 0);
+}
+
+#[test]
+fn ranks_adds_a_rank_count_and_refuses_one_that_does_not_split_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = chapter(dir.path(), 91_004, 60);
+    let (cell, code) = run(&path, &["--ranks", "4"], &[]);
+    assert_eq!(code, 0, "{cell}");
+    assert_eq!(cell["metrics"]["zero3_n4_ranks_reported"], 4.0, "{cell}");
+    assert_eq!(cell["metrics"]["zero3_n2_ranks_reported"], 2.0, "{cell}");
+    let (cell, code) = run(&path, &["--ranks", "3"], &[]);
+    assert_eq!(code, 1, "{cell}");
+    assert_eq!(
+        cell["error"], "--ranks is 3, which does not divide this cell's batch of 8 rows",
+        "{cell}"
+    );
+}
