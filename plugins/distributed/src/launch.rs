@@ -71,23 +71,40 @@ fn said(log: &str) -> String {
     }
 }
 
-/// Ends a job: SIGTERM to its process group (mpirun and every rank), and
-/// SIGKILL to what is left after a grace period.
-fn stop(child: &mut std::process::Child) {
-    let group = child.id() as libc::pid_t;
-    // SAFETY: kill(2) with a negative pid signals the process group that
-    // `process_group(0)` made for this job alone.
-    unsafe { libc::kill(-group, libc::SIGTERM) };
+/// Ends a job: SIGTERM to mpirun, which passes it on to its ranks; after a
+/// grace period, SIGKILL to mpirun if it is still there and to every rank
+/// that wrote its pid into `dir` and still runs (Open MPI puts ranks in
+/// process groups of their own, so a group signal would miss them).
+fn stop(child: &mut std::process::Child, dir: &std::path::Path) {
+    let signal = |pid: u32, sig: libc::c_int| {
+        // SAFETY: kill(2) on a pid this function has checked is ours.
+        unsafe { libc::kill(pid as libc::pid_t, sig) };
+    };
+    signal(child.id(), libc::SIGTERM);
     let grace = Instant::now();
+    let mut ended = false;
     while grace.elapsed() < Duration::from_secs(3) {
         if let Ok(Some(_)) = child.try_wait() {
+            ended = true;
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // SAFETY: as above; the group may be gone already, which is fine.
-    unsafe { libc::kill(-group, libc::SIGKILL) };
+    if !ended {
+        let _ = child.kill();
+    }
     let _ = child.wait();
+    let marker = dir.to_string_lossy().into_owned();
+    for pid in crate::rank::rank_pids(dir) {
+        // Only a process whose command line names this job's folder: the
+        // pid may have been reused since.
+        let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|c| String::from_utf8_lossy(&c).contains(&marker))
+            .unwrap_or(false);
+        if ours {
+            signal(pid, libc::SIGKILL);
+        }
+    }
 }
 
 /// Runs `job` under `mpirun` and gathers the ranks' reports. Fails only
@@ -110,9 +127,16 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
     let log = dir.path().join("mpirun.log");
     let log_file = std::fs::File::create(&log).context("making the job's log")?;
     let mut command = Command::new("mpirun");
-    // Its own process group: on the time limit the whole job, ranks
-    // included, is signalled at once.
-    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    // If this process dies (the runner stopped its cell), mpirun is told to
+    // end its job, as Ctrl-C would.
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe, as a pre_exec closure requires.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
     let mut child = command
         .args(["--oversubscribe", "-n", &job.ranks.to_string()])
         // Open MPI refuses to start as root unless told.
@@ -136,7 +160,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
             break Some(status);
         }
         if start.elapsed() > job.timeout {
-            stop(&mut child);
+            stop(&mut child, dir.path());
             break None;
         }
         std::thread::sleep(Duration::from_millis(20));

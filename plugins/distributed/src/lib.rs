@@ -127,7 +127,7 @@ impl Plugin for ZeroStages {
             MetricSpec::bytes("{stage}_n{ranks}_params", "parameters one rank holds, measured"),
             MetricSpec::bytes("{stage}_n{ranks}_grads", "gradients one rank holds at the step, measured"),
             MetricSpec::bytes("{stage}_n{ranks}_optim", "optimizer state one rank holds, measured"),
-            MetricSpec::bytes("{stage}_n{ranks}_peak", "one rank's highest memory in the stage above its start"),
+            MetricSpec::bytes("{stage}_n{ranks}_peak", "one rank's highest memory during the steps, above the stage's start (model states included, their set-up not)"),
             MetricSpec::bytes("{stage}_n{ranks}_comm_peak", "communication buffers at their highest on one rank"),
             MetricSpec::bytes("{stage}_n{ranks}_sent", "bytes one rank sends per step (ring algorithms), counted"),
             MetricSpec::bytes(

@@ -349,6 +349,19 @@ fn run_stage(
     })
 }
 
+/// The pids the ranks of a job wrote into `dir`, for stopping them.
+pub fn rank_pids(dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".pid"))
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|t| t.trim().parse().ok())
+        .collect()
+}
+
 /// The report file of `rank` in `dir`.
 pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("rank-{rank}.json"))
@@ -440,6 +453,12 @@ pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
 }
 
 fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
+    // For the launcher to stop this rank if the job runs past its limit.
+    std::fs::write(
+        req.out.join(format!("rank-{}.pid", comm.rank())),
+        std::process::id().to_string(),
+    )
+    .context("writing the rank's pid")?;
     let fault = Fault::from_env()?;
     if !req.batch.is_multiple_of(comm.size()) {
         anyhow::bail!(
@@ -475,7 +494,9 @@ fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
         })?;
         report.stages.push(s);
         write_report(&report, &req.out)?;
+        // Every rank's report of this stage is written before any rank
+        // goes on, so a failure later keeps all of them.
+        comm.barrier()?;
     }
-    comm.barrier()?;
     Ok(())
 }

@@ -29,6 +29,8 @@ pub trait Engine: Send + Sync {
     fn describe(&self) -> String;
     /// Ends every rank of the job at once with `code` (a rank that cannot
     /// go on would otherwise leave the others waiting in a collective).
+    /// The default ends this process only, which is all there is for an
+    /// engine without peers; engines with peers override it.
     fn abort(&self, code: i32) -> ! {
         std::process::exit(code)
     }

@@ -100,8 +100,11 @@ impl DataParallel {
     /// Averaging as the backward goes: hand each gradient to
     /// [`Bucketing::push`] as a layer-wise backward produces it
     /// (`candle_checkpoint::lean_backward_with`), and a bucket is
-    /// all-reduced as soon as it is full, as DDP's hooks do;
-    /// [`Bucketing::finish`] reduces the last one and returns the means.
+    /// all-reduced as soon as it holds `bucket_bytes` or more (the one that
+    /// crosses the threshold included), at the points where DDP's hooks
+    /// launch theirs; here the all-reduce blocks the backward rather than
+    /// overlapping it. [`Bucketing::finish`] reduces the last bucket and
+    /// returns the means.
     pub fn bucketing(&self) -> Bucketing<'_> {
         Bucketing {
             ddp: self,
@@ -113,6 +116,9 @@ impl DataParallel {
 
     /// One bucket's all-reduce: the gradients' means, in order.
     fn reduce<'v>(&self, bucket: Vec<(&'v Var, Tensor)>) -> Result<Vec<(&'v Var, Tensor)>> {
+        if bucket.is_empty() {
+            return Ok(Vec::new());
+        }
         let scale = 1.0 / self.comm.size() as f32;
         let total: usize = bucket.iter().map(|(_, g)| g.elem_count()).sum();
         let mut buf = self.comm.buffer(total);
@@ -165,7 +171,7 @@ impl std::fmt::Debug for Bucketing<'_> {
 
 impl Bucketing<'_> {
     /// Takes `var`'s gradient on this rank; all-reduces the bucket once it
-    /// holds `bucket_bytes` (in f32).
+    /// holds `bucket_bytes` or more (in f32).
     pub fn push(&mut self, var: &Var, grad: Tensor) -> Result<()> {
         self.bytes += grad.elem_count() * 4;
         self.pending.push((var.clone(), grad));

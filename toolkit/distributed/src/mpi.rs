@@ -108,7 +108,15 @@ impl Engine for Mpi {
         Ok(())
     }
     fn abort(&self, code: i32) -> ! {
-        self.world().abort(code)
+        // Without the lock: another thread may hold it, blocked in the very
+        // collective this abort is meant to end.
+        // SAFETY: MPI is initialized (this value exists) and MPI_Abort may
+        // be called from any thread under MPI_THREAD_SERIALIZED's terms
+        // when the process is ending.
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
+        }
+        std::process::exit(code)
     }
     fn describe(&self) -> String {
         let library = mpi::environment::library_version().unwrap_or_default();

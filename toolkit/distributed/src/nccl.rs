@@ -52,17 +52,38 @@ impl Nccl {
     pub fn init(mpi: Mpi, device: &Device) -> Result<Self> {
         let stream = device.as_cuda_device()?.cuda_stream();
         let (rank, size) = (mpi.rank(), mpi.size());
+        // A rank that fails here would leave the others waiting for it in
+        // the id's broadcast or in NCCL's set-up: end the job instead.
+        let or_abort = |r: Result<()>| {
+            if let Err(e) = r {
+                eprintln!("error: rank {rank}: {e}");
+                mpi.abort(1)
+            }
+        };
         let mut id = [0u8; 128];
         if rank == 0 {
-            let made = Id::new().map_err(|e| failed("unique id", e))?;
-            for (b, c) in id.iter_mut().zip(made.internal()) {
-                *b = *c as u8;
-            }
+            or_abort(Id::new().map_err(|e| failed("unique id", e)).map(|made| {
+                for (b, c) in id.iter_mut().zip(made.internal()) {
+                    *b = *c as u8;
+                }
+            }));
         }
         mpi.broadcast_bytes(&mut id, 0)?;
         let id = Id::uninit(id.map(|b| b as c_char));
-        let comm = NcclComm::from_rank(Arc::clone(&stream), rank, size, id)
-            .map_err(|e| failed("communicator", e))?;
+        // NCCL sets up on the thread's current device: this rank's.
+        or_abort(
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| failed("binding the device", e)),
+        );
+        let comm = match NcclComm::from_rank(Arc::clone(&stream), rank, size, id) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: rank {rank}: {}", failed("communicator", e));
+                mpi.abort(1)
+            }
+        };
         Ok(Self {
             comm: Mutex::new(comm),
             stream,
@@ -80,6 +101,10 @@ impl Nccl {
         recv: &mut [f32],
         op: impl FnOnce(&NcclComm, &CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<()>,
     ) -> Result<()> {
+        // CUDA refuses empty allocations; an empty collective moves nothing.
+        if send.is_empty() && recv.is_empty() {
+            return Ok(());
+        }
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         let d_send = self
             .stream

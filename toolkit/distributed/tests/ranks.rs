@@ -422,7 +422,11 @@ fn launch() -> ExitCode {
                 Ok(None) if start.elapsed() < TIME_LIMIT => {
                     std::thread::sleep(std::time::Duration::from_millis(50))
                 }
-                _ => {
+                Err(e) => {
+                    eprintln!("error: {ranks} ranks: waiting for mpirun failed: {e}");
+                    return ExitCode::FAILURE;
+                }
+                Ok(None) => {
                     // mpirun passes SIGTERM on to its ranks.
                     let _ = Command::new("kill").arg(child.id().to_string()).status();
                     std::thread::sleep(std::time::Duration::from_secs(3));
