@@ -175,11 +175,7 @@ impl Plugin for ZeroStages {
                 failures.push(format!("{n} ranks: {e}"));
             }
             for stage in Stage::ALL {
-                let per_rank: Vec<&StageReport> = outcome
-                    .reports
-                    .iter()
-                    .filter_map(|r: &RankReport| r.stages.iter().find(|s| s.stage == stage))
-                    .collect();
+                let per_rank = stage_reports(&outcome.reports, stage);
                 let key = |what: &str| format!("{}_n{n}_{what}", stage.name());
                 ctx.metric(key("ranks_reported"), per_rank.len() as f64);
                 let Some(first) = per_rank.first() else {
@@ -219,10 +215,8 @@ impl Plugin for ZeroStages {
             let full: Vec<StageReport> = Stage::ALL
                 .iter()
                 .filter_map(|&st| {
-                    outcome
-                        .reports
-                        .iter()
-                        .filter_map(|r| r.stages.iter().find(|s| s.stage == st))
+                    stage_reports(&outcome.reports, st)
+                        .into_iter()
                         .max_by_key(|s| s.held.total())
                         .cloned()
                 })
@@ -236,6 +230,14 @@ impl Plugin for ZeroStages {
         }
         Ok(())
     }
+}
+
+/// Each rank's report of `stage`, for the ranks that got that far.
+fn stage_reports(reports: &[RankReport], stage: Stage) -> Vec<&StageReport> {
+    reports
+        .iter()
+        .filter_map(|r| r.stages.iter().find(|s| s.stage == stage))
+        .collect()
 }
 
 /// The rank count that `workbook run --ranks N` adds to every cell's

@@ -157,6 +157,21 @@ fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
     })
 }
 
+/// candle's backward of the dense model: the loss, and the parameters'
+/// gradients alone (candle's store holds every node's).
+fn dense_backward(
+    layers: &[Layer<candle_nn::Linear>],
+    vars: &[Var],
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<(f32, GradStore)> {
+    let l = mse(&forward(layers, x)?, y)?;
+    let all = Category::Gradients.scope(|| l.backward())?;
+    let loss = l.to_scalar()?;
+    drop(l);
+    Ok((loss, param_grads(&all, vars)))
+}
+
 /// What a stage's optimizer and model are.
 enum Trainer {
     Ddp(Dense, DataParallel, LeanAdamW),
@@ -239,25 +254,15 @@ fn run_stage(
         };
         match &mut t {
             Trainer::Ddp((layers, vars), ddp, opt) => {
-                let l = mse(&forward(layers, &x)?, &y)?;
-                let all = Category::Gradients.scope(|| l.backward())?;
-                loss = l.to_scalar()?;
-                drop(l);
-                // candle's store holds every node's gradient: keep the
-                // parameters'.
-                let mut grads = param_grads(&all, vars);
-                drop(all);
+                let mut grads;
+                (loss, grads) = dense_backward(layers, vars, &x, &y)?;
                 ddp.average(&mut grads)?;
                 held.grads = grads_now(&region);
                 opt.step(&grads)?;
             }
             Trainer::Zero1((layers, vars), opt) => {
-                let l = mse(&forward(layers, &x)?, &y)?;
-                let all = Category::Gradients.scope(|| l.backward())?;
-                loss = l.to_scalar()?;
-                drop(l);
-                let grads = param_grads(&all, vars);
-                drop(all);
+                let grads;
+                (loss, grads) = dense_backward(layers, vars, &x, &y)?;
                 held.grads = grads_now(&region);
                 opt.step(&grads)?;
             }
@@ -285,12 +290,7 @@ fn run_stage(
                 drop(all);
                 let mut grads = GradStore::default();
                 for layer in layers.iter() {
-                    let mut g = layer.0.take_grads();
-                    for v in layer.0.vars() {
-                        if let Some(t) = g.remove(v.as_tensor()) {
-                            grads.insert(v.as_tensor(), t);
-                        }
-                    }
+                    layer.0.take_grads_into(&mut grads);
                 }
                 held.grads = grads_now(&region);
                 opt.step(&grads)?;

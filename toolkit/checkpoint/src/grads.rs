@@ -15,7 +15,7 @@ pub fn accumulate(into: &mut GradStore, from: &GradStore, vars: &[Var]) -> Resul
 }
 
 /// Adds `g` to `var`'s gradient in `store`, or makes it the gradient.
-pub(crate) fn add_grad(store: &mut GradStore, var: &Var, g: Tensor) -> Result<()> {
+pub fn add_grad(store: &mut GradStore, var: &Var, g: Tensor) -> Result<()> {
     let total = match store.remove(var.as_tensor()) {
         Some(prev) => (prev + g)?,
         None => g,

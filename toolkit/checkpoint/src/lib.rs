@@ -39,7 +39,7 @@ mod policy;
 mod sequential;
 mod vjp;
 
-pub use grads::{accumulate, ensure_grads, missing_grads, named_vars};
+pub use grads::{accumulate, add_grad, ensure_grads, missing_grads, named_vars};
 pub use lean::{lean_backward, lean_backward_with};
 pub use policy::{Policy, Tape, TapeModule};
 pub use sequential::{

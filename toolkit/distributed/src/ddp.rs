@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use candle_checkpoint::add_grad;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 use candle_observe::{scope, Kind, Place};
@@ -193,11 +194,7 @@ impl Bucketing<'_> {
         drop(pending);
         for (var, mean) in means {
             // A variable used twice is handed over twice: sum.
-            let total = match self.done.remove(var.as_tensor()) {
-                Some(prev) => (prev + mean)?,
-                None => mean,
-            };
-            self.done.insert(var.as_tensor(), total);
+            add_grad(&mut self.done, &var, mean)?;
         }
         Ok(())
     }

@@ -4,12 +4,13 @@
 
 use std::sync::{Arc, Mutex};
 
+use candle_checkpoint::add_grad;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Shape, Tensor, Var};
 use candle_observe::{scope, Kind, Place};
 use candle_offload::{fetched_linear, WeightSource};
 
-use crate::split::{flat_f32, Split};
+use crate::split::{all_gather_whole, own_block, reduce_scatter_mean, Split};
 use crate::Comm;
 
 /// One partitioned parameter: this rank's block, in f32.
@@ -32,32 +33,22 @@ struct Peers {
 
 impl Peers {
     fn gather(&self, block: &Block, dtype: DType) -> Result<Tensor> {
-        let comm = &self.comm;
-        let send = comm.within_buffers(|| block.var.to_vec1::<f32>())?;
-        let mut full = comm.buffer(block.split.padded());
-        comm.all_gather(&send, &mut full)?;
-        drop(send);
-        let _params = scope(comm.observer(), Kind::Parameters, Place::Device);
-        Tensor::from_slice(&full[..block.split.len()], &block.shape, &self.device)?.to_dtype(dtype)
+        all_gather_whole(
+            &self.comm,
+            &block.var,
+            block.split,
+            &block.shape,
+            dtype,
+            &self.device,
+            Kind::Parameters,
+        )
     }
 
     fn scatter(&self, block: &Block, grad: &Tensor) -> Result<()> {
-        let comm = &self.comm;
-        let send = flat_f32(comm, grad, block.split.padded())?;
-        let mut recv = comm.buffer(block.split.block());
-        comm.reduce_scatter_sum(&send, &mut recv)?;
-        drop(send);
-        let scale = 1.0 / comm.size() as f32;
-        let _grads = scope(comm.observer(), Kind::Gradients, Place::Device);
-        let mean: Vec<f32> = recv.iter().map(|x| x * scale).collect();
-        let mean = Tensor::from_vec(mean, block.split.block(), &self.device)?;
+        let mean = reduce_scatter_mean(&self.comm, grad, block.split, &self.device)?;
+        let _grads = scope(self.comm.observer(), Kind::Gradients, Place::Device);
         let mut grads = self.grads.lock().unwrap_or_else(|e| e.into_inner());
-        let total = match grads.remove(block.var.as_tensor()) {
-            Some(sum) => (sum + mean)?,
-            None => mean,
-        };
-        grads.insert(block.var.as_tensor(), total);
-        Ok(())
+        add_grad(&mut grads, &block.var, mean)
     }
 }
 
@@ -140,14 +131,12 @@ impl ShardedLinear {
                 );
             }
         }
-        let rank = comm.rank();
         let block = |t: &Tensor| -> Result<Block> {
             let split = Split::new(t.elem_count(), comm.size());
-            let full = flat_f32(&comm, t, split.padded())?;
-            let start = rank * split.block();
+            let mine = own_block(&comm, t, split)?;
             let _params = scope(comm.observer(), Kind::Parameters, Place::Device);
             Ok(Block {
-                var: Var::from_slice(&full[start..start + split.block()], split.block(), device)?,
+                var: Var::from_slice(&mine, split.block(), device)?,
                 shape: t.shape().clone(),
                 split,
             })
@@ -177,6 +166,17 @@ impl ShardedLinear {
     pub fn take_grads(&self) -> GradStore {
         let mut grads = self.peers.grads.lock().unwrap_or_else(|e| e.into_inner());
         std::mem::take(&mut *grads)
+    }
+
+    /// Moves the gradient blocks reduced since the last call into `store`
+    /// (one store for a whole model's layers, for its optimizer).
+    pub fn take_grads_into(&self, store: &mut GradStore) {
+        let mut mine = self.take_grads();
+        for var in self.vars() {
+            if let Some(g) = mine.remove(var.as_tensor()) {
+                store.insert(var.as_tensor(), g);
+            }
+        }
     }
 
     /// The whole weight, all-gathered (for checking; it costs a gather).

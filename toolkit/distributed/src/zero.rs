@@ -9,7 +9,7 @@ use candle_lean_optim::{adamw_update, AdamWStep};
 use candle_nn::ParamsAdamW;
 use candle_observe::{scope, Kind, Place};
 
-use crate::split::{flat_f32, Split};
+use crate::split::{all_gather_whole, own_block, reduce_scatter_mean, Split};
 use crate::Comm;
 
 /// One parameter: whole on every rank; its block of the state on this one.
@@ -57,7 +57,7 @@ impl ZeroAdamW {
     /// Partitions the state of `vars` over `comm`'s ranks. The parameters
     /// must be equal on every rank (initialized alike, or broadcast).
     pub fn new(comm: Arc<Comm>, vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
-        let (rank, ranks) = (comm.rank(), comm.size());
+        let ranks = comm.size();
         let mut slots = Vec::with_capacity(vars.len());
         for var in vars {
             if !var.dtype().is_float() {
@@ -72,13 +72,8 @@ impl ZeroAdamW {
             let master = if var.dtype() == DType::F32 {
                 None
             } else {
-                let full = flat_f32(&comm, var.as_tensor(), split.padded())?;
-                let start = rank * split.block();
-                Some(Var::from_slice(
-                    &full[start..start + split.block()],
-                    split.block(),
-                    var.device(),
-                )?)
+                let block = own_block(&comm, var.as_tensor(), split)?;
+                Some(Var::from_slice(&block, split.block(), var.device())?)
             };
             slots.push(Slot {
                 split,
@@ -141,14 +136,8 @@ impl ZeroAdamW {
                 slot.split.len()
             );
         }
-        let send = flat_f32(comm, grad, slot.split.padded())?;
-        let mut recv = comm.buffer(slot.split.block());
-        comm.reduce_scatter_sum(&send, &mut recv)?;
-        drop(send);
-        let scale = 1.0 / comm.size() as f32;
+        let mean = reduce_scatter_mean(comm, grad, slot.split, slot.var.device())?;
         let _grads = scope(comm.observer(), Kind::Gradients, Place::Device);
-        let mean: Vec<f32> = recv.iter().map(|x| x * scale).collect();
-        let mean = Tensor::from_vec(mean, slot.split.block(), slot.var.device())?;
         slot.grad = Some(match slot.grad.take() {
             Some(sum) => (sum + mean)?,
             None => mean,
@@ -174,7 +163,6 @@ impl ZeroAdamW {
         self.step_t += 1;
         let k = AdamWStep::new(&self.params, self.step_t);
         let comm = &self.comm;
-        let rank = comm.rank();
         for slot in &mut self.slots {
             // Every rank has the same variables' gradients (the same model
             // and backward), so every rank skips the same ones.
@@ -183,22 +171,9 @@ impl ZeroAdamW {
             let block = match &slot.master {
                 Some(master) => master.clone(),
                 None => {
-                    // An f32 parameter's own block, taken out to update
-                    // (zeros past its end in the last block).
-                    let range = split.range(rank);
-                    comm.within_buffers(|| -> Result<Var> {
-                        let mut values = vec![0f32; split.block()];
-                        if !range.is_empty() {
-                            let mine = slot
-                                .var
-                                .as_tensor()
-                                .flatten_all()?
-                                .narrow(0, range.start, range.len())?
-                                .to_vec1::<f32>()?;
-                            values[..mine.len()].copy_from_slice(&mine);
-                        }
-                        Var::from_vec(values, split.block(), slot.var.device())
-                    })?
+                    // An f32 parameter's own block, taken out to update.
+                    let block = own_block(comm, slot.var.as_tensor(), split)?;
+                    Var::from_vec(block, split.block(), slot.var.device())?
                 }
             };
             {
@@ -206,14 +181,15 @@ impl ZeroAdamW {
                 adamw_update(&block, &slot.m, &slot.v, &g, &k)?;
             }
             drop(g);
-            let send = comm.within_buffers(|| block.to_vec1::<f32>())?;
-            let mut full = comm.buffer(split.padded());
-            comm.all_gather(&send, &mut full)?;
-            drop(send);
-            let whole = comm.within_buffers(|| {
-                Tensor::from_slice(&full[..split.len()], slot.var.shape(), slot.var.device())?
-                    .to_dtype(slot.var.dtype())
-            })?;
+            let whole = all_gather_whole(
+                comm,
+                &block,
+                split,
+                slot.var.shape(),
+                slot.var.dtype(),
+                slot.var.device(),
+                Kind::Communication,
+            )?;
             slot.var.set(&whole)?;
         }
         Ok(())

@@ -298,12 +298,7 @@ fn stage3(
         mse(&forward(&layers, &shard(comm, &x)?)?, &shard(comm, &y)?)?.backward()?;
         let mut grads = candle_core::backprop::GradStore::default();
         for l in &layers {
-            let mut g = l.linear.take_grads();
-            for v in l.linear.vars() {
-                if let Some(t) = g.remove(v.as_tensor()) {
-                    grads.insert(v.as_tensor(), t);
-                }
-            }
+            l.linear.take_grads_into(&mut grads);
         }
         step_with(&grads)?;
         let mut whole = Vec::new();
