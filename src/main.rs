@@ -156,6 +156,19 @@ enum Command {
         /// Dtypes to consider, comma-separated: f32, bf16, f16.
         #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = parse_dtype)]
         dtypes: Vec<workbook_sdk::candle::DType>,
+        /// Ranks sharing the batch (data parallelism): the budget is then
+        /// each rank's, and each trains on batch / ranks sequences;
+        /// --verify runs them under mpirun (a build with `--features mpi`).
+        #[arg(long, default_value_t = 1, value_parser = parse_ranks)]
+        ranks: usize,
+        /// With --ranks, how they may share the training, comma-separated:
+        /// ddp (everything replicated), zero1 (optimizer state
+        /// partitioned), zero2 (gradients too).
+        #[arg(long, value_delimiter = ',', default_value = "ddp,zero1,zero2", value_parser = parse_stage)]
+        stages: Vec<workbook_distributed::stage::Stage>,
+        /// With --ranks and --verify, the ranks' time limit in seconds.
+        #[arg(long, default_value_t = 1800, value_name = "SECONDS")]
+        timeout: u64,
         /// Run the chosen plan and check that its measured peak is within
         /// the budget and within 5% of the prediction (exit code 1 if not).
         #[arg(long)]
@@ -178,9 +191,12 @@ enum Command {
     /// starts under `mpirun`).
     #[command(hide = true)]
     Rank {
-        /// The job, as JSON.
+        /// The cell's job, as JSON.
+        #[arg(long, required_unless_present = "verify", conflicts_with = "verify")]
+        request: Option<String>,
+        /// A plan's verification on this rank, as JSON.
         #[arg(long)]
-        request: String,
+        verify: Option<String>,
     },
     /// Write a chapter as a Jupyter notebook for the evcxr Rust kernel.
     Notebook {
@@ -229,6 +245,31 @@ fn parse_steps(s: &str) -> Result<usize, String> {
         _ => Err(format!(
             "`{s}` is not a number of steps; allowed: 1 or more"
         )),
+    }
+}
+
+fn parse_ranks(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a number of ranks; allowed: 1 to 1024"
+        )),
+    }
+}
+
+fn parse_stage(s: &str) -> Result<workbook_distributed::stage::Stage, String> {
+    use workbook_distributed::stage::Stage;
+    match s {
+        "ddp" => Ok(Stage::Ddp),
+        "zero1" => Ok(Stage::Zero1),
+        "zero2" => Ok(Stage::Zero2),
+        "zero3" => Err(
+            "`zero3` is not among the planner's stages: it needs layers that gather \
+                        their weights for each use, which the GPT's are not; allowed: ddp, \
+                        zero1, zero2"
+                .into(),
+        ),
+        _ => Err(format!("`{s}` is not a stage; allowed: ddp, zero1, zero2")),
     }
 }
 
@@ -308,8 +349,13 @@ fn main() -> ExitCode {
     if let Command::Worker = cli.command {
         return workbook::worker::serve(Workbook::builtin().registry(), std::io::stdin().lock());
     }
-    if let Command::Rank { request } = &cli.command {
-        return rank(request).unwrap_or_else(|e| {
+    if let Command::Rank { request, verify } = &cli.command {
+        let served = match (request, verify) {
+            (Some(request), _) => rank(request),
+            (None, Some(verify)) => verify_rank(verify),
+            (None, None) => unreachable!("clap requires one of them"),
+        };
+        return served.unwrap_or_else(|e| {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         });
@@ -819,6 +865,9 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         recipes,
         no_checkpointing,
         dtypes,
+        ranks,
+        stages,
+        timeout,
         verify,
         steps,
         out,
@@ -828,7 +877,9 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         unreachable!("plan() is called for the plan command")
     };
     use workbook::plan as view;
-    use workbook_transformer::plan::{plan as weigh, verify as run_plan, PlanRequest};
+    use workbook_transformer::plan::{
+        plan as weigh, verify as run_plan, PlanRequest, VerifyRequest,
+    };
     let file = match model {
         Some(path) => view::ModelFile::read(path)?,
         None => view::ModelFile {
@@ -852,7 +903,17 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         recipes: recipes.clone(),
         checkpointing: !no_checkpointing,
         seed: 11,
+        ranks: *ranks,
+        stages: stages.clone(),
     };
+    request.batch_per_rank()?;
+    if *verify && *ranks > 1 && !workbook_distributed::launch::built_with_mpi() {
+        anyhow::bail!(
+            "--verify with --ranks runs MPI ranks, and this workbook was built without the \
+             `mpi` feature: {}",
+            workbook_distributed::launch::INSTALL
+        );
+    }
     let meter = workbook_sdk::device::meter_for(&workbook_sdk::candle::Device::Cpu)?;
     let progress = Spinner::new(0).bar;
     progress.enable_steady_tick(Duration::from_millis(120));
@@ -863,7 +924,15 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
     };
     let plan = weigh(&mut ctx, &request)?;
     let verification = match (&plan.chosen, verify) {
-        (Some(chosen), true) => Some(run_plan(&mut ctx, &request, chosen, *steps)?),
+        (Some(chosen), true) => {
+            let v = VerifyRequest::new(&request, chosen, *steps)?;
+            Some(if *ranks > 1 {
+                progress.set_message(format!("verifying on {ranks} ranks"));
+                verify_on_ranks(v, *ranks, Duration::from_secs(*timeout))?
+            } else {
+                run_plan(&mut ctx, &v, None)?
+            })
+        }
         _ => None,
     };
     progress.finish_and_clear();
@@ -902,6 +971,89 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
     })
+}
+
+/// Runs a plan's verification on `ranks` MPI ranks and gathers what each
+/// measured.
+fn verify_on_ranks(
+    mut v: workbook_transformer::plan::VerifyRequest,
+    ranks: usize,
+    timeout: Duration,
+) -> anyhow::Result<workbook_transformer::plan::Verification> {
+    use anyhow::Context as _;
+    use workbook_transformer::plan::{of_ranks, Verification};
+    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
+    v.out = Some(dir.path().to_path_buf());
+    let args = [
+        "rank".to_string(),
+        "--verify".into(),
+        serde_json::to_string(&v)?,
+    ];
+    let ran = workbook_distributed::launch::run_ranks(ranks, timeout, dir.path(), &args)?;
+    let mut problems = ran.problems();
+    let mut each: Vec<Verification> = Vec::new();
+    for rank in 0..ranks {
+        let path = dir.path().join(format!("verify-{rank}.json"));
+        match std::fs::read(&path).map(|b| serde_json::from_slice(&b)) {
+            Ok(Ok(report)) => each.push(report),
+            Ok(Err(e)) => problems.push(format!("rank {rank}'s report does not read: {e}")),
+            Err(_) => problems.push(format!("no report from rank {rank}")),
+        }
+    }
+    if let Some(error) = ran.error(&problems) {
+        anyhow::bail!("the verification on {ranks} ranks failed: {error}");
+    }
+    of_ranks(&each).context("no rank reported")
+}
+
+/// One rank of a plan's verification: a warm-up step, then the steps,
+/// measured by this rank's counting allocator, written to `verify-R.json`.
+fn verify_rank(request: &str) -> anyhow::Result<ExitCode> {
+    use anyhow::Context as _;
+    let request: workbook_transformer::plan::VerifyRequest =
+        serde_json::from_str(request).context("reading the rank's request")?;
+    let Some(out) = request.out.clone() else {
+        anyhow::bail!("a rank's verification needs the folder to report in");
+    };
+    #[cfg(feature = "mpi")]
+    {
+        use std::sync::Arc;
+        use workbook_transformer::plan::verify;
+        use workbook_transformer::step::Parallel;
+        let comm = candle_distributed::Comm::mpi()?;
+        workbook_distributed::rank::serve(comm, &out, |comm| {
+            let stage = request
+                .stage
+                .context("a rank's verification names how the ranks share the training")?;
+            let parallel = Parallel::new(Arc::clone(comm), stage)?;
+            let meter = Arc::new(workbook_sdk::meter::CpuMeter::new()?);
+            let mut ctx =
+                workbook_sdk::Context::new(workbook_sdk::candle::Device::Cpu, meter, false);
+            // What a process sets up once (the products' per-thread
+            // buffers) is not a step's, as in the calibration.
+            verify(
+                &mut ctx,
+                &workbook_transformer::plan::VerifyRequest {
+                    steps: 1,
+                    ..request.clone()
+                },
+                Some(&parallel),
+            )?;
+            let measured = verify(&mut ctx, &request, Some(&parallel))?;
+            let path = out.join(format!("verify-{}.json", comm.rank()));
+            std::fs::write(&path, serde_json::to_vec(&measured)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+            Ok(())
+        })
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = out;
+        anyhow::bail!(
+            "this workbook was built without the `mpi` feature: {}",
+            workbook_distributed::launch::INSTALL
+        )
+    }
 }
 
 /// One rank of a data-parallel cell's job.

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use serde::Deserialize;
+use workbook_distributed::stage::Stage;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{Figure, Unit};
 use workbook_transformer::plan::{Candidate, Plan, Verification};
@@ -100,24 +101,51 @@ fn option(c: &Candidate) -> String {
         ""
     };
     format!(
-        "{} layers in {}, {micro}{checkpointed}",
+        "{}{} layers in {}, {micro}{checkpointed}",
+        c.stage.map(sharing).unwrap_or_default(),
         c.recipe.name(),
         c.dtype
     )
+}
+
+/// How the ranks share the training, in words.
+fn sharing(stage: Stage) -> String {
+    match stage {
+        Stage::Ddp => "DDP (everything replicated), ",
+        Stage::Zero1 => "ZeRO stage 1 (optimizer state partitioned), ",
+        Stage::Zero2 => "ZeRO stage 2 (optimizer state and gradients partitioned), ",
+        Stage::Zero3 => "ZeRO stage 3, ",
+    }
+    .to_string()
 }
 
 /// The plan as text: the calibrations, every option with its predicted
 /// peak and time, the choice (or why there is none).
 pub fn text(plan: &Plan, batch: usize) -> String {
     let mut out = String::new();
-    out.push_str(&format!(
-        "Budget {} for a step of {batch} sequences.\n\nCalibration (measured steps at batch 1, 2 and 4; \
-         the line through 2 and 4):\n",
-        bytes(plan.budget)
-    ));
+    if plan.ranks > 1 {
+        out.push_str(&format!(
+            "Budget {} per rank for a step of {batch} sequences on {} ranks, {} each.\n\n\
+             Calibration (one rank's measured steps at batch 1, 2 and 4, its {} peers rehearsed \
+             in this process; the line through 2 and 4):\n",
+            bytes(plan.budget),
+            plan.ranks,
+            plan.batch_per_rank,
+            plan.ranks - 1
+        ));
+    } else {
+        out.push_str(&format!(
+            "Budget {} for a step of {batch} sequences.\n\nCalibration (measured steps at batch 1, \
+             2 and 4; the line through 2 and 4):\n",
+            bytes(plan.budget)
+        ));
+    }
     for c in &plan.calibrations {
         out.push_str(&format!(
-            "  {:<6} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}: fixed {:>9}, per sequence {:>9}\n",
+            "  {}{:<6} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}: fixed {:>9}, per sequence {:>9}\n",
+            c.stage
+                .map(|s| format!("{:<6}", s.name()))
+                .unwrap_or_default(),
             c.recipe.name(),
             c.dtype,
             if c.checkpointed { "checkpointed" } else { "" },
@@ -166,23 +194,27 @@ pub fn text(plan: &Plan, batch: usize) -> String {
 
 /// Why no option fits, with the smallest there is.
 pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
+    // On N ranks, each holds its share of the batch.
+    let batch = plan.batch_per_rank.min(batch);
     let smallest = plan.calibrations.iter().min_by_key(|c| c.peak(batch, 1));
     match smallest {
         Some(c) => {
             let sum = if batch > 1 {
                 format!(
                     " and {} for the gradients accumulated over the batch",
-                    bytes(c.param_bytes)
+                    bytes(c.sum_bytes)
                 )
             } else {
                 String::new()
             };
             format!(
-                "Nothing fits in {}: the smallest option, {} layers in {}{} one sequence at a \
+                "Nothing fits in {}{}: the smallest option, {}{} layers in {}{} one sequence at a \
                  time, needs {} (measured for one sequence: {}, parameters, gradients and \
                  optimizer state included{sum}), and {:.0}% more as a margin for the \
                  prediction. A smaller model, a shorter sequence or more memory would fit.",
                 bytes(plan.budget),
+                if plan.ranks > 1 { " per rank" } else { "" },
+                c.stage.map(sharing).unwrap_or_default(),
                 c.recipe.name(),
                 c.dtype,
                 if c.checkpointed {
@@ -205,13 +237,19 @@ pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
 /// The verification as text.
 pub fn verified(v: &Verification, tolerance: f64) -> String {
     format!(
-        "Verified: measured peak {} against {} predicted ({:+.1}%) and a budget of {}; \
-         step {:.3} s (median). {}\n",
+        "Verified{}: measured peak {} against {} predicted ({:+.1}%) and a budget of {}; \
+         step {:.3} s (median{}). {}\n",
+        if v.ranks > 1 {
+            format!(" on {} MPI ranks (the rank that held the most)", v.ranks)
+        } else {
+            String::new()
+        },
         bytes(v.peak),
         bytes(v.predicted),
         100.0 * v.error(),
         bytes(v.budget),
         v.seconds,
+        if v.ranks > 1 { ", slowest rank" } else { "" },
         if v.kept(tolerance) {
             format!(
                 "The plan kept its promise (within the budget and {:.0}% of the prediction).",

@@ -1,7 +1,8 @@
 //! Chapter 4's data-parallel cell through the binary, with MPI ranks: a rank
 //! that crashes, one that hangs past the time limit, and `--ranks`. Each
 //! failure is the cell's error, with what the ranks reported before it kept,
-//! and leaves no rank running.
+//! and leaves no rank running. And `workbook plan --ranks N --verify`: the
+//! peak predicted from one rank rehearsed, measured on N real ranks.
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -143,4 +144,54 @@ fn ranks_adds_a_rank_count_and_refuses_one_that_does_not_split_the_batch() {
         cell["error"], "--ranks is 3, which does not divide this cell's batch of 8 rows",
         "{cell}"
     );
+}
+
+#[test]
+fn a_plan_for_ranks_is_verified_on_real_ranks() {
+    let _one = one_job();
+    for (ranks, stage) in [("2", "ddp"), ("2", "zero1"), ("4", "zero2")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_workbook"))
+            .args([
+                "plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
+            ])
+            .args([
+                "--vocab",
+                "128",
+                "--batch",
+                "8",
+                "--budget",
+                "1GiB",
+                "--recipes",
+                "tiled",
+            ])
+            .args([
+                "--dtypes",
+                "f32",
+                "--no-checkpointing",
+                "--verify",
+                "--json",
+            ])
+            .args(["--ranks", ranks, "--stages", stage])
+            .output()
+            .expect("the binary runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{ranks} ranks, {stage}: {err}");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("the plan is JSON");
+        let chosen = &v["plan"]["chosen"];
+        assert_eq!(chosen["stage"], stage);
+        let verified = &v["verification"];
+        assert_eq!(verified["ranks"].as_u64(), Some(ranks.parse().unwrap()));
+        let (measured, predicted) = (
+            verified["peak"].as_u64().unwrap(),
+            verified["predicted"].as_u64().unwrap(),
+        );
+        assert_eq!(predicted, chosen["peak"].as_u64().unwrap());
+        // The rehearsal's bytes are a real rank's: within 5% (measured:
+        // within 0.2% on this model).
+        let error = measured as f64 / predicted as f64 - 1.0;
+        assert!(
+            error.abs() <= 0.05,
+            "{ranks} ranks, {stage}: {measured} vs {predicted}"
+        );
+    }
 }

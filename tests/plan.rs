@@ -1,5 +1,6 @@
 //! `workbook plan`: a plan for each of three budgets, run and measured; a
-//! budget nothing fits, refused with the smallest option; bad input.
+//! budget nothing fits, refused with the smallest option; a plan for N
+//! ranks from one rank rehearsed; bad input.
 
 use std::process::{Command, Output};
 
@@ -110,6 +111,78 @@ fn a_budget_nothing_fits_is_refused_with_the_smallest_option() {
 }
 
 #[test]
+fn ranks_are_planned_per_rank_from_one_rank_rehearsed() {
+    let o = plan(&[
+        "--budget",
+        "16MiB",
+        "--ranks",
+        "4",
+        "--recipes",
+        "tiled",
+        "--dtypes",
+        "f32",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let v = json(&o);
+    assert_eq!(v["plan"]["ranks"], 4);
+    assert_eq!(v["plan"]["batch_per_rank"], 2, "8 sequences over 4 ranks");
+    let calibrations = v["plan"]["calibrations"].as_array().unwrap();
+    // Three stages, with and without checkpointing.
+    assert_eq!(calibrations.len(), 6);
+    let fixed = |stage: &str, checkpointed: bool| {
+        let c = calibrations
+            .iter()
+            .find(|c| c["stage"] == stage && c["checkpointed"] == checkpointed)
+            .unwrap_or_else(|| panic!("{stage} calibrated"));
+        c["peaks"][0].as_u64().unwrap()
+    };
+    // Stage 1 holds a quarter of AdamW's two f32 moments: at batch 1 its
+    // peak is below DDP's by three quarters of 8 bytes a parameter (the
+    // parameter count of this model: 2 blocks, hidden 64, 64 positions,
+    // vocabulary 128), less its gathering's buffers and blocks' padding
+    // (a few hundred bytes here).
+    let psi: u64 = 128 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64;
+    for checkpointed in [false, true] {
+        let saved = fixed("ddp", checkpointed) - fixed("zero1", checkpointed);
+        assert!(
+            saved as f64 >= 0.95 * (6 * psi) as f64,
+            "{saved} vs {}",
+            6 * psi
+        );
+        // Stage 2 holds blocks of the gradients where stage 1 holds them
+        // whole, but both peak in the backward, where candle holds every
+        // gradient whole: the same peak, but for a few tensors' bookkeeping.
+        let (one, two) = (fixed("zero1", checkpointed), fixed("zero2", checkpointed));
+        assert!(two <= one + 1024, "stage 2 {two} over stage 1 {one}");
+    }
+    for c in v["plan"]["candidates"].as_array().unwrap() {
+        assert!(["ddp", "zero1", "zero2"].contains(&c["stage"].as_str().unwrap()));
+        assert!(c["micro_batch"].as_u64().unwrap() <= 2);
+    }
+    let text = plan(&[
+        "--budget",
+        "16MiB",
+        "--ranks",
+        "4",
+        "--recipes",
+        "tiled",
+        "--dtypes",
+        "f32",
+    ]);
+    let out = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        out.contains("Budget 16.0 MiB per rank for a step of 8 sequences on 4 ranks, 2 each."),
+        "{out}"
+    );
+    assert!(
+        out.contains("its 3 peers rehearsed in this process"),
+        "{out}"
+    );
+}
+
+#[test]
 fn bad_input_is_named() {
     let run = |args: &[&str]| {
         let o = Command::new(env!("CARGO_BIN_EXE_workbook"))
@@ -140,6 +213,44 @@ fn bad_input_is_named() {
     let (code, err) = run(&["--budget", "1GiB", "--dtypes", "f8"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("`f8` is not a dtype"), "{err}");
+    let (code, err) = run(&["--budget", "1GiB", "--ranks", "3"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains(
+            "a batch of 16 sequences does not split evenly over 3 ranks; allowed: a positive \
+             multiple of 3"
+        ),
+        "{err}"
+    );
+    let (code, err) = run(&["--budget", "1GiB", "--ranks", "0"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("`0` is not a number of ranks; allowed: 1 to 1024"),
+        "{err}"
+    );
+    let (code, err) = run(&["--budget", "1GiB", "--ranks", "2", "--stages", "zero3"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("`zero3` is not among the planner's stages"),
+        "{err}"
+    );
+    let (code, err) = run(&["--budget", "1GiB", "--ranks", "2", "--stages", "zero9"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("`zero9` is not a stage; allowed: ddp, zero1, zero2"),
+        "{err}"
+    );
+    if !cfg!(feature = "mpi") {
+        let (code, err) = run(&["--budget", "1GiB", "--ranks", "2", "--verify"]);
+        assert_eq!(code, Some(2));
+        assert!(
+            err.contains(
+                "--verify with --ranks runs MPI ranks, and this workbook was built \
+                          without the `mpi` feature: install Open MPI"
+            ),
+            "{err}"
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model.toml");
     std::fs::write(

@@ -1,8 +1,8 @@
 //! Starting the ranks: `mpirun -n N` over this very executable, with a time
 //! limit, and reading back what each rank reported.
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use workbook_sdk::anyhow::{self, Context as _};
@@ -107,24 +107,63 @@ fn stop(child: &mut std::process::Child, dir: &std::path::Path) {
     }
 }
 
-/// Runs `job` under `mpirun` and gathers the ranks' reports. Fails only
-/// when the job cannot start at all; a job that starts and fails comes
-/// back with its error and the reports written before it.
-pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
+/// How a job's ranks ended.
+#[derive(Debug)]
+pub struct Ran {
+    /// mpirun's exit status; `None` when the job ran past its time limit
+    /// and was stopped.
+    pub status: Option<ExitStatus>,
+    /// What the ranks and mpirun wrote.
+    pub log: String,
+    /// The time limit it ran under.
+    pub timeout: Duration,
+}
+
+impl Ran {
+    /// What went wrong with the job as a whole: the time limit, a failed
+    /// mpirun.
+    pub fn problems(&self) -> Vec<String> {
+        match self.status {
+            None => vec![format!(
+                "the job ran past its time limit of {:.0} s and was stopped",
+                self.timeout.as_secs_f64()
+            )],
+            Some(s) if !s.success() => vec![format!("mpirun ended with {s}")],
+            Some(_) => Vec::new(),
+        }
+    }
+
+    /// `problems` with what the ranks said, as one error; `None` when
+    /// there are none.
+    pub fn error(&self, problems: &[String]) -> Option<String> {
+        if problems.is_empty() {
+            return None;
+        }
+        let said = said(&self.log);
+        Some(if said.is_empty() {
+            problems.join("; ")
+        } else {
+            format!("{}; the ranks said:\n{said}", problems.join("; "))
+        })
+    }
+}
+
+/// Runs `mpirun -n ranks` over this executable with `args`, each rank
+/// writing its pid into `dir` (as [`crate::rank::serve`] does) so that a
+/// job past `timeout` can be stopped whole.
+pub fn run_ranks(
+    ranks: usize,
+    timeout: Duration,
+    dir: &Path,
+    args: &[String],
+) -> anyhow::Result<Ran> {
     if !built_with_mpi() {
-        anyhow::bail!("this cell runs MPI ranks, and this workbook was built without the `mpi` feature: {INSTALL}");
+        anyhow::bail!(
+            "this runs MPI ranks, and this workbook was built without the `mpi` feature: {INSTALL}"
+        );
     }
     let exe = rank_executable()?;
-    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
-    let request = RankRequest {
-        layers: job.layers,
-        width: job.width,
-        batch: job.batch,
-        steps: job.steps,
-        seed: job.seed,
-        out: dir.path().to_path_buf(),
-    };
-    let log = dir.path().join("mpirun.log");
+    let log = dir.join("mpirun.log");
     let log_file = std::fs::File::create(&log).context("making the job's log")?;
     let mut command = Command::new("mpirun");
     // If this process dies (the runner stopped its cell), mpirun is told to
@@ -138,7 +177,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         });
     }
     let mut child = command
-        .args(["--oversubscribe", "-n", &job.ranks.to_string()])
+        .args(["--oversubscribe", "-n", &ranks.to_string()])
         // Open MPI refuses to start as root unless told.
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -148,7 +187,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         // containers often forbid.
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .arg(&exe)
-        .args(["rank", "--request", &serde_json::to_string(&request)?])
+        .args(args)
         .stdin(Stdio::null())
         .stdout(log_file.try_clone()?)
         .stderr(log_file)
@@ -159,12 +198,38 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         if let Some(status) = child.try_wait()? {
             break Some(status);
         }
-        if start.elapsed() > job.timeout {
-            stop(&mut child, dir.path());
+        if start.elapsed() > timeout {
+            stop(&mut child, dir);
             break None;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    Ok(Ran {
+        status,
+        log: std::fs::read_to_string(&log).unwrap_or_default(),
+        timeout,
+    })
+}
+
+/// Runs `job` under `mpirun` and gathers the ranks' reports. Fails only
+/// when the job cannot start at all; a job that starts and fails comes
+/// back with its error and the reports written before it.
+pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
+    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
+    let request = RankRequest {
+        layers: job.layers,
+        width: job.width,
+        batch: job.batch,
+        steps: job.steps,
+        seed: job.seed,
+        out: dir.path().to_path_buf(),
+    };
+    let args = [
+        "rank".to_string(),
+        "--request".into(),
+        serde_json::to_string(&request)?,
+    ];
+    let ran = run_ranks(job.ranks, job.timeout, dir.path(), &args)?;
     let mut outcome = Outcome::default();
     let mut missing = Vec::new();
     let mut problems = Vec::new();
@@ -178,15 +243,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
             Err(_) => missing.push(rank),
         }
     }
-    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
-    match status {
-        None => problems.push(format!(
-            "the job ran past its time limit of {:.0} s and was stopped",
-            job.timeout.as_secs_f64()
-        )),
-        Some(s) if !s.success() => problems.push(format!("mpirun ended with {s}")),
-        Some(_) => {}
-    }
+    problems.extend(ran.problems());
     if !missing.is_empty() {
         problems.push(format!("no report from rank(s) {missing:?}"));
     }
@@ -201,13 +258,6 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
             complete, job.ranks
         ));
     }
-    if !problems.is_empty() {
-        let said = said(&log_text);
-        outcome.error = Some(if said.is_empty() {
-            problems.join("; ")
-        } else {
-            format!("{}; the ranks said:\n{said}", problems.join("; "))
-        });
-    }
+    outcome.error = ran.error(&problems);
     Ok(outcome)
 }

@@ -437,8 +437,26 @@ impl Fault {
 /// the whole job (`MPI_Abort`), so that no other rank waits for it in a
 /// collective.
 pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
+    serve(comm, &req.out, |comm| run_rank(comm, req))
+}
+
+/// Serves as one rank of a job started by [`crate::launch::run_ranks`]:
+/// writes this rank's pid into `out` (for the launcher to stop it past the
+/// time limit), runs `work` on the communicator, its allocations tagged by
+/// category, and exits: 0 when it succeeded, else with the error said on
+/// standard error and the whole job ended (`MPI_Abort`), so that no other
+/// rank waits for this one in a collective. A panic is an error too.
+pub fn serve(comm: Comm, out: &Path, work: impl FnOnce(&Arc<Comm>) -> anyhow::Result<()>) -> ! {
     let comm = Arc::new(comm.observed(Tags));
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(&comm, req)))
+    let run = || -> anyhow::Result<()> {
+        std::fs::write(
+            out.join(format!("rank-{}.pid", comm.rank())),
+            std::process::id().to_string(),
+        )
+        .context("writing the rank's pid")?;
+        work(&comm)
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
         .unwrap_or_else(|payload| Err(workbook_sdk::worker::panicked(payload.as_ref())));
     match result {
         Ok(()) => {
@@ -453,12 +471,6 @@ pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
 }
 
 fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
-    // For the launcher to stop this rank if the job runs past its limit.
-    std::fs::write(
-        req.out.join(format!("rank-{}.pid", comm.rank())),
-        std::process::id().to_string(),
-    )
-    .context("writing the rank's pid")?;
     let fault = Fault::from_env()?;
     if !req.batch.is_multiple_of(comm.size()) {
         anyhow::bail!(

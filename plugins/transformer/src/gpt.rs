@@ -97,6 +97,31 @@ impl GptConfig {
         );
         h * v + s * h + l * (12 * h * h + 13 * h) + 2 * h
     }
+
+    /// Elements of each parameter tensor, in [`Gpt::vars`]'s order.
+    pub fn param_sizes(&self) -> Vec<usize> {
+        let (h, s, v) = (self.hidden, self.seq, self.vocab);
+        let block = [
+            h,
+            h,
+            3 * h * h,
+            3 * h,
+            h * h,
+            h,
+            h,
+            h,
+            4 * h * h,
+            4 * h,
+            4 * h * h,
+            h,
+        ];
+        let mut sizes = vec![v * h, s * h];
+        for _ in 0..self.layers {
+            sizes.extend(block);
+        }
+        sizes.extend([h, h]);
+        sizes
+    }
 }
 
 /// A layer norm's scale and shift.
@@ -439,5 +464,27 @@ impl TapeModule for GptLayer<'_> {
 impl Module for GptLayer<'_> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_t(x, &Tape::plain())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_sizes_are_the_variables_in_order() -> Result<()> {
+        let config = GptConfig {
+            layers: 2,
+            hidden: 8,
+            heads: 2,
+            seq: 5,
+            vocab: 11,
+            ..GptConfig::default()
+        };
+        let model = Gpt::new(config, DType::F32, &mut Rng::seeded(1), &Device::Cpu)?;
+        let made: Vec<usize> = model.vars().iter().map(|v| v.elem_count()).collect();
+        assert_eq!(config.param_sizes(), made);
+        assert_eq!(made.iter().sum::<usize>() as u64, config.param_count());
+        Ok(())
     }
 }

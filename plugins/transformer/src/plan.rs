@@ -14,14 +14,27 @@
 //! on that line, one sequence at a time is measured; when gradients are
 //! accumulated over several micro-batches, the sum they are added into
 //! (the parameters' size) comes on top.
+//!
+//! On N ranks (data parallelism, ZeRO stage 1 or 2), the budget is each
+//! rank's and each rank trains on `batch / N` sequences. A rank's steps are
+//! calibrated in this one process over a [`Rehearsal`] of the job: the
+//! collectives allocate what a real rank's do, the peers are stand-ins, so
+//! the calibration measures one rank's bytes without starting any; the
+//! verification runs the real ranks.
+
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use candle_core::DType;
-use serde::Serialize;
+use candle_distributed::{Comm, Rehearsal, Split};
+use serde::{Deserialize, Serialize};
+use workbook_distributed::stage::Stage;
+use workbook_sdk::observe::Tags;
 use workbook_sdk::{anyhow, Context};
 
 use crate::gpt::GptConfig;
 use crate::saved::Recipe;
-use crate::step::{calibrate, measured_step, StepShape};
+use crate::step::{calibrate, measured_step, Parallel, StepShape};
 
 /// What to plan for.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +58,40 @@ pub struct PlanRequest {
     pub checkpointing: bool,
     /// Seed of weights and data.
     pub seed: u64,
+    /// Ranks sharing the batch (1: one process).
+    pub ranks: usize,
+    /// With more than one rank, the ways to share the training to
+    /// consider: DDP, ZeRO stage 1, stage 2.
+    pub stages: Vec<Stage>,
+}
+
+impl PlanRequest {
+    /// The sequences each rank trains on per step; an error when the batch
+    /// does not split evenly.
+    pub fn batch_per_rank(&self) -> anyhow::Result<usize> {
+        if self.ranks == 0 {
+            anyhow::bail!("0 ranks; allowed: at least 1");
+        }
+        if self.batch == 0 || !self.batch.is_multiple_of(self.ranks) {
+            anyhow::bail!(
+                "a batch of {} sequences does not split evenly over {} ranks; allowed: a \
+                 positive multiple of {}",
+                self.batch,
+                self.ranks,
+                self.ranks
+            );
+        }
+        Ok(self.batch / self.ranks)
+    }
+
+    /// The sharings weighed: `None` alone for one process.
+    fn sharings(&self) -> Vec<Option<Stage>> {
+        if self.ranks > 1 {
+            self.stages.iter().copied().map(Some).collect()
+        } else {
+            vec![None]
+        }
+    }
 }
 
 /// Two measured steps of one recipe in one dtype.
@@ -56,12 +103,17 @@ pub struct Calibration {
     pub checkpointed: bool,
     /// The dtype's name.
     pub dtype: &'static str,
-    /// Peak at batch 1, 2 and 4.
+    /// How the ranks share the training (none: one process).
+    pub stage: Option<Stage>,
+    /// Peak at batch 1, 2 and 4 (per rank).
     pub peaks: [u64; 3],
     /// Step time at batch 1, 2 and 4, seconds.
     pub seconds: [f64; 3],
-    /// Bytes of the parameters (what an accumulated gradient sum takes).
+    /// Bytes of the parameters.
     pub param_bytes: u64,
+    /// Bytes of the gradient sum held while micro-batches accumulate: the
+    /// parameters' size, or under ZeRO stage 2 this rank's f32 blocks.
+    pub sum_bytes: u64,
     /// Bytes of one sequence's tokens and targets: the whole batch's are
     /// held while its micro-batches run one after another.
     pub batch_bytes_per_sequence: u64,
@@ -86,18 +138,25 @@ impl Calibration {
         }
     }
 
-    /// The predicted peak of a step of `batch` in micro-batches of `micro`.
+    /// The predicted peak of a step of `batch` in micro-batches of `micro`:
+    /// the first micro-batch's, or a later one's with the gradient sum
+    /// beside it (the later micro-batches are `micro` again, or only the
+    /// rest of the batch when there are two), whichever is higher; the
+    /// whole batch's tokens are held throughout.
     pub fn peak(&self, batch: usize, micro: usize) -> u64 {
         let micro = micro.clamp(1, batch.max(1));
-        let (sum, tokens) = if micro < batch {
-            (
-                self.param_bytes,
-                (batch - micro) as u64 * self.batch_bytes_per_sequence,
-            )
+        if micro == batch {
+            return self.micro_peak(micro);
+        }
+        let later = if batch / micro >= 2 {
+            micro
         } else {
-            (0, 0)
+            batch - micro
         };
-        self.micro_peak(micro) + sum + tokens
+        let tokens = (batch - micro) as u64 * self.batch_bytes_per_sequence;
+        self.micro_peak(micro)
+            .max(self.micro_peak(later) + self.sum_bytes)
+            + tokens
     }
 
     /// The predicted time of such a step: each micro-batch's time on the
@@ -126,13 +185,16 @@ pub struct Candidate {
     pub checkpointed: bool,
     /// The dtype's name.
     pub dtype: &'static str,
+    /// How the ranks share the training (none: one process).
+    pub stage: Option<Stage>,
     /// Sequences per micro-batch.
     pub micro_batch: usize,
     /// Micro-batches per step.
     pub micro_steps: usize,
-    /// Predicted peak, bytes.
+    /// Predicted peak (per rank), bytes.
     pub peak: u64,
-    /// Predicted step time, seconds.
+    /// Predicted step time, seconds: the computation's (on N ranks, one
+    /// rank's on this machine; the time on the wire is not predicted).
     pub seconds: f64,
     /// Whether the peak, with the request's margin, is within the budget.
     pub fits: bool,
@@ -143,8 +205,12 @@ pub struct Candidate {
 /// The planner's answer.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Plan {
-    /// The budget, bytes.
+    /// The budget (per rank), bytes.
     pub budget: u64,
+    /// Ranks sharing the batch.
+    pub ranks: usize,
+    /// Sequences each rank trains on per step.
+    pub batch_per_rank: usize,
     /// The margin every option was held to.
     pub margin: f64,
     /// The calibrations it rests on.
@@ -162,70 +228,102 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
     if req.batch == 0 {
         anyhow::bail!("a batch of 0 sequences: nothing to plan");
     }
+    req.batch_per_rank()?;
+    if req.ranks > 1 && req.stages.is_empty() {
+        anyhow::bail!(
+            "{} ranks and no stage to weigh; allowed: ddp, zero1, zero2",
+            req.ranks
+        );
+    }
     let mut calibrations = Vec::new();
     let checkpointing: &[bool] = if req.checkpointing {
         &[false, true]
     } else {
         &[false]
     };
-    for &recipe in &req.recipes {
-        for &dtype in &req.dtypes {
-            for &checkpointed in checkpointing {
-                let config = recipe.apply(req.model);
-                let what = format!(
-                    "{} in {}{}",
-                    recipe.name(),
-                    dtype.as_str(),
-                    if checkpointed { ", checkpointed" } else { "" }
-                );
-                let steps = calibrate(
-                    ctx,
-                    &what,
-                    config,
-                    dtype,
-                    checkpointed,
-                    &[1, 2, 4],
-                    req.seed,
-                )?;
-                calibrations.push(Calibration {
-                    recipe,
-                    checkpointed,
-                    dtype: dtype.as_str(),
-                    peaks: [steps[0].peak(), steps[1].peak(), steps[2].peak()],
-                    seconds: [steps[0].seconds, steps[1].seconds, steps[2].seconds],
-                    param_bytes: steps[0].params * dtype.size_in_bytes() as u64,
-                    // Token ids and targets, u32 each.
-                    batch_bytes_per_sequence: (2 * config.seq * 4) as u64,
-                });
+    for stage in req.sharings() {
+        for &recipe in &req.recipes {
+            for &dtype in &req.dtypes {
+                for &checkpointed in checkpointing {
+                    let config = recipe.apply(req.model);
+                    let what = format!(
+                        "{}{} in {}{}",
+                        stage
+                            .map(|s| format!("{} on {} ranks, ", s.name(), req.ranks))
+                            .unwrap_or_default(),
+                        recipe.name(),
+                        dtype.as_str(),
+                        if checkpointed { ", checkpointed" } else { "" }
+                    );
+                    let parallel = stage.map(|s| rehearsal(req.ranks, s)).transpose()?;
+                    let steps = calibrate(
+                        ctx,
+                        &what,
+                        config,
+                        dtype,
+                        &StepShape::wholes(&[1, 2, 4], checkpointed),
+                        req.seed,
+                        parallel.as_ref(),
+                    )?;
+                    let param_bytes = steps[0].params * dtype.size_in_bytes() as u64;
+                    calibrations.push(Calibration {
+                        recipe,
+                        checkpointed,
+                        dtype: dtype.as_str(),
+                        stage,
+                        peaks: [steps[0].peak(), steps[1].peak(), steps[2].peak()],
+                        seconds: [steps[0].seconds, steps[1].seconds, steps[2].seconds],
+                        param_bytes,
+                        sum_bytes: match stage {
+                            Some(Stage::Zero2) => config
+                                .param_sizes()
+                                .iter()
+                                .map(|&n| 4 * Split::new(n, req.ranks).block() as u64)
+                                .sum(),
+                            _ => param_bytes,
+                        },
+                        // Token ids and targets, u32 each.
+                        batch_bytes_per_sequence: (2 * config.seq * 4) as u64,
+                    });
+                }
             }
         }
     }
     Ok(weigh(req, calibrations))
 }
 
+/// Rank 0 of a rehearsed job of `ranks`, sharing the training as `stage`.
+fn rehearsal(ranks: usize, stage: Stage) -> anyhow::Result<Parallel> {
+    let comm = Comm::new(Rehearsal::new(ranks)?).observed(Tags);
+    Parallel::new(Arc::new(comm), stage)
+}
+
 /// The options from calibrations: for each, the whole batch and the
 /// largest micro-batch that fits; the fastest that fits is chosen.
 pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     let mut candidates = Vec::new();
+    // A request that passed `plan` splits evenly.
+    let batch = req.batch_per_rank().unwrap_or(req.batch);
     for c in &calibrations {
-        let mut micros = vec![req.batch];
+        let mut micros = vec![batch];
         let fits = |peak: u64| peak as f64 * (1.0 + req.margin) <= req.budget as f64;
-        let largest_fitting = (1..req.batch).rev().find(|&m| fits(c.peak(req.batch, m)));
-        if !fits(c.peak(req.batch, req.batch)) && req.batch > 1 {
+        let largest_fitting = (1..batch).rev().find(|&m| fits(c.peak(batch, m)));
+        if !fits(c.peak(batch, batch)) && batch > 1 {
             // The largest micro-batch that fits, or, when none does, one
             // sequence at a time: the least this recipe and dtype can need.
             micros.push(largest_fitting.unwrap_or(1));
         }
         for m in micros {
-            let peak = c.peak(req.batch, m);
+            let peak = c.peak(batch, m);
             candidates.push(Candidate {
                 recipe: c.recipe,
                 checkpointed: c.checkpointed,
                 dtype: c.dtype,
+                stage: c.stage,
                 micro_batch: m,
-                micro_steps: req.batch.div_ceil(m),
+                micro_steps: batch.div_ceil(m),
                 peak,
-                seconds: c.seconds(req.batch, m),
+                seconds: c.seconds(batch, m),
                 fits: fits(peak),
                 on_frontier: false,
             });
@@ -244,6 +342,8 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
         .cloned();
     Plan {
         budget: req.budget,
+        ranks: req.ranks,
+        batch_per_rank: batch,
         margin: req.margin,
         calibrations,
         candidates,
@@ -252,16 +352,20 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
 }
 
 /// What running the chosen option measured.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Verification {
-    /// The measured peak, bytes (the largest of the steps run).
+    /// The measured peak, bytes (the largest of the steps run, on the
+    /// rank that held the most).
     pub peak: u64,
     /// The predicted peak, bytes.
     pub predicted: u64,
     /// The budget, bytes.
     pub budget: u64,
-    /// The median measured step time, seconds.
+    /// The median measured step time, seconds (on N ranks, the slowest
+    /// rank's).
     pub seconds: f64,
+    /// Ranks it ran on (1: one process).
+    pub ranks: usize,
 }
 
 impl Verification {
@@ -277,20 +381,68 @@ impl Verification {
     }
 }
 
-/// Runs `steps` training steps of `chosen` (each from a fresh model, as the
-/// calibration's) and measures them.
+/// What a verification runs: the chosen option of a plan, for one process
+/// or for each rank of a job (which reads it as JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerifyRequest {
+    /// The model (the recipe sets its attention and layers).
+    pub model: GptConfig,
+    /// How the layers are computed.
+    pub recipe: Recipe,
+    /// The dtype's name.
+    pub dtype: String,
+    /// Whether every layer is checkpointed.
+    pub checkpointed: bool,
+    /// How the ranks share the training (none: one process).
+    pub stage: Option<Stage>,
+    /// Sequences each rank (or the one process) trains on per step.
+    pub batch: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// The predicted peak, bytes.
+    pub predicted: u64,
+    /// The budget, bytes.
+    pub budget: u64,
+    /// Steps to run (each from a fresh model, as the calibration's).
+    pub steps: usize,
+    /// Seed of weights and data.
+    pub seed: u64,
+    /// Where each rank writes its `verify-R.json` (ranks only).
+    pub out: Option<PathBuf>,
+}
+
+impl VerifyRequest {
+    /// The verification of `chosen`, an option of a plan for `req`.
+    pub fn new(req: &PlanRequest, chosen: &Candidate, steps: usize) -> anyhow::Result<Self> {
+        Ok(Self {
+            model: req.model,
+            recipe: chosen.recipe,
+            dtype: chosen.dtype.to_string(),
+            checkpointed: chosen.checkpointed,
+            stage: chosen.stage,
+            batch: req.batch_per_rank()?,
+            micro_batch: chosen.micro_batch,
+            predicted: chosen.peak,
+            budget: req.budget,
+            steps: steps.max(1),
+            seed: req.seed,
+            out: None,
+        })
+    }
+}
+
+/// Runs the steps of `req` (one rank's, with `parallel`) and measures them.
 pub fn verify(
     ctx: &mut Context,
-    req: &PlanRequest,
-    chosen: &Candidate,
-    steps: usize,
+    req: &VerifyRequest,
+    parallel: Option<&Parallel>,
 ) -> anyhow::Result<Verification> {
-    let config = chosen.recipe.apply(req.model);
-    let dtype = crate::parse_dtype(chosen.dtype)?;
+    let config = req.recipe.apply(req.model);
+    let dtype = crate::parse_dtype(&req.dtype)?;
     let mut peak = 0;
     let mut times = Vec::new();
-    for i in 0..steps.max(1) {
-        ctx.progress(&format!("verifying: step {} of {steps}", i + 1));
+    for i in 0..req.steps.max(1) {
+        ctx.progress(&format!("verifying: step {} of {}", i + 1, req.steps));
         let step = measured_step(
             ctx,
             format!("plan, step {}", i + 1),
@@ -298,18 +450,95 @@ pub fn verify(
             dtype,
             StepShape {
                 batch: req.batch,
-                micro_batch: chosen.micro_batch,
-                checkpointed: chosen.checkpointed,
+                micro_batch: req.micro_batch,
+                checkpointed: req.checkpointed,
             },
             req.seed,
+            parallel,
         )?;
         peak = peak.max(step.peak());
         times.push(step.seconds);
     }
     Ok(Verification {
         peak,
-        predicted: chosen.peak,
+        predicted: req.predicted,
         budget: req.budget,
         seconds: crate::median(times),
+        ranks: parallel.map_or(1, |p| p.comm.size()),
     })
+}
+
+/// The verification of a job from its ranks': the largest peak, the
+/// slowest rank's time.
+pub fn of_ranks(each: &[Verification]) -> Option<Verification> {
+    let first = *each.first()?;
+    Some(Verification {
+        peak: each.iter().map(|v| v.peak).max().unwrap_or(0),
+        seconds: each.iter().map(|v| v.seconds).fold(0.0, f64::max),
+        ranks: each.len(),
+        ..first
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn calibration(sum_bytes: u64) -> Calibration {
+        Calibration {
+            recipe: Recipe::Tiled,
+            checkpointed: false,
+            dtype: "f32",
+            stage: None,
+            // Fixed 100, 10 a sequence from batch 2 on; 115 for one.
+            peaks: [115, 120, 140],
+            seconds: [1.0, 2.0, 4.0],
+            param_bytes: 50,
+            sum_bytes,
+            batch_bytes_per_sequence: 1,
+        }
+    }
+
+    #[test]
+    fn a_step_peaks_in_its_first_micro_batch_or_a_later_one_with_the_sum() {
+        let c = calibration(50);
+        assert_eq!(c.peak(8, 8), 180);
+        // 2 x 4: the second holds the sum: 140 + 50, and 4 tokens.
+        assert_eq!(c.peak(8, 4), 140 + 50 + 4);
+        // 5 then 3: 150 for the first, 130 + 50 for the second.
+        assert_eq!(c.peak(8, 5), 180 + 3);
+        // 7 then 1: 170 for the first, 115 + 50 for the second.
+        assert_eq!(c.peak(8, 7), 170 + 1);
+        // One at a time: the measured one-sequence peak and the sum.
+        assert_eq!(c.peak(8, 1), 115 + 50 + 7);
+        // A sum that outweighs the micro-batches' difference.
+        assert_eq!(calibration(500).peak(8, 7), 115 + 500 + 1);
+    }
+
+    #[test]
+    fn a_batch_must_split_evenly_over_the_ranks() {
+        let req = PlanRequest {
+            model: GptConfig::default(),
+            batch: 16,
+            budget: 1 << 30,
+            margin: 0.05,
+            dtypes: vec![DType::F32],
+            recipes: vec![Recipe::Tiled],
+            checkpointing: false,
+            seed: 1,
+            ranks: 4,
+            stages: vec![Stage::Ddp],
+        };
+        assert_eq!(req.batch_per_rank().unwrap(), 4);
+        let three = PlanRequest {
+            ranks: 3,
+            ..req.clone()
+        };
+        assert!(three
+            .batch_per_rank()
+            .unwrap_err()
+            .to_string()
+            .contains("a batch of 16 sequences does not split evenly over 3 ranks"));
+        assert_eq!(PlanRequest { ranks: 1, ..req }.sharings(), vec![None]);
+    }
 }

@@ -1,14 +1,18 @@
 //! One training step measured: model, optimizer state, batch, forward,
 //! backward and AdamW update, by category; whole or in micro-batches.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_accumulate::GradAccumulator;
 use candle_checkpoint::{checkpoint_sequential_with, Policy};
-use candle_core::{DType, Device, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_distributed::{Comm, DataParallel, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use candle_ledger::{Labeller, Ledger};
 use candle_nn::{Optimizer, ParamsAdamW};
+use workbook_distributed::stage::Stage;
 use workbook_models::{param_grads, Rng};
 use workbook_sdk::meter::ByCategory;
 use workbook_sdk::observe::Tags;
@@ -71,12 +75,119 @@ impl StepShape {
             checkpointed: false,
         }
     }
+
+    /// A whole batch of each size in `batches`, checkpointed or not.
+    pub fn wholes(batches: &[usize], checkpointed: bool) -> Vec<Self> {
+        batches
+            .iter()
+            .map(|&b| Self {
+                checkpointed,
+                ..Self::whole(b)
+            })
+            .collect()
+    }
+}
+
+/// One rank of a data-parallel job: its ranks and how they share the
+/// training.
+#[derive(Debug, Clone)]
+pub struct Parallel {
+    /// The ranks (real ones under `mpirun`, or one rehearsed:
+    /// [`candle_distributed::Rehearsal`]).
+    pub comm: Arc<Comm>,
+    /// DDP, ZeRO stage 1 or 2 (stage 3 needs layers that gather their
+    /// weights, which this model's are not).
+    pub stage: Stage,
+}
+
+impl Parallel {
+    /// `stage` on `comm`, stage 3 refused.
+    pub fn new(comm: Arc<Comm>, stage: Stage) -> anyhow::Result<Self> {
+        if stage == Stage::Zero3 {
+            anyhow::bail!(
+                "ZeRO stage 3 needs layers that gather their weights for each use \
+                 (candle-distributed's ShardedLinear), which the GPT's are not; allowed: \
+                 ddp, zero1, zero2"
+            );
+        }
+        Ok(Self { comm, stage })
+    }
+}
+
+/// The optimizer of a step: the toolkit's AdamW on whole parameters, after
+/// DDP's averaging when data-parallel, or ZeRO's on this rank's blocks.
+enum Update {
+    Whole(LeanAdamW, Option<DataParallel>),
+    Zero(ZeroAdamW, Stage),
+}
+
+impl Update {
+    fn new(vars: Vec<Var>, parallel: Option<&Parallel>) -> anyhow::Result<Self> {
+        let params = ParamsAdamW {
+            lr: 1e-3,
+            ..Default::default()
+        };
+        Ok(match parallel {
+            None => Update::Whole(LeanAdamW::new(vars, params)?, None),
+            Some(p) if p.stage == Stage::Ddp => {
+                let ddp = DataParallel::new(Arc::clone(&p.comm), vars.clone());
+                Update::Whole(LeanAdamW::new(vars, params)?, Some(ddp))
+            }
+            Some(p) => Update::Zero(ZeroAdamW::new(Arc::clone(&p.comm), vars, params)?, p.stage),
+        })
+    }
+
+    /// Stage 2 reduce-scatters each gradient once the backward has made
+    /// it, keeping its block only. candle's backward hands all of them over
+    /// at its end; `candle_checkpoint::lean_backward_with` hands them over
+    /// layer by layer, but this model's blocks give a gradient to tensors
+    /// without a graph of their own (the attention's), so it would run
+    /// each block twice: measured at chapter 3's model, twice the bytes per
+    /// sequence and twice the time of the plain backward.
+    fn reduces_each_gradient(&self) -> bool {
+        matches!(self, Update::Zero(_, Stage::Zero2))
+    }
+
+    /// Stage 2: reduce-scatters every gradient in `grads`, dropping each
+    /// whole one as soon as its block is kept.
+    fn reduce_all(&mut self, mut grads: GradStore, vars: &[Var]) -> anyhow::Result<()> {
+        if let Update::Zero(opt, _) = self {
+            for var in vars {
+                if let Some(g) = grads.remove(var.as_tensor()) {
+                    opt.reduce_gradient(var, &g)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The update from whole gradients (`None` for stage 2, which holds
+    /// its blocks already).
+    fn step(&mut self, grads: Option<GradStore>) -> anyhow::Result<()> {
+        match (self, grads) {
+            (Update::Whole(opt, None), Some(g)) => opt.step(&g)?,
+            (Update::Whole(opt, Some(ddp)), Some(mut g)) => {
+                ddp.average(&mut g)?;
+                opt.step(&g)?;
+            }
+            (Update::Zero(opt, Stage::Zero2), _) => opt.step_reduced()?,
+            (Update::Zero(opt, _), Some(g)) => opt.step(&g)?,
+            (_, None) => anyhow::bail!("a step of an empty batch"),
+        }
+        Ok(())
+    }
 }
 
 /// Builds a model of `config` in `dtype` and trains it one step on a batch
 /// of `config.seq`-token sequences with the toolkit's in-place AdamW, all
 /// inside one region named `name`. With micro-batches, their gradients are
 /// summed by `candle-accumulate` (weighted by their rows) before the update.
+///
+/// With `parallel`, the step is one rank's: `shape.batch` is this rank's
+/// share of the batch (its own sequences), and the gradients are averaged
+/// over the ranks (DDP) or reduce-scattered into this rank's blocks, which
+/// it updates and all-gathers (ZeRO stage 1 after the backward, stage 2 as
+/// the backward makes each gradient, keeping only the blocks).
 pub fn measured_step(
     ctx: &mut Context,
     name: String,
@@ -84,29 +195,36 @@ pub fn measured_step(
     dtype: DType,
     shape: StepShape,
     seed: u64,
+    parallel: Option<&Parallel>,
 ) -> anyhow::Result<StepReport> {
     let device: Device = ctx.device().clone();
     let mut rng = Rng::seeded(seed);
     let mut region = ctx.region(name);
     let model = Gpt::new(config, dtype, &mut rng, &device)?;
     let params = model.param_count();
-    let mut opt = Category::OptimizerState.scope(|| {
-        LeanAdamW::new(
-            model.vars(),
-            ParamsAdamW {
-                lr: 1e-3,
-                ..Default::default()
-            },
+    let mut opt = Category::OptimizerState.scope(|| Update::new(model.vars(), parallel))?;
+    // Every rank starts from the same model and trains on its own
+    // sequences.
+    let mut data_rng = match parallel {
+        Some(p) => Rng::seeded(seed.wrapping_add(1 + p.comm.rank() as u64)),
+        None => rng,
+    };
+    let (x, y) = Category::Inputs.scope(|| {
+        corpus::batch(
+            &mut data_rng,
+            shape.batch,
+            config.seq,
+            config.vocab,
+            &device,
         )
     })?;
-    let (x, y) = Category::Inputs
-        .scope(|| corpus::batch(&mut rng, shape.batch, config.seq, config.vocab, &device))?;
     region.mark("model, optimizer state, batch");
     let start = Instant::now();
     let micro = shape.micro_batch.clamp(1, shape.batch.max(1));
     let vars = model.vars();
     let stack = model.stack();
-    let mut accumulator = (micro < shape.batch)
+    // Stage 2 sums the micro-batches' gradient blocks itself.
+    let mut accumulator = (micro < shape.batch && !opt.reduces_each_gradient())
         .then(|| GradAccumulator::new(vars.clone(), shape.batch).with_observer(Tags));
     let mut first = None;
     let mut ledger_time = std::time::Duration::ZERO;
@@ -116,9 +234,9 @@ pub fn measured_step(
         let rows = micro.min(shape.batch - start_row);
         let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
         if shape.checkpointed {
-            // The accumulator takes gradients already weighted by the
-            // micro-batch's share of the rows.
-            let weight = if accumulator.is_some() {
+            // The accumulator (or stage 2's sum) takes gradients already
+            // weighted by the micro-batch's share of the rows.
+            let weight = if micro < shape.batch {
                 rows as f64 / shape.batch as f64
             } else {
                 1.0
@@ -138,6 +256,11 @@ pub fn measured_step(
             loss_value =
                 (out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 / weight) as f32;
             match accumulator.as_mut() {
+                // The checkpointed backward hands its gradients over at
+                // its end: stage 2 reduces them then.
+                _ if opt.reduces_each_gradient() => {
+                    Category::Gradients.scope(|| opt.reduce_all(out.grads, &vars))?
+                }
                 Some(acc) => Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?,
                 None => grads = Some(out.grads),
             }
@@ -162,6 +285,17 @@ pub fn measured_step(
         }
         loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         match accumulator.as_mut() {
+            _ if opt.reduces_each_gradient() => {
+                let weight = rows as f64 / shape.batch as f64;
+                Category::Gradients.scope(|| -> anyhow::Result<()> {
+                    let store = (&loss * weight)?.backward()?;
+                    let grads = param_grads(&store, &vars);
+                    // The intermediate gradients go; the parameters' stay
+                    // until each is reduced.
+                    drop(store);
+                    opt.reduce_all(grads, &vars)
+                })?
+            }
             Some(acc) => Category::Gradients.scope(|| acc.backward(&loss, rows))?,
             None => {
                 grads = Some(Category::Gradients.scope(|| -> anyhow::Result<_> {
@@ -173,14 +307,14 @@ pub fn measured_step(
         drop((loss, labels));
     }
     region.mark("after backward");
-    match (&accumulator, &grads) {
-        (Some(acc), _) => Category::OptimizerState.scope(|| opt.step(acc.grads()?))?,
-        (None, Some(g)) => Category::OptimizerState.scope(|| opt.step(g))?,
-        (None, None) => anyhow::bail!("a step of an empty batch"),
-    }
+    let whole = match accumulator.as_mut() {
+        Some(acc) => Some(acc.take()?),
+        None => grads,
+    };
+    Category::OptimizerState.scope(|| opt.step(whole))?;
     let seconds = start.elapsed().saturating_sub(ledger_time).as_secs_f64();
     region.mark("after AdamW step");
-    drop((grads, accumulator, opt, x, y, model));
+    drop((accumulator, opt, x, y, model));
     let region = ctx.end_region(region);
     let (after_forward, ledger_bytes, largest_held) = first.unwrap_or_default();
     Ok(StepReport {
@@ -194,8 +328,8 @@ pub fn measured_step(
     })
 }
 
-/// Measured steps of `config` in `dtype`, whole batches of each size in
-/// `batches`, named `what`, after one step at the largest whose peak is not
+/// Measured steps of `config` in `dtype`, one of each shape in `shapes`,
+/// named `what`, after one step of the largest batch whose peak is not
 /// used: what a process sets up once for these shapes (thread pools, the
 /// matrix products' per-thread buffers) is not a part of a step's peak.
 pub fn calibrate(
@@ -203,35 +337,35 @@ pub fn calibrate(
     what: &str,
     config: GptConfig,
     dtype: DType,
-    checkpointed: bool,
-    batches: &[usize],
+    shapes: &[StepShape],
     seed: u64,
+    parallel: Option<&Parallel>,
 ) -> anyhow::Result<Vec<StepReport>> {
-    let shape = |batch| StepShape {
-        checkpointed,
-        ..StepShape::whole(batch)
+    let Some(&largest) = shapes.iter().max_by_key(|s| s.batch) else {
+        return Ok(Vec::new());
     };
-    let largest = batches.iter().copied().max().unwrap_or(1);
     ctx.progress(&format!("warming up {what}"));
     measured_step(
         ctx,
         format!("{what}, warm-up"),
         config,
         dtype,
-        shape(largest),
+        largest,
         seed,
+        parallel,
     )?;
-    batches
+    shapes
         .iter()
-        .map(|&b| {
-            ctx.progress(&format!("calibrating {what}, batch {b}"));
+        .map(|&shape| {
+            ctx.progress(&format!("calibrating {what}, batch {}", shape.batch));
             measured_step(
                 ctx,
-                format!("{what}, batch {b}"),
+                format!("{what}, batch {}", shape.batch),
                 config,
                 dtype,
-                shape(b),
+                shape,
                 seed,
+                parallel,
             )
         })
         .collect()

@@ -228,7 +228,15 @@ impl Plugin for Predictors {
             let dtype_name = v.dtype.clone().unwrap_or_else(|| p.dtype.clone());
             let dtype = parse_dtype(&dtype_name)?;
             let name = label(v);
-            let steps = calibrate(ctx, &name, config, dtype, false, &[1, 2], p.seed)?;
+            let steps = calibrate(
+                ctx,
+                &name,
+                config,
+                dtype,
+                &StepShape::wholes(&[1, 2], false),
+                p.seed,
+                None,
+            )?;
             let calibration = [steps[0].peak(), steps[1].peak()];
             ctx.progress(&format!("training step, {name}"));
             let step = measured_step(
@@ -238,6 +246,7 @@ impl Plugin for Predictors {
                 dtype,
                 StepShape::whole(batch),
                 p.seed,
+                None,
             )?;
             let run = Run {
                 layers: config.layers as u64,

@@ -5,8 +5,9 @@
 //!   reduce-scatter, all-gather, broadcast, barrier) on `f32` buffers, over
 //!   an [`Engine`]: [`Mpi`] (feature `mpi`: ranks as processes under
 //!   `mpirun`, on one machine or a cluster), `Nccl` (feature `nccl`: one
-//!   GPU per rank, NCCL's collectives, MPI to start them) or [`Solo`] (one
-//!   process). Each
+//!   GPU per rank, NCCL's collectives, MPI to start them), [`Solo`] (one
+//!   process) or [`Rehearsal`] (one rank of N in one process, the peers
+//!   stand-ins: a rank's memory and traffic measured without a job). Each
 //!   call is counted ([`Traffic`]: payload, and bytes sent and received per
 //!   rank under the ring algorithms), and the buffers it allocates are
 //!   reported to an observer as
@@ -36,6 +37,7 @@ mod fsdp;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod rehearsal;
 mod split;
 mod traffic;
 mod zero;
@@ -47,6 +49,7 @@ pub use fsdp::ShardedLinear;
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]
 pub use nccl::Nccl;
+pub use rehearsal::Rehearsal;
 pub use split::Split;
 pub use traffic::{OpTraffic, Traffic};
 pub use zero::ZeroAdamW;
