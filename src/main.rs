@@ -163,9 +163,9 @@ enum Command {
         ranks: usize,
         /// With --ranks, how they may share the training, comma-separated:
         /// ddp (everything replicated), zero1 (optimizer state
-        /// partitioned), zero2 (gradients too).
-        #[arg(long, value_delimiter = ',', default_value = "ddp,zero1,zero2", value_parser = parse_stage)]
-        stages: Vec<workbook_distributed::stage::Stage>,
+        /// partitioned), zero2 (gradients too) [default: all three].
+        #[arg(long, value_delimiter = ',', value_parser = parse_stage)]
+        stages: Option<Vec<workbook_distributed::stage::Stage>>,
         /// With --ranks and --verify, the ranks' time limit in seconds.
         #[arg(long, default_value_t = 1800, value_name = "SECONDS")]
         timeout: u64,
@@ -259,17 +259,13 @@ fn parse_ranks(s: &str) -> Result<usize, String> {
 
 fn parse_stage(s: &str) -> Result<workbook_distributed::stage::Stage, String> {
     use workbook_distributed::stage::Stage;
-    match s {
-        "ddp" => Ok(Stage::Ddp),
-        "zero1" => Ok(Stage::Zero1),
-        "zero2" => Ok(Stage::Zero2),
-        "zero3" => Err(
-            "`zero3` is not among the planner's stages: it needs layers that gather \
-                        their weights for each use, which the GPT's are not; allowed: ddp, \
-                        zero1, zero2"
-                .into(),
-        ),
-        _ => Err(format!("`{s}` is not a stage; allowed: ddp, zero1, zero2")),
+    match Stage::ALL.into_iter().find(|stage| stage.name() == s) {
+        Some(Stage::Zero3) => Err(format!(
+            "`zero3` is not among the planner's stages: {}",
+            workbook_transformer::step::NO_STAGE_3
+        )),
+        Some(stage) => Ok(stage),
+        None => Err(format!("`{s}` is not a stage; allowed: ddp, zero1, zero2")),
     }
 }
 
@@ -904,8 +900,14 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         checkpointing: !no_checkpointing,
         seed: 11,
         ranks: *ranks,
-        stages: stages.clone(),
+        stages: stages.clone().unwrap_or_else(|| {
+            use workbook_distributed::stage::Stage;
+            vec![Stage::Ddp, Stage::Zero1, Stage::Zero2]
+        }),
     };
+    if stages.is_some() && *ranks == 1 {
+        anyhow::bail!("`--stages` shares the training between ranks; give `--ranks` 2 or more");
+    }
     request.batch_per_rank()?;
     if *verify && *ranks > 1 && !workbook_distributed::launch::built_with_mpi() {
         anyhow::bail!(
@@ -990,16 +992,12 @@ fn verify_on_ranks(
         serde_json::to_string(&v)?,
     ];
     let ran = workbook_distributed::launch::run_ranks(ranks, timeout, dir.path(), &args)?;
+    let (each, unread): (Vec<Verification>, _) =
+        workbook_distributed::launch::gather(dir.path(), ranks, |dir, rank| {
+            dir.join(format!("verify-{rank}.json"))
+        });
     let mut problems = ran.problems();
-    let mut each: Vec<Verification> = Vec::new();
-    for rank in 0..ranks {
-        let path = dir.path().join(format!("verify-{rank}.json"));
-        match std::fs::read(&path).map(|b| serde_json::from_slice(&b)) {
-            Ok(Ok(report)) => each.push(report),
-            Ok(Err(e)) => problems.push(format!("rank {rank}'s report does not read: {e}")),
-            Err(_) => problems.push(format!("no report from rank {rank}")),
-        }
-    }
+    problems.extend(unread);
     if let Some(error) = ran.error(&problems) {
         anyhow::bail!("the verification on {ranks} ranks failed: {error}");
     }

@@ -211,7 +211,7 @@ pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
                 "Nothing fits in {}{}: the smallest option, {}{} layers in {}{} one sequence at a \
                  time, needs {} (measured for one sequence: {}, parameters, gradients and \
                  optimizer state included{sum}), and {:.0}% more as a margin for the \
-                 prediction. A smaller model, a shorter sequence or more memory would fit.",
+                 prediction. A smaller model, a shorter sequence or more memory would fit.{}",
                 bytes(plan.budget),
                 if plan.ranks > 1 { " per rank" } else { "" },
                 c.stage.map(sharing).unwrap_or_default(),
@@ -225,6 +225,12 @@ pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
                 bytes(c.peak(batch, 1)),
                 bytes(c.peaks[0]),
                 100.0 * plan.margin,
+                if plan.ranks > 1 {
+                    " So would more ranks (`--ranks`) with ZeRO stage 1 or 2, each then holding \
+                     a smaller share of the optimizer state."
+                } else {
+                    ""
+                },
             )
         }
         None => format!(

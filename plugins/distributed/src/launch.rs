@@ -195,8 +195,13 @@ pub fn run_ranks(
         .map_err(|e| anyhow::anyhow!("mpirun could not be started ({e}): {INSTALL}"))?;
     let start = Instant::now();
     let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break Some(status);
+        match child.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) => {}
+            Err(e) => {
+                stop(&mut child, dir);
+                return Err(e).context("waiting for mpirun");
+            }
         }
         if start.elapsed() > timeout {
             stop(&mut child, dir);
@@ -209,6 +214,30 @@ pub fn run_ranks(
         log: std::fs::read_to_string(&log).unwrap_or_default(),
         timeout,
     })
+}
+
+/// Reads the JSON report each of `ranks` ranks wrote into `dir` (`path(dir,
+/// rank)`): those that read, in rank order, and what is wrong with the
+/// others (one line for the missing ones).
+pub fn gather<T: serde::de::DeserializeOwned>(
+    dir: &Path,
+    ranks: usize,
+    path: impl Fn(&Path, usize) -> PathBuf,
+) -> (Vec<T>, Vec<String>) {
+    let (mut reports, mut problems, mut missing) = (Vec::new(), Vec::new(), Vec::new());
+    for rank in 0..ranks {
+        match std::fs::read(path(dir, rank)) {
+            Ok(bytes) => match serde_json::from_slice(&bytes) {
+                Ok(report) => reports.push(report),
+                Err(e) => problems.push(format!("rank {rank}'s report does not read: {e}")),
+            },
+            Err(_) => missing.push(rank),
+        }
+    }
+    if !missing.is_empty() {
+        problems.push(format!("no report from rank(s) {missing:?}"));
+    }
+    (reports, problems)
 }
 
 /// Runs `job` under `mpirun` and gathers the ranks' reports. Fails only
@@ -230,23 +259,13 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         serde_json::to_string(&request)?,
     ];
     let ran = run_ranks(job.ranks, job.timeout, dir.path(), &args)?;
-    let mut outcome = Outcome::default();
-    let mut missing = Vec::new();
-    let mut problems = Vec::new();
-    for rank in 0..job.ranks {
-        let path = report_path(dir.path(), rank);
-        match std::fs::read(&path) {
-            Ok(bytes) => match serde_json::from_slice(&bytes) {
-                Ok(report) => outcome.reports.push(report),
-                Err(e) => problems.push(format!("rank {rank}'s report does not read: {e}")),
-            },
-            Err(_) => missing.push(rank),
-        }
-    }
-    problems.extend(ran.problems());
-    if !missing.is_empty() {
-        problems.push(format!("no report from rank(s) {missing:?}"));
-    }
+    let (reports, unread) = gather(dir.path(), job.ranks, report_path);
+    let mut outcome = Outcome {
+        reports,
+        error: None,
+    };
+    let mut problems = ran.problems();
+    problems.extend(unread);
     let complete = outcome
         .reports
         .iter()

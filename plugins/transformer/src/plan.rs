@@ -12,14 +12,18 @@
 //! a few percent in every case measured, where the one through 1 and 2 fell
 //! 8% short at batch 16. A micro-batch of `m >= 2` sequences is predicted
 //! on that line, one sequence at a time is measured; when gradients are
-//! accumulated over several micro-batches, the sum they are added into
-//! (the parameters' size) comes on top.
+//! accumulated over several micro-batches, the later micro-batches hold the
+//! sum they are added into beside their own peak (the parameters' size, or
+//! under ZeRO stage 2 the rank's f32 blocks of it), and the step's peak is
+//! the first micro-batch's or a later one's, whichever is higher.
 //!
 //! On N ranks (data parallelism, ZeRO stage 1 or 2), the budget is each
 //! rank's and each rank trains on `batch / N` sequences. A rank's steps are
 //! calibrated in this one process over a [`Rehearsal`] of the job: the
 //! collectives allocate what a real rank's do, the peers are stand-ins, so
-//! the calibration measures one rank's bytes without starting any; the
+//! the calibration measures what one rank allocates through Rust's
+//! allocator without starting any (the MPI library's own buffers are
+//! outside the count, in the calibration and on the real ranks alike); the
 //! verification runs the real ranks.
 
 use std::path::PathBuf;
@@ -300,10 +304,11 @@ fn rehearsal(ranks: usize, stage: Stage) -> anyhow::Result<Parallel> {
 
 /// The options from calibrations: for each, the whole batch and the
 /// largest micro-batch that fits; the fastest that fits is chosen.
+/// `req`'s batch must split evenly over its ranks ([`plan`] checks it).
 pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     let mut candidates = Vec::new();
-    // A request that passed `plan` splits evenly.
-    let batch = req.batch_per_rank().unwrap_or(req.batch);
+    debug_assert!(req.batch_per_rank().is_ok(), "a batch that splits evenly");
+    let batch = req.batch / req.ranks.max(1);
     for c in &calibrations {
         let mut micros = vec![batch];
         let fits = |peak: u64| peak as f64 * (1.0 + req.margin) <= req.budget as f64;

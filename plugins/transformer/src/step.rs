@@ -88,6 +88,10 @@ impl StepShape {
     }
 }
 
+/// Why stage 3 is not among the ways this model trains on ranks.
+pub const NO_STAGE_3: &str = "ZeRO stage 3 needs layers that gather their weights for each use \
+     (candle-distributed's ShardedLinear), which the GPT's are not; allowed: ddp, zero1, zero2";
+
 /// One rank of a data-parallel job: its ranks and how they share the
 /// training.
 #[derive(Debug, Clone)]
@@ -104,11 +108,7 @@ impl Parallel {
     /// `stage` on `comm`, stage 3 refused.
     pub fn new(comm: Arc<Comm>, stage: Stage) -> anyhow::Result<Self> {
         if stage == Stage::Zero3 {
-            anyhow::bail!(
-                "ZeRO stage 3 needs layers that gather their weights for each use \
-                 (candle-distributed's ShardedLinear), which the GPT's are not; allowed: \
-                 ddp, zero1, zero2"
-            );
+            anyhow::bail!("{NO_STAGE_3}");
         }
         Ok(Self { comm, stage })
     }
@@ -161,8 +161,10 @@ impl Update {
         Ok(())
     }
 
-    /// The update from whole gradients (`None` for stage 2, which holds
-    /// its blocks already).
+    /// The update: from whole gradients, or for stage 2 (`grads` `None`)
+    /// from the blocks it holds already. Stage 1 keeps the whole gradients
+    /// until its update ends, as ZeRO's stage 1 does: that, and no more, is
+    /// what stage 2 saves here.
     fn step(&mut self, grads: Option<GradStore>) -> anyhow::Result<()> {
         match (self, grads) {
             (Update::Whole(opt, None), Some(g)) => opt.step(&g)?,
@@ -170,7 +172,10 @@ impl Update {
                 ddp.average(&mut g)?;
                 opt.step(&g)?;
             }
-            (Update::Zero(opt, Stage::Zero2), _) => opt.step_reduced()?,
+            (Update::Zero(opt, Stage::Zero2), None) => opt.step_reduced()?,
+            (Update::Zero(_, Stage::Zero2), Some(_)) => {
+                anyhow::bail!("ZeRO stage 2 was handed whole gradients at its update")
+            }
             (Update::Zero(opt, _), Some(g)) => opt.step(&g)?,
             (_, None) => anyhow::bail!("a step of an empty batch"),
         }
@@ -186,8 +191,9 @@ impl Update {
 /// With `parallel`, the step is one rank's: `shape.batch` is this rank's
 /// share of the batch (its own sequences), and the gradients are averaged
 /// over the ranks (DDP) or reduce-scattered into this rank's blocks, which
-/// it updates and all-gathers (ZeRO stage 1 after the backward, stage 2 as
-/// the backward makes each gradient, keeping only the blocks).
+/// it updates and all-gathers (ZeRO stage 1 at the update, the whole
+/// gradients kept until it ends; stage 2 after each micro-batch's backward,
+/// each whole gradient dropped once its block is kept).
 pub fn measured_step(
     ctx: &mut Context,
     name: String,

@@ -11,10 +11,11 @@ use crate::comm::Engine;
 ///
 /// Every collective takes and fills buffers of exactly the lengths a real
 /// rank's would, so a step run over it allocates, to the byte, what one
-/// rank of a real job allocates, and its [`Traffic`](crate::Traffic) counts
-/// what that rank would send: the way to measure a rank's memory for N
-/// ranks on one machine before starting any (`workbook plan --ranks N`
-/// does). The values are not a real job's: the blocks gathered from the
+/// rank of a real job allocates around the collectives (the communication
+/// library's own buffers are its business, on a real rank too), and its
+/// [`Traffic`](crate::Traffic) counts what that rank would send: the way to
+/// measure a rank's memory for N ranks on one machine before starting any
+/// (`workbook plan --ranks N` does). The values are not a real job's: the blocks gathered from the
 /// stand-ins are copies of this rank's own, so the parameters outside its
 /// block are wrong after a sharded step.
 ///
@@ -143,6 +144,17 @@ mod tests {
                 "{first:?}"
             );
         }
+        Ok(())
+    }
+
+    #[test]
+    fn the_mean_over_identical_stand_ins_is_this_ranks_own_block() -> Result<()> {
+        let dev = Device::Cpu;
+        let comm = Comm::new(Rehearsal::new(4)?);
+        let grad = Tensor::arange(1f32, 11.0, &dev)?;
+        let mean = crate::split::reduce_scatter_mean(&comm, &grad, Split::new(10, 4), &dev)?;
+        // Rank 0's block of 3: the sum over 4 copies, divided by 4.
+        assert_eq!(mean.to_vec1::<f32>()?, [1.0, 2.0, 3.0]);
         Ok(())
     }
 }
