@@ -44,6 +44,8 @@ pub mod excerpt;
 #[cfg(feature = "runner")]
 pub mod external;
 #[cfg(feature = "runner")]
+pub mod kernel;
+#[cfg(feature = "runner")]
 pub mod new_plugin;
 pub mod notebook;
 #[cfg(feature = "runner")]

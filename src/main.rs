@@ -35,6 +35,27 @@ struct Cli {
     command: Command,
 }
 
+/// What `workbook kernel` does.
+#[derive(Subcommand, Debug)]
+enum KernelAction {
+    /// Write the kernel spec into Jupyter's kernels folder.
+    Install {
+        /// evcxr's Jupyter kernel [default: workbook-kernel beside this
+        /// executable (built with --features evcxr), else evcxr_jupyter on
+        /// PATH or in ~/.cargo/bin].
+        #[arg(long, value_name = "FILE")]
+        evcxr: Option<PathBuf>,
+        /// The interposer, libworkbook_preload.so [default: beside this
+        /// executable].
+        #[arg(long, value_name = "FILE")]
+        preload: Option<PathBuf>,
+        /// The kernel spec's folder [default: Jupyter's user data folder's
+        /// kernels/rust-workbook].
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// List the chapters and their cells.
@@ -100,6 +121,13 @@ enum Command {
     /// parameters (docs/chapter.schema.json holds the built-in plugins'),
     /// for editors that check TOML against a schema.
     Schema,
+    /// Install the "Rust (workbook)" Jupyter kernel: evcxr's kernel with
+    /// the workbook's allocation interposer preloaded, so that notebook
+    /// cells measure their memory exactly, by category.
+    Kernel {
+        #[command(subcommand)]
+        action: KernelAction,
+    },
     /// Create a plugin crate that builds against the SDK and runs as it is:
     /// build it, put its binary on PATH, and name it in a chapter.
     NewPlugin {
@@ -400,6 +428,26 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
         }
         Command::Describe { plugin, format } => describe(wb, plugin.as_deref(), *format),
         Command::Plan { .. } => plan(&cli.command),
+        Command::Kernel {
+            action:
+                KernelAction::Install {
+                    evcxr,
+                    preload,
+                    dir,
+                },
+        } => {
+            let dir = workbook::kernel::install(&workbook::kernel::Install {
+                evcxr: evcxr.clone(),
+                preload: preload.clone(),
+                dir: dir.clone(),
+            })?;
+            say(&format!(
+                "Installed the \"Rust (workbook)\" kernel ({}) in {}\n",
+                workbook::kernel::KERNEL_NAME,
+                dir.display()
+            ))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::NewPlugin { name, path, sdk } => {
             new_plugin(wb, name, path.as_deref(), sdk.as_deref())
         }

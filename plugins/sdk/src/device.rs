@@ -113,7 +113,8 @@ pub fn select(choice: DeviceChoice) -> std::result::Result<Device, String> {
 }
 
 /// The meter for `device`: the CUDA memory pool on a GPU, the counting
-/// allocator on the CPU.
+/// allocator on the CPU (or, in a Jupyter kernel, the interposer that
+/// counts in its place).
 pub fn meter_for(
     device: &Device,
 ) -> std::result::Result<std::sync::Arc<dyn crate::Meter>, crate::meter::MeterError> {
@@ -123,7 +124,14 @@ pub fn meter_for(
         return Ok(std::sync::Arc::new(meter));
     }
     let _ = device;
-    Ok(std::sync::Arc::new(crate::meter::CpuMeter::new()?))
+    match crate::meter::CpuMeter::new() {
+        Ok(meter) => Ok(std::sync::Arc::new(meter)),
+        // A process counted by the interposer (a Jupyter kernel).
+        Err(e) => match crate::meter::KernelMeter::new() {
+            Ok(meter) => Ok(std::sync::Arc::new(meter)),
+            Err(_) => Err(e),
+        },
+    }
 }
 
 /// How a report names `device`: `cpu`, `cuda:0 (NVIDIA H100 80GB HBM3)`.

@@ -13,6 +13,17 @@
 //! thread (see [`Category::enter`]). The tag lives in a small header in front of
 //! the block, so a free is charged to the category that allocated it, wherever
 //! it is freed.
+//!
+//! # In a Jupyter kernel
+//!
+//! A process whose global allocator is not ours (evcxr's kernel, which runs
+//! each notebook cell as a library of its own, each with its own copy of
+//! this crate) is counted by the `workbook-preload` library instead:
+//! loaded with `LD_PRELOAD`, it takes the C allocator's place, keeps the
+//! same counters with the same headers (through [`raw`]), and exports them.
+//! [`KernelMeter`] reads them, and the tags set here ([`Category::enter`],
+//! [`Residency::enter`], [`swap_tags`]) are set there too, so every cell's
+//! copy of this crate shares one set of counters.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -77,7 +88,7 @@ impl Category {
     /// dropped; the previous tag is restored then, so scopes nest.
     #[must_use = "the category applies only while the guard lives"]
     pub fn enter(self) -> CategoryGuard {
-        let previous = CURRENT_CATEGORY.with(|c| c.replace(self as u8));
+        let previous = set_tag(Tag::Category, self as u8);
         CategoryGuard { previous }
     }
 
@@ -89,7 +100,12 @@ impl Category {
 
     /// The category that allocations on this thread are tagged with now.
     pub fn current() -> Category {
-        Category::ALL[current_category() as usize]
+        let tag = match interposer() {
+            // SAFETY: the interposer's export, with its documented signature.
+            Some(i) => unsafe { (i.get_tag)(Tag::Category as u32) },
+            None => current_category(),
+        };
+        Category::ALL[tag as usize % CATEGORIES]
     }
 }
 
@@ -101,8 +117,7 @@ pub struct CategoryGuard {
 
 impl Drop for CategoryGuard {
     fn drop(&mut self) {
-        let previous = self.previous;
-        let _ = CURRENT_CATEGORY.try_with(|c| c.set(previous));
+        set_tag(Tag::Category, self.previous);
     }
 }
 
@@ -126,7 +141,7 @@ impl Residency {
     /// is dropped; scopes nest.
     #[must_use = "the residency applies only while the guard lives"]
     pub fn enter(self) -> ResidencyGuard {
-        let previous = CURRENT_RESIDENCY.with(|c| c.replace(self as u8));
+        let previous = set_tag(Tag::Residency, self as u8);
         ResidencyGuard { previous }
     }
 
@@ -141,15 +156,39 @@ impl Residency {
 /// returns the previous tags packed for [`restore_tags`]: the two halves of
 /// a scope whose guard cannot be held (an observer's enter and leave).
 pub fn swap_tags(category: Category, residency: Residency) -> u64 {
-    let c = CURRENT_CATEGORY.with(|c| c.replace(category as u8));
-    let r = CURRENT_RESIDENCY.with(|r| r.replace(residency as u8));
+    let c = set_tag(Tag::Category, category as u8);
+    let r = set_tag(Tag::Residency, residency as u8);
     u64::from(c) | (u64::from(r) << 8)
 }
 
 /// Restores tags that [`swap_tags`] returned.
 pub fn restore_tags(previous: u64) {
-    let _ = CURRENT_CATEGORY.try_with(|c| c.set((previous & 0xff) as u8));
-    let _ = CURRENT_RESIDENCY.try_with(|r| r.set(((previous >> 8) & 0xff) as u8));
+    set_tag(Tag::Category, (previous & 0xff) as u8);
+    set_tag(Tag::Residency, ((previous >> 8) & 0xff) as u8);
+}
+
+/// The two tags of this thread's allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum Tag {
+    Category = 0,
+    Residency = 1,
+}
+
+/// Sets one of this thread's tags, here and in the interposer when there
+/// is one (whose value, the one that counts then, is returned as the
+/// previous one).
+fn set_tag(which: Tag, value: u8) -> u8 {
+    let cell = match which {
+        Tag::Category => &CURRENT_CATEGORY,
+        Tag::Residency => &CURRENT_RESIDENCY,
+    };
+    let local = cell.try_with(|c| c.replace(value)).unwrap_or(0);
+    match interposer() {
+        // SAFETY: the interposer's export, with its documented signature.
+        Some(i) => unsafe { (i.swap_tag)(which as u32, value) },
+        None => local,
+    }
 }
 
 /// Restores the previous residency when dropped; see [`Residency::enter`].
@@ -160,8 +199,7 @@ pub struct ResidencyGuard {
 
 impl Drop for ResidencyGuard {
     fn drop(&mut self) {
-        let previous = self.previous;
-        let _ = CURRENT_RESIDENCY.try_with(|c| c.set(previous));
+        set_tag(Tag::Residency, self.previous);
     }
 }
 
@@ -621,7 +659,8 @@ pub enum MeterError {
     #[error(
         "the counting allocator is not installed: add \
          `#[global_allocator] static A: workbook_sdk::meter::CountingAllocator = \
-         workbook_sdk::meter::CountingAllocator;` to the binary"
+         workbook_sdk::meter::CountingAllocator;` to the binary (in a Jupyter notebook, use \
+         the \"Rust (workbook)\" kernel that `workbook kernel install` installs)"
     )]
     NotInstalled,
     /// The CUDA device's memory could not be read.
@@ -647,16 +686,109 @@ impl Meter for CpuMeter {
     }
 
     fn snapshot(&self) -> MemorySnapshot {
-        let load = |a: &[AtomicU64; CATEGORIES]| {
-            ByCategory(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)))
+        raw::counts().snapshot()
+    }
+
+    fn push_peak(&self) {
+        push_cpu_frame();
+    }
+
+    fn pop_peak(&self) {
+        pop_cpu_frame();
+    }
+}
+
+/// The counters, for an allocation interposer that keeps them in place of
+/// [`CountingAllocator`] (the `workbook-preload` library, in a Jupyter
+/// kernel). Nothing here allocates, so it may be called from inside an
+/// allocator.
+pub mod raw {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    /// The tag of an allocation made on this thread now: the category, plus
+    /// [`CATEGORIES`] when it is host-resident.
+    pub fn tag() -> u8 {
+        current_tag()
+    }
+
+    /// Counts `bytes` allocated under `tag`.
+    pub fn allocated(tag: u8, bytes: u64) {
+        record_alloc(tag, bytes)
+    }
+
+    /// Counts `bytes` freed that were allocated under `tag`.
+    pub fn freed(tag: u8, bytes: u64) {
+        record_free(tag, bytes)
+    }
+
+    /// Sets this thread's category (`which` 0) or residency (1) tag in this
+    /// copy of the counters only, returning the previous value.
+    pub fn swap_local_tag(which: u32, value: u8) -> u8 {
+        let cell = if which == 0 {
+            &CURRENT_CATEGORY
+        } else {
+            &CURRENT_RESIDENCY
         };
-        // The device half (tags 0..6) or the host half (6..12) of a tag array.
-        let half = |a: &[AtomicU64; 2 * CATEGORIES], host: bool| {
-            ByCategory(std::array::from_fn(|i| {
-                a[i + CATEGORIES * usize::from(host)].load(Ordering::Relaxed)
-            }))
+        cell.try_with(|c| c.replace(value)).unwrap_or(0)
+    }
+
+    /// This thread's category (`which` 0) or residency (1) tag in this copy
+    /// of the counters.
+    pub fn local_tag(which: u32) -> u8 {
+        let cell = if which == 0 {
+            &CURRENT_CATEGORY
+        } else {
+            &CURRENT_RESIDENCY
         };
-        MemorySnapshot {
+        cell.try_with(|c| c.get()).unwrap_or(0)
+    }
+
+    /// Opens a peak frame of these counters ([`Meter::push_peak`]).
+    pub fn push_frame() {
+        push_cpu_frame()
+    }
+
+    /// Closes one ([`Meter::pop_peak`]).
+    pub fn pop_frame() {
+        pop_cpu_frame()
+    }
+
+    /// Every counter at one moment, laid out for a C interface.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct Counts {
+        /// Bytes live, by category.
+        pub current: [u64; CATEGORIES],
+        /// The highest total.
+        pub peak: u64,
+        /// The split at that peak.
+        pub peak_by_category: [u64; CATEGORIES],
+        /// Each category's own highest.
+        pub peak_each: [u64; CATEGORIES],
+        /// Host-resident bytes live, by category.
+        pub host: [u64; CATEGORIES],
+        /// Each category's highest on the device.
+        pub device_peak_each: [u64; CATEGORIES],
+        /// Each category's highest on the host.
+        pub host_peak_each: [u64; CATEGORIES],
+        /// Blocks live.
+        pub live_blocks: u64,
+        /// The most blocks live at once.
+        pub peak_blocks: u64,
+    }
+
+    /// Reads the counters.
+    pub fn counts() -> Counts {
+        let load = |a: &[AtomicU64; CATEGORIES]| -> [u64; CATEGORIES] {
+            std::array::from_fn(|i| a[i].load(Ordering::Relaxed))
+        };
+        // The device half (tags 0..7) or the host half (7..14) of a tag array.
+        let half = |a: &[AtomicU64; 2 * CATEGORIES], host: bool| -> [u64; CATEGORIES] {
+            std::array::from_fn(|i| a[i + CATEGORIES * usize::from(host)].load(Ordering::Relaxed))
+        };
+        Counts {
             current: load(&CURRENT),
             peak: PEAK.load(Ordering::Relaxed),
             peak_by_category: load(&PEAK_BY_CATEGORY),
@@ -666,15 +798,134 @@ impl Meter for CpuMeter {
             host_peak_each: half(&PEAK_EACH_TAG, true),
             live_blocks: BLOCKS.load(Ordering::Relaxed),
             peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
-            pool: None,
         }
     }
 
+    impl Counts {
+        /// As a meter's snapshot.
+        pub fn snapshot(&self) -> MemorySnapshot {
+            MemorySnapshot {
+                current: ByCategory(self.current),
+                peak: self.peak,
+                peak_by_category: ByCategory(self.peak_by_category),
+                peak_each: ByCategory(self.peak_each),
+                host: ByCategory(self.host),
+                device_peak_each: ByCategory(self.device_peak_each),
+                host_peak_each: ByCategory(self.host_peak_each),
+                live_blocks: self.live_blocks,
+                peak_blocks: self.peak_blocks,
+                pool: None,
+            }
+        }
+    }
+
+    /// The names the interposer exports its counters under; a new layout of
+    /// [`Counts`] takes a new version.
+    pub mod symbols {
+        /// `extern "C" fn(*mut Counts)`.
+        pub const COUNTS: &std::ffi::CStr = c"workbook_heap_v1_counts";
+        /// `extern "C" fn()`.
+        pub const PUSH_FRAME: &std::ffi::CStr = c"workbook_heap_v1_push_frame";
+        /// `extern "C" fn()`.
+        pub const POP_FRAME: &std::ffi::CStr = c"workbook_heap_v1_pop_frame";
+        /// `extern "C" fn(which: u32, value: u8) -> u8`.
+        pub const SWAP_TAG: &std::ffi::CStr = c"workbook_heap_v1_swap_tag";
+        /// `extern "C" fn(which: u32) -> u8`.
+        pub const GET_TAG: &std::ffi::CStr = c"workbook_heap_v1_get_tag";
+    }
+}
+
+/// The interposer's exports, when this process has one.
+#[derive(Clone, Copy)]
+struct Interposer {
+    counts: unsafe extern "C" fn(*mut raw::Counts),
+    push_frame: unsafe extern "C" fn(),
+    pop_frame: unsafe extern "C" fn(),
+    swap_tag: unsafe extern "C" fn(u32, u8) -> u8,
+    get_tag: unsafe extern "C" fn(u32) -> u8,
+}
+
+/// The `workbook-preload` interposer loaded in this process, if any (looked
+/// up once). Never called from inside the allocator: the look-up may
+/// allocate.
+fn interposer() -> Option<&'static Interposer> {
+    static FOUND: std::sync::OnceLock<Option<Interposer>> = std::sync::OnceLock::new();
+    FOUND
+        .get_or_init(|| {
+            #[cfg(unix)]
+            {
+                use raw::symbols::*;
+                let find = |name: &std::ffi::CStr| {
+                    // SAFETY: dlsym with a NUL-terminated name.
+                    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+                    (!p.is_null()).then_some(p)
+                };
+                // SAFETY: each symbol is the interposer's export of the
+                // signature documented in `raw::symbols`, same version.
+                type Counts = unsafe extern "C" fn(*mut raw::Counts);
+                type Frame = unsafe extern "C" fn();
+                type SwapTag = unsafe extern "C" fn(u32, u8) -> u8;
+                type GetTag = unsafe extern "C" fn(u32) -> u8;
+                type Sym = *mut libc::c_void;
+                unsafe {
+                    Some(Interposer {
+                        counts: std::mem::transmute::<Sym, Counts>(find(COUNTS)?),
+                        push_frame: std::mem::transmute::<Sym, Frame>(find(PUSH_FRAME)?),
+                        pop_frame: std::mem::transmute::<Sym, Frame>(find(POP_FRAME)?),
+                        swap_tag: std::mem::transmute::<Sym, SwapTag>(find(SWAP_TAG)?),
+                        get_tag: std::mem::transmute::<Sym, GetTag>(find(GET_TAG)?),
+                    })
+                }
+            }
+            #[cfg(not(unix))]
+            None
+        })
+        .as_ref()
+}
+
+/// The meter of a process counted by the `workbook-preload` interposer (a
+/// Jupyter kernel started by `workbook kernel install`'s kernel spec):
+/// exact as [`CpuMeter`], over the interposer's one set of counters.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelMeter {
+    _private: (),
+}
+
+impl KernelMeter {
+    /// The meter, when this process has the interposer.
+    pub fn new() -> Result<Self, MeterError> {
+        match interposer() {
+            Some(_) => Ok(Self { _private: () }),
+            None => Err(MeterError::NotInstalled),
+        }
+    }
+}
+
+impl Meter for KernelMeter {
+    fn name(&self) -> &'static str {
+        "cpu-interposer"
+    }
+
+    fn snapshot(&self) -> MemorySnapshot {
+        let mut counts = raw::Counts::default();
+        if let Some(i) = interposer() {
+            // SAFETY: the export fills the `Counts` it is given.
+            unsafe { (i.counts)(&mut counts) };
+        }
+        counts.snapshot()
+    }
+
     fn push_peak(&self) {
-        push_cpu_frame();
+        if let Some(i) = interposer() {
+            // SAFETY: the interposer's export, no arguments.
+            unsafe { (i.push_frame)() }
+        }
     }
 
     fn pop_peak(&self) {
-        pop_cpu_frame();
+        if let Some(i) = interposer() {
+            // SAFETY: the interposer's export, no arguments.
+            unsafe { (i.pop_frame)() }
+        }
     }
 }
