@@ -473,12 +473,19 @@ fn restart_peaks() {
 /// # Panics
 /// When frames nest deeper than [`MAX_PEAK_FRAMES`].
 fn push_cpu_frame() {
-    let mut frames = frames();
-    let depth = frames.depth;
     assert!(
-        depth < MAX_PEAK_FRAMES,
+        try_push_cpu_frame(),
         "memory regions nest at most {MAX_PEAK_FRAMES} deep"
     );
+}
+
+/// [`push_cpu_frame`], false instead of a panic when frames nest too deep.
+fn try_push_cpu_frame() -> bool {
+    let mut frames = frames();
+    let depth = frames.depth;
+    if depth >= MAX_PEAK_FRAMES {
+        return false;
+    }
     frames.saved[depth] = SavedPeaks {
         peak: PEAK.load(Ordering::Relaxed),
         peak_by_category: load_all(&PEAK_BY_CATEGORY),
@@ -488,6 +495,7 @@ fn push_cpu_frame() {
     };
     frames.depth += 1;
     restart_peaks();
+    true
 }
 
 /// Closes a frame, folding its peaks into the enclosing one's; a pop with no
@@ -663,6 +671,20 @@ pub enum MeterError {
          the \"Rust (workbook)\" kernel that `workbook kernel install` installs)"
     )]
     NotInstalled,
+    /// The interposer is loaded but does not count this process (only
+    /// evcxr's runtime, or a process with `WORKBOOK_HEAP_COUNT=1`).
+    #[error(
+        "the allocation interposer is loaded but does not count this process: it counts \
+         evcxr's runtime (EVCXR_IS_RUNTIME set) or a process started with WORKBOOK_HEAP_COUNT=1"
+    )]
+    NotCounting,
+    /// `LD_PRELOAD` names the interposer, which is not in the process.
+    #[error(
+        "LD_PRELOAD is `{0}`, but the allocation interposer is not loaded (the file moved or \
+         was rebuilt away?): build it (`cargo build --release -p workbook-preload`) and run \
+         `workbook kernel install` again, then restart the kernel"
+    )]
+    PreloadFailed(String),
     /// The CUDA device's memory could not be read.
     #[error("cannot read CUDA memory: {0}")]
     Cuda(String),
@@ -707,12 +729,6 @@ pub mod raw {
 
     use super::*;
 
-    /// The tag of an allocation made on this thread now: the category, plus
-    /// [`CATEGORIES`] when it is host-resident.
-    pub fn tag() -> u8 {
-        current_tag()
-    }
-
     /// Counts `bytes` allocated under `tag`.
     pub fn allocated(tag: u8, bytes: u64) {
         record_alloc(tag, bytes)
@@ -723,31 +739,19 @@ pub mod raw {
         record_free(tag, bytes)
     }
 
-    /// Sets this thread's category (`which` 0) or residency (1) tag in this
-    /// copy of the counters only, returning the previous value.
-    pub fn swap_local_tag(which: u32, value: u8) -> u8 {
-        let cell = if which == 0 {
-            &CURRENT_CATEGORY
-        } else {
-            &CURRENT_RESIDENCY
-        };
-        cell.try_with(|c| c.replace(value)).unwrap_or(0)
+    /// The tag of an allocation under `category` (0 to [`CATEGORIES`] - 1)
+    /// and `residency` (0 device, 1 host), or `None` out of range: for an
+    /// interposer that keeps the thread's tags itself.
+    pub fn tag_of(category: u8, residency: u8) -> Option<u8> {
+        (usize::from(category) < CATEGORIES && residency <= 1)
+            .then(|| category + CATEGORIES as u8 * residency)
     }
 
-    /// This thread's category (`which` 0) or residency (1) tag in this copy
-    /// of the counters.
-    pub fn local_tag(which: u32) -> u8 {
-        let cell = if which == 0 {
-            &CURRENT_CATEGORY
-        } else {
-            &CURRENT_RESIDENCY
-        };
-        cell.try_with(|c| c.get()).unwrap_or(0)
-    }
-
-    /// Opens a peak frame of these counters ([`Meter::push_peak`]).
-    pub fn push_frame() {
-        push_cpu_frame()
+    /// Opens a peak frame of these counters ([`Meter::push_peak`]); false,
+    /// and nothing opened, when frames already nest [`MAX_PEAK_FRAMES`]
+    /// deep.
+    pub fn push_frame() -> bool {
+        try_push_cpu_frame()
     }
 
     /// Closes one ([`Meter::pop_peak`]).
@@ -755,7 +759,9 @@ pub mod raw {
         pop_cpu_frame()
     }
 
-    /// Every counter at one moment, laid out for a C interface.
+    /// Every counter at one moment, laid out for a C interface. An
+    /// interposer reports its size ([`symbols::LAYOUT`]); a reader whose
+    /// size differs does not read it.
     #[repr(C)]
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct Counts {
@@ -822,13 +828,18 @@ pub mod raw {
     /// The names the interposer exports its counters under; a new layout of
     /// [`Counts`] takes a new version.
     pub mod symbols {
+        /// `extern "C" fn() -> usize`: the size of its [`Counts`](super::Counts).
+        pub const LAYOUT: &std::ffi::CStr = c"workbook_heap_v1_layout";
+        /// `extern "C" fn() -> bool`: whether it counts this process.
+        pub const COUNTING: &std::ffi::CStr = c"workbook_heap_v1_counting";
         /// `extern "C" fn(*mut Counts)`.
         pub const COUNTS: &std::ffi::CStr = c"workbook_heap_v1_counts";
-        /// `extern "C" fn()`.
+        /// `extern "C" fn() -> bool`: false when frames nest too deep.
         pub const PUSH_FRAME: &std::ffi::CStr = c"workbook_heap_v1_push_frame";
         /// `extern "C" fn()`.
         pub const POP_FRAME: &std::ffi::CStr = c"workbook_heap_v1_pop_frame";
-        /// `extern "C" fn(which: u32, value: u8) -> u8`.
+        /// `extern "C" fn(which: u32, value: u8) -> u8`: `which` 0 the
+        /// category, 1 the residency; a value out of range is not set.
         pub const SWAP_TAG: &std::ffi::CStr = c"workbook_heap_v1_swap_tag";
         /// `extern "C" fn(which: u32) -> u8`.
         pub const GET_TAG: &std::ffi::CStr = c"workbook_heap_v1_get_tag";
@@ -838,8 +849,9 @@ pub mod raw {
 /// The interposer's exports, when this process has one.
 #[derive(Clone, Copy)]
 struct Interposer {
+    counting: unsafe extern "C" fn() -> bool,
     counts: unsafe extern "C" fn(*mut raw::Counts),
-    push_frame: unsafe extern "C" fn(),
+    push_frame: unsafe extern "C" fn() -> bool,
     pop_frame: unsafe extern "C" fn(),
     swap_tag: unsafe extern "C" fn(u32, u8) -> u8,
     get_tag: unsafe extern "C" fn(u32) -> u8,
@@ -863,14 +875,22 @@ fn interposer() -> Option<&'static Interposer> {
                 // SAFETY: each symbol is the interposer's export of the
                 // signature documented in `raw::symbols`, same version.
                 type Counts = unsafe extern "C" fn(*mut raw::Counts);
+                type Layout = unsafe extern "C" fn() -> usize;
+                type Flag = unsafe extern "C" fn() -> bool;
                 type Frame = unsafe extern "C" fn();
                 type SwapTag = unsafe extern "C" fn(u32, u8) -> u8;
                 type GetTag = unsafe extern "C" fn(u32) -> u8;
                 type Sym = *mut libc::c_void;
                 unsafe {
+                    // Another layout of the counters is another interposer's.
+                    let layout = std::mem::transmute::<Sym, Layout>(find(LAYOUT)?);
+                    if layout() != std::mem::size_of::<raw::Counts>() {
+                        return None;
+                    }
                     Some(Interposer {
+                        counting: std::mem::transmute::<Sym, Flag>(find(COUNTING)?),
                         counts: std::mem::transmute::<Sym, Counts>(find(COUNTS)?),
-                        push_frame: std::mem::transmute::<Sym, Frame>(find(PUSH_FRAME)?),
+                        push_frame: std::mem::transmute::<Sym, Flag>(find(PUSH_FRAME)?),
                         pop_frame: std::mem::transmute::<Sym, Frame>(find(POP_FRAME)?),
                         swap_tag: std::mem::transmute::<Sym, SwapTag>(find(SWAP_TAG)?),
                         get_tag: std::mem::transmute::<Sym, GetTag>(find(GET_TAG)?),
@@ -892,11 +912,16 @@ pub struct KernelMeter {
 }
 
 impl KernelMeter {
-    /// The meter, when this process has the interposer.
+    /// The meter, when this process has the interposer and it counts.
     pub fn new() -> Result<Self, MeterError> {
         match interposer() {
-            Some(_) => Ok(Self { _private: () }),
-            None => Err(MeterError::NotInstalled),
+            // SAFETY: the interposer's export, no arguments.
+            Some(i) if unsafe { (i.counting)() } => Ok(Self { _private: () }),
+            Some(_) => Err(MeterError::NotCounting),
+            None => match std::env::var("LD_PRELOAD") {
+                Ok(p) if p.contains("workbook_preload") => Err(MeterError::PreloadFailed(p)),
+                _ => Err(MeterError::NotInstalled),
+            },
         }
     }
 }
@@ -918,7 +943,8 @@ impl Meter for KernelMeter {
     fn push_peak(&self) {
         if let Some(i) = interposer() {
             // SAFETY: the interposer's export, no arguments.
-            unsafe { (i.push_frame)() }
+            let opened = unsafe { (i.push_frame)() };
+            assert!(opened, "memory regions nest at most {MAX_PEAK_FRAMES} deep");
         }
     }
 
