@@ -198,67 +198,54 @@ fn bad_input_is_named() {
             String::from_utf8_lossy(&o.stderr).to_string(),
         )
     };
-    let (code, err) = run(&["--budget", "lots"]);
-    assert_eq!(code, Some(2));
-    assert!(err.contains("`lots` is not a size"), "{err}");
-    let (code, err) = run(&["--budget", "1GiB", "--hidden", "66", "--heads", "4"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains("`hidden` is 66; allowed: a multiple of heads (4)"),
-        "{err}"
-    );
-    let (code, err) = run(&["--budget", "1GiB", "--recipes", "fast"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains("`fast` is not a recipe; expected one of: candle, lean, tiled"),
-        "{err}"
-    );
-    let (code, err) = run(&["--budget", "1GiB", "--dtypes", "f8"]);
-    assert_eq!(code, Some(2));
-    assert!(err.contains("`f8` is not a dtype"), "{err}");
-    let (code, err) = run(&["--budget", "1GiB", "--ranks", "3"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains(
-            "a batch of 16 sequences does not split evenly over 3 ranks; allowed: a positive \
-             multiple of 3"
+    // Each bad command line, refused with exit code 2 and the message naming it.
+    let mut refused: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--budget", "lots"], "`lots` is not a size"),
+        (
+            vec!["--budget", "1GiB", "--hidden", "66", "--heads", "4"],
+            "`hidden` is 66; allowed: a multiple of heads (4)",
         ),
-        "{err}"
-    );
-    let (code, err) = run(&["--budget", "1GiB", "--ranks", "0"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains("`0` is not a number of ranks; allowed: 1 to 1024"),
-        "{err}"
-    );
-    let (code, err) = run(&["--budget", "1GiB", "--ranks", "2", "--stages", "zero3"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains("`zero3` is not among the planner's stages"),
-        "{err}"
-    );
-    let (code, err) = run(&["--budget", "1GiB", "--stages", "zero1"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains("`--stages` shares the training between ranks; give `--ranks` 2 or more"),
-        "{err}"
-    );
-    let (code, err) = run(&["--budget", "1GiB", "--ranks", "2", "--stages", "zero9"]);
-    assert_eq!(code, Some(2));
-    assert!(
-        err.contains("`zero9` is not a stage; allowed: ddp, zero1, zero2"),
-        "{err}"
-    );
+        (
+            vec!["--budget", "1GiB", "--recipes", "fast"],
+            "`fast` is not a recipe; expected one of: candle, lean, tiled",
+        ),
+        (
+            vec!["--budget", "1GiB", "--dtypes", "f8"],
+            "`f8` is not a dtype",
+        ),
+        (
+            vec!["--budget", "1GiB", "--ranks", "3"],
+            "a batch of 16 sequences does not split evenly over 3 ranks; allowed: a positive \
+             multiple of 3",
+        ),
+        (
+            vec!["--budget", "1GiB", "--ranks", "0"],
+            "`0` is not a number of ranks; allowed: 1 to 1024",
+        ),
+        (
+            vec!["--budget", "1GiB", "--ranks", "2", "--stages", "zero3"],
+            "`zero3` is not among the planner's stages",
+        ),
+        (
+            vec!["--budget", "1GiB", "--stages", "zero1"],
+            "`--stages` shares the training between ranks; give `--ranks` 2 or more",
+        ),
+        (
+            vec!["--budget", "1GiB", "--ranks", "2", "--stages", "zero9"],
+            "`zero9` is not a stage; allowed: ddp, zero1, zero2",
+        ),
+    ];
     if !cfg!(feature = "mpi") {
-        let (code, err) = run(&["--budget", "1GiB", "--ranks", "2", "--verify"]);
-        assert_eq!(code, Some(2));
-        assert!(
-            err.contains(
-                "--verify with --ranks runs MPI ranks, and this workbook was built \
-                          without the `mpi` feature: install Open MPI"
-            ),
-            "{err}"
-        );
+        refused.push((
+            vec!["--budget", "1GiB", "--ranks", "2", "--verify"],
+            "--verify with --ranks runs MPI ranks, and this workbook was built without the \
+             `mpi` feature: install Open MPI",
+        ));
+    }
+    for (args, message) in refused {
+        let (code, err) = run(&args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
     }
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model.toml");
