@@ -194,6 +194,12 @@ impl DynPlugin for ExternalPlugin {
         self.verdict_of(params).memory_floor
     }
 
+    fn notebook_source(&self) -> Option<workbook_sdk::NotebookSource> {
+        // Its experiment is compiled into another program: a notebook shows
+        // its results.
+        None
+    }
+
     fn run_with(&self, _ctx: &mut Context, _params: &toml::Table) -> anyhow::Result<()> {
         anyhow::bail!(
             "plugin `{}` is an external program ({}); its cells run in their own processes",

@@ -38,6 +38,8 @@ pub mod device;
 pub mod meter;
 pub mod metric;
 #[cfg(feature = "candle")]
+pub mod notebook;
+#[cfg(feature = "candle")]
 pub mod observe;
 pub mod output;
 #[cfg(feature = "candle")]
@@ -61,6 +63,8 @@ pub use serde_json;
 
 pub use meter::{Category, Meter, Residency};
 pub use metric::MetricSpec;
+#[cfg(feature = "candle")]
+pub use notebook::{Edited, NotebookSource};
 pub use output::{CellOutput, Figure, PoolUse, RegionReport, Table, Unit};
 #[cfg(feature = "candle")]
 pub use plugin::{Context, DynPlugin, Plugin, Region};

@@ -66,6 +66,13 @@ pub trait Plugin: Send + Sync + 'static {
     /// metrics against it.
     fn metrics(&self) -> Vec<MetricSpec>;
 
+    /// The experiment's source, for a plugin whose notebook cell shows and
+    /// runs its code (see [`crate::notebook`]); `None`, the default, shows
+    /// the cell's results alone.
+    fn notebook(&self) -> Option<crate::notebook::NotebookSource> {
+        None
+    }
+
     /// Runs the experiment.
     fn run(&self, ctx: &mut Context, params: Self::Params) -> anyhow::Result<()>;
 }
@@ -90,6 +97,8 @@ pub trait DynPlugin: Send + Sync {
     fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError>;
     /// See [`Plugin::memory_floor`]; `None` for a table that does not parse.
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)>;
+    /// See [`Plugin::notebook`].
+    fn notebook_source(&self) -> Option<crate::notebook::NotebookSource>;
     /// Deserialises the parameters and runs.
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()>;
 
@@ -166,6 +175,10 @@ impl<T: Plugin> DynPlugin for T {
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)> {
         let typed: T::Params = parse(params).ok()?;
         self.memory_floor(&typed)
+    }
+
+    fn notebook_source(&self) -> Option<crate::notebook::NotebookSource> {
+        self.notebook()
     }
 
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()> {

@@ -49,3 +49,31 @@ fn a_cell_is_measured_to_the_byte_and_held_to_its_declared_metrics() {
     // What it recorded is kept.
     assert_eq!(extra.output.metrics["peak_buffer"], 12_345.0);
 }
+
+#[test]
+fn an_edited_experiment_runs_measured_and_held_to_the_plugins_metrics() {
+    // The experiment a notebook cell edited: a larger buffer.
+    let edited =
+        workbook_sdk::Edited::new(Buffer { undeclared: false }, |ctx: &mut Context, ()| {
+            let (_, region) = ctx.measure("buffer", |_| {
+                let v = Category::Activations.scope(|| vec![0u8; 54_321]);
+                drop(std::hint::black_box(v));
+                Ok(())
+            })?;
+            ctx.metric("peak_buffer", region.peak_above_baseline() as f64);
+            Ok(())
+        });
+    let ok = workbook_sdk::worker::run_cell(&edited, &(), true).unwrap();
+    assert_eq!(ok.end.error, None);
+    assert_eq!(ok.output.metrics["peak_buffer"], 54_321.0);
+
+    let wrong = workbook_sdk::Edited::new(Buffer { undeclared: false }, |ctx: &mut Context, ()| {
+        ctx.metric("peak", 1.0);
+        Ok(())
+    });
+    let extra = workbook_sdk::worker::run_cell(&wrong, &(), true).unwrap();
+    assert_eq!(
+        extra.end.error.as_deref(),
+        Some("recorded metrics not declared in `Plugin::metrics`: peak")
+    );
+}

@@ -1,0 +1,604 @@
+//! The checkpointing cell's experiment: what `workbook run` executes and
+//! what the chapter's notebook shows in its code cells, a cell per
+//! `// notebook cell` line (see `workbook_sdk::notebook`). Crates are named
+//! by their names, this one's included, so that the same text compiles in a
+//! notebook cell.
+
+use std::time::Instant;
+
+use candle_checkpoint::{checkpoint_sequential, checkpoint_sequential_with, lean_backward, Policy};
+use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
+use workbook_checkpointing::Params;
+use workbook_models::{
+    cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
+};
+use workbook_sdk::anyhow;
+use workbook_sdk::candle::backprop::GradStore;
+use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
+use workbook_sdk::candle_nn::{VarBuilder, VarMap};
+use workbook_sdk::observe::{Marks, Tags};
+use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
+use workbook_sdk::{Category, Context, Figure, Table};
+
+// notebook cell
+/// Runs `layers` one after the other: a stack as one segment.
+pub fn run_segment<M: Module>(layers: &[M], x: &Tensor) -> Result<Tensor> {
+    layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
+}
+
+/// The checkpointing tip's "heavy function": `x + a`, `adds` times.
+#[derive(Debug, Clone)]
+pub struct Heavy {
+    a: Var,
+    adds: usize,
+}
+
+impl Heavy {
+    /// A heavy function sharing the parameter `a`.
+    pub fn new(a: Var, adds: usize) -> Self {
+        Self { a, adds }
+    }
+}
+
+impl Module for Heavy {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        (0..self.adds).try_fold(x.clone(), |h, _| h.broadcast_add(self.a.as_tensor()))
+    }
+}
+
+/// One way of running a forward and backward, measured.
+pub struct Backprop {
+    /// The first run's peak above the region's start.
+    pub peak: u64,
+    /// The first run's peak of activations above the region's start.
+    pub act: u64,
+    /// The median time of the runs.
+    pub time: f64,
+    /// The first run's gradients.
+    pub grads: GradStore,
+}
+
+/// `step` run `repeats` times, each in a region named `name`: the first
+/// run's memory and gradients (later runs only time), the median time.
+pub fn measure_backprop(
+    ctx: &mut Context,
+    name: &str,
+    repeats: usize,
+    mut step: impl FnMut(&mut workbook_sdk::Region) -> anyhow::Result<GradStore>,
+) -> anyhow::Result<Backprop> {
+    let mut first = None;
+    let mut times = Vec::new();
+    for rep in 0..repeats {
+        ctx.progress(&format!("{name}, run {}", rep + 1));
+        let mut region = ctx.region(name);
+        let start = Instant::now();
+        let grads = step(&mut region)?;
+        times.push(start.elapsed().as_secs_f64());
+        if first.is_none() {
+            let r = ctx.end_region(region);
+            first = Some((
+                r.peak_above_baseline(),
+                r.category_peak_above_baseline(Category::Activations),
+                grads,
+            ));
+        }
+    }
+    let Some((peak, act, grads)) = first else {
+        anyhow::bail!("{name}: repeats must be at least 1");
+    };
+    Ok(Backprop {
+        peak,
+        act,
+        time: median(times),
+        grads,
+    })
+}
+
+/// The median of `xs` (NaN when empty).
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+// notebook cell
+/// The deep stack: plain backprop against checkpointing with every segment
+/// count of `p.segments`, and the framework's own cost beside it.
+pub fn sweep(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> {
+    let device = ctx.device().clone();
+    let model = Mlp::stack(
+        rng,
+        p.stack_width,
+        p.stack_depth,
+        Activation::Gelu,
+        DType::F32,
+        &device,
+    )?;
+    let vars = model.vars();
+    let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+        Ok((
+            rng.randn((p.stack_batch, p.stack_width), &device)?,
+            rng.labels(p.stack_batch, p.stack_width as u32, &device)?,
+        ))
+    })?;
+    let head = |h: &Tensor| cross_entropy(h, &y);
+
+    // A forward on candle-nn's layers or the fused ones, then candle's
+    // own backward.
+    let candle_backward = |fused: bool, region: &mut workbook_sdk::Region| {
+        let loss = Category::Activations.scope(|| {
+            let h = if fused {
+                model.forward_fused(&x)?
+            } else {
+                model.forward(&x)?
+            };
+            head(&h)
+        })?;
+        region.mark("after forward");
+        let grads = Category::Gradients
+            .scope(|| -> anyhow::Result<_> { Ok(param_grads(&loss.backward()?, &vars)) })?;
+        drop(loss);
+        region.mark("after backward");
+        Ok(grads)
+    };
+
+    // Plain backprop: the reference for gradients, memory and time.
+    let plain = measure_backprop(ctx, "plain backprop", p.repeats, |r| {
+        candle_backward(false, r)
+    })?;
+    let (plain_peak, plain_act, plain_time) = (plain.peak, plain.act, plain.time);
+    let plain_grads = plain.grads;
+
+    // The same plain backprop with the toolkit's fused layers: the
+    // framework's own overhead, beside what checkpointing saves.
+    let name = "plain backprop, fused layers (candle-lean-nn)";
+    let fused_run = measure_backprop(ctx, name, p.repeats, |r| candle_backward(true, r))?;
+    let lean_diff = grads_max_abs_diff(&plain_grads, &fused_run.grads, &vars)?;
+    let (lean_peak, lean_act, lean_time) = (fused_run.peak, fused_run.act, fused_run.time);
+    drop(fused_run);
+
+    // The fused layers again, under the toolkit's lean backward (each
+    // layer's graph dropped once the backward has passed it, as PyTorch
+    // frees what it saved) and its one-operation cross-entropy.
+    let fused = model.fused_layers()?;
+    let lean_head = |h: &Tensor| candle_lean_nn::cross_entropy(h, &y);
+    let name = "plain backprop, fused layers, lean backward";
+    let driver = measure_backprop(ctx, name, p.repeats, |region| {
+        Ok(lean_backward(&fused, &x, &vars, lean_head, &Marks::new(region))?.grads)
+    })?;
+    let driver_diff = grads_max_abs_diff(&plain_grads, &driver.grads, &vars)?;
+    let (driver_peak, driver_act, driver_time) = (driver.peak, driver.act, driver.time);
+    drop(driver);
+
+    let mut table = Table::new(
+        format!(
+            "{} layers of Linear({w},{w}) + GELU, batch {}",
+            p.stack_depth,
+            p.stack_batch,
+            w = p.stack_width
+        ),
+        &[
+            ("segments", Unit::Count),
+            ("peak", Unit::Bytes),
+            ("vs plain", Unit::Ratio),
+            ("activations at their peak", Unit::Bytes),
+            ("median time", Unit::Seconds),
+            ("time vs plain", Unit::Ratio),
+            ("max |grad diff|", Unit::None),
+        ],
+    );
+    table.row(vec![
+        "plain".into(),
+        plain_peak.into(),
+        1.0.into(),
+        plain_act.into(),
+        plain_time.into(),
+        1.0.into(),
+        0.0.into(),
+    ]);
+    table.row(vec![
+        "plain, fused layers".into(),
+        lean_peak.into(),
+        (lean_peak as f64 / plain_peak as f64).into(),
+        lean_act.into(),
+        lean_time.into(),
+        (lean_time / plain_time).into(),
+        lean_diff.into(),
+    ]);
+    table.row(vec![
+        "plain, fused layers, lean backward".into(),
+        driver_peak.into(),
+        (driver_peak as f64 / plain_peak as f64).into(),
+        driver_act.into(),
+        driver_time.into(),
+        (driver_time / plain_time).into(),
+        driver_diff.into(),
+    ]);
+    let mut points = Vec::new();
+    let mut worst_diff = 0f64;
+    let mut best = (u64::MAX, 0usize, 0f64);
+    let mut best_act = (u64::MAX, 0usize);
+    let mut act_points = Vec::new();
+    for &segments in &p.segments {
+        let mut times = Vec::new();
+        let mut peak = 0;
+        let mut act = 0;
+        for rep in 0..p.repeats {
+            ctx.progress(&format!("{segments} segment(s), run {}", rep + 1));
+            let mut region = ctx.region(format!("checkpointed, {segments} segment(s)"));
+            let start = Instant::now();
+            let out = checkpoint_sequential(
+                model.layers(),
+                segments,
+                &x,
+                &vars,
+                head,
+                &Marks::new(&mut region),
+            )?;
+            region.mark("after backward");
+            times.push(start.elapsed().as_secs_f64());
+            if rep == 0 {
+                worst_diff = worst_diff.max(grads_max_abs_diff(&plain_grads, &out.grads, &vars)?);
+                drop(out);
+                let r = ctx.end_region(region);
+                peak = r.peak_above_baseline();
+                act = r.category_peak_above_baseline(Category::Activations);
+            }
+        }
+        let time = median(times);
+        if peak < best.0 {
+            best = (peak, segments, time);
+        }
+        if act < best_act.0 {
+            best_act = (act, segments);
+        }
+        points.push((segments as f64, peak as f64));
+        act_points.push((segments as f64, act as f64));
+        table.row(vec![
+            segments.into(),
+            peak.into(),
+            (peak as f64 / plain_peak as f64).into(),
+            act.into(),
+            time.into(),
+            (time / plain_time).into(),
+            worst_diff.into(),
+        ]);
+    }
+    ctx.table(table);
+    // What is cut into segments is the stack's modules, a Linear and a
+    // GELU per block: n is 2 × stack_depth, not the depth.
+    let sqrt_n = (model.layers().len() as f64).sqrt();
+    ctx.figure(Figure {
+        id: "checkpointing-segments".into(),
+        title: format!(
+            "Peak memory against checkpoint segments ({} layers)",
+            p.stack_depth
+        ),
+        x: Axis {
+            label: "segments".into(),
+            unit: Unit::Count,
+            log: true,
+        },
+        y: Axis {
+            label: "peak memory".into(),
+            unit: Unit::Bytes,
+            log: false,
+        },
+        series: vec![
+            Series {
+                name: "checkpointed, total peak".into(),
+                points: points.clone(),
+            },
+            Series {
+                name: "checkpointed, activations at their peak".into(),
+                points: act_points,
+            },
+            Series {
+                name: "plain backprop".into(),
+                points: points
+                    .iter()
+                    .map(|(x, _)| (*x, plain_peak as f64))
+                    .collect(),
+            },
+        ],
+        markers: vec![Marker {
+            x: sqrt_n,
+            label: format!("sqrt(n) = {sqrt_n:.1}"),
+        }],
+        guides: Vec::new(),
+    });
+    ctx.print(format!(
+        "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",
+        mib(plain_peak),
+        best.1,
+        mib(best.0),
+        100.0 * best.0 as f64 / plain_peak as f64,
+        best.2 / plain_time
+    ));
+    ctx.metric("peak_plain", plain_peak as f64);
+    ctx.metric("peak_plain_fused", lean_peak as f64);
+    ctx.metric("activation_peak_plain_fused", lean_act as f64);
+    ctx.metric("fused_grad_max_abs_diff", lean_diff);
+    ctx.metric("peak_plain_lean", driver_peak as f64);
+    ctx.metric("time_plain_lean", driver_time);
+    ctx.metric("lean_grad_max_abs_diff", driver_diff);
+    ctx.metric("peak_best", best.0 as f64);
+    ctx.metric("best_segments", best.1 as f64);
+    ctx.metric("activation_peak_plain", plain_act as f64);
+    ctx.metric("activation_peak_best", best_act.0 as f64);
+    ctx.metric("best_activation_segments", best_act.1 as f64);
+    ctx.metric("sqrt_layers", sqrt_n);
+    ctx.metric("stack_grad_max_abs_diff", worst_diff);
+    ctx.metric("time_plain", plain_time);
+    ctx.metric("time_best", best.2);
+    ctx.metric("time_overhead", best.2 / plain_time);
+    Ok(())
+}
+
+// notebook cell
+/// The tip's heavy function: how many tensors each way keeps alive.
+pub fn heavy(ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
+    let device = ctx.device().clone();
+    let a = Category::Parameters.scope(|| Var::new(1f32, &device))?;
+    let layers: Vec<Heavy> = (0..p.heavy_calls)
+        .map(|_| Heavy::new(a.clone(), p.heavy_adds))
+        .collect();
+    let x0 = Var::new(0f32, &device)?;
+    let head = |h: &Tensor| Ok(h.clone());
+
+    // How many blocks one tensor made by an op occupies, measured.
+    let per_tensor = {
+        let n = 1000;
+        let mut region = ctx.region("calibration");
+        let chain = Heavy::new(a.clone(), n).forward(x0.as_tensor())?;
+        region.mark("chain");
+        // Calibration is not shown; only its block count is used.
+        let blocks = region.blocks_above_baseline();
+        drop(chain);
+        blocks as f64 / n as f64
+    };
+
+    ctx.progress("heavy function, plain");
+    let mut region = ctx.region("heavy function, plain");
+    let y = Category::Activations.scope(|| run_segment(&layers, x0.as_tensor()))?;
+    region.mark("after forward");
+    let plain_store = Category::Gradients.scope(|| y.backward())?;
+    let plain_grad = plain_store.get(a.as_tensor()).map(|g| g.detach());
+    drop((y, plain_store));
+    let plain_blocks = ctx.end_region(region).blocks_above_baseline();
+
+    ctx.progress("heavy function, checkpointed");
+    let mut region = ctx.region("heavy function, checkpointed");
+    let out = checkpoint_sequential(
+        &layers,
+        p.heavy_calls,
+        x0.as_tensor(),
+        std::slice::from_ref(&a),
+        head,
+        &Tags,
+    )?;
+    region.mark("after backward");
+    let ckpt_grad = out.grads.get(a.as_tensor()).map(|g| g.detach());
+    drop(out);
+    let ckpt_blocks = ctx.end_region(region).blocks_above_baseline();
+
+    let plain_tensors = (plain_blocks as f64 / per_tensor).round();
+    let ckpt_tensors = (ckpt_blocks as f64 / per_tensor).round();
+    let ops = (p.heavy_calls * p.heavy_adds) as f64;
+    ctx.print(format!(
+        "heavy function, {} calls of {} additions: about {plain_tensors} live tensors at the peak plain, {ckpt_tensors} checkpointed",
+        p.heavy_calls, p.heavy_adds
+    ));
+    ctx.metric("heavy_ops", ops);
+    ctx.metric("heavy_blocks_per_tensor", per_tensor);
+    ctx.metric("heavy_live_tensors_plain", plain_tensors);
+    ctx.metric("heavy_live_tensors_checkpointed", ckpt_tensors);
+    ctx.metric(
+        "heavy_expected_checkpointed",
+        (p.heavy_calls + p.heavy_adds) as f64,
+    );
+    let grad_diff = match (plain_grad, ckpt_grad) {
+        (Some(a), Some(b)) => max_abs_diff(&a, &b)?,
+        _ => f64::INFINITY,
+    };
+    ctx.metric("heavy_grad_abs_diff", grad_diff);
+    Ok(())
+}
+
+// notebook cell
+/// The policies measured, with their names in tables and metrics.
+pub fn policy_list() -> [(&'static str, &'static str, Option<Policy>); 4] {
+    [
+        ("plain backprop", "plain", None),
+        (
+            "keep nothing (nothing_saveable)",
+            "nothing",
+            Some(Policy::Nothing),
+        ),
+        (
+            "keep every product (dots_saveable)",
+            "dots",
+            Some(Policy::Dots),
+        ),
+        (
+            "keep the linear layers' products",
+            "names",
+            Some(Policy::Names(
+                ["qkv", "proj", "up", "down"].map(String::from).to_vec(),
+            )),
+        ),
+    ]
+}
+
+/// Selective checkpointing on a small transformer, one block per
+/// segment: what each policy keeps, its peak and its time.
+pub fn policies(ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
+    let device = ctx.device().clone();
+    let cfg = TransformerConfig {
+        vocab: 256,
+        width: p.policy_width,
+        heads: p.policy_heads,
+        depth: p.policy_depth,
+        tiled: None,
+    };
+    let map = VarMap::new();
+    let model = Category::Parameters.scope(|| -> anyhow::Result<_> {
+        let m = Transformer::new(&cfg, VarBuilder::from_varmap(&map, DType::F32, &device))?;
+        seed_weights(&map, p.seed)?;
+        Ok(m)
+    })?;
+    let vars = map.all_vars();
+    let (ids, targets) = Category::Inputs
+        .scope(|| batch(p.seed, p.policy_batch, p.policy_seq, cfg.vocab, &device))?;
+    let head = |h: &Tensor| model.loss(h, &targets);
+    let segments = model.layers().len();
+    let mut table = Table::new(
+        format!(
+            "Selective checkpointing, {} blocks of width {}, {} heads, {} x {} tokens, a segment per block",
+            p.policy_depth, p.policy_width, p.policy_heads, p.policy_batch, p.policy_seq
+        ),
+        &[
+            ("policy", Unit::None),
+            ("peak", Unit::Bytes),
+            ("activations at their peak", Unit::Bytes),
+            ("median time", Unit::Seconds),
+            ("max |grad diff|", Unit::None),
+        ],
+    );
+    let mut reference: Option<GradStore> = None;
+    let mut worst = 0f64;
+    for (label, key, policy) in policy_list() {
+        let mut times = Vec::new();
+        let mut report = None;
+        for rep in 0..p.repeats {
+            ctx.progress(&format!("policy {key}, run {}", rep + 1));
+            let mut region = ctx.region(format!("policy: {label}"));
+            let start = Instant::now();
+            let grads = match &policy {
+                None => Category::Gradients.scope(|| -> anyhow::Result<GradStore> {
+                    let loss = Category::Activations
+                        .scope(|| head(&run_segment(model.layers(), &ids)?))?;
+                    region.mark("after forward");
+                    Ok(param_grads(&loss.backward()?, &vars))
+                })?,
+                Some(policy) => {
+                    checkpoint_sequential_with(
+                        model.layers(),
+                        segments,
+                        &ids,
+                        &vars,
+                        head,
+                        policy,
+                        &Marks::new(&mut region),
+                    )?
+                    .grads
+                }
+            };
+            region.mark("after backward");
+            times.push(start.elapsed().as_secs_f64());
+            if rep == 0 {
+                let diff = match &reference {
+                    Some(r) => grads_max_abs_diff(r, &grads, &vars)?,
+                    None => 0.0,
+                };
+                worst = worst.max(diff);
+                if reference.is_none() {
+                    reference = Some(grads);
+                } else {
+                    drop(grads);
+                }
+                report = Some((ctx.end_region(region), diff));
+            }
+        }
+        let Some((r, diff)) = report else {
+            anyhow::bail!("no run of policy {key}");
+        };
+        let time = median(times);
+        let peak = r.peak_above_baseline();
+        let acts = r.category_peak_above_baseline(Category::Activations);
+        ctx.metric(format!("policy_peak_{key}"), peak as f64);
+        ctx.metric(format!("policy_activations_{key}"), acts as f64);
+        ctx.metric(format!("policy_time_{key}"), time);
+        table.row(vec![
+            label.into(),
+            peak.into(),
+            acts.into(),
+            time.into(),
+            diff.into(),
+        ]);
+    }
+    ctx.metric("policy_grad_max_abs_diff", worst);
+    ctx.table(table);
+    Ok(())
+}
+
+// notebook cell
+/// The experiment: a small block checkpointed and checked against plain
+/// backprop, then the sections above.
+pub fn experiment(ctx: &mut Context, p: Params) -> anyhow::Result<()> {
+    let device = ctx.device().clone();
+    let mut rng = Rng::seeded(p.seed);
+    anyhow::ensure!(p.repeats > 0, "repeats must be at least 1");
+
+    // The notebook's cell: a checkpointed block, a head, an input that needs a gradient.
+    let block = Mlp::new(
+        &mut rng,
+        &[p.width, p.width, p.width],
+        Activation::Relu,
+        DType::F32,
+        &device,
+    )?;
+    let block_layers: Vec<_> = block
+        .layers()
+        .iter()
+        .cloned()
+        .chain(std::iter::once(workbook_models::Layer::Activation(
+            Activation::Relu,
+        )))
+        .collect();
+    let head = Mlp::new(
+        &mut rng,
+        &[p.width, p.classes],
+        Activation::Relu,
+        DType::F32,
+        &device,
+    )?;
+    let input = Var::from_tensor(&rng.randn((p.batch, p.width), &device)?)?;
+    let target = rng.labels(p.batch, p.classes as u32, &device)?;
+    let loss_of = |h: &Tensor| cross_entropy(&head.forward(h)?, &target);
+    let mut vars = block.vars();
+    vars.extend(head.vars());
+
+    let plain = loss_of(&run_segment(&block_layers, input.as_tensor())?)?;
+    let plain_store = plain.backward()?;
+    let plain_input_grad = plain_store.get(input.as_tensor()).map(|g| g.detach());
+    let ckpt = checkpoint_sequential(&block_layers, 1, input.as_tensor(), &vars, loss_of, &Tags)?;
+    let loss = ckpt.loss.to_scalar::<f32>()?;
+    ctx.print(format!("{loss:.4}"));
+    ctx.metric("loss", loss as f64);
+    ctx.metric(
+        "input_grad_present",
+        f64::from(u8::from(plain_input_grad.is_some())),
+    );
+    let input_diff = match (&plain_input_grad, &ckpt.input_grad) {
+        (Some(a), Some(b)) => max_abs_diff(a, b)?,
+        _ => f64::INFINITY,
+    };
+    ctx.metric("input_grad_max_abs_diff", input_diff);
+    ctx.metric(
+        "block_grad_max_abs_diff",
+        grads_max_abs_diff(&param_grads(&plain_store, &vars), &ckpt.grads, &vars)?,
+    );
+    drop((plain, plain_store));
+
+    sweep(ctx, &p, &mut rng)?;
+    heavy(ctx, &p)?;
+    policies(ctx, &p)?;
+    Ok(())
+}
