@@ -65,6 +65,8 @@ use std::path::PathBuf;
 
 #[cfg(feature = "runner")]
 pub use chapter::{Chapter, ChapterError};
+#[cfg(feature = "runner")]
+pub use notebook::live::{Live, LiveError};
 pub use notebook::{CellView, Notebook, NotebookError};
 #[cfg(feature = "runner")]
 pub use registry::{DuplicatePlugin, Registry};

@@ -236,14 +236,6 @@ enum Command {
         /// Run the notebook's cells at check size (written into its setup cell).
         #[arg(long, env = "WORKBOOK_CHECK_MODE", value_parser = clap::builder::FalseyValueParser::new())]
         check: bool,
-        /// Execute the notebook through evcxr and write it with its outputs
-        /// (needs a build with `--features evcxr`).
-        #[arg(long)]
-        execute: bool,
-        /// Where evcxr builds the notebook's cells; kept so that later
-        /// executions are fast [default: ~/.cache/workbook/evcxr].
-        #[arg(long, value_name = "DIR", requires = "execute")]
-        cache_dir: Option<PathBuf>,
     },
 }
 
@@ -366,9 +358,6 @@ fn stdout_failed(e: std::io::Error) -> anyhow::Error {
 }
 
 fn main() -> ExitCode {
-    // evcxr runs notebook cells in a child process started from this binary.
-    #[cfg(feature = "evcxr")]
-    evcxr::runtime_hook();
     let cli = Cli::parse();
     if let Command::Worker = cli.command {
         return workbook::worker::serve(Workbook::builtin().registry(), std::io::stdin().lock());
@@ -563,16 +552,7 @@ fn run(cli: &Cli, wb: &Workbook) -> anyhow::Result<ExitCode> {
             chapter,
             output,
             check,
-            execute,
-            cache_dir,
-        } => notebook(
-            wb,
-            chapter,
-            output.as_deref(),
-            *check,
-            *execute,
-            cache_dir.as_deref(),
-        ),
+        } => notebook(wb, chapter, output.as_deref(), *check),
     }
 }
 
@@ -581,8 +561,6 @@ fn notebook(
     chapter: &str,
     output: Option<&std::path::Path>,
     check: bool,
-    execute: bool,
-    cache_dir: Option<&std::path::Path>,
 ) -> anyhow::Result<ExitCode> {
     use anyhow::Context as _;
     use workbook::notebook::export;
@@ -599,81 +577,15 @@ fn notebook(
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."));
     let options = export::ExportOptions::portable(&folder, check);
-    #[allow(unused_mut)]
-    let mut nb = export::notebook(&ch, &options);
-    let write = |nb: &_| -> anyhow::Result<()> {
-        std::fs::write(&path, export::to_json(nb)?)
-            .with_context(|| format!("cannot write {}", path.display()))
-    };
-    if !execute {
-        write(&nb)?;
-        say(&format!(
-            "wrote {} ({} cells)\n",
-            path.display(),
-            nb.cells.len()
-        ))?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    #[cfg(not(feature = "evcxr"))]
-    {
-        let _ = cache_dir;
-        anyhow::bail!(
-            "this workbook was built without notebook execution; build it with \
-             `cargo build --release --features evcxr` (a long first build), or execute \
-             the notebook in Jupyter with the evcxr kernel"
-        )
-    }
-    #[cfg(feature = "evcxr")]
-    {
-        use workbook::notebook::execute::{self, ExecuteOptions, Progress};
-        // As Jupyter would: the kernel starts in the notebook's folder, and
-        // its cells run with this binary unless WORKBOOK_BIN names another.
-        if std::env::var_os(workbook::notebook::BINARY_ENV).is_none() {
-            let me = std::env::current_exe().context("cannot tell where this binary is")?;
-            // SAFETY: set before evcxr starts any thread or child process.
-            unsafe { std::env::set_var(workbook::notebook::BINARY_ENV, me) };
-        }
-        let options = ExecuteOptions {
-            cache_dir: match cache_dir {
-                Some(d) => Some(
-                    std::path::absolute(d)
-                        .with_context(|| format!("cannot resolve {}", d.display()))?,
-                ),
-                None => execute::default_cache_dir(),
-            },
-        };
-        std::env::set_current_dir(&folder)
-            .with_context(|| format!("cannot enter {}", folder.display()))?;
-        let run = execute::execute(&mut nb, &options, &mut |p| match p {
-            Progress::Started { id, index } => eprintln!("[{index}] {id} ..."),
-            Progress::Finished {
-                id,
-                index,
-                seconds,
-                failed,
-            } => eprintln!(
-                "[{index}] {id} {} in {seconds:.1} s",
-                if failed { "FAILED" } else { "ok" }
-            ),
-        })?;
-        write(&nb)?;
-        say(&format!(
-            "wrote {} ({} code cells executed in {:.1} s)\n",
-            path.display(),
-            run.cells.len(),
-            run.seconds
-        ))?;
-        if let Some(f) = run.failure() {
-            eprintln!(
-                "error: notebook cell `{}` failed ({} later cells not run):\n{}",
-                f.id,
-                run.not_run,
-                f.error.as_deref().unwrap_or_default()
-            );
-            return Ok(ExitCode::from(1));
-        }
-        Ok(ExitCode::SUCCESS)
-    }
+    let nb = export::notebook(&ch, wb.registry(), &options)?;
+    std::fs::write(&path, export::to_json(&nb)?)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    say(&format!(
+        "wrote {} ({} cells)\n",
+        path.display(),
+        nb.cells.len()
+    ))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn describe(

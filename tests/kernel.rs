@@ -1,8 +1,11 @@
 //! The "Rust (workbook)" Jupyter kernel through Jupyter itself
 //! (`scripts/kernel_check.py`): a 1000 x 1000 f32 tensor made in a cell is
-//! counted to the byte, and charged back when a later cell drops it.
+//! counted to the byte, and charged back when a later cell drops it; and a
+//! notebook executed through it (`scripts/notebook_check.py`) stops at a
+//! chapter cell that fails an assertion, naming it.
 //!
-//! Needs a Python with jupyter_client (`WORKBOOK_PYTHON`, else `python3`),
+//! Needs a Python with jupyter_client and nbclient (`WORKBOOK_PYTHON`, else
+//! `python3`),
 //! an evcxr kernel (`workbook-kernel`, which `--features evcxr` builds, or
 //! evcxr_jupyter), and the interposer built (`cargo build -p
 //! workbook-preload`, which `cargo test --workspace` does); skipped with a
@@ -18,11 +21,11 @@ fn python() -> String {
 /// What is missing to run the check, if anything.
 fn missing() -> Option<String> {
     let has_client = Command::new(python())
-        .args(["-c", "import jupyter_client"])
+        .args(["-c", "import jupyter_client, nbclient"])
         .output()
         .is_ok_and(|o| o.status.success());
     if !has_client {
-        return Some(format!("{} has no jupyter_client", python()));
+        return Some(format!("{} has no jupyter_client or nbclient", python()));
     }
     let built = PathBuf::from(env!("CARGO_BIN_EXE_workbook")).with_file_name("workbook-kernel");
     let on_path = built.is_file()
@@ -55,14 +58,78 @@ fn preload() -> Option<PathBuf> {
     .find(|p| p.is_file())
 }
 
+/// Whether the kernel tests can run here; a skip is a notice, or an error
+/// under `WORKBOOK_REQUIRE_KERNEL`.
+fn can_run() -> bool {
+    let Some(what) = missing() else {
+        return true;
+    };
+    assert!(
+        std::env::var_os("WORKBOOK_REQUIRE_KERNEL").is_none(),
+        "WORKBOOK_REQUIRE_KERNEL is set and {what}"
+    );
+    eprintln!("notice: the kernel test is skipped: {what}");
+    false
+}
+
+#[test]
+fn a_failing_chapter_cell_fails_its_notebook_through_a_real_kernel() {
+    if !can_run() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let workbook = env!("CARGO_BIN_EXE_workbook");
+    let spec = dir.path().join("jupyter/kernels/rust-workbook");
+    let notebook = dir.path().join("fails.ipynb");
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/notebook_fails.toml"
+    );
+    for args in [
+        vec!["kernel", "install", "--dir", spec.to_str().unwrap()],
+        vec!["notebook", fixture, "-o", notebook.to_str().unwrap()],
+    ] {
+        let mut cmd = Command::new(workbook);
+        cmd.args(&args);
+        if args[0] == "kernel" {
+            cmd.arg("--preload").arg(preload().unwrap());
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/notebook_check.py");
+    let out = Command::new(python())
+        .arg(script)
+        .arg(&notebook)
+        .env("JUPYTER_PATH", dir.path().join("jupyter"))
+        .env("WORKBOOK_BIN", workbook)
+        .env_remove("WORKBOOK_CHECK_MODE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "cell `wrong` failed 1 of 2 assertions: `small_params > large_params` \
+             (small_params = 17802, large_params = 333834): the expression is false"
+        ),
+        "{stderr}"
+    );
+    assert!(stdout.contains("FAIL  cell `wrong` errored"), "{stdout}");
+    assert!(
+        stdout.contains("FAIL  cell `after` did not run"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("cell `first`"),
+        "the first cell passed: {stdout}"
+    );
+}
+
 #[test]
 fn a_cell_is_measured_to_the_byte_through_a_real_kernel() {
-    if let Some(what) = missing() {
-        assert!(
-            std::env::var_os("WORKBOOK_REQUIRE_KERNEL").is_none(),
-            "WORKBOOK_REQUIRE_KERNEL is set and {what}"
-        );
-        eprintln!("notice: the kernel test is skipped: {what}");
+    if !can_run() {
         return;
     }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kernel_check.py");

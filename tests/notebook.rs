@@ -1,6 +1,6 @@
-//! Chapters as notebooks: the file written, nbformat's own validator, the
-//! display side of the library, and (with `--features evcxr`) headless
-//! execution through evcxr, passing and failing.
+//! Chapters as notebooks: the file written, nbformat's own validator, and
+//! the display side of the library. Executing them through a real Jupyter
+//! kernel is tests/kernel.rs's.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -56,7 +56,7 @@ fn the_committed_notebooks_are_current() {
     for (id, toml) in workbook::chapter::available(std::slice::from_ref(&chapters)) {
         let ch = wb.load(toml.to_str().unwrap()).unwrap();
         let options = workbook::notebook::export::ExportOptions::portable(&chapters, false);
-        let nb = workbook::notebook::export::notebook(&ch, &options);
+        let nb = workbook::notebook::export::notebook(&ch, wb.registry(), &options).unwrap();
         let text = workbook::notebook::export::to_json(&nb).unwrap();
         let path = chapters.join(format!("{id}.ipynb"));
         if std::env::var_os("WORKBOOK_BLESS").is_some() {
@@ -133,33 +133,46 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
     let (nb, _dir, path) = export(&["chapter2", "--check"]);
     assert_eq!(nb["nbformat"], 4);
     assert_eq!(nb["nbformat_minor"], 5);
+    // Its checkpointing cell runs in the kernel, measured by the interposer
+    // of the "Rust (workbook)" kernel.
     let ks = &nb["metadata"]["kernelspec"];
-    assert_eq!(ks["name"], "rust");
+    assert_eq!(ks["name"], "rust-workbook");
+    assert_eq!(ks["display_name"], "Rust (workbook)");
     assert_eq!(ks["language"], "rust");
     assert_eq!(nb["metadata"]["language_info"]["name"], "Rust");
 
     let cells = nb["cells"].as_array().unwrap();
-    assert_eq!(cells.len(), 2 + 2 * CELLS.len());
     assert_eq!(cells[0]["cell_type"], "markdown");
     assert!(source(&cells[0]).starts_with("# 2. Memory Optimization\n\n"));
     assert_eq!(cells[1]["cell_type"], "code");
     assert_eq!(cells[1]["id"], "setup");
     let setup = source(&cells[1]);
     // Paths relative to the notebook's folder, where the kernel starts, and
-    // no binary: the notebook can be moved with the source tree.
+    // no binary: the notebook can be moved with the source tree. Each `:dep`
+    // names the package in that folder.
     let folder = path.parent().unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dep = between(
-        &setup,
-        ":dep workbook = { path = \"",
-        "\", default-features = false }\n",
-    );
-    assert!(Path::new(&dep).is_relative(), "{setup}");
-    assert_eq!(
-        folder.join(&dep).canonicalize().unwrap(),
-        root.canonicalize().unwrap()
-    );
-    let ch = between(&setup, "workbook::Notebook::new(\"", "\")");
+    let mut deps = Vec::new();
+    for line in setup.lines().filter(|l| l.starts_with(":dep ")) {
+        let name = between(line, ":dep ", " = { path = \"");
+        let dep = between(line, " = { path = \"", "\" }");
+        assert!(Path::new(&dep).is_relative(), "{line}");
+        let manifest = std::fs::read_to_string(folder.join(&dep).join("Cargo.toml")).unwrap();
+        assert!(
+            manifest.contains(&format!("name = \"{name}\"")),
+            "{line} names another package"
+        );
+        deps.push(name);
+    }
+    for want in [
+        "workbook",
+        "workbook-checkpointing",
+        "candle-checkpoint",
+        "workbook-sdk",
+    ] {
+        assert!(deps.iter().any(|d| d == want), "no :dep {want}:\n{setup}");
+    }
+    let ch = between(&setup, "workbook::Live::open(\"", "\")");
     assert!(Path::new(&ch).is_relative(), "{setup}");
     assert_eq!(
         folder.join(&ch).canonicalize().unwrap(),
@@ -167,24 +180,66 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
     );
     assert!(!setup.contains(".binary("), "{setup}");
     for want in [
-        ":cache 500\n",
+        ":cache 2048\n",
         ":preserve_vars_on_panic 0\n",
         ".check(true);",
     ] {
         assert!(setup.contains(want), "setup lacks {want:?}:\n{setup}");
     }
-    for (i, id) in CELLS.iter().enumerate() {
-        let prose = &cells[2 + 2 * i];
-        let code = &cells[3 + 2 * i];
+
+    // Each chapter cell: its prose, then the cell that runs it; the
+    // checkpointing cell's experiment before it, as code cells.
+    let mut rest = cells[2..].iter();
+    for id in CELLS {
+        let prose = rest.next().unwrap();
         assert_eq!(prose["cell_type"], "markdown");
         assert_eq!(prose["id"], format!("{id}-prose"));
         assert!(source(prose).starts_with("## "), "{}", source(prose));
-        assert_eq!(code["cell_type"], "code");
-        assert_eq!(code["id"], *id);
-        assert_eq!(source(code), format!("wb.run_cell(\"{id}\")"));
-        assert_eq!(code["outputs"], Value::Array(vec![]));
-        assert_eq!(code["execution_count"], Value::Null);
+        let mut shown = Vec::new();
+        let run = loop {
+            let code = rest.next().unwrap();
+            assert_eq!(code["cell_type"], "code");
+            assert_eq!(code["outputs"], Value::Array(vec![]));
+            assert_eq!(code["execution_count"], Value::Null);
+            if code["id"] == *id {
+                break code;
+            }
+            assert_eq!(code["id"], format!("{id}-code-{}", shown.len() + 1));
+            shown.push(source(code));
+        };
+        if id == "checkpointing" {
+            // What the notebook shows is the experiment `workbook run`
+            // executes: the plugin's source file, without its file docs and
+            // its cell breaks.
+            let file = include_str!("../plugins/checkpointing/src/experiment.rs");
+            let expected: Vec<&str> = file
+                .lines()
+                .filter(|l| !l.starts_with("//!") && l.trim() != "// notebook cell")
+                .filter(|l| !l.trim().is_empty())
+                .collect();
+            let joined = shown.join("\n");
+            let got: Vec<&str> = joined.lines().filter(|l| !l.trim().is_empty()).collect();
+            assert_eq!(got, expected);
+            assert!(shown.len() >= 3, "the experiment is cut into cells");
+            assert!(shown.last().unwrap().contains("pub fn experiment("));
+            let code = source(run);
+            assert!(
+                code.contains("let p: Params = wb.params(\"checkpointing\");"),
+                "{code}"
+            );
+            assert!(
+                code.ends_with(
+                    "wb.run(\"checkpointing\", workbook_checkpointing::Checkpointing, \
+                     p.clone(), experiment)"
+                ),
+                "{code}"
+            );
+        } else {
+            assert!(shown.is_empty(), "{id}");
+            assert_eq!(source(run), format!("wb.run_cell(\"{id}\")"));
+        }
     }
+    assert!(rest.next().is_none());
     if let Some(r) = nbformat_validate(&path) {
         r.expect("nbformat validates the notebook");
     }
@@ -319,157 +374,4 @@ fn the_notebook_setting_decides_the_mode_not_the_kernel_environment() {
             "--check"
         ]
     );
-}
-
-#[cfg(not(feature = "evcxr"))]
-#[test]
-fn execute_without_the_evcxr_feature_says_how_to_get_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nb.ipynb");
-    let o = workbook(&[
-        "notebook",
-        "chapter2",
-        "--execute",
-        "-o",
-        path.to_str().unwrap(),
-    ]);
-    let (_, err) = text(&o);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("--features evcxr"), "{err}");
-    assert!(!path.exists(), "nothing written");
-}
-
-#[cfg(feature = "evcxr")]
-mod execute {
-    use super::*;
-
-    /// Kept in the target folder, so later test runs reuse evcxr's builds.
-    fn cache() -> String {
-        Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join("evcxr")
-            .display()
-            .to_string()
-    }
-
-    fn execute(args: &[&str]) -> (Output, Value, tempfile::TempDir) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nb.ipynb");
-        let cache = cache();
-        let mut all = vec!["notebook"];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&[
-            "--execute",
-            "--cache-dir",
-            &cache,
-            "-o",
-            path.to_str().unwrap(),
-        ]);
-        let o = workbook(&all);
-        let nb = read(&path);
-        if let Some(r) = nbformat_validate(&path) {
-            r.expect("nbformat validates the executed notebook");
-        }
-        (o, nb, dir)
-    }
-
-    fn code_cell<'a>(nb: &'a Value, id: &str) -> &'a Value {
-        nb["cells"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["id"] == id)
-            .unwrap_or_else(|| panic!("no cell {id}"))
-    }
-
-    fn outputs<'a>(cell: &'a Value, kind: &str) -> Vec<&'a Value> {
-        cell["outputs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|o| o["output_type"] == kind)
-            .collect()
-    }
-
-    fn html(cell: &Value) -> String {
-        let results = outputs(cell, "execute_result");
-        assert_eq!(results.len(), 1, "{cell:#}");
-        joined(&results[0]["data"]["text/html"])
-    }
-
-    #[test]
-    fn chapter2_executes_at_check_size_with_every_cell_displayed() {
-        let _heavy = common::heavy();
-        let (o, nb, _dir) = execute(&["chapter2", "--check"]);
-        let (out, err) = text(&o);
-        assert!(o.status.success(), "{out}\n{err}");
-        assert!(out.contains("7 code cells executed"), "{out}");
-        for cell in nb["cells"].as_array().unwrap() {
-            if cell["cell_type"] == "code" {
-                assert!(outputs(cell, "error").is_empty(), "{cell:#}");
-                assert!(cell["execution_count"].is_number(), "{cell:#}");
-            }
-        }
-        let setup = code_cell(&nb, "setup");
-        let printed = joined(&outputs(setup, "stream")[0]["text"]);
-        assert_eq!(printed, "6 cells at check size\n");
-        for id in CELLS {
-            let h = html(code_cell(&nb, id));
-            assert!(h.starts_with("<div class=\"workbook\">"), "{id}");
-            assert!(h.contains(&format!("<section id=\"{id}\">")), "{id}");
-            assert!(
-                h.contains("<span class=\"badge passed\">passed</span>"),
-                "{id}"
-            );
-            assert!(h.contains("check size"), "{id}");
-            assert!(h.matches("<svg").count() >= 2, "{id}: timeline and peaks");
-            assert!(!h.contains("class=\"bad\""), "{id}: no failed assertion");
-        }
-    }
-
-    #[test]
-    fn a_failing_assertion_fails_the_execution_and_names_the_cell_and_assertion() {
-        let _light = light();
-        let fixture = chapter("tests/fixtures/notebook_fails.toml");
-        let (o, nb, _dir) = execute(&[&fixture]);
-        let (out, err) = text(&o);
-        assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
-        assert!(
-            err.contains("error: notebook cell `wrong` failed (1 later cells not run)"),
-            "{err}"
-        );
-        assert!(
-            err.contains(
-                "cell `wrong` failed 1 of 2 assertions: `small_params > large_params` \
-                 (small_params = 17802, large_params = 333834): the expression is false"
-            ),
-            "{err}"
-        );
-
-        assert!(html(code_cell(&nb, "first")).contains("badge passed"));
-        let wrong = code_cell(&nb, "wrong");
-        let errors = outputs(wrong, "error");
-        assert_eq!(errors.len(), 1, "{wrong:#}");
-        let traceback: Vec<&str> = errors[0]["traceback"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l.as_str().unwrap())
-            .collect();
-        assert!(
-            traceback
-                .iter()
-                .any(|l| l.starts_with("cell `wrong` failed 1 of 2 assertions")),
-            "{traceback:?}"
-        );
-        // The results stay readable as text: the failed assertion is marked.
-        let stdout = outputs(wrong, "stream")
-            .into_iter()
-            .find(|s| s["name"] == "stdout")
-            .map(|s| joined(&s["text"]))
-            .unwrap_or_default();
-        assert!(stdout.contains("✗ small_params > large_params"), "{stdout}");
-        let after = code_cell(&nb, "after");
-        assert_eq!(after["outputs"], Value::Array(vec![]));
-        assert_eq!(after["execution_count"], Value::Null);
-    }
 }

@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 use jupyter_protocol::media::{Media, MediaType};
 use nbformat::v4::{Cell, CellId, CellMetadata, KernelSpec, LanguageInfo, Metadata, Output};
 
+use workbook_sdk::NotebookSource;
+
 use crate::chapter::Chapter;
+use crate::registry::Registry;
 
 /// What the setup cell points at.
 #[derive(Debug, Clone)]
@@ -135,6 +138,78 @@ fn toml_str(path: &Path) -> String {
     toml::Value::String(path.to_string_lossy().into_owned()).to_string()
 }
 
+/// The experiment sources of `chapter`'s cells, where their plugins have
+/// one (see `workbook_sdk::notebook`), in the order of the cells.
+pub fn sources(chapter: &Chapter, registry: &Registry) -> Vec<Option<NotebookSource>> {
+    chapter
+        .cells
+        .iter()
+        .map(|c| registry.get(&c.plugin).and_then(|p| p.notebook_source()))
+        .collect()
+}
+
+/// The crates of this source tree that the package at `dir` is or depends
+/// on (its `[dependencies]` with a `path`, directly or through its
+/// workspace's `[workspace.dependencies]`), as package names and folders:
+/// every crate its experiment can name.
+fn path_crates(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
+    let read = |path: &Path| -> anyhow::Result<toml::Table> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("cannot parse {}: {e}", path.display()))
+    };
+    let manifest = read(&dir.join("Cargo.toml"))?;
+    let name = manifest
+        .get("package")
+        .and_then(|p| p.get("name"))
+        .and_then(|n| n.as_str())
+        .ok_or_else(|| anyhow::anyhow!("{} names no package", dir.join("Cargo.toml").display()))?;
+    let mut crates = vec![(name.to_string(), dir.to_path_buf())];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let workspace = read(&root.join("Cargo.toml"))?;
+    let shared = workspace
+        .get("workspace")
+        .and_then(|w| w.get("dependencies"))
+        .and_then(|d| d.as_table());
+    let deps = manifest.get("dependencies").and_then(|d| d.as_table());
+    for (package, entry) in deps.into_iter().flatten() {
+        let path = match entry.get("path").and_then(|p| p.as_str()) {
+            Some(path) => Some(dir.join(path)),
+            None if entry.get("workspace").and_then(|w| w.as_bool()) == Some(true) => shared
+                .and_then(|d| d.get(package))
+                .and_then(|e| e.get("path"))
+                .and_then(|p| p.as_str())
+                .map(|p| root.join(p)),
+            None => None,
+        };
+        if let Some(path) = path {
+            crates.push((package.clone(), path));
+        }
+    }
+    Ok(crates)
+}
+
+/// The `:dep` lines the experiments of `sources` need: their plugins' crates
+/// and every crate of this source tree those depend on, once each.
+pub fn dependencies(
+    sources: &[NotebookSource],
+    options: &ExportOptions,
+) -> anyhow::Result<Vec<String>> {
+    let mut lines: Vec<String> = Vec::new();
+    for source in sources {
+        for (package, dir) in path_crates(Path::new(source.dir))? {
+            let line = format!(
+                ":dep {package} = {{ path = {} }}",
+                toml_str(&options.written(&dir))
+            );
+            if !lines.contains(&line) {
+                lines.push(line);
+            }
+        }
+    }
+    Ok(lines)
+}
+
 /// The setup cell's source.
 pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
     let mode = if options.check {
@@ -164,34 +239,124 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
     )
 }
 
+/// The setup cell's source for a chapter some of whose cells show their
+/// experiment: the crates they use, and a [`crate::Live`] chapter.
+pub fn live_setup_source(
+    chapter: &Chapter,
+    sources: &[NotebookSource],
+    options: &ExportOptions,
+) -> anyhow::Result<String> {
+    let mode = if options.check {
+        "\n    .check(true)"
+    } else {
+        ""
+    };
+    let binary = match &options.binary {
+        Some(b) => format!("\n    .binary({})", rust_str(b)),
+        None => String::new(),
+    };
+    Ok(format!(
+        "// evcxr keeps compiled crates between kernel sessions (up to 2 GiB in the\n\
+         // user's cache folder): the first session builds candle and the toolkit\n\
+         // (minutes), later ones find them built.\n\
+         :cache 2048\n\
+         // The workbook, and the crates the experiments below use.\n\
+         :dep workbook = {{ path = {dep} }}\n\
+         {deps}\n\
+         // A panic fails its cell (a failed chapter cell fails its notebook cell).\n\
+         :preserve_vars_on_panic 0\n\
+         // The chapter, checked. Cells whose code is shown below run in this\n\
+         // kernel, measured by its allocation interposer (the \"Rust (workbook)\"\n\
+         // kernel); the others run in a `workbook` process of their own.\n\
+         let wb = workbook::Live::open({chapter}){binary}{mode};\n\
+         println!(\"{{}} cells at {{}} size\", {cells}, if wb.is_check() {{ \"check\" }} else {{ \"full\" }});",
+        dep = toml_str(&options.written(&options.crate_dir)),
+        deps = dependencies(sources, options)?.join("\n"),
+        chapter = rust_str(&options.written(&chapter.path)),
+        cells = chapter.cells.len(),
+    ))
+}
+
+/// The code cell that runs a chapter cell from the experiment shown above it.
+fn run_source(cell: &crate::chapter::Cell, source: &NotebookSource) -> String {
+    // A field that check size changes, as the example of an edit.
+    let example = cell
+        .check_params
+        .iter()
+        .filter(|(k, v)| cell.params.get(*k) != Some(*v))
+        .find_map(|(k, v)| v.as_integer().map(|i| format!("{k}: {i}")))
+        .map(|field| format!(" For example:\n// let p = Params {{ {field}, ..p }};"))
+        .unwrap_or_default();
+    format!(
+        "// This cell's parameters from the chapter, at the notebook's size (`p`\n\
+         // prints them). Change any, or the code above, and run again.{example}\n\
+         let p: Params = wb.params({id:?});\n\
+         wb.run({id:?}, {plugin}, p.clone(), experiment)",
+        id = cell.id,
+        plugin = source.plugin,
+    )
+}
+
 /// `chapter` as a notebook: its introduction, the setup cell, then for each
-/// chapter cell a markdown cell with its title and prose and a code cell that
-/// runs it.
-pub fn notebook(chapter: &Chapter, options: &ExportOptions) -> nbformat::v4::Notebook {
+/// chapter cell a markdown cell with its title and prose and the code that
+/// runs it: the experiment's source and a cell that runs it where the
+/// plugin has one (`registry`'s), else a cell that runs it in a child
+/// process.
+pub fn notebook(
+    chapter: &Chapter,
+    registry: &Registry,
+    options: &ExportOptions,
+) -> anyhow::Result<nbformat::v4::Notebook> {
+    let sources = sources(chapter, registry);
+    let shown: Vec<NotebookSource> = sources.iter().flatten().copied().collect();
+    let live = !shown.is_empty();
+    let setup = if live {
+        live_setup_source(chapter, &shown, options)?
+    } else {
+        setup_source(chapter, options)
+    };
     let mut cells = vec![
         markdown(
             "intro",
             &format!("# {}\n\n{}", chapter.title, chapter.intro.trim()),
         ),
-        code(SETUP_CELL, &setup_source(chapter, options)),
+        code(SETUP_CELL, &setup),
     ];
-    for (c, cid) in chapter.cells.iter().zip(code_cell_ids(chapter)) {
+    for ((c, cid), source) in chapter
+        .cells
+        .iter()
+        .zip(code_cell_ids(chapter))
+        .zip(&sources)
+    {
         cells.push(markdown(
             &format!("{cid}-prose"),
             &format!("## {}\n\n{}", c.title, c.prose.trim()),
         ));
-        cells.push(code(&cid, &format!("wb.run_cell({:?})", c.id)));
+        match source {
+            Some(source) => {
+                for (i, text) in source.cells().iter().enumerate() {
+                    cells.push(code(&format!("{cid}-code-{}", i + 1), text));
+                }
+                cells.push(code(&cid, &run_source(c, source)));
+            }
+            None => cells.push(code(&cid, &format!("wb.run_cell({:?})", c.id))),
+        }
     }
+    let kernel = if live {
+        ("Rust (workbook)", crate::kernel::KERNEL_NAME)
+    } else {
+        ("Rust", "rust")
+    };
     let mut additional = HashMap::new();
     additional.insert(
         "workbook".to_string(),
         serde_json::json!({ "chapter": chapter.id, "check": options.check }),
     );
-    nbformat::v4::Notebook {
+    Ok(nbformat::v4::Notebook {
         metadata: Metadata {
             kernelspec: Some(KernelSpec {
-                display_name: "Rust".into(),
-                name: "rust".into(),
+                display_name: kernel.0.into(),
+                name: kernel.1.into(),
                 language: Some("rust".into()),
                 additional: HashMap::new(),
             }),
@@ -211,7 +376,7 @@ pub fn notebook(chapter: &Chapter, options: &ExportOptions) -> nbformat::v4::Not
         nbformat: 4,
         nbformat_minor: 5,
         cells,
-    }
+    })
 }
 
 /// The notebook as nbformat's JSON text (sorted keys, one-space indent, as

@@ -31,10 +31,10 @@
 //! --execute` exits non-zero. Outside evcxr it panics instead. The setup
 //! cell's `:preserve_vars_on_panic 0` makes any other panic fail its cell too.
 
-#[cfg(feature = "evcxr")]
-pub mod execute;
 #[cfg(feature = "runner")]
 pub mod export;
+#[cfg(feature = "runner")]
+pub mod live;
 
 use std::ffi::OsString;
 use std::io::Write as _;
@@ -224,19 +224,24 @@ impl Notebook {
     /// Outside an evcxr kernel, when the cell could not be run, errored or
     /// failed an assertion. Inside one, it ends the cell's process instead.
     pub fn run_cell(&self, id: &str) -> CellView {
-        let view = match self.run(id) {
-            Ok(v) => v,
+        match self.run(id) {
+            Ok(v) => shown(v),
             Err(e) => fail(&e.to_string()),
-        };
-        if let Some(why) = view.failure() {
-            let mut text = Vec::new();
-            let _ = TextRenderer::new(&mut text).cell(view.cell());
-            print!("{}", String::from_utf8_lossy(&text));
-            let _ = std::io::stdout().flush();
-            fail(&why);
         }
-        view
     }
+}
+
+/// `view` when its cell passed; otherwise prints its results as text (evcxr
+/// drops the rich output of a cell that fails) and fails the notebook cell.
+fn shown(view: CellView) -> CellView {
+    if let Some(why) = view.failure() {
+        let mut text = Vec::new();
+        let _ = TextRenderer::new(&mut text).cell(view.cell());
+        print!("{}", String::from_utf8_lossy(&text));
+        let _ = std::io::stdout().flush();
+        fail(&why);
+    }
+    view
 }
 
 /// Set by evcxr in the process that runs a kernel's cells.
@@ -271,6 +276,7 @@ fn shell_line(cmd: &Command) -> String {
 pub struct CellView {
     report: ChapterReport,
     plots: Vec<Plot>,
+    place: &'static str,
 }
 
 impl CellView {
@@ -281,7 +287,18 @@ impl CellView {
             .first()
             .ok_or_else(|| anyhow::anyhow!("the report has no cell"))?;
         let plots = cell_plots(cell, Formats::Svg)?;
-        Ok(Self { report, plots })
+        Ok(Self {
+            report,
+            plots,
+            place: "in a child process",
+        })
+    }
+
+    /// Says where the cell was measured (`in a child process`, `in this
+    /// kernel`) in the line under its results.
+    pub fn measured_in(mut self, place: &'static str) -> Self {
+        self.place = place;
+        self
     }
 
     /// The cell's report.
@@ -353,9 +370,10 @@ impl CellView {
             Mode::Check => "check size",
         };
         let meta = format!(
-            "<p class=\"meta\">{mode} · device {} · memory measured by {} in a child process · workbook {}</p>",
+            "<p class=\"meta\">{mode} · device {} · memory measured by {} {} · workbook {}</p>",
             escape(&r.device),
             escape(&r.meter),
+            self.place,
             escape(&r.workbook_version)
         );
         format!(

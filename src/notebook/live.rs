@@ -1,0 +1,249 @@
+//! A chapter's cells run inside the notebook's kernel, from the code the
+//! notebook shows.
+//!
+//! A cell whose plugin has an experiment source (`Plugin::notebook`, see
+//! `workbook_sdk::notebook`) is shown as that source, in code cells the
+//! learner can edit, and run by [`Live::run`]: the experiment function as
+//! the notebook last defined it, with the parameters the notebook passes, in
+//! this process, measured by the allocation interposer of the "Rust
+//! (workbook)" kernel (`workbook kernel install`), and held to the chapter's
+//! assertions as in a terminal. Cells without one run in a child process
+//! ([`Live::run_cell`], as [`Notebook`] does).
+
+use serde::de::DeserializeOwned;
+use workbook_sdk::{Context, Edited, Plugin};
+
+use super::{fail, CellView, Notebook, NotebookError};
+use crate::chapter::{Cell, Chapter, ChapterError};
+use crate::registry::Registry;
+use crate::runner::{DeviceChoice, Isolation, Quiet, RunError, RunOptions};
+
+/// A chapter opened in a notebook kernel.
+#[derive(Debug, Clone)]
+pub struct Live {
+    chapter: Chapter,
+    check: bool,
+    device: DeviceChoice,
+    child: Notebook,
+}
+
+/// Why a cell could not be run in the kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    /// The chapter has no such cell.
+    #[error("chapter `{chapter}` has no cell `{cell}`{suggestion}; its cells: {available}")]
+    UnknownCell {
+        /// The chapter's id.
+        chapter: String,
+        /// The cell asked for.
+        cell: String,
+        /// `; did you mean ...?`, or nothing.
+        suggestion: String,
+        /// The cells it has.
+        available: String,
+    },
+    /// The plugin passed is not the cell's.
+    #[error("cell `{cell}` runs plugin `{expected}`, not `{given}`")]
+    WrongPlugin {
+        /// The cell.
+        cell: String,
+        /// Its plugin.
+        expected: String,
+        /// The plugin passed.
+        given: String,
+    },
+    /// The parameters do not fit the type asked for, or cannot be written
+    /// as a chapter's table.
+    #[error("cell `{cell}`'s parameters: {why}")]
+    Params {
+        /// The cell.
+        cell: String,
+        /// What did not fit.
+        why: String,
+    },
+    /// The run could not start (the device, the meter).
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// Its plots could not be drawn.
+    #[error("cell `{cell}`: cannot draw its plots: {why}")]
+    Plots {
+        /// The cell.
+        cell: String,
+        /// Why.
+        why: String,
+    },
+    /// A cell run in a child process failed to run.
+    #[error(transparent)]
+    Child(#[from] NotebookError),
+}
+
+impl Live {
+    /// Opens `chapter`, an id (`chapter2`) or a path relative to the
+    /// kernel's folder (the notebook's), and validates it; check mode as for
+    /// [`Notebook::new`] (`WORKBOOK_CHECK_MODE`).
+    pub fn try_open(chapter: &str) -> Result<Self, ChapterError> {
+        let child = Notebook::new(chapter);
+        let path = crate::chapter::resolve(chapter, &crate::chapter::default_dirs())?;
+        let chapter = crate::chapter::load_path(&path, &Registry::builtin())?;
+        Ok(Self {
+            chapter,
+            check: child.is_check(),
+            device: DeviceChoice::default(),
+            child,
+        })
+    }
+
+    /// [`Live::try_open`], failing the notebook cell with the error.
+    pub fn open(chapter: &str) -> Self {
+        Self::try_open(chapter).unwrap_or_else(|e| fail(&e.to_string()))
+    }
+
+    /// Runs the cells that run in a child process with this `workbook`
+    /// binary (see [`Notebook::binary`]).
+    pub fn binary(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.child = self.child.binary(path);
+        self
+    }
+
+    /// Check-size parameters (`true`) or full-size ones.
+    pub fn check(mut self, on: bool) -> Self {
+        self.check = on;
+        self.child = self.child.check(on);
+        self
+    }
+
+    /// Whether cells run at check size.
+    pub fn is_check(&self) -> bool {
+        self.check
+    }
+
+    /// The device cells run on in the kernel.
+    pub fn device(mut self, device: DeviceChoice) -> Self {
+        self.device = device;
+        self.child = self.child.device(device.name());
+        self
+    }
+
+    /// The chapter.
+    pub fn chapter(&self) -> &Chapter {
+        &self.chapter
+    }
+
+    fn cell(&self, id: &str) -> Result<&Cell, LiveError> {
+        self.chapter
+            .cells
+            .iter()
+            .find(|c| c.id == id)
+            .ok_or_else(|| LiveError::UnknownCell {
+                chapter: self.chapter.id.clone(),
+                cell: id.to_string(),
+                suggestion: crate::suggest::did_you_mean(
+                    id,
+                    self.chapter.cells.iter().map(|c| c.id.as_str()),
+                ),
+                available: self
+                    .chapter
+                    .cells
+                    .iter()
+                    .map(|c| c.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    /// Cell `id`'s parameters in the chapter, at the current size, as the
+    /// plugin's type (defaults filled in).
+    pub fn try_params<P: DeserializeOwned>(&self, id: &str) -> Result<P, LiveError> {
+        let cell = self.cell(id)?;
+        toml::Value::Table(cell.params_for(self.check).clone())
+            .try_into()
+            .map_err(|e: toml::de::Error| LiveError::Params {
+                cell: id.to_string(),
+                why: e.message().to_string(),
+            })
+    }
+
+    /// [`Live::try_params`], failing the notebook cell with the error.
+    pub fn params<P: DeserializeOwned>(&self, id: &str) -> P {
+        self.try_params(id).unwrap_or_else(|e| fail(&e.to_string()))
+    }
+
+    /// Runs cell `id` in this process: `experiment` with `params`, under
+    /// `plugin`'s name, rules and metrics, held to the cell's assertions. A
+    /// cell that failed an assertion or errored is `Ok`: see
+    /// [`CellView::failure`].
+    pub fn try_run<P, F>(
+        &self,
+        id: &str,
+        plugin: P,
+        params: P::Params,
+        experiment: F,
+    ) -> Result<CellView, LiveError>
+    where
+        P: Plugin,
+        F: Fn(&mut Context, P::Params) -> anyhow::Result<()> + Send + Sync + 'static,
+    {
+        let cell = self.cell(id)?;
+        if plugin.name() != cell.plugin {
+            return Err(LiveError::WrongPlugin {
+                cell: id.to_string(),
+                expected: cell.plugin.clone(),
+                given: plugin.name().to_string(),
+            });
+        }
+        let bad = |why: String| LiveError::Params {
+            cell: id.to_string(),
+            why,
+        };
+        let table = match serde_json::to_value(&params).map_err(|e| bad(e.to_string()))? {
+            serde_json::Value::Null => toml::Table::new(),
+            v => serde_json::from_value::<toml::Table>(v).map_err(|e| bad(e.to_string()))?,
+        };
+        // The chapter with this cell's parameters replaced by the ones
+        // passed, at either size, and its plugin by the edited experiment.
+        let mut chapter = self.chapter.clone();
+        for c in chapter.cells.iter_mut().filter(|c| c.id == id) {
+            c.params = table.clone();
+            c.check_params = table.clone();
+        }
+        let mut registry = Registry::new();
+        registry
+            .add(Box::new(Edited::new(plugin, experiment)))
+            .expect("a new registry holds no plugin");
+        let options = RunOptions {
+            check: self.check,
+            cells: vec![id.to_string()],
+            device: self.device,
+            isolation: Isolation::InProcess,
+            ..RunOptions::default()
+        };
+        let report = crate::runner::run(&registry, &chapter, &options, &mut Quiet)?;
+        CellView::new(report)
+            .map(|v| v.measured_in("in this kernel"))
+            .map_err(|e| LiveError::Plots {
+                cell: id.to_string(),
+                why: format!("{e:#}"),
+            })
+    }
+
+    /// [`Live::try_run`] for a notebook: returns the cell's view when it
+    /// passed, and otherwise prints its results as text and fails the
+    /// notebook cell with what failed (see the module docs of
+    /// [`crate::notebook`]).
+    pub fn run<P, F>(&self, id: &str, plugin: P, params: P::Params, experiment: F) -> CellView
+    where
+        P: Plugin,
+        F: Fn(&mut Context, P::Params) -> anyhow::Result<()> + Send + Sync + 'static,
+    {
+        match self.try_run(id, plugin, params, experiment) {
+            Ok(view) => super::shown(view),
+            Err(e) => fail(&e.to_string()),
+        }
+    }
+
+    /// Runs cell `id` in a child process, as [`Notebook::run_cell`] does:
+    /// for the cells whose code the notebook does not show.
+    pub fn run_cell(&self, id: &str) -> CellView {
+        self.child.run_cell(id)
+    }
+}
