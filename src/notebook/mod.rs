@@ -255,6 +255,11 @@ fn fail(message: &str) -> ! {
         let mut stderr = std::io::stderr().lock();
         let _ = writeln!(stderr, "{message}");
         let _ = stderr.flush();
+        drop(stderr);
+        // evcxr forwards the process's output from threads of its own, and
+        // reports the cell failed when the process ends: without a pause,
+        // what was just written can be lost to that race.
+        std::thread::sleep(std::time::Duration::from_millis(300));
         std::process::exit(1);
     }
     panic!("{message}");
