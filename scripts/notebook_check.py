@@ -97,15 +97,17 @@ def main():
         if args.vary:
             cell_id, field, metric, *values = args.vary
             run = next((c for c in nb.cells if c.get("id") == cell_id), None)
-            match = run and re.search(r"wb\.run\((\"[^\"]+\"), ([\w:]+),", "".join(run.source))
+            text = "".join(run.source) if run else ""
+            match = re.search(r"let p: (\w+) = wb\.params\(.*?\);\s*"
+                              r"wb\.run\((\"[^\"]+\"), ([\w:]+), p\.clone\(\), (\w+)\)", text)
             if not match:
                 print("error: notebook cell `%s` runs no experiment in the kernel" % cell_id,
                       file=sys.stderr)
                 return 2
             for value in values:
-                code = ('wb.run(%s, %s, Params { %s: %s, ..p.clone() }, experiment)'
-                        '.cell().metrics[%s]' % (match.group(1), match.group(2), field, value,
-                                                 json.dumps(metric)))
+                params, cell, plugin, entry = match.groups()
+                code = ('wb.run(%s, %s, %s { %s: %s, ..wb.params(%s) }, %s).cell().metrics[%s]'
+                        % (cell, plugin, params, field, value, cell, entry, json.dumps(metric)))
                 shown = []
 
                 def hook(msg):

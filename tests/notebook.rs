@@ -187,8 +187,8 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
         assert!(setup.contains(want), "setup lacks {want:?}:\n{setup}");
     }
 
-    // Each chapter cell: its prose, then the cell that runs it; the
-    // checkpointing cell's experiment before it, as code cells.
+    // Each chapter cell: its prose, its experiment as code cells, then the
+    // cell that runs it.
     let mut rest = cells[2..].iter();
     for id in CELLS {
         let prose = rest.next().unwrap();
@@ -207,37 +207,36 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
             assert_eq!(code["id"], format!("{id}-code-{}", shown.len() + 1));
             shown.push(source(code));
         };
-        if id == "checkpointing" {
-            // What the notebook shows is the experiment `workbook run`
-            // executes: the plugin's source file, without its file docs and
-            // its cell breaks.
-            let file = include_str!("../plugins/checkpointing/src/experiment.rs");
-            let expected: Vec<&str> = file
-                .lines()
-                .filter(|l| !l.starts_with("//!") && l.trim() != "// notebook cell")
-                .filter(|l| !l.trim().is_empty())
-                .collect();
-            let joined = shown.join("\n");
-            let got: Vec<&str> = joined.lines().filter(|l| !l.trim().is_empty()).collect();
-            assert_eq!(got, expected);
-            assert!(shown.len() >= 3, "the experiment is cut into cells");
-            assert!(shown.last().unwrap().contains("pub fn experiment("));
-            let code = source(run);
-            assert!(
-                code.contains("let p: Params = wb.params(\"checkpointing\");"),
-                "{code}"
-            );
-            assert!(
-                code.ends_with(
-                    "wb.run(\"checkpointing\", workbook_checkpointing::Checkpointing, \
-                     p.clone(), experiment)"
-                ),
-                "{code}"
-            );
-        } else {
-            assert!(shown.is_empty(), "{id}");
-            assert_eq!(source(run), format!("wb.run_cell(\"{id}\")"));
-        }
+        // What the notebook shows is the experiment `workbook run` executes:
+        // the plugin's source file, without its file docs and its cell
+        // breaks.
+        let file =
+            std::fs::read_to_string(root.join(format!("plugins/{id}/src/experiment.rs"))).unwrap();
+        let expected: Vec<&str> = file
+            .lines()
+            .filter(|l| !l.starts_with("//!") && l.trim() != "// notebook cell")
+            .filter(|l| !l.trim().is_empty())
+            .collect();
+        let joined = shown.join("\n");
+        let got: Vec<&str> = joined.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(got, expected, "{id}");
+        assert!(shown.len() >= 2, "{id}: the imports, then the experiment");
+        assert!(
+            shown
+                .last()
+                .unwrap()
+                .contains(&format!("pub fn {id}_experiment(")),
+            "{id}"
+        );
+        let code = source(run);
+        assert!(
+            code.contains(&format!("Params = wb.params(\"{id}\");")),
+            "{code}"
+        );
+        assert!(
+            code.ends_with(&format!("p.clone(), {id}_experiment)")),
+            "{code}"
+        );
     }
     assert!(rest.next().is_none());
     if let Some(r) = nbformat_validate(&path) {

@@ -239,6 +239,84 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
     )
 }
 
+/// What a source's top-level items define, by name: each `use` name with
+/// the path it imports, each other item with its text. A notebook keeps
+/// items by name, so two experiments may share a name only for the same
+/// import.
+fn names(source: &NotebookSource) -> anyhow::Result<Vec<(String, String)>> {
+    fn flatten(tree: &syn::UseTree, prefix: String, out: &mut Vec<(String, String)>) {
+        let join = |name: String| {
+            if prefix.is_empty() {
+                name
+            } else {
+                format!("{prefix}::{name}")
+            }
+        };
+        match tree {
+            syn::UseTree::Path(p) => flatten(&p.tree, join(p.ident.to_string()), out),
+            syn::UseTree::Name(n) => out.push((n.ident.to_string(), join(n.ident.to_string()))),
+            syn::UseTree::Rename(r) => out.push((r.rename.to_string(), join(r.ident.to_string()))),
+            syn::UseTree::Glob(_) => out.push((join("*".into()), join("*".into()))),
+            syn::UseTree::Group(g) => g.items.iter().for_each(|t| flatten(t, prefix.clone(), out)),
+        }
+    }
+    let file = syn::parse_file(source.source).map_err(|e| {
+        anyhow::anyhow!(
+            "the experiment of {} does not parse: {e} (line {}, column {})",
+            source.package,
+            e.span().start().line,
+            e.span().start().column + 1
+        )
+    })?;
+    let mut out = Vec::new();
+    for item in &file.items {
+        let (ident, text) = match item {
+            syn::Item::Use(u) => {
+                flatten(&u.tree, String::new(), &mut out);
+                continue;
+            }
+            syn::Item::Fn(f) => (&f.sig.ident, "fn"),
+            syn::Item::Struct(i) => (&i.ident, "struct"),
+            syn::Item::Enum(i) => (&i.ident, "enum"),
+            syn::Item::Const(i) => (&i.ident, "const"),
+            syn::Item::Static(i) => (&i.ident, "static"),
+            syn::Item::Type(i) => (&i.ident, "type"),
+            syn::Item::Trait(i) => (&i.ident, "trait"),
+            syn::Item::Mod(i) => (&i.ident, "mod"),
+            syn::Item::Union(i) => (&i.ident, "union"),
+            _ => continue,
+        };
+        // Defined by this experiment: equal to no other's.
+        out.push((ident.to_string(), format!("{text} of {}", source.package)));
+    }
+    Ok(out)
+}
+
+/// Refuses experiments that define one name twice, which a notebook would
+/// keep only the last of.
+fn check_names(sources: &[NotebookSource]) -> anyhow::Result<()> {
+    let mut seen: HashMap<String, (String, &str)> = HashMap::new();
+    for source in sources {
+        for (name, what) in names(source)? {
+            match seen.get(&name) {
+                Some((other, package)) if *other != what && *package != source.package => {
+                    anyhow::bail!(
+                        "the experiments of {package} and {} both define `{name}` ({other}; \
+                         {what}): a notebook keeps one item per name, so give one of them \
+                         another name",
+                        source.package
+                    )
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert(name, (what, source.package));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The setup cell's source for a chapter some of whose cells show their
 /// experiment: the crates they use, and a [`crate::Live`] chapter.
 pub fn live_setup_source(
@@ -285,15 +363,22 @@ fn run_source(cell: &crate::chapter::Cell, source: &NotebookSource) -> String {
         .iter()
         .filter(|(k, v)| cell.params.get(*k) != Some(*v))
         .find_map(|(k, v)| v.as_integer().map(|i| format!("{k}: {i}")))
-        .map(|field| format!(" For example:\n// let p = Params {{ {field}, ..p }};"))
+        .map(|field| {
+            format!(
+                " For example:\n// let p = {} {{ {field}, ..p }};",
+                source.params
+            )
+        })
         .unwrap_or_default();
     format!(
         "// This cell's parameters from the chapter, at the notebook's size (`p`\n\
          // prints them). Change any, or the code above, and run again.{example}\n\
-         let p: Params = wb.params({id:?});\n\
-         wb.run({id:?}, {plugin}, p.clone(), experiment)",
+         let p: {params} = wb.params({id:?});\n\
+         wb.run({id:?}, {plugin}, p.clone(), {entry})",
         id = cell.id,
         plugin = source.plugin,
+        params = source.params,
+        entry = source.entry,
     )
 }
 
@@ -309,6 +394,7 @@ pub fn notebook(
 ) -> anyhow::Result<nbformat::v4::Notebook> {
     let sources = sources(chapter, registry);
     let shown: Vec<NotebookSource> = sources.iter().flatten().copied().collect();
+    check_names(&shown)?;
     let live = !shown.is_empty();
     let setup = if live {
         live_setup_source(chapter, &shown, options)?
@@ -393,4 +479,53 @@ pub fn html_output(execution_count: usize, html: String) -> Output {
         data: Media::new(vec![MediaType::Html(html)]),
         metadata: serde_json::Map::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(package: &'static str, text: &'static str) -> NotebookSource {
+        NotebookSource {
+            package,
+            dir: "/nowhere",
+            plugin: "x::X",
+            entry: "run",
+            params: "Params",
+            source: text,
+        }
+    }
+
+    #[test]
+    fn experiments_share_imports_but_no_other_name() {
+        let a = source(
+            "a",
+            "use std::time::{Duration, Instant};\nuse a::Params as AParams;\n\
+             pub fn median() {}\npub fn a_experiment() {}\n",
+        );
+        let b = source(
+            "b",
+            "use std::time::Instant;\nuse b::Params as BParams;\npub fn b_experiment() {}\n",
+        );
+        check_names(&[a, b]).unwrap();
+
+        let same_fn = source("c", "pub fn median() {}\n");
+        assert_eq!(
+            check_names(&[a, same_fn]).unwrap_err().to_string(),
+            "the experiments of a and c both define `median` (fn of a; fn of c): a notebook \
+             keeps one item per name, so give one of them another name"
+        );
+        let other_import = source("d", "use d::Params as AParams;\n");
+        assert_eq!(
+            check_names(&[a, other_import]).unwrap_err().to_string(),
+            "the experiments of a and d both define `AParams` (a::Params; d::Params): a \
+             notebook keeps one item per name, so give one of them another name"
+        );
+        let broken = source("e", "pub fn (\n");
+        let err = check_names(&[broken]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("the experiment of e does not parse: ") && err.contains("line 1"),
+            "{err}"
+        );
+    }
 }

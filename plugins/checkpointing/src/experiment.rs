@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use candle_checkpoint::{checkpoint_sequential, checkpoint_sequential_with, lean_backward, Policy};
 use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
-use workbook_checkpointing::Params;
+use workbook_checkpointing::Params as CheckpointingParams;
 use workbook_models::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
 };
@@ -110,7 +110,7 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 // notebook cell
 /// The deep stack: plain backprop against checkpointing with every segment
 /// count of `p.segments`, and the framework's own cost beside it.
-pub fn sweep(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()> {
+pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyhow::Result<()> {
     let device = ctx.device().clone();
     let model = Mlp::stack(
         rng,
@@ -343,7 +343,7 @@ pub fn sweep(ctx: &mut Context, p: &Params, rng: &mut Rng) -> anyhow::Result<()>
 
 // notebook cell
 /// The tip's heavy function: how many tensors each way keeps alive.
-pub fn heavy(ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
+pub fn heavy(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()> {
     let device = ctx.device().clone();
     let a = Category::Parameters.scope(|| Var::new(1f32, &device))?;
     let layers: Vec<Heavy> = (0..p.heavy_calls)
@@ -438,7 +438,7 @@ pub fn policy_list() -> [(&'static str, &'static str, Option<Policy>); 4] {
 
 /// Selective checkpointing on a small transformer, one block per
 /// segment: what each policy keeps, its peak and its time.
-pub fn policies(ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
+pub fn policies(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()> {
     let device = ctx.device().clone();
     let cfg = TransformerConfig {
         vocab: 256,
@@ -541,7 +541,7 @@ pub fn policies(ctx: &mut Context, p: &Params) -> anyhow::Result<()> {
 // notebook cell
 /// The experiment: a small block checkpointed and checked against plain
 /// backprop, then the sections above.
-pub fn experiment(ctx: &mut Context, p: Params) -> anyhow::Result<()> {
+pub fn checkpointing_experiment(ctx: &mut Context, p: CheckpointingParams) -> anyhow::Result<()> {
     let device = ctx.device().clone();
     let mut rng = Rng::seeded(p.seed);
     anyhow::ensure!(p.repeats > 0, "repeats must be at least 1");

@@ -13,8 +13,8 @@ extern crate self as workbook_checkpointing;
 mod experiment;
 
 pub use experiment::{
-    experiment, heavy, measure_backprop, median, policies, policy_list, run_segment, sweep,
-    Backprop, Heavy,
+    checkpointing_experiment, heavy, measure_backprop, median, policies, policy_list, run_segment,
+    sweep, Backprop, Heavy,
 };
 
 use serde::{Deserialize, Serialize};
@@ -302,11 +302,13 @@ impl Plugin for Checkpointing {
             package: env!("CARGO_PKG_NAME"),
             dir: env!("CARGO_MANIFEST_DIR"),
             plugin: "workbook_checkpointing::Checkpointing",
+            entry: "checkpointing_experiment",
+            params: "CheckpointingParams",
             source: include_str!("experiment.rs"),
         })
     }
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
-        experiment::experiment(ctx, p)
+        experiment::checkpointing_experiment(ctx, p)
     }
 }

@@ -6,14 +6,18 @@
 //! the tutorial's 7B figures (112 GB in f32) and the small models' bytes.
 #![warn(missing_docs)]
 
+// The experiment names this crate by its name, as a notebook cell does.
+extern crate self as workbook_footprint;
+
+mod experiment;
+
+pub use experiment::footprint_experiment;
+
 use serde::{Deserialize, Serialize};
-use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
-use workbook_sdk::candle::{DType, Module};
-use workbook_sdk::candle_nn::AdamW;
+use workbook_sdk::candle::DType;
 use workbook_sdk::metric::MetricSpec;
-use workbook_sdk::output::Unit;
-use workbook_sdk::{Category, Context, Plugin, Rules, Table, Violation};
+use workbook_sdk::{Context, NotebookSource, Plugin, Rules, Violation};
 
 /// The bytes that training with AdamW holds, by part.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,7 +91,8 @@ impl Default for Params {
     }
 }
 
-fn parse_dtype(name: &str) -> anyhow::Result<DType> {
+/// The dtype a chapter names (`f32`, `f16`, `bf16`).
+pub fn parse_dtype(name: &str) -> anyhow::Result<DType> {
     match name {
         "f32" => Ok(DType::F32),
         "f16" => Ok(DType::F16),
@@ -199,106 +204,18 @@ impl Plugin for Footprint {
         ]
     }
 
+    fn notebook(&self) -> Option<NotebookSource> {
+        Some(NotebookSource {
+            package: env!("CARGO_PKG_NAME"),
+            dir: env!("CARGO_MANIFEST_DIR"),
+            plugin: "workbook_footprint::Footprint",
+            entry: "footprint_experiment",
+            params: "FootprintParams",
+            source: include_str!("experiment.rs"),
+        })
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
-        let device = ctx.device().clone();
-        let mut rng = Rng::seeded(p.seed);
-        let count = |rng: &mut Rng, widths: &[usize]| -> anyhow::Result<usize> {
-            Ok(Mlp::new(rng, widths, Activation::Relu, DType::F32, &device)?.param_count())
-        };
-        let small = count(&mut rng, &p.small)?;
-        let large = count(&mut rng, &p.large)?;
-        ctx.print(format!("small params: {small}"));
-        ctx.print(format!("large params: {large}"));
-        ctx.metric("small_params", small as f64);
-        ctx.metric("large_params", large as f64);
-
-        let mut table = Table::new(
-            "Training state with AdamW, measured against analytic",
-            &[
-                ("dtype", Unit::None),
-                ("parameters", Unit::Bytes),
-                ("gradients", Unit::Bytes),
-                ("AdamW moments", Unit::Bytes),
-                ("measured total", Unit::Bytes),
-                ("analytic total", Unit::Bytes),
-                ("measured / analytic", Unit::Ratio),
-            ],
-        );
-        for name in &p.dtypes {
-            let dtype = parse_dtype(name)?;
-            ctx.progress(&format!("materialising the training state in {name}"));
-            let mut region = ctx.region(format!("training state, {name}"));
-            let model = Mlp::new(&mut rng, &p.state_model, Activation::Relu, dtype, &device)?;
-            region.mark("parameters");
-            let (x, y) = {
-                let _inputs = Category::Inputs.enter();
-                let x = rng
-                    .randn((p.batch, p.state_model[0]), &device)?
-                    .to_dtype(dtype)?;
-                let classes = *p.state_model.last().unwrap_or(&1) as u32;
-                (x, rng.labels(p.batch, classes, &device)?)
-            };
-            let loss = Category::Activations.scope(|| cross_entropy(&model.forward(&x)?, &y))?;
-            region.mark("after forward");
-            let grads = Category::Gradients.scope(|| {
-                let store = loss.backward()?;
-                Ok::<_, anyhow::Error>(param_grads(&store, &model.vars()))
-            })?;
-            drop(loss);
-            region.mark("after backward");
-            let optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(model.vars(), 1e-3))?;
-            region.mark("optimizer state");
-            let measured = {
-                let d = region.current_above_baseline();
-                TrainingState {
-                    parameters: d.get(Category::Parameters),
-                    gradients: d.get(Category::Gradients),
-                    optimizer: d.get(Category::OptimizerState),
-                }
-            };
-            drop((optimizer, grads, x, y, model));
-            let analytic = TrainingState::analytic(
-                p.state_model
-                    .windows(2)
-                    .map(|w| (w[0] * w[1] + w[1]) as u64)
-                    .sum(),
-                dtype,
-            );
-            region.set_analytic(analytic.total());
-            ctx.end_region(region);
-            let ratio = measured.total() as f64 / analytic.total() as f64;
-            ctx.metric(format!("params_bytes_{name}"), measured.parameters as f64);
-            ctx.metric(format!("grads_bytes_{name}"), measured.gradients as f64);
-            ctx.metric(format!("optimizer_bytes_{name}"), measured.optimizer as f64);
-            ctx.metric(format!("state_measured_{name}"), measured.total() as f64);
-            ctx.metric(format!("state_analytic_{name}"), analytic.total() as f64);
-            ctx.metric(format!("state_ratio_{name}"), ratio);
-            table.row(vec![
-                name.as_str().into(),
-                measured.parameters.into(),
-                measured.gradients.into(),
-                measured.optimizer.into(),
-                measured.total().into(),
-                analytic.total().into(),
-                ratio.into(),
-            ]);
-        }
-        ctx.table(table);
-
-        let llm = TrainingState::analytic(p.llm_params, DType::F32);
-        let gb = |b: u64| b as f64 / 1e9;
-        ctx.print(format!(
-            "{:.0}B parameters in f32 with AdamW: parameters {} GB, gradients {} GB, AdamW {} GB, total {} GB",
-            p.llm_params as f64 / 1e9,
-            gb(llm.parameters),
-            gb(llm.gradients),
-            gb(llm.optimizer),
-            gb(llm.total())
-        ));
-        ctx.metric("llm_params_gb", gb(llm.parameters));
-        ctx.metric("llm_grads_gb", gb(llm.gradients));
-        ctx.metric("llm_adam_gb", gb(llm.optimizer));
-        ctx.metric("llm_total_gb", gb(llm.total()));
-        Ok(())
+        experiment::footprint_experiment(ctx, p)
     }
 }

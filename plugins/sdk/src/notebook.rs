@@ -1,13 +1,18 @@
 //! Plugins whose experiment a notebook shows and runs.
 //!
 //! A plugin keeps its experiment, the code a learner reads and changes, in
-//! one source file of its crate, `src/experiment.rs`, with a function
+//! one source file of its crate, `src/experiment.rs`, with a function such
+//! as
 //!
 //! ```text
-//! pub fn experiment(ctx: &mut Context, p: Params) -> anyhow::Result<()>
+//! pub fn checkpointing_experiment(ctx: &mut Context, p: CheckpointingParams) -> anyhow::Result<()>
 //! ```
 //!
-//! that its [`Plugin::run`] calls. The file names crates only by their
+//! that its [`Plugin::run`] calls. A notebook keeps every cell's items by
+//! name, so the experiments of one chapter name their items, the parameters'
+//! type included (`use workbook_checkpointing::Params as
+//! CheckpointingParams;`), each differently: the export refuses two that
+//! define one name twice. The file names crates only by their
 //! names (the plugin's own crate through `extern crate self as ...;` in its
 //! `lib.rs`), so that the same text compiles in the crate and in a notebook
 //! cell, which depends on the plugin's crate and on every crate of its
@@ -29,6 +34,10 @@ pub struct NotebookSource {
     /// The plugin value, by its path from the crate
     /// (`workbook_checkpointing::Checkpointing`).
     pub plugin: &'static str,
+    /// The experiment function (`checkpointing_experiment`).
+    pub entry: &'static str,
+    /// The parameters' type as the source names it (`CheckpointingParams`).
+    pub params: &'static str,
     /// The experiment's source text (`include_str!("experiment.rs")`). Lines
     /// that start with `//!` are its file's documentation and are not shown;
     /// a line `// notebook cell` starts a new notebook code cell.
@@ -134,6 +143,8 @@ mod tests {
         package: "workbook-example",
         dir: "/nowhere",
         plugin: "workbook_example::Example",
+        entry: "experiment",
+        params: "Params",
         source: "//! The file's documentation.\n\
                  //! More of it.\n\
                  use std::time::Instant;\n\
