@@ -66,6 +66,22 @@ pub fn discover(dirs: &[PathBuf]) -> Vec<(String, PathBuf)> {
     found
 }
 
+/// Where external plugins are looked for, first first: a `plugins` folder
+/// beside the chapter named (when it is named by its `.toml` path), then
+/// beside each folder chapters are looked for in, then the folders of PATH.
+pub fn search_dirs(chapter: Option<&str>, chapter_dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = chapter
+        .map(std::path::Path::new)
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .and_then(|p| p.parent())
+        .map(|d| d.join("plugins"))
+        .into_iter()
+        .collect();
+    dirs.extend(chapter_dirs.iter().map(|d| d.join("plugins")));
+    dirs.extend(path_dirs());
+    dirs
+}
+
 /// The folders of the PATH environment variable.
 pub fn path_dirs() -> Vec<PathBuf> {
     std::env::var_os("PATH")
@@ -192,12 +208,6 @@ impl DynPlugin for ExternalPlugin {
 
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)> {
         self.verdict_of(params).memory_floor
-    }
-
-    fn notebook_source(&self) -> Option<workbook_sdk::NotebookSource> {
-        // Its experiment is compiled into another program: a notebook shows
-        // its results.
-        None
     }
 
     fn run_with(&self, _ctx: &mut Context, _params: &toml::Table) -> anyhow::Result<()> {

@@ -29,10 +29,12 @@
 //! # Features
 //!
 //! - `runner` (default): running chapters, with candle and the built-in
-//!   plugins. Without it the crate only displays reports: the [`notebook`]
-//!   view and the [`render`]ers, which is what a notebook's `:dep` needs.
-//! - `evcxr`: `workbook notebook --execute`, which runs a notebook's cells
-//!   through the evcxr crate.
+//!   plugins, and running a notebook's experiments in its kernel
+//!   (`notebook::live`). Without it the crate only displays reports: the
+//!   [`notebook`] view and the [`render`]ers, which is what the `:dep` of a
+//!   notebook whose cells all run in child processes needs.
+//! - `evcxr`: `workbook-kernel`, evcxr's Jupyter kernel built with this
+//!   workspace, which `workbook kernel install` names in its kernel spec.
 #![warn(missing_docs)]
 
 pub mod assertion;

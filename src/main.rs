@@ -385,15 +385,7 @@ fn main() -> ExitCode {
         | Command::Notebook { chapter, .. } => Some(chapter.as_str()),
         _ => None,
     };
-    let mut dirs: Vec<PathBuf> = named
-        .map(std::path::Path::new)
-        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
-        .and_then(|p| p.parent())
-        .map(|d| d.join("plugins"))
-        .into_iter()
-        .collect();
-    dirs.extend(wb.chapter_dirs().iter().map(|d| d.join("plugins")));
-    dirs.extend(workbook::external::path_dirs());
+    let dirs = workbook::external::search_dirs(named, wb.chapter_dirs());
     wb = wb.with_external_plugins(&dirs);
     match run(&cli, &wb) {
         Ok(code) => code,

@@ -179,11 +179,7 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
         root.join("chapters/chapter2.toml").canonicalize().unwrap()
     );
     assert!(!setup.contains(".binary("), "{setup}");
-    for want in [
-        ":cache 2048\n",
-        ":preserve_vars_on_panic 0\n",
-        ".check(true);",
-    ] {
+    for want in [":preserve_vars_on_panic 0\n", ".check(true);"] {
         assert!(setup.contains(want), "setup lacks {want:?}:\n{setup}");
     }
 

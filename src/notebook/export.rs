@@ -210,8 +210,10 @@ pub fn dependencies(
     Ok(lines)
 }
 
-/// The setup cell's source.
-pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
+/// The end of a setup cell: failures fail cells, and the chapter opened as
+/// `constructor` (`workbook::Notebook::new`, `workbook::Live::open`) in the
+/// mode and with the binary `options` ask for.
+fn setup_tail(chapter: &Chapter, options: &ExportOptions, constructor: &str) -> String {
     let mode = if options.check {
         "\n    .check(true)"
     } else {
@@ -222,20 +224,29 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
         None => String::new(),
     };
     format!(
+        "// A panic fails its cell (a failed chapter cell fails its notebook cell).\n\
+         :preserve_vars_on_panic 0\n\
+         let wb = {constructor}({chapter}){binary}{mode};\n\
+         println!(\"{{}} cells at {{}} size\", {cells}, if wb.is_check() {{ \"check\" }} else {{ \"full\" }});",
+        chapter = rust_str(&options.written(&chapter.path)),
+        cells = chapter.cells.len(),
+    )
+}
+
+/// The setup cell's source for a chapter whose cells all run in a child
+/// process.
+pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
+    format!(
         "// evcxr keeps compiled crates between kernel sessions (up to 500 MiB in the\n\
          // user's cache folder): a new session builds the library in seconds.\n\
          :cache 500\n\
          // The workbook library, built without candle: it only displays results.\n\
          :dep workbook = {{ path = {dep}, default-features = false }}\n\
-         // A panic fails its cell (a failed chapter cell fails its notebook cell).\n\
-         :preserve_vars_on_panic 0\n\
          // Each cell runs in its own `workbook` process, which measures its memory\n\
          // exactly as `workbook run` does in a terminal.\n\
-         let wb = workbook::Notebook::new({chapter}){binary}{mode};\n\
-         println!(\"{{}} cells at {{}} size\", {cells}, if wb.is_check() {{ \"check\" }} else {{ \"full\" }});",
+         {tail}",
         dep = toml_str(&options.written(&options.crate_dir)),
-        chapter = rust_str(&options.written(&chapter.path)),
-        cells = chapter.cells.len(),
+        tail = setup_tail(chapter, options, "workbook::Notebook::new"),
     )
 }
 
@@ -243,7 +254,11 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
 /// the path it imports, each other item with its text. A notebook keeps
 /// items by name, so two experiments may share a name only for the same
 /// import.
-fn names(source: &NotebookSource) -> anyhow::Result<Vec<(String, String)>> {
+///
+/// A `use` must start at a crate a notebook cell can name: `std`, `core`,
+/// `alloc`, or one of `crates` (the crates of this source tree the plugin
+/// depends on, its own included), never at `crate`, `self` or `super`.
+fn names(source: &NotebookSource, crates: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     fn flatten(tree: &syn::UseTree, prefix: String, out: &mut Vec<(String, String)>) {
         let join = |name: String| {
             if prefix.is_empty() {
@@ -254,7 +269,15 @@ fn names(source: &NotebookSource) -> anyhow::Result<Vec<(String, String)>> {
         };
         match tree {
             syn::UseTree::Path(p) => flatten(&p.tree, join(p.ident.to_string()), out),
+            // `use a::{self}` names `a` itself.
+            syn::UseTree::Name(n) if n.ident == "self" => {
+                let last = prefix.rsplit("::").next().unwrap_or_default();
+                out.push((last.to_string(), prefix.clone()))
+            }
             syn::UseTree::Name(n) => out.push((n.ident.to_string(), join(n.ident.to_string()))),
+            syn::UseTree::Rename(r) if r.ident == "self" => {
+                out.push((r.rename.to_string(), prefix.clone()))
+            }
             syn::UseTree::Rename(r) => out.push((r.rename.to_string(), join(r.ident.to_string()))),
             syn::UseTree::Glob(_) => out.push((join("*".into()), join("*".into()))),
             syn::UseTree::Group(g) => g.items.iter().for_each(|t| flatten(t, prefix.clone(), out)),
@@ -272,7 +295,29 @@ fn names(source: &NotebookSource) -> anyhow::Result<Vec<(String, String)>> {
     for item in &file.items {
         let (ident, text) = match item {
             syn::Item::Use(u) => {
+                let first = out.len();
                 flatten(&u.tree, String::new(), &mut out);
+                for (_, path) in &out[first..] {
+                    let root = path.split("::").next().unwrap_or_default();
+                    if matches!(root, "crate" | "self" | "super") {
+                        anyhow::bail!(
+                            "the experiment of {} uses `{path}`: a notebook cell has no crate of \
+                             its own, so name the plugin's crate by its name instead of `{root}`",
+                            source.package
+                        );
+                    }
+                    let known = matches!(root, "std" | "core" | "alloc")
+                        || crates.iter().any(|c| c.replace('-', "_") == root);
+                    if !known {
+                        anyhow::bail!(
+                            "the experiment of {} uses `{path}`, but `{root}` is not a crate of \
+                             this source tree that it depends on, which is what a notebook can \
+                             add; use it through one of those ({})",
+                            source.package,
+                            crates.join(", ")
+                        );
+                    }
+                }
                 continue;
             }
             syn::Item::Fn(f) => (&f.sig.ident, "fn"),
@@ -294,10 +339,13 @@ fn names(source: &NotebookSource) -> anyhow::Result<Vec<(String, String)>> {
 
 /// Refuses experiments that define one name twice, which a notebook would
 /// keep only the last of.
-fn check_names(sources: &[NotebookSource]) -> anyhow::Result<()> {
+fn check_names(
+    sources: &[NotebookSource],
+    crates_of: impl Fn(&NotebookSource) -> anyhow::Result<Vec<String>>,
+) -> anyhow::Result<()> {
     let mut seen: HashMap<String, (String, &str)> = HashMap::new();
     for source in sources {
-        for (name, what) in names(source)? {
+        for (name, what) in names(source, &crates_of(source)?)? {
             match seen.get(&name) {
                 Some((other, package)) if *other != what && *package != source.package => {
                     anyhow::bail!(
@@ -318,40 +366,25 @@ fn check_names(sources: &[NotebookSource]) -> anyhow::Result<()> {
 }
 
 /// The setup cell's source for a chapter some of whose cells show their
-/// experiment: the crates they use, and a [`crate::Live`] chapter.
+/// experiment: the crates the experiments of `sources` use, and a
+/// [`crate::Live`] chapter.
 pub fn live_setup_source(
     chapter: &Chapter,
     sources: &[NotebookSource],
     options: &ExportOptions,
 ) -> anyhow::Result<String> {
-    let mode = if options.check {
-        "\n    .check(true)"
-    } else {
-        ""
-    };
-    let binary = match &options.binary {
-        Some(b) => format!("\n    .binary({})", rust_str(b)),
-        None => String::new(),
-    };
     Ok(format!(
-        "// evcxr keeps compiled crates between kernel sessions (up to 2 GiB in the\n\
-         // user's cache folder): the first session builds candle and the toolkit\n\
-         // (minutes), later ones find them built.\n\
-         :cache 2048\n\
-         // The workbook, and the crates the experiments below use.\n\
+        "// The workbook, and the crates the experiments below use: the kernel\n\
+         // builds them when it starts (minutes), then each cell in seconds.\n\
          :dep workbook = {{ path = {dep} }}\n\
          {deps}\n\
-         // A panic fails its cell (a failed chapter cell fails its notebook cell).\n\
-         :preserve_vars_on_panic 0\n\
          // The chapter, checked. Cells whose code is shown below run in this\n\
          // kernel, measured by its allocation interposer (the \"Rust (workbook)\"\n\
          // kernel); the others run in a `workbook` process of their own.\n\
-         let wb = workbook::Live::open({chapter}){binary}{mode};\n\
-         println!(\"{{}} cells at {{}} size\", {cells}, if wb.is_check() {{ \"check\" }} else {{ \"full\" }});",
+         {tail}",
         dep = toml_str(&options.written(&options.crate_dir)),
         deps = dependencies(sources, options)?.join("\n"),
-        chapter = rust_str(&options.written(&chapter.path)),
-        cells = chapter.cells.len(),
+        tail = setup_tail(chapter, options, "workbook::Live::open"),
     ))
 }
 
@@ -394,10 +427,24 @@ pub fn notebook(
 ) -> anyhow::Result<nbformat::v4::Notebook> {
     let sources = sources(chapter, registry);
     let shown: Vec<NotebookSource> = sources.iter().flatten().copied().collect();
-    check_names(&shown)?;
+    check_names(&shown, |s| {
+        Ok(path_crates(Path::new(s.dir))?
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect())
+    })?;
     let live = !shown.is_empty();
     let setup = if live {
-        live_setup_source(chapter, &shown, options)?
+        // Every notebook adds the same crates, those of every plugin that
+        // shows its experiment, so that what one kernel session builds
+        // serves them all. (Not through evcxr's `:cache`: with these crates
+        // it hands a session in another folder builds that do not link,
+        // "can't find crate for `candle_core`".)
+        let all: Vec<NotebookSource> = registry
+            .iter()
+            .filter_map(|p| p.notebook_source())
+            .collect();
+        live_setup_source(chapter, &all, options)?
     } else {
         setup_source(chapter, options)
     };
@@ -408,6 +455,7 @@ pub fn notebook(
         ),
         code(SETUP_CELL, &setup),
     ];
+    let mut shown_once = std::collections::HashSet::new();
     for ((c, cid), source) in chapter
         .cells
         .iter()
@@ -420,8 +468,12 @@ pub fn notebook(
         ));
         match source {
             Some(source) => {
-                for (i, text) in source.cells().iter().enumerate() {
-                    cells.push(code(&format!("{cid}-code-{}", i + 1), text));
+                // Shown once, at its plugin's first cell: a copy shown again
+                // would replace the learner's edits of the first.
+                if shown_once.insert(source.package) {
+                    for (i, text) in source.cells().iter().enumerate() {
+                        cells.push(code(&format!("{cid}-code-{}", i + 1), text));
+                    }
                 }
                 cells.push(code(&cid, &run_source(c, source)));
             }
@@ -507,25 +559,51 @@ mod tests {
             "b",
             "use std::time::Instant;\nuse b::Params as BParams;\npub fn b_experiment() {}\n",
         );
-        check_names(&[a, b]).unwrap();
+        let crates = |_: &NotebookSource| Ok(vec!["a".into(), "b".into(), "c".into(), "d".into()]);
+        check_names(&[a, b], crates).unwrap();
 
         let same_fn = source("c", "pub fn median() {}\n");
         assert_eq!(
-            check_names(&[a, same_fn]).unwrap_err().to_string(),
+            check_names(&[a, same_fn], crates).unwrap_err().to_string(),
             "the experiments of a and c both define `median` (fn of a; fn of c): a notebook \
              keeps one item per name, so give one of them another name"
         );
         let other_import = source("d", "use d::Params as AParams;\n");
         assert_eq!(
-            check_names(&[a, other_import]).unwrap_err().to_string(),
+            check_names(&[a, other_import], crates)
+                .unwrap_err()
+                .to_string(),
             "the experiments of a and d both define `AParams` (a::Params; d::Params): a \
              notebook keeps one item per name, so give one of them another name"
         );
         let broken = source("e", "pub fn (\n");
-        let err = check_names(&[broken]).unwrap_err().to_string();
+        let err = check_names(&[broken], crates).unwrap_err().to_string();
         assert!(
             err.starts_with("the experiment of e does not parse: ") && err.contains("line 1"),
             "{err}"
+        );
+        // `use a::{self}` names `a`; two experiments may both import it.
+        let whole = source("a", "use c::{self, Thing};\n");
+        let again = source("b", "use c;\n");
+        check_names(&[whole, again], crates).unwrap();
+        let clash = source("b", "use d as c;\n");
+        assert!(check_names(&[whole, clash], crates)
+            .unwrap_err()
+            .to_string()
+            .contains("both define `c` (c; d)"));
+        // Only crates a notebook can add.
+        let relative = source("a", "use crate::Params;\n");
+        assert_eq!(
+            check_names(&[relative], crates).unwrap_err().to_string(),
+            "the experiment of a uses `crate::Params`: a notebook cell has no crate of its own, \
+             so name the plugin's crate by its name instead of `crate`"
+        );
+        let foreign = source("a", "use serde::Serialize;\n");
+        assert_eq!(
+            check_names(&[foreign], crates).unwrap_err().to_string(),
+            "the experiment of a uses `serde::Serialize`, but `serde` is not a crate of this \
+             source tree that it depends on, which is what a notebook can add; use it through \
+             one of those (a, b, c, d)"
         );
     }
 }

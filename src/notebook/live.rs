@@ -30,18 +30,6 @@ pub struct Live {
 /// Why a cell could not be run in the kernel.
 #[derive(Debug, thiserror::Error)]
 pub enum LiveError {
-    /// The chapter has no such cell.
-    #[error("chapter `{chapter}` has no cell `{cell}`{suggestion}; its cells: {available}")]
-    UnknownCell {
-        /// The chapter's id.
-        chapter: String,
-        /// The cell asked for.
-        cell: String,
-        /// `; did you mean ...?`, or nothing.
-        suggestion: String,
-        /// The cells it has.
-        available: String,
-    },
     /// The plugin passed is not the cell's.
     #[error("cell `{cell}` runs plugin `{expected}`, not `{given}`")]
     WrongPlugin {
@@ -83,8 +71,12 @@ impl Live {
     /// [`Notebook::new`] (`WORKBOOK_CHECK_MODE`).
     pub fn try_open(chapter: &str) -> Result<Self, ChapterError> {
         let child = Notebook::new(chapter);
-        let path = crate::chapter::resolve(chapter, &crate::chapter::default_dirs())?;
-        let chapter = crate::chapter::load_path(&path, &Registry::builtin())?;
+        let dirs = crate::chapter::default_dirs();
+        let path = crate::chapter::resolve(chapter, &dirs)?;
+        // The plugins `workbook run` would find, external ones included.
+        let mut registry = Registry::builtin();
+        registry.add_external(&crate::external::search_dirs(Some(chapter), &dirs));
+        let chapter = crate::chapter::load_path(&path, &registry)?;
         Ok(Self {
             chapter,
             check: child.is_check(),
@@ -134,21 +126,7 @@ impl Live {
             .cells
             .iter()
             .find(|c| c.id == id)
-            .ok_or_else(|| LiveError::UnknownCell {
-                chapter: self.chapter.id.clone(),
-                cell: id.to_string(),
-                suggestion: crate::suggest::did_you_mean(
-                    id,
-                    self.chapter.cells.iter().map(|c| c.id.as_str()),
-                ),
-                available: self
-                    .chapter
-                    .cells
-                    .iter()
-                    .map(|c| c.id.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
+            .ok_or_else(|| RunError::unknown_cell(&self.chapter, id).into())
     }
 
     /// Cell `id`'s parameters in the chapter, at the current size, as the
@@ -191,14 +169,10 @@ impl Live {
                 given: plugin.name().to_string(),
             });
         }
-        let bad = |why: String| LiveError::Params {
+        let table = params_table(&params).map_err(|why| LiveError::Params {
             cell: id.to_string(),
             why,
-        };
-        let table = match serde_json::to_value(&params).map_err(|e| bad(e.to_string()))? {
-            serde_json::Value::Null => toml::Table::new(),
-            v => serde_json::from_value::<toml::Table>(v).map_err(|e| bad(e.to_string()))?,
-        };
+        })?;
         // The chapter with this cell's parameters replaced by the ones
         // passed, at either size, and its plugin by the edited experiment.
         let mut chapter = self.chapter.clone();
@@ -245,5 +219,48 @@ impl Live {
     /// for the cells whose code the notebook does not show.
     pub fn run_cell(&self, id: &str) -> CellView {
         self.child.run_cell(id)
+    }
+}
+
+/// Parameters as a chapter's table, as the runner takes them: a plugin
+/// without parameters (`()`) has an empty one.
+fn params_table<T: serde::Serialize>(params: &T) -> Result<toml::Table, String> {
+    match toml::Table::try_from(params) {
+        Ok(table) => Ok(table),
+        Err(_) if serde_json::to_value(params).is_ok_and(|v| v.is_null()) => Ok(toml::Table::new()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Serialize)]
+    struct Params {
+        norm: f64,
+        not_a_number: f64,
+        widths: Vec<usize>,
+        name: Option<String>,
+    }
+
+    #[test]
+    fn parameters_become_the_chapters_table_infinities_and_all() {
+        let table = params_table(&Params {
+            norm: f64::INFINITY,
+            not_a_number: f64::NAN,
+            widths: vec![2, 3],
+            name: None,
+        })
+        .unwrap();
+        assert_eq!(table["norm"].as_float(), Some(f64::INFINITY));
+        assert!(table["not_a_number"].as_float().unwrap().is_nan());
+        assert_eq!(
+            table["widths"],
+            toml::Value::Array(vec![2.into(), 3.into()])
+        );
+        assert!(!table.contains_key("name"));
+        assert_eq!(params_table(&()).unwrap(), toml::Table::new());
+        assert_eq!(params_table(&5u32).unwrap_err(), "unsupported rust type");
     }
 }

@@ -1,35 +1,39 @@
 //! Chapters as Jupyter notebooks for the evcxr Rust kernel.
 //!
-//! `workbook notebook CHAPTER` writes a notebook whose code cells call
-//! [`Notebook::run_cell`]; `--execute` runs it headlessly (with the `evcxr`
-//! feature). This module's display side builds without the `runner` feature,
-//! so a notebook's `:dep` on this crate compiles in seconds:
+//! `workbook notebook CHAPTER` writes a notebook ([`export`]). Where a
+//! cell's plugin shows its experiment's source, the notebook holds that code
+//! and runs it in the kernel through `live::Live`, measured by the "Rust
+//! (workbook)" kernel's allocation interposer (`workbook kernel install`).
+//! Other cells run in a child process through [`Notebook::run_cell`]: the
+//! display side, which builds without the `runner` feature:
 //!
 //! ```text
-//! :dep workbook = { path = "/path/to/workbook", default-features = false }
+//! :dep workbook = { path = "..", default-features = false }
 //! :preserve_vars_on_panic 0
-//! let wb = workbook::Notebook::new("/path/to/workbook/chapters/chapter2.toml").check(true);
-//! wb.run_cell("checkpointing")
+//! let wb = workbook::Notebook::new("chapter4.toml").check(true);
+//! wb.run_cell("zero")
 //! ```
 //!
-//! # Why a child process
+//! # Why a child process for those
 //!
-//! evcxr compiles each notebook cell as its own library, and each gets its own
-//! copy of a dependency's statics, the counting allocator's included. Memory
-//! measured inside the kernel would be split between copies and mixed with
-//! the kernel's own allocations. So every cell runs in a fresh `workbook run
-//! CHAPTER --cell ID --format json` process, measured exactly as in the
-//! terminal, and the notebook renders the JSON report it prints.
+//! Measuring in the kernel needs the interposer, since evcxr compiles each
+//! notebook cell as its own library with its own copy of a dependency's
+//! statics, the counting allocator's included. A cell that runs in a fresh
+//! `workbook run CHAPTER --cell ID --format json` process (chapter 4's ranks
+//! under `mpirun`, for one) is measured exactly as in the terminal, and the
+//! notebook renders the JSON report it prints.
 //!
 //! # How a failure fails the notebook cell
 //!
-//! An `Err` or a caught panic in an evcxr cell leaves the cell, and a headless
-//! run, successful. When a chapter cell fails, [`Notebook::run_cell`] prints
-//! its results as text (evcxr drops the rich output of a cell that fails),
-//! writes what failed to stderr and ends the cell's process, which evcxr
-//! reports as the cell's error: Jupyter marks it, and `jupyter nbconvert
-//! --execute` exits non-zero. Outside evcxr it panics instead. The setup
-//! cell's `:preserve_vars_on_panic 0` makes any other panic fail its cell too.
+//! An `Err` or a caught panic in an evcxr cell leaves the cell successful.
+//! When a chapter cell fails, [`Notebook::run_cell`] and `live::Live::run`
+//! print its results as text (evcxr drops the rich output of a cell that
+//! fails), write what failed to stderr and end the cell's process, which
+//! evcxr reports as the cell's error: Jupyter marks it, and an execution
+//! (`jupyter nbconvert --execute`, `scripts/notebook_check.py`) stops there.
+//! The kernel restarts its process: the learner runs the setup cell again.
+//! Outside evcxr they panic instead. The setup cell's
+//! `:preserve_vars_on_panic 0` makes any other panic fail its cell too.
 
 #[cfg(feature = "runner")]
 pub mod export;
@@ -173,8 +177,8 @@ impl Notebook {
         }
         // The notebook's own setting decides, not the kernel's environment.
         cmd.env_remove(CHECK_ENV);
-        // evcxr's variables tell a binary built with the `evcxr` feature to
-        // act as evcxr's runtime instead of running the cell.
+        // The child is not a notebook cell: evcxr's variables (one of which
+        // turns the kernel's allocation interposer on) stay in the kernel.
         for (name, _) in std::env::vars_os() {
             if name.to_string_lossy().starts_with("EVCXR_") {
                 cmd.env_remove(name);
@@ -247,6 +251,9 @@ fn shown(view: CellView) -> CellView {
 /// Set by evcxr in the process that runs a kernel's cells.
 const EVCXR_RUNTIME_ENV: &str = "EVCXR_IS_RUNTIME";
 
+/// How long a failing cell waits for evcxr to forward what it wrote.
+const FORWARDING_PAUSE: std::time::Duration = std::time::Duration::from_millis(300);
+
 fn fail(message: &str) -> ! {
     if std::env::var_os(EVCXR_RUNTIME_ENV).is_some() {
         // A panic there prints evcxr's forced backtrace around the message,
@@ -258,8 +265,10 @@ fn fail(message: &str) -> ! {
         drop(stderr);
         // evcxr forwards the process's output from threads of its own, and
         // reports the cell failed when the process ends: without a pause,
-        // what was just written can be lost to that race.
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        // what was just written can be lost to that race. A pause narrows
+        // it, on a loaded machine perhaps not to nothing; evcxr offers no
+        // way to wait for its forwarding.
+        std::thread::sleep(FORWARDING_PAUSE);
         std::process::exit(1);
     }
     panic!("{message}");

@@ -109,6 +109,26 @@ pub enum RunError {
     Meter(#[from] workbook_sdk::meter::MeterError),
 }
 
+impl RunError {
+    /// `chapter` has no cell `id`: the error, with the cells it has.
+    pub fn unknown_cell(chapter: &Chapter, id: &str) -> Self {
+        RunError::UnknownCell {
+            chapter: chapter.id.clone(),
+            cell: id.to_string(),
+            suggestion: crate::suggest::did_you_mean(
+                id,
+                chapter.cells.iter().map(|c| c.id.as_str()),
+            ),
+            available: chapter
+                .cells
+                .iter()
+                .map(|c| c.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+}
+
 /// Sees a run as it goes.
 pub trait Observer {
     /// Before the first cell.
@@ -135,20 +155,7 @@ pub fn run(
 ) -> Result<ChapterReport, RunError> {
     for id in &options.cells {
         if !chapter.cells.iter().any(|c| &c.id == id) {
-            return Err(RunError::UnknownCell {
-                chapter: chapter.id.clone(),
-                cell: id.clone(),
-                suggestion: crate::suggest::did_you_mean(
-                    id,
-                    chapter.cells.iter().map(|c| c.id.as_str()),
-                ),
-                available: chapter
-                    .cells
-                    .iter()
-                    .map(|c| c.id.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            });
+            return Err(RunError::unknown_cell(chapter, id));
         }
     }
     let selected: Vec<(usize, &Cell)> = chapter

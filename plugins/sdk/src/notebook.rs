@@ -38,9 +38,9 @@ pub struct NotebookSource {
     pub entry: &'static str,
     /// The parameters' type as the source names it (`CheckpointingParams`).
     pub params: &'static str,
-    /// The experiment's source text (`include_str!("experiment.rs")`). Lines
-    /// that start with `//!` are its file's documentation and are not shown;
-    /// a line `// notebook cell` starts a new notebook code cell.
+    /// The experiment's source text (`include_str!("experiment.rs")`). The
+    /// `//!` lines it starts with are its file's documentation and are not
+    /// shown; a line `// notebook cell` starts a new notebook code cell.
     pub source: &'static str,
 }
 
@@ -48,13 +48,15 @@ pub struct NotebookSource {
 pub const CELL_BREAK: &str = "// notebook cell";
 
 impl NotebookSource {
-    /// The source as notebook code cells: the file's documentation (`//!`
-    /// lines) dropped, cut at each [`CELL_BREAK`] line, each part trimmed;
-    /// empty parts are left out.
+    /// The source as notebook code cells: the file's documentation (the
+    /// `//!` lines it starts with) dropped, cut at each [`CELL_BREAK`] line,
+    /// each part trimmed; empty parts are left out.
     pub fn cells(&self) -> Vec<String> {
         let mut cells = vec![String::new()];
+        let mut in_docs = true;
         for line in self.source.lines() {
-            if line.trim_start().starts_with("//!") {
+            in_docs &= line.starts_with("//!");
+            if in_docs {
                 continue;
             }
             if line.trim() == CELL_BREAK {

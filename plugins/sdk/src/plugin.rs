@@ -97,8 +97,11 @@ pub trait DynPlugin: Send + Sync {
     fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError>;
     /// See [`Plugin::memory_floor`]; `None` for a table that does not parse.
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)>;
-    /// See [`Plugin::notebook`].
-    fn notebook_source(&self) -> Option<crate::notebook::NotebookSource>;
+    /// See [`Plugin::notebook`]; `None` for a plugin whose experiment a
+    /// notebook cannot compile (an external program's).
+    fn notebook_source(&self) -> Option<crate::notebook::NotebookSource> {
+        None
+    }
     /// Deserialises the parameters and runs.
     fn run_with(&self, ctx: &mut Context, params: &toml::Table) -> anyhow::Result<()>;
 

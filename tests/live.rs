@@ -1,0 +1,140 @@
+//! `workbook::Live`, what a notebook's cells call, outside Jupyter: a cell
+//! run from its experiment function in this process measures what `workbook
+//! run` measures, an edit changes the measurement and is graded by the
+//! chapter's assertions, and a wrong cell, plugin or parameter type is an
+//! error that says what is wrong. (Through a real kernel: tests/kernel.rs
+//! and scripts/notebook_check.py.)
+
+use workbook::Live;
+use workbook_footprint::{footprint_experiment, Footprint, Params};
+
+#[global_allocator]
+static ALLOC: workbook::sdk::meter::CountingAllocator = workbook::sdk::meter::CountingAllocator;
+
+const CHAPTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/chapters/chapter2.toml");
+
+/// The counting allocator counts the whole process: one measurement at a
+/// time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn chapter2() -> (Live, std::sync::MutexGuard<'static, ()>) {
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    (Live::try_open(CHAPTER).unwrap().check(true), guard)
+}
+
+#[test]
+fn a_cell_run_from_its_experiment_measures_what_workbook_run_measures() {
+    let (wb, _one) = chapter2();
+    let p: Params = wb.try_params("footprint").unwrap();
+    let view = wb
+        .try_run("footprint", Footprint, p, footprint_experiment)
+        .unwrap();
+    assert!(view.passed(), "{:?}", view.failure());
+
+    // What `workbook run` measures in a fresh process, as the kernel's cell
+    // is its process's first.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .args([
+            "run",
+            CHAPTER,
+            "--check",
+            "--cell",
+            "footprint",
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: workbook::ChapterReport = serde_json::from_slice(&out.stdout).unwrap();
+    // Byte counts, parameter counts and the 7B figures: all equal. (A ratio
+    // read back from JSON text may differ in its last place.)
+    let (here, there) = (&view.cell().metrics, &report.cells[0].metrics);
+    assert_eq!(
+        here.keys().collect::<Vec<_>>(),
+        there.keys().collect::<Vec<_>>()
+    );
+    for (name, value) in here {
+        if name.contains("ratio") {
+            assert!(
+                (value - there[name]).abs() < 1e-12,
+                "{name}: {value} {}",
+                there[name]
+            );
+        } else {
+            assert_eq!(*value, there[name], "{name}");
+        }
+    }
+    assert!(view
+        .html()
+        .contains("measured by cpu-allocator in this kernel"));
+}
+
+#[test]
+fn an_edit_changes_the_measurement_and_is_graded_by_the_chapter() {
+    let (wb, _one) = chapter2();
+    let p: Params = wb.try_params("footprint").unwrap();
+    // A smaller "small" model: 10 x 20 weights and 20 biases.
+    let edited = Params {
+        small: vec![10, 20],
+        ..p
+    };
+    let view = wb
+        .try_run("footprint", Footprint, edited, footprint_experiment)
+        .unwrap();
+    assert_eq!(view.cell().metrics["small_params"], 220.0);
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.starts_with("cell `footprint` failed 1 of "),
+        "{failure}"
+    );
+    assert!(failure.contains("small_params = 220"), "{failure}");
+
+    // The experiment's code itself, edited: the closure runs instead.
+    let view = wb
+        .try_run("footprint", Footprint, p_of(&wb), |ctx, p: Params| {
+            ctx.metric("small_params", 17_802.0);
+            ctx.metric("large_params", p.large.len() as f64);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(
+        view.cell().metrics["large_params"],
+        p_of(&wb).large.len() as f64
+    );
+}
+
+fn p_of(wb: &Live) -> Params {
+    wb.try_params("footprint").unwrap()
+}
+
+#[test]
+fn a_wrong_cell_plugin_or_parameter_type_says_what_is_wrong() {
+    let (wb, _one) = chapter2();
+    let err = wb.try_params::<Params>("footprnt").unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "chapter `chapter2` has no cell `footprnt`; did you mean `footprint`?; its cells: \
+         footprint, accumulation, checkpointing, precision, offload, attention"
+    );
+    let err = wb
+        .try_run("checkpointing", Footprint, p_of(&wb), footprint_experiment)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "cell `checkpointing` runs plugin `checkpointing`, not `footprint`"
+    );
+    let err = wb
+        .try_params::<workbook_checkpointing::Params>("footprint")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("cell `footprint`'s parameters: unknown field `"),
+        "{err}"
+    );
+}
