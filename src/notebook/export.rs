@@ -440,7 +440,9 @@ pub fn notebook(
         // serves them all. (Not through evcxr's `:cache`: with these crates
         // it hands a session in another folder builds that do not link,
         // "can't find crate for `candle_core`".)
-        let all: Vec<NotebookSource> = registry
+        // The built-in plugins: listing the registry would start every
+        // external plugin to ask what it is.
+        let all: Vec<NotebookSource> = Registry::builtin()
             .iter()
             .filter_map(|p| p.notebook_source())
             .collect();
