@@ -103,6 +103,9 @@ fn backward_by_segments(
         // Detached: the segment's intermediate tensors go with its graph,
         // but for what the tape kept.
         saved.push(out.detach());
+        // The graph goes before the mark, so that the mark sees what the
+        // forward holds from here on.
+        drop(out);
         kept.push(Some(tape.into_saved()));
         observer.mark("segment forward");
     }
