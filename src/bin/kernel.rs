@@ -2,7 +2,96 @@
 //! built with the `evcxr` feature so that it shares that feature's build of
 //! evcxr. `workbook kernel install` names it in the "Rust (workbook)"
 //! kernel spec, with the allocation interposer preloaded.
+//!
+//! evcxr builds a session's crates in a temporary folder that goes when the
+//! kernel ends, so every session would build candle, the toolkit and the
+//! workbook again (minutes, when the setup cell runs). This kernel gives it
+//! a build folder that outlives it instead (evcxr's `EVCXR_TMPDIR`):
+//! `workbook/evcxr/N` in the user's cache folder (`$XDG_CACHE_HOME`, else
+//! `~/.cache`), the first N that no running kernel holds, so that a new
+//! session finds what the last one built and cargo rebuilds only what
+//! changed. Deleting the folder is safe while no kernel runs. With
+//! `EVCXR_TMPDIR` set, that folder is used as evcxr would use it.
+
+use std::fs::{File, TryLockError};
+use std::path::PathBuf;
+
+/// Kernels at once that get a build folder of their own; more than this
+/// build in a temporary folder, as evcxr does by itself.
+const SLOTS: usize = 16;
+
+/// Where the build folders are.
+fn cache_root() -> Option<PathBuf> {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(cache.join("workbook").join("evcxr"))
+}
+
+/// A build folder that no other running kernel holds, and the lock that
+/// holds it for as long as this process runs.
+fn claim_build_folder() -> Option<(PathBuf, File)> {
+    let root = cache_root()?;
+    std::fs::create_dir_all(&root).ok()?;
+    for slot in 0..SLOTS {
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(root.join(format!("{slot}.lock")))
+            .ok()?;
+        match lock.try_lock() {
+            Ok(()) => {
+                let folder = root.join(slot.to_string());
+                std::fs::create_dir_all(&folder).ok()?;
+                return Some((folder, lock));
+            }
+            Err(TryLockError::WouldBlock) => continue,
+            Err(TryLockError::Error(_)) => return None,
+        }
+    }
+    None
+}
+
+/// The folder of the standard library's shared object for the host, as
+/// the `rustc` evcxr runs has it (`rustc --print target-libdir`).
+fn target_libdir() -> Option<PathBuf> {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let out = std::process::Command::new(rustc)
+        .args(["--print", "target-libdir"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let dir = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    dir.is_dir().then_some(dir)
+}
 
 fn main() -> anyhow::Result<()> {
+    // evcxr starts this executable again as the process that runs the cells
+    // and as its compiler wrapper; those inherit the variables and claim
+    // nothing.
+    let _held = match std::env::var_os("EVCXR_TMPDIR") {
+        Some(_) => None,
+        None => target_libdir().and_then(|libdir| {
+            let (folder, lock) = claim_build_folder()?;
+            // A cell's library finds the standard library's shared object
+            // through a path relative to where rustc wrote it, one folder
+            // below where evcxr loads it from: right only when the surplus
+            // `..` is absorbed at `/`, as it is from evcxr's own folder in
+            // /tmp but not from one beside the toolchain in the home
+            // folder ("dlopen failed"). The process that loads the cells
+            // (which inherits this) is told the folder instead.
+            let mut paths = vec![libdir];
+            if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+                paths.extend(std::env::split_paths(&old));
+            }
+            let joined = std::env::join_paths(paths).ok()?;
+            // Both set before evcxr starts a thread of its own.
+            std::env::set_var("LD_LIBRARY_PATH", joined);
+            std::env::set_var("EVCXR_TMPDIR", &folder);
+            Some(lock)
+        }),
+    };
     evcxr_jupyter::main()
 }
