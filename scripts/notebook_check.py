@@ -8,6 +8,13 @@ errored, and each cell that runs a chapter cell (`wb.run`, `wb.run_cell`)
 displays its results as one HTML block marked passed. Prints each code
 cell's time.
 
+An exercise (a code cell tagged `exercise`, its reference solution in its
+`workbook.solution` metadata) is checked as a learner meets it: the cell that
+grades it (`wb.grade`) must first show it unfinished (not passed, with the
+`todo!` of the cell as its error) while the kernel keeps its state; then the
+exercise cell is run again with the reference solution, as a learner who
+solved it, and the grading cell again, which must pass.
+
 With --vary CELL FIELD METRIC V1 V2 ..., the experiment of CELL is then run
 again in the same kernel, as a learner who edits a parameter would, once
 per value of FIELD, and METRIC must grow with it.
@@ -37,18 +44,37 @@ def seconds(cell):
     return (parse(end) - parse(start)).total_seconds()
 
 
+def html_of(cell):
+    """The HTML a cell displayed."""
+    return "".join(
+        "".join(o.get("data", {}).get("text/html", ""))
+        for o in cell.get("outputs", [])
+        if o["output_type"] in ("execute_result", "display_data")
+    )
+
+
+def unfinished_problem(cell):
+    """What is wrong with a grading cell run on an unfinished exercise."""
+    if any(o["output_type"] == "error" for o in cell.get("outputs", [])):
+        return "failed the notebook cell instead of showing the exercise unfinished"
+    html = html_of(cell)
+    if not html.startswith('<div class="workbook">'):
+        return "shows no results block for the unfinished exercise"
+    if '<span class="badge passed">passed</span>' in html:
+        return "passed the unfinished exercise"
+    if "not yet implemented" not in html:
+        return "does not show the exercise's todo!() as its error"
+    return None
+
+
 def problems_of(cell):
     """What is wrong with one executed code cell, if anything."""
     source = "".join(cell["source"])
     errors = [o for o in cell.get("outputs", []) if o["output_type"] == "error"]
     if errors:
         return "errored: %s" % errors[0].get("evalue", "")
-    if re.search(r"\bwb\.run(_cell)?\(", source):
-        html = "".join(
-            "".join(o.get("data", {}).get("text/html", ""))
-            for o in cell.get("outputs", [])
-            if o["output_type"] in ("execute_result", "display_data")
-        )
+    if re.search(r"\bwb\.(run|run_cell|grade)\(", source):
+        html = html_of(cell)
         if not html.startswith('<div class="workbook">'):
             return "shows no results block (its outputs: %s)" % [
                 o["output_type"] for o in cell.get("outputs", [])]
@@ -84,12 +110,31 @@ def main():
                             resources={"metadata": {"path": os.path.dirname(path)}})
     failed = False
     varied = []
+    exercise = None  # (index, reference solution) of the exercise awaiting its grade
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
                 continue
             try:
                 client.execute_cell(cell, index)
+                if "exercise" in cell.get("metadata", {}).get("tags", []):
+                    solution = cell.metadata.get("workbook", {}).get("solution")
+                    if not solution:
+                        print("FAIL  exercise cell `%s` has no reference solution" % cell.get("id"))
+                        failed = True
+                    exercise = (index, solution)
+                elif re.search(r"\bwb\.grade\(", "".join(cell.source)) and exercise:
+                    problem = unfinished_problem(cell)
+                    print("%s  cell `%s` on the unfinished exercise: %s" % (
+                        "FAIL" if problem else "ok  ", cell.get("id"),
+                        problem or "not passed, its todo!() shown, the kernel kept"))
+                    failed |= problem is not None
+                    # The learner's solution: the exercise cell, then its grade, again.
+                    at, solution = exercise
+                    exercise = None
+                    nb.cells[at].source = solution or ""
+                    client.execute_cell(nb.cells[at], at)
+                    client.execute_cell(cell, index)
             except CellExecutionError as e:
                 print("FAIL  cell `%s` failed:\n%s" % (cell.get("id"), e), file=sys.stderr)
                 failed = True

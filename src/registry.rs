@@ -196,5 +196,6 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_transformer::GptCheckpointing),
         Box::new(workbook_transformer::Predictors),
         Box::new(workbook_distributed::ZeroStages),
+        Box::new(workbook_exercises::PolicyExercise),
     ]
 }

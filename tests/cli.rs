@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 12] = [
+const PLUGINS: [&str; 13] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -20,6 +20,7 @@ const PLUGINS: [&str; 12] = [
     "gpt_checkpointing",
     "predictors",
     "zero_stages",
+    "policy_exercise",
 ];
 
 fn workbook(args: &[&str]) -> Output {

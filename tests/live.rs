@@ -6,6 +6,7 @@
 //! and scripts/notebook_check.py.)
 
 use workbook::Live;
+use workbook_exercises::{grade_choice, policy_exercise, PolicyExercise, PolicyParams, Product};
 use workbook_footprint::{footprint_experiment, Footprint, Params};
 
 #[global_allocator]
@@ -119,7 +120,7 @@ fn a_wrong_cell_plugin_or_parameter_type_says_what_is_wrong() {
     assert_eq!(
         err,
         "chapter `chapter2` has no cell `footprnt`; did you mean `footprint`?; its cells: \
-         footprint, accumulation, checkpointing, precision, offload, attention"
+         footprint, accumulation, checkpointing, precision, offload, attention, exercise-policy"
     );
     let err = wb
         .try_run("checkpointing", Footprint, p_of(&wb), footprint_experiment)
@@ -137,4 +138,89 @@ fn a_wrong_cell_plugin_or_parameter_type_says_what_is_wrong() {
         err.starts_with("cell `footprint`'s parameters: unknown field `"),
         "{err}"
     );
+}
+
+/// Most multiply-adds per byte first: the learner's likely first answer,
+/// which misses the best choice at chapter 2's sizes.
+fn greedy(products: &[Product], budget: u64) -> Vec<&'static str> {
+    let mut order: Vec<&Product> = products.iter().collect();
+    order.sort_by(|a, b| (b.macs * a.bytes).cmp(&(a.macs * b.bytes)));
+    let mut left = budget;
+    let mut kept = Vec::new();
+    for p in order {
+        if p.bytes <= left {
+            left -= p.bytes;
+            kept.push(p.name);
+        }
+    }
+    kept
+}
+
+#[test]
+fn an_exercise_is_graded_unfinished_wrong_and_solved() {
+    let (wb, _one) = chapter2();
+    let p: PolicyParams = wb.try_params("exercise-policy").unwrap();
+    let grade = |choose: fn(&[Product], u64) -> Vec<&'static str>| {
+        wb.try_run(
+            "exercise-policy",
+            PolicyExercise,
+            p.clone(),
+            move |ctx, p: PolicyParams| grade_choice(ctx, &p, choose),
+        )
+        .unwrap()
+    };
+
+    // As the notebook shows it: the `todo!()` is the cell's error.
+    let view = grade(|_, _| todo!("exercise: replace this line with your code"));
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.starts_with("cell `exercise-policy` errored: ")
+            && failure.contains("not yet implemented: exercise: replace this line with your code"),
+        "{failure}"
+    );
+
+    // Within the budget, but not the fewest multiply-adds.
+    let view = grade(greedy);
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.starts_with("cell `exercise-policy` failed 1 of 4 assertions"),
+        "{failure}"
+    );
+    assert!(
+        failure.contains("`recomputed_macs == fewest_recomputed_macs`"),
+        "{failure}"
+    );
+    // Everything: over the budget.
+    let view = grade(|products, _| products.iter().map(|p| p.name).collect());
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.contains("`kept_bytes <= budget_bytes`"),
+        "{failure}"
+    );
+    // A name the block does not have.
+    let view = grade(|_, _| vec!["attention"]);
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.contains(
+            "`attention` is not a product of the block; they are qkv, scores, mix, proj, up, down"
+        ),
+        "{failure}"
+    );
+
+    // The reference solution passes, and what it keeps is measured: its
+    // bytes for each block but the last, and a little bookkeeping.
+    let view = wb
+        .try_run(
+            "exercise-policy",
+            PolicyExercise,
+            p.clone(),
+            policy_exercise,
+        )
+        .unwrap();
+    assert_eq!(view.failure(), None);
+    let m = &view.cell().metrics;
+    assert_eq!(m["kept_bytes"], m["budget_bytes"]);
+    assert_eq!(m["kept_predicted"], m["kept_bytes"] * (p.depth - 1) as f64);
+    let bookkeeping = m["kept_measured"] - m["kept_predicted"];
+    assert!((0.0..=16384.0).contains(&bookkeeping), "{bookkeeping}");
 }

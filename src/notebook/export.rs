@@ -388,8 +388,25 @@ pub fn live_setup_source(
     ))
 }
 
-/// The code cell that runs a chapter cell from the experiment shown above it.
-fn run_source(cell: &crate::chapter::Cell, source: &NotebookSource) -> String {
+/// The tag of a notebook cell that is an exercise (Jupyter's cell tags).
+pub const EXERCISE_TAG: &str = "exercise";
+
+/// Marks `cell` as an exercise whose reference solution is `solution`: the
+/// tag [`EXERCISE_TAG`], and the solution under the cell's `workbook`
+/// metadata, where a checker (and a learner who gives up) finds it.
+fn mark_exercise(cell: &mut Cell, solution: &str) {
+    if let Cell::Code { metadata, .. } = cell {
+        metadata.tags = Some(vec![EXERCISE_TAG.to_string()]);
+        metadata.additional.insert(
+            "workbook".to_string(),
+            serde_json::json!({ "solution": solution }),
+        );
+    }
+}
+
+/// The code cell that runs a chapter cell from the experiment shown above
+/// it; for an experiment with an exercise, one that grades it.
+fn run_source(cell: &crate::chapter::Cell, source: &NotebookSource, exercise: bool) -> String {
     // A field that check size changes, as the example of an edit.
     let example = cell
         .check_params
@@ -403,6 +420,20 @@ fn run_source(cell: &crate::chapter::Cell, source: &NotebookSource) -> String {
             )
         })
         .unwrap_or_default();
+    if exercise {
+        return format!(
+            "// Grades the exercise above: runs the experiment with your code and\n\
+             // holds it to the chapter's assertions. Until they pass, it shows what\n\
+             // failed and the kernel keeps its state: change your code and run both\n\
+             // cells again.\n\
+             let p: {params} = wb.params({id:?});\n\
+             wb.grade({id:?}, {plugin}, p.clone(), {entry})",
+            id = cell.id,
+            plugin = source.plugin,
+            params = source.params,
+            entry = source.entry,
+        );
+    }
     format!(
         "// This cell's parameters from the chapter, at the notebook's size (`p`\n\
          // prints them). Change any, or the code above, and run again.{example}\n\
@@ -472,12 +503,18 @@ pub fn notebook(
             Some(source) => {
                 // Shown once, at its plugin's first cell: a copy shown again
                 // would replace the learner's edits of the first.
+                let parts = source.cells()?;
                 if shown_once.insert(source.package) {
-                    for (i, text) in source.cells().iter().enumerate() {
-                        cells.push(code(&format!("{cid}-code-{}", i + 1), text));
+                    for (i, part) in parts.iter().enumerate() {
+                        let mut cell = code(&format!("{cid}-code-{}", i + 1), &part.code);
+                        if let Some(solution) = &part.solution {
+                            mark_exercise(&mut cell, solution);
+                        }
+                        cells.push(cell);
                     }
                 }
-                cells.push(code(&cid, &run_source(c, source)));
+                let exercise = parts.iter().any(|p| p.solution.is_some());
+                cells.push(code(&cid, &run_source(c, source, exercise)));
             }
             None => cells.push(code(&cid, &format!("wb.run_cell({:?})", c.id))),
         }

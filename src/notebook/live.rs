@@ -200,6 +200,21 @@ impl Live {
             })
     }
 
+    /// [`Live::try_run`] for an exercise: returns the cell's view, passed
+    /// or not, so that the notebook shows what failed (an unfinished
+    /// exercise's `todo!` as the cell's error) and the kernel keeps its
+    /// state for the learner's next try. Only a call that cannot run the
+    /// cell at all (an unknown cell, another plugin's, parameters the
+    /// chapter's table cannot hold) fails the notebook cell.
+    pub fn grade<P, F>(&self, id: &str, plugin: P, params: P::Params, experiment: F) -> CellView
+    where
+        P: Plugin,
+        F: Fn(&mut Context, P::Params) -> anyhow::Result<()> + Send + Sync + 'static,
+    {
+        self.try_run(id, plugin, params, experiment)
+            .unwrap_or_else(|e| fail(&e.to_string()))
+    }
+
     /// [`Live::try_run`] for a notebook: returns the cell's view when it
     /// passed, and otherwise prints its results as text and fails the
     /// notebook cell with what failed (see the module docs of

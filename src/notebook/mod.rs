@@ -34,6 +34,10 @@
 //! The kernel restarts its process: the learner runs the setup cell again.
 //! Outside evcxr they panic instead. The setup cell's
 //! `:preserve_vars_on_panic 0` makes any other panic fail its cell too.
+//!
+//! An exercise's grading cell is the exception: `live::Live::grade` shows
+//! the failed results and leaves the process (and the learner's variables)
+//! alone, since failing is what an unfinished exercise does.
 
 #[cfg(feature = "runner")]
 pub mod export;

@@ -6,14 +6,15 @@
 use std::process::Output;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-/// Chapter 2's cells, in order.
-pub const CELLS: [&str; 6] = [
+/// Chapter 2's cells, in order: the techniques, then the exercise.
+pub const CELLS: [&str; 7] = [
     "footprint",
     "accumulation",
     "checkpointing",
     "precision",
     "offload",
     "attention",
+    "exercise-policy",
 ];
 
 /// Chapter 2 times its techniques against each other: a test that runs it

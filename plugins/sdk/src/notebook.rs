@@ -20,6 +20,12 @@
 //! which shows it as the cell's code; [`Edited`] runs the code a learner
 //! edited under the plugin's name, rules and metrics. What the notebook
 //! shows is what `workbook run` executes, by construction.
+//!
+//! An exercise is a part of such a file that the learner writes: a
+//! [`EXERCISE_BREAK`] line starts its cell, and its reference solution lies
+//! between [`SOLUTION_BEGIN`] and [`SOLUTION_END`] lines. The plugin
+//! compiles the solution (so `workbook run` checks that it passes); the
+//! notebook shows [`TODO`] in its place ([`NotebookSource::cells`]).
 
 use crate::{Context, MetricSpec, Plugin, Violation};
 
@@ -47,31 +53,149 @@ pub struct NotebookSource {
 /// The line that starts a new notebook code cell in an experiment's source.
 pub const CELL_BREAK: &str = "// notebook cell";
 
+/// The line that starts a new notebook code cell that is an exercise: the
+/// learner completes it. Inside it, each part between a [`SOLUTION_BEGIN`]
+/// and a [`SOLUTION_END`] line is the reference solution, which the plugin
+/// compiles and `workbook run` executes, and which the notebook shows as
+/// [`TODO`] for the learner to replace.
+pub const EXERCISE_BREAK: &str = "// notebook cell: exercise";
+
+/// The line before a reference solution in an exercise cell.
+pub const SOLUTION_BEGIN: &str = "// solution begin";
+
+/// The line after a reference solution in an exercise cell.
+pub const SOLUTION_END: &str = "// solution end";
+
+/// What a notebook shows in place of a reference solution. Running it
+/// panics with "not yet implemented: ..." (`todo!`), which a cell that
+/// runs the experiment reports as its error.
+pub const TODO: &str = "todo!(\"exercise: replace this line with your code\")";
+
+/// One notebook code cell of an experiment's source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceCell {
+    /// The code the notebook shows: the cell's text, each reference
+    /// solution of an exercise replaced by [`TODO`].
+    pub code: String,
+    /// For an exercise cell, its text with the reference solutions (the
+    /// marker lines left out): what `workbook run` executes.
+    pub solution: Option<String>,
+}
+
+/// An experiment source whose exercise markers do not pair up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{package}'s experiment, line {line}: {why}")]
+pub struct SourceError {
+    /// The plugin's package.
+    pub package: String,
+    /// The line (from 1) of the source file.
+    pub line: usize,
+    /// What is wrong there.
+    pub why: String,
+}
+
 impl NotebookSource {
     /// The source as notebook code cells: the file's documentation (the
-    /// `//!` lines it starts with) dropped, cut at each [`CELL_BREAK`] line,
-    /// each part trimmed; empty parts are left out.
-    pub fn cells(&self) -> Vec<String> {
-        let mut cells = vec![String::new()];
+    /// `//!` lines it starts with) dropped, cut at each [`CELL_BREAK`] and
+    /// [`EXERCISE_BREAK`] line, each part trimmed; empty parts are left out.
+    ///
+    /// Errors where a [`SOLUTION_BEGIN`] is outside an exercise cell, inside
+    /// another solution, or without its [`SOLUTION_END`] in the same cell,
+    /// or where an exercise cell holds no solution.
+    pub fn cells(&self) -> Result<Vec<SourceCell>, SourceError> {
+        struct Draft {
+            code: String,
+            solution: Option<String>,
+            start: usize,
+        }
+        let error = |line: usize, why: &str| SourceError {
+            package: self.package.to_string(),
+            line,
+            why: why.to_string(),
+        };
+        let mut drafts = vec![Draft {
+            code: String::new(),
+            solution: None,
+            start: 1,
+        }];
+        // The line a solution being read began on.
+        let mut open: Option<usize> = None;
         let mut in_docs = true;
-        for line in self.source.lines() {
+        for (i, line) in self.source.lines().enumerate() {
+            let number = i + 1;
             in_docs &= line.starts_with("//!");
             if in_docs {
                 continue;
             }
-            if line.trim() == CELL_BREAK {
-                cells.push(String::new());
+            let marker = line.trim();
+            if marker == CELL_BREAK || marker == EXERCISE_BREAK {
+                if let Some(begun) = open {
+                    return Err(error(begun, "a solution ends at no `// solution end` line"));
+                }
+                drafts.push(Draft {
+                    code: String::new(),
+                    solution: (marker == EXERCISE_BREAK).then(String::new),
+                    start: number,
+                });
                 continue;
             }
-            let cell = cells.last_mut().expect("there is always a cell");
-            cell.push_str(line);
-            cell.push('\n');
+            let draft = drafts.last_mut().expect("there is always a cell");
+            if marker == SOLUTION_BEGIN {
+                if draft.solution.is_none() {
+                    return Err(error(
+                        number,
+                        "a solution outside an exercise cell (one begun by a \
+                         `// notebook cell: exercise` line)",
+                    ));
+                }
+                if open.is_some() {
+                    return Err(error(number, "a solution inside another"));
+                }
+                open = Some(number);
+                let indent = &line[..line.len() - line.trim_start().len()];
+                draft.code.push_str(indent);
+                draft.code.push_str(TODO);
+                draft.code.push('\n');
+                continue;
+            }
+            if marker == SOLUTION_END {
+                if open.take().is_none() {
+                    return Err(error(
+                        number,
+                        "`// solution end` without its `// solution begin`",
+                    ));
+                }
+                continue;
+            }
+            if open.is_none() {
+                draft.code.push_str(line);
+                draft.code.push('\n');
+            }
+            if let Some(solution) = &mut draft.solution {
+                solution.push_str(line);
+                solution.push('\n');
+            }
         }
-        cells
-            .into_iter()
-            .map(|c| c.trim().to_string())
-            .filter(|c| !c.is_empty())
-            .collect()
+        if let Some(begun) = open {
+            return Err(error(begun, "a solution ends at no `// solution end` line"));
+        }
+        let mut cells = Vec::new();
+        for draft in drafts {
+            let code = draft.code.trim().to_string();
+            if code.is_empty() {
+                continue;
+            }
+            let solution = draft.solution.map(|s| s.trim().to_string());
+            if solution.as_ref().is_some_and(|s| *s == code) {
+                return Err(error(
+                    draft.start,
+                    "an exercise cell without a solution (`// solution begin` ... \
+                     `// solution end`) for the learner to write",
+                ));
+            }
+            cells.push(SourceCell { code, solution });
+        }
+        Ok(cells)
     }
 }
 
@@ -166,8 +290,10 @@ mod tests {
 
     #[test]
     fn cells_drop_the_file_docs_and_cut_at_each_break() {
+        let cells = SOURCE.cells().unwrap();
+        let code: Vec<&str> = cells.iter().map(|c| c.code.as_str()).collect();
         assert_eq!(
-            SOURCE.cells(),
+            code,
             [
                 "use std::time::Instant;\nuse workbook_example::Params;\n\
                  use ::candle_checkpoint::{checkpoint, Policy};\npub use workbook_sdk::anyhow;\n\
@@ -175,6 +301,87 @@ mod tests {
                 "/// Runs it.\npub fn experiment() {}",
                 "fn helper() {}",
             ]
+        );
+        assert!(cells.iter().all(|c| c.solution.is_none()));
+    }
+
+    fn with_text(source: &'static str) -> NotebookSource {
+        NotebookSource { source, ..SOURCE }
+    }
+
+    #[test]
+    fn an_exercise_shows_todo_where_its_solution_is() {
+        let source = with_text(
+            "use std::fmt;\n\
+             // notebook cell: exercise\n\
+             /// Exercise: add them.\n\
+             pub fn add(a: u32, b: u32) -> u32 {\n    \
+                 // solution begin\n    \
+                 a + b\n    \
+                 // solution end\n\
+             }\n\
+             // notebook cell\n\
+             pub fn run() {}\n",
+        );
+        let cells = source.cells().unwrap();
+        assert_eq!(cells.len(), 3);
+        assert_eq!(
+            cells[1].code,
+            format!(
+                "/// Exercise: add them.\npub fn add(a: u32, b: u32) -> u32 {{\n    {TODO}\n}}"
+            )
+        );
+        assert_eq!(
+            cells[1].solution.as_deref(),
+            Some("/// Exercise: add them.\npub fn add(a: u32, b: u32) -> u32 {\n    a + b\n}")
+        );
+        assert_eq!(cells[0].solution, None);
+        assert_eq!(cells[2].solution, None);
+    }
+
+    #[test]
+    fn exercise_markers_that_do_not_pair_up_are_refused() {
+        let cases: [(&'static str, usize, &str); 5] = [
+            (
+                "fn f() {\n// solution begin\n}\n// solution end\n",
+                2,
+                "a solution outside an exercise cell",
+            ),
+            (
+                "// notebook cell: exercise\nfn f() {\n// solution begin\n1\n}\n",
+                3,
+                "a solution ends at no `// solution end` line",
+            ),
+            (
+                "// notebook cell: exercise\n// solution begin\n// notebook cell\n// solution end\n",
+                2,
+                "a solution ends at no `// solution end` line",
+            ),
+            (
+                "// notebook cell: exercise\n// solution begin\n// solution begin\n",
+                3,
+                "a solution inside another",
+            ),
+            (
+                "// notebook cell: exercise\nfn f() {}\n",
+                1,
+                "an exercise cell without a solution",
+            ),
+        ];
+        for (text, line, why) in cases {
+            let err = with_text(text).cells().unwrap_err();
+            assert_eq!(err.line, line, "{text:?}: {err}");
+            assert!(err.why.starts_with(why), "{text:?}: {err}");
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("workbook-example's experiment, line {line}: ")),
+                "{err}"
+            );
+        }
+        let stray_end = with_text("// notebook cell: exercise\n// solution end\n");
+        assert_eq!(
+            stray_end.cells().unwrap_err().why,
+            "`// solution end` without its `// solution begin`"
         );
     }
 
