@@ -8,7 +8,8 @@ errored, and each cell that runs a chapter cell (`wb.run`, `wb.run_cell`)
 displays its results as one HTML block marked passed. Prints each code
 cell's time.
 
-An exercise (a code cell tagged `exercise`, its reference solution in its
+A chapter cell's results are shown by `wb.run`, `wb.run_cell` or, for an
+exercise, `wb.grade`. An exercise (a code cell tagged `exercise`, its reference solution in its
 `workbook.solution` metadata) is checked as a learner meets it: the cell that
 grades it (`wb.grade`) must first show it unfinished (not passed, with the
 `todo!` of the cell as its error) while the kernel keeps its state; then the
@@ -54,9 +55,8 @@ def html_of(cell):
 
 
 def unfinished_problem(cell):
-    """What is wrong with a grading cell run on an unfinished exercise."""
-    if any(o["output_type"] == "error" for o in cell.get("outputs", [])):
-        return "failed the notebook cell instead of showing the exercise unfinished"
+    """What is wrong with a grading cell run on an unfinished exercise (one
+    that failed its notebook cell raised before this is asked)."""
     html = html_of(cell)
     if not html.startswith('<div class="workbook">'):
         return "shows no results block for the unfinished exercise"
@@ -122,6 +122,10 @@ def main():
                     if not solution:
                         print("FAIL  exercise cell `%s` has no reference solution" % cell.get("id"))
                         failed = True
+                    if exercise:
+                        print("FAIL  exercise cell `%s` has no grading cell before the next "
+                              "exercise" % nb.cells[exercise[0]].get("id"))
+                        failed = True
                     exercise = (index, solution)
                 elif re.search(r"\bwb\.grade\(", "".join(cell.source)) and exercise:
                     problem = unfinished_problem(cell)
@@ -133,12 +137,27 @@ def main():
                     at, solution = exercise
                     exercise = None
                     nb.cells[at].source = solution or ""
-                    client.execute_cell(nb.cells[at], at)
-                    client.execute_cell(cell, index)
+                    rerun_failed = False
+                    for again in (at, index):
+                        try:
+                            client.execute_cell(nb.cells[again], again)
+                        except CellExecutionError as e:
+                            print("FAIL  cell `%s` failed with the exercise's reference "
+                                  "solution:\n%s" % (nb.cells[again].get("id"), e),
+                                  file=sys.stderr)
+                            rerun_failed = True
+                            break
+                    if rerun_failed:
+                        failed = True
+                        break
             except CellExecutionError as e:
                 print("FAIL  cell `%s` failed:\n%s" % (cell.get("id"), e), file=sys.stderr)
                 failed = True
                 break
+        if exercise and not failed:
+            print("FAIL  exercise cell `%s` has no grading cell (`wb.grade`) after it"
+                  % nb.cells[exercise[0]].get("id"))
+            failed = True
         # After a failed cell the kernel has lost its variables: nothing to vary.
         if args.vary and not failed:
             cell_id, field, metric, *values = args.vary

@@ -14,7 +14,7 @@
 //! `EVCXR_TMPDIR` set, that folder is used as evcxr would use it.
 
 use std::fs::{File, TryLockError};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Kernels at once that get a build folder of their own; more than this
 /// build in a temporary folder, as evcxr does by itself.
@@ -55,10 +55,12 @@ fn claim_build_folder() -> Option<(PathBuf, File)> {
 }
 
 /// The folder of the standard library's shared object for the host, as
-/// the `rustc` evcxr runs has it (`rustc --print target-libdir`).
-fn target_libdir() -> Option<PathBuf> {
+/// the `rustc` evcxr runs in `folder` has it (`rustc --print
+/// target-libdir`, there, so that a toolchain override applies).
+fn target_libdir(folder: &Path) -> Option<PathBuf> {
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     let out = std::process::Command::new(rustc)
+        .current_dir(folder)
         .args(["--print", "target-libdir"])
         .output()
         .ok()
@@ -69,12 +71,15 @@ fn target_libdir() -> Option<PathBuf> {
 
 fn main() -> anyhow::Result<()> {
     // evcxr starts this executable again as the process that runs the cells
-    // and as its compiler wrapper; those inherit the variables and claim
-    // nothing.
-    let _held = match std::env::var_os("EVCXR_TMPDIR") {
-        Some(_) => None,
-        None => target_libdir().and_then(|libdir| {
-            let (folder, lock) = claim_build_folder()?;
+    // (EVCXR_IS_RUNTIME) and as its compiler wrapper (EVCXR_RUSTC_WRAPPER):
+    // those claim nothing, whether or not the kernel got a folder.
+    let evcxr_set = |name| std::env::var_os(name).is_some();
+    let started_by_evcxr = evcxr_set("EVCXR_IS_RUNTIME") || evcxr_set("EVCXR_RUSTC_WRAPPER");
+    let _held = if evcxr_set("EVCXR_TMPDIR") || started_by_evcxr {
+        None
+    } else {
+        claim_build_folder().and_then(|(folder, lock)| {
+            let libdir = target_libdir(&folder)?;
             // A cell's library finds the standard library's shared object
             // through a path relative to where rustc wrote it, one folder
             // below where evcxr loads it from: right only when the surplus
@@ -91,7 +96,7 @@ fn main() -> anyhow::Result<()> {
             std::env::set_var("LD_LIBRARY_PATH", joined);
             std::env::set_var("EVCXR_TMPDIR", &folder);
             Some(lock)
-        }),
+        })
     };
     evcxr_jupyter::main()
 }

@@ -64,7 +64,7 @@ pub use serde_json;
 pub use meter::{Category, Meter, Residency};
 pub use metric::MetricSpec;
 #[cfg(feature = "candle")]
-pub use notebook::{Edited, NotebookSource, SourceCell};
+pub use notebook::{Edited, NotebookSource, SourceCell, SourceError};
 pub use output::{CellOutput, Figure, PoolUse, RegionReport, Table, Unit};
 #[cfg(feature = "candle")]
 pub use plugin::{Context, DynPlugin, Plugin, Region};

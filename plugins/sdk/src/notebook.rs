@@ -46,7 +46,9 @@ pub struct NotebookSource {
     pub params: &'static str,
     /// The experiment's source text (`include_str!("experiment.rs")`). The
     /// `//!` lines it starts with are its file's documentation and are not
-    /// shown; a line `// notebook cell` starts a new notebook code cell.
+    /// shown; a line `// notebook cell` starts a new notebook code cell, a
+    /// line `// notebook cell: exercise` one the learner completes (see
+    /// [`EXERCISE_BREAK`]).
     pub source: &'static str,
 }
 
@@ -57,7 +59,8 @@ pub const CELL_BREAK: &str = "// notebook cell";
 /// learner completes it. Inside it, each part between a [`SOLUTION_BEGIN`]
 /// and a [`SOLUTION_END`] line is the reference solution, which the plugin
 /// compiles and `workbook run` executes, and which the notebook shows as
-/// [`TODO`] for the learner to replace.
+/// [`TODO`] for the learner to replace. Code after a solution must not use
+/// what the solution defines: in the notebook it is not there.
 pub const EXERCISE_BREAK: &str = "// notebook cell: exercise";
 
 /// The line before a reference solution in an exercise cell.
@@ -99,14 +102,17 @@ impl NotebookSource {
     /// `//!` lines it starts with) dropped, cut at each [`CELL_BREAK`] and
     /// [`EXERCISE_BREAK`] line, each part trimmed; empty parts are left out.
     ///
-    /// Errors where a [`SOLUTION_BEGIN`] is outside an exercise cell, inside
+    /// Errors where a line starting `// notebook cell` is neither break,
+    /// where a [`SOLUTION_BEGIN`] is outside an exercise cell, inside
     /// another solution, or without its [`SOLUTION_END`] in the same cell,
-    /// or where an exercise cell holds no solution.
+    /// where a solution is empty, or where an exercise cell holds no
+    /// solution.
     pub fn cells(&self) -> Result<Vec<SourceCell>, SourceError> {
         struct Draft {
             code: String,
             solution: Option<String>,
             start: usize,
+            solved: bool,
         }
         let error = |line: usize, why: &str| SourceError {
             package: self.package.to_string(),
@@ -117,9 +123,11 @@ impl NotebookSource {
             code: String::new(),
             solution: None,
             start: 1,
+            solved: false,
         }];
-        // The line a solution being read began on.
-        let mut open: Option<usize> = None;
+        // The line a solution being read began on, and whether it holds
+        // more than blank lines yet.
+        let mut open: Option<(usize, bool)> = None;
         let mut in_docs = true;
         for (i, line) in self.source.lines().enumerate() {
             let number = i + 1;
@@ -129,15 +137,23 @@ impl NotebookSource {
             }
             let marker = line.trim();
             if marker == CELL_BREAK || marker == EXERCISE_BREAK {
-                if let Some(begun) = open {
+                if let Some((begun, _)) = open {
                     return Err(error(begun, "a solution ends at no `// solution end` line"));
                 }
                 drafts.push(Draft {
                     code: String::new(),
                     solution: (marker == EXERCISE_BREAK).then(String::new),
                     start: number,
+                    solved: false,
                 });
                 continue;
+            }
+            if marker.starts_with(CELL_BREAK) {
+                return Err(error(
+                    number,
+                    "a line that starts like a cell break but is none: write \
+                     `// notebook cell` or `// notebook cell: exercise`",
+                ));
             }
             let draft = drafts.last_mut().expect("there is always a cell");
             if marker == SOLUTION_BEGIN {
@@ -151,7 +167,7 @@ impl NotebookSource {
                 if open.is_some() {
                     return Err(error(number, "a solution inside another"));
                 }
-                open = Some(number);
+                open = Some((number, false));
                 let indent = &line[..line.len() - line.trim_start().len()];
                 draft.code.push_str(indent);
                 draft.code.push_str(TODO);
@@ -159,39 +175,48 @@ impl NotebookSource {
                 continue;
             }
             if marker == SOLUTION_END {
-                if open.take().is_none() {
-                    return Err(error(
-                        number,
-                        "`// solution end` without its `// solution begin`",
-                    ));
+                match open.take() {
+                    None => {
+                        return Err(error(
+                            number,
+                            "`// solution end` without its `// solution begin`",
+                        ))
+                    }
+                    Some((begun, false)) => {
+                        return Err(error(begun, "an empty solution: write the reference one"))
+                    }
+                    Some((_, true)) => draft.solved = true,
                 }
                 continue;
             }
-            if open.is_none() {
-                draft.code.push_str(line);
-                draft.code.push('\n');
+            match &mut open {
+                None => {
+                    draft.code.push_str(line);
+                    draft.code.push('\n');
+                }
+                Some((_, content)) => *content |= !marker.is_empty(),
             }
             if let Some(solution) = &mut draft.solution {
                 solution.push_str(line);
                 solution.push('\n');
             }
         }
-        if let Some(begun) = open {
+        if let Some((begun, _)) = open {
             return Err(error(begun, "a solution ends at no `// solution end` line"));
         }
         let mut cells = Vec::new();
         for draft in drafts {
             let code = draft.code.trim().to_string();
-            if code.is_empty() {
-                continue;
-            }
             let solution = draft.solution.map(|s| s.trim().to_string());
-            if solution.as_ref().is_some_and(|s| *s == code) {
+            if solution.is_some() && !draft.solved {
                 return Err(error(
                     draft.start,
                     "an exercise cell without a solution (`// solution begin` ... \
                      `// solution end`) for the learner to write",
                 ));
+            }
+            if code.is_empty() {
+                continue;
             }
             cells.push(SourceCell { code, solution });
         }
@@ -378,6 +403,27 @@ mod tests {
                 "{err}"
             );
         }
+        let near_miss = with_text("fn f() {}\n// notebook cell: Exercise\nfn g() {}\n");
+        let err = near_miss.cells().unwrap_err();
+        assert_eq!(err.line, 2);
+        assert!(
+            err.why.starts_with("a line that starts like a cell break"),
+            "{err}"
+        );
+        let empty = with_text("fn f() {}\n// notebook cell: exercise\n");
+        assert!(empty
+            .cells()
+            .unwrap_err()
+            .why
+            .starts_with("an exercise cell without"));
+        let blank = with_text(
+            "// notebook cell: exercise\nfn f() {\n// solution begin\n\n// solution end\n}\n",
+        );
+        let err = blank.cells().unwrap_err();
+        assert_eq!(
+            (err.line, err.why.as_str()),
+            (3, "an empty solution: write the reference one")
+        );
         let stray_end = with_text("// notebook cell: exercise\n// solution end\n");
         assert_eq!(
             stray_end.cells().unwrap_err().why,
