@@ -6,6 +6,14 @@ use workbook_sdk::{anyhow, Category, Context, MetricSpec, Plugin};
 #[global_allocator]
 static ALLOC: workbook_sdk::meter::CountingAllocator = workbook_sdk::meter::CountingAllocator;
 
+/// The counting allocator counts the whole process: one measured cell at a
+/// time, or one test's buffer lands in the other's peak.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Allocates a known buffer; records one declared metric, and one more
 /// when asked to.
 struct Buffer {
@@ -37,6 +45,7 @@ impl Plugin for Buffer {
 
 #[test]
 fn a_cell_is_measured_to_the_byte_and_held_to_its_declared_metrics() {
+    let _alone = alone();
     let ok = workbook_sdk::worker::run_cell(&Buffer { undeclared: false }, &(), true).unwrap();
     assert_eq!(ok.end.error, None);
     assert_eq!(ok.output.metrics["peak_buffer"], 12_345.0);
@@ -52,6 +61,7 @@ fn a_cell_is_measured_to_the_byte_and_held_to_its_declared_metrics() {
 
 #[test]
 fn an_edited_experiment_runs_measured_and_held_to_the_plugins_metrics() {
+    let _alone = alone();
     // The experiment a notebook cell edited: a larger buffer.
     let edited =
         workbook_sdk::Edited::new(Buffer { undeclared: false }, |ctx: &mut Context, ()| {
