@@ -407,38 +407,41 @@ fn mark_exercise(cell: &mut Cell, solution: &str) {
 /// The code cell that runs a chapter cell from the experiment shown above
 /// it; for an experiment with an exercise, one that grades it.
 fn run_source(cell: &crate::chapter::Cell, source: &NotebookSource, exercise: bool) -> String {
-    // A field that check size changes, as the example of an edit.
-    let example = cell
-        .check_params
-        .iter()
-        .filter(|(k, v)| cell.params.get(*k) != Some(*v))
-        .find_map(|(k, v)| v.as_integer().map(|i| format!("{k}: {i}")))
-        .map(|field| {
-            format!(
-                " For example:\n// let p = {} {{ {field}, ..p }};",
-                source.params
-            )
-        })
-        .unwrap_or_default();
-    if exercise {
-        return format!(
+    let (comment, call) = if exercise {
+        (
             "// Grades the exercise above: runs the experiment with your code and\n\
              // holds it to the chapter's assertions. Until they pass, it shows what\n\
              // failed and the kernel keeps its state: change your code and run both\n\
-             // cells again.\n\
-             let p: {params} = wb.params({id:?});\n\
-             wb.grade({id:?}, {plugin}, p.clone(), {entry})",
-            id = cell.id,
-            plugin = source.plugin,
-            params = source.params,
-            entry = source.entry,
-        );
-    }
+             // cells again."
+                .to_string(),
+            "grade",
+        )
+    } else {
+        // A field that check size changes, as the example of an edit.
+        let example = cell
+            .check_params
+            .iter()
+            .filter(|(k, v)| cell.params.get(*k) != Some(*v))
+            .find_map(|(k, v)| v.as_integer().map(|i| format!("{k}: {i}")))
+            .map(|field| {
+                format!(
+                    " For example:\n// let p = {} {{ {field}, ..p }};",
+                    source.params
+                )
+            })
+            .unwrap_or_default();
+        (
+            format!(
+                "// This cell's parameters from the chapter, at the notebook's size (`p`\n\
+                 // prints them). Change any, or the code above, and run again.{example}"
+            ),
+            "run",
+        )
+    };
     format!(
-        "// This cell's parameters from the chapter, at the notebook's size (`p`\n\
-         // prints them). Change any, or the code above, and run again.{example}\n\
+        "{comment}\n\
          let p: {params} = wb.params({id:?});\n\
-         wb.run({id:?}, {plugin}, p.clone(), {entry})",
+         wb.{call}({id:?}, {plugin}, p.clone(), {entry})",
         id = cell.id,
         plugin = source.plugin,
         params = source.params,
