@@ -332,7 +332,10 @@ fn names(source: &NotebookSource, crates: &[String]) -> anyhow::Result<Vec<(Stri
             _ => continue,
         };
         // Defined by this experiment: equal to no other's.
-        out.push((ident.to_string(), format!("{text} of {}", source.package)));
+        out.push((
+            ident.to_string(),
+            format!("{text} of {} ({})", source.package, source.entry),
+        ));
     }
     Ok(out)
 }
@@ -343,21 +346,24 @@ fn check_names(
     sources: &[NotebookSource],
     crates_of: impl Fn(&NotebookSource) -> anyhow::Result<Vec<String>>,
 ) -> anyhow::Result<()> {
-    let mut seen: HashMap<String, (String, &str)> = HashMap::new();
+    let mut seen: HashMap<String, (String, &NotebookSource)> = HashMap::new();
     for source in sources {
         for (name, what) in names(source, &crates_of(source)?)? {
             match seen.get(&name) {
-                Some((other, package)) if *other != what && *package != source.package => {
+                Some((other, first)) if *other != what && *first != source => {
                     anyhow::bail!(
-                        "the experiments of {package} and {} both define `{name}` ({other}; \
+                        "the experiments of {} ({}) and {} ({}) both define `{name}` ({other}; \
                          {what}): a notebook keeps one item per name, so give one of them \
                          another name",
-                        source.package
+                        first.package,
+                        first.entry,
+                        source.package,
+                        source.entry
                     )
                 }
                 Some(_) => {}
                 None => {
-                    seen.insert(name, (what, source.package));
+                    seen.insert(name, (what, source));
                 }
             }
         }
@@ -507,7 +513,7 @@ pub fn notebook(
                 // Shown once, at its plugin's first cell: a copy shown again
                 // would replace the learner's edits of the first.
                 let parts = source.cells()?;
-                if shown_once.insert(source.package) {
+                if shown_once.insert((source.package, source.entry)) {
                     for (i, part) in parts.iter().enumerate() {
                         let mut cell = code(&format!("{cid}-code-{}", i + 1), &part.code);
                         if let Some(solution) = &part.solution {
@@ -607,16 +613,26 @@ mod tests {
         let same_fn = source("c", "pub fn median() {}\n");
         assert_eq!(
             check_names(&[a, same_fn], crates).unwrap_err().to_string(),
-            "the experiments of a and c both define `median` (fn of a; fn of c): a notebook \
-             keeps one item per name, so give one of them another name"
+            "the experiments of a (run) and c (run) both define `median` (fn of a (run); fn of \
+             c (run)): a notebook keeps one item per name, so give one of them another name"
+        );
+        // Two experiments of one package are two experiments.
+        let sibling = NotebookSource {
+            entry: "other",
+            ..source("a", "pub fn median() {}\n")
+        };
+        assert_eq!(
+            check_names(&[a, sibling], crates).unwrap_err().to_string(),
+            "the experiments of a (run) and a (other) both define `median` (fn of a (run); fn \
+             of a (other)): a notebook keeps one item per name, so give one of them another name"
         );
         let other_import = source("d", "use d::Params as AParams;\n");
         assert_eq!(
             check_names(&[a, other_import], crates)
                 .unwrap_err()
                 .to_string(),
-            "the experiments of a and d both define `AParams` (a::Params; d::Params): a \
-             notebook keeps one item per name, so give one of them another name"
+            "the experiments of a (run) and d (run) both define `AParams` (a::Params; \
+             d::Params): a notebook keeps one item per name, so give one of them another name"
         );
         let broken = source("e", "pub fn (\n");
         let err = check_names(&[broken], crates).unwrap_err().to_string();
