@@ -197,5 +197,6 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_transformer::Predictors),
         Box::new(workbook_distributed::ZeroStages),
         Box::new(workbook_exercises::PolicyExercise),
+        Box::new(workbook_exercises::FitExercise),
     ]
 }

@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 13] = [
+const PLUGINS: [&str; 14] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -21,6 +21,7 @@ const PLUGINS: [&str; 13] = [
     "predictors",
     "zero_stages",
     "policy_exercise",
+    "fit_exercise",
 ];
 
 fn workbook(args: &[&str]) -> Output {

@@ -6,7 +6,10 @@
 //! and scripts/notebook_check.py.)
 
 use workbook::Live;
-use workbook_exercises::{grade_choice, policy_exercise, PolicyExercise, PolicyParams, Product};
+use workbook_exercises::{
+    fit_exercise, grade_choice, grade_plan, policy_exercise, recomputed_layers, FitExercise,
+    FitParams, PolicyExercise, PolicyParams, Product, StepPlan, StepShape,
+};
 use workbook_footprint::{footprint_experiment, Footprint, Params};
 
 #[global_allocator]
@@ -120,7 +123,8 @@ fn a_wrong_cell_plugin_or_parameter_type_says_what_is_wrong() {
     assert_eq!(
         err,
         "chapter `chapter2` has no cell `footprnt`; did you mean `footprint`?; its cells: \
-         footprint, accumulation, checkpointing, precision, offload, attention, exercise-policy"
+         footprint, accumulation, checkpointing, precision, offload, attention, exercise-policy, \
+         exercise-fit"
     );
     let err = wb
         .try_run("checkpointing", Footprint, p_of(&wb), footprint_experiment)
@@ -223,4 +227,140 @@ fn an_exercise_is_graded_unfinished_wrong_and_solved() {
     assert_eq!(m["kept_predicted"], m["kept_bytes"] * (p.depth - 1) as f64);
     let bookkeeping = m["kept_measured"] - m["kept_predicted"];
     assert!((0.0..=16384.0).contains(&bookkeeping), "{bookkeeping}");
+}
+
+/// A plan chooser as `choose_plan` is written.
+type Choose = fn(
+    &StepShape,
+    u64,
+    &mut dyn FnMut(StepPlan) -> anyhow::Result<u64>,
+) -> anyhow::Result<StepPlan>;
+
+/// The plan with the smallest measured peak: it fits whenever any plan
+/// does, but recomputes more than it needs to.
+fn lowest_peak(
+    shape: &StepShape,
+    _: u64,
+    measure: &mut dyn FnMut(StepPlan) -> anyhow::Result<u64>,
+) -> anyhow::Result<StepPlan> {
+    let mut best: Option<(u64, StepPlan)> = None;
+    for plan in shape.plans() {
+        let peak = measure(plan)?;
+        if best.is_none_or(|(b, _)| peak < b) {
+            best = Some((peak, plan));
+        }
+    }
+    Ok(best.unwrap().1)
+}
+
+#[test]
+fn the_fit_exercise_is_graded_by_measuring_every_plan() {
+    let (wb, _one) = chapter2();
+    let p: FitParams = wb.try_params("exercise-fit").unwrap();
+    let grade = |choose: Choose| {
+        wb.try_run(
+            "exercise-fit",
+            FitExercise,
+            p.clone(),
+            move |ctx, p: FitParams| grade_plan(ctx, &p, choose),
+        )
+        .unwrap()
+    };
+
+    let view = grade(|_, _, _| todo!("exercise: replace this line with your code"));
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.starts_with("cell `exercise-fit` errored: ")
+            && failure.contains("not yet implemented: exercise: replace this line with your code"),
+        "{failure}"
+    );
+
+    // Accumulation alone, as many micro-batches as allowed: over budget.
+    let view = grade(|shape, _, _| {
+        Ok(StepPlan {
+            micro_batches: shape.batch / shape.min_micro_batch,
+            segments: 1,
+        })
+    });
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.starts_with("cell `exercise-fit` failed 2 of 4 assertions")
+            && failure.contains("`chosen_peak <= budget_bytes`"),
+        "{failure}"
+    );
+    // Fits, but recomputes more than the cheapest plan that fits.
+    let view = grade(lowest_peak);
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.starts_with("cell `exercise-fit` failed 1 of 4 assertions")
+            && failure.contains("`chosen_recomputed_layers == cheapest_recomputed_layers"),
+        "{failure}"
+    );
+    assert_eq!(
+        view.cell().metrics["measurements"],
+        StepShape {
+            depth: p.depth,
+            batch: p.batch,
+            min_micro_batch: p.min_micro_batch
+        }
+        .plans()
+        .len() as f64
+    );
+    // Plans the step does not allow, chosen or measured.
+    let not_a_plan = "StepPlan { micro_batches: 3, segments: 1 } is not a plan of this step: \
+                      micro-batches must split 1024 rows into parts of at least 128, segments \
+                      split 8 layers into equal parts";
+    let view = grade(|_, _, _| {
+        Ok(StepPlan {
+            micro_batches: 3,
+            segments: 1,
+        })
+    });
+    assert!(view.failure().unwrap().contains(not_a_plan), "{view:?}");
+    let view = grade(|_, _, measure| {
+        measure(StepPlan {
+            micro_batches: 3,
+            segments: 1,
+        })?;
+        unreachable!("the measurement fails")
+    });
+    assert!(view.failure().unwrap().contains(not_a_plan), "{view:?}");
+
+    // The reference solution passes: the cheapest plan that fits, found by
+    // measuring plans in the order of their cost.
+    let view = wb
+        .try_run("exercise-fit", FitExercise, p.clone(), fit_exercise)
+        .unwrap();
+    assert_eq!(view.failure(), None);
+    let m = &view.cell().metrics;
+    assert!(m["chosen_peak"] <= m["budget_bytes"]);
+    let shape = StepShape {
+        depth: p.depth,
+        batch: p.batch,
+        min_micro_batch: p.min_micro_batch,
+    };
+    let chosen = StepPlan {
+        micro_batches: m["chosen_micro_batches"] as usize,
+        segments: shape
+            .plans()
+            .into_iter()
+            .find(|plan| {
+                plan.micro_batches == m["chosen_micro_batches"] as usize
+                    && recomputed_layers(&shape, *plan).unwrap() as f64
+                        == m["chosen_recomputed_layers"]
+            })
+            .unwrap()
+            .segments,
+    };
+    // It measured each plan cheaper than its own, and its own.
+    let cheaper = shape
+        .plans()
+        .into_iter()
+        .filter(|plan| {
+            let cost = |q: StepPlan| (recomputed_layers(&shape, q).unwrap(), q.micro_batches);
+            cost(*plan) < cost(chosen)
+        })
+        .count();
+    assert_eq!(m["measurements"], (cheaper + 1) as f64);
+    assert!(m["grad_max_abs_diff"] < 1e-5);
 }

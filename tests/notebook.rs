@@ -234,58 +234,76 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
             "{code}"
         );
     }
-    // The exercise: its prose, its code with the solution as a `todo!()` in
-    // the cell tagged as the exercise (the solution in that cell's
-    // metadata), then the cell that grades it.
-    let prose = rest.next().unwrap();
-    assert_eq!(prose["id"], "exercise-policy-prose");
-    let mut shown = Vec::new();
-    let mut exercises = Vec::new();
-    let grade = loop {
-        let code = rest.next().unwrap();
-        if code["id"] == "exercise-policy" {
-            break source(code);
-        }
-        assert_eq!(
-            code["id"],
-            format!("exercise-policy-code-{}", shown.len() + 1)
-        );
-        match code["metadata"]["workbook"]["solution"].as_str() {
-            Some(solution) => {
-                assert_eq!(code["metadata"]["tags"], serde_json::json!(["exercise"]));
-                let stub = source(code);
-                assert!(
-                    stub.contains("todo!(\"exercise: replace this line with your code\")"),
-                    "{stub}"
-                );
-                assert!(!solution.contains("// solution"), "{solution}");
-                exercises.push(stub);
-                shown.push(solution.to_string());
+    // The exercises: each one's prose, its code with the solution as a
+    // `todo!()` in the cell tagged as the exercise (the solution in that
+    // cell's metadata), then the cell that grades it.
+    for (id, file, function, solved, plugin, entry) in [
+        (
+            "exercise-policy",
+            "policy.rs",
+            "pub fn choose_kept(",
+            "for choice in",
+            "PolicyExercise",
+            "policy_exercise",
+        ),
+        (
+            "exercise-fit",
+            "fit.rs",
+            "pub fn choose_plan(",
+            "plans.sort_by_key",
+            "FitExercise",
+            "fit_exercise",
+        ),
+    ] {
+        let prose = rest.next().unwrap();
+        assert_eq!(prose["id"], format!("{id}-prose"));
+        let mut shown = Vec::new();
+        let mut exercises = Vec::new();
+        let grade = loop {
+            let code = rest.next().unwrap();
+            if code["id"] == id {
+                break source(code);
             }
-            None => shown.push(source(code)),
-        }
-    };
-    assert_eq!(exercises.len(), 1);
-    assert!(
-        exercises[0].contains("pub fn choose_kept(") && !exercises[0].contains("for choice in"),
-        "{}",
-        exercises[0]
-    );
-    // With its solution, the notebook shows the file `workbook run` runs.
-    let file = std::fs::read_to_string(root.join("plugins/exercises/src/policy.rs")).unwrap();
-    let expected: Vec<&str> = file
-        .lines()
-        .filter(|l| !l.starts_with("//!") && !l.trim().starts_with("// notebook cell"))
-        .filter(|l| !matches!(l.trim(), "// solution begin" | "// solution end"))
-        .filter(|l| !l.trim().is_empty())
-        .collect();
-    let joined = shown.join("\n");
-    let got: Vec<&str> = joined.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(got, expected);
-    assert!(
-        grade.ends_with("wb.grade(\"exercise-policy\", workbook_exercises::PolicyExercise, p.clone(), policy_exercise)"),
-        "{grade}"
-    );
+            assert_eq!(code["id"], format!("{id}-code-{}", shown.len() + 1));
+            match code["metadata"]["workbook"]["solution"].as_str() {
+                Some(solution) => {
+                    assert_eq!(code["metadata"]["tags"], serde_json::json!(["exercise"]));
+                    let stub = source(code);
+                    assert!(
+                        stub.contains("todo!(\"exercise: replace this line with your code\")"),
+                        "{stub}"
+                    );
+                    assert!(!solution.contains("// solution"), "{solution}");
+                    exercises.push(stub);
+                    shown.push(solution.to_string());
+                }
+                None => shown.push(source(code)),
+            }
+        };
+        assert_eq!(exercises.len(), 1, "{id}");
+        assert!(
+            exercises[0].contains(function) && !exercises[0].contains(solved),
+            "{}",
+            exercises[0]
+        );
+        // With its solution, the notebook shows the file `workbook run` runs.
+        let file = std::fs::read_to_string(root.join("plugins/exercises/src").join(file)).unwrap();
+        let expected: Vec<&str> = file
+            .lines()
+            .filter(|l| !l.starts_with("//!") && !l.trim().starts_with("// notebook cell"))
+            .filter(|l| !matches!(l.trim(), "// solution begin" | "// solution end"))
+            .filter(|l| !l.trim().is_empty())
+            .collect();
+        let joined = shown.join("\n");
+        let got: Vec<&str> = joined.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(got, expected, "{id}");
+        assert!(
+            grade.ends_with(&format!(
+                "wb.grade(\"{id}\", workbook_exercises::{plugin}, p.clone(), {entry})"
+            )),
+            "{grade}"
+        );
+    }
     assert!(rest.next().is_none());
     if let Some(r) = nbformat_validate(&path) {
         r.expect("nbformat validates the notebook");

@@ -11,13 +11,20 @@
 //! - [`PolicyExercise`] (`policy_exercise`): choose which products of a
 //!   transformer block selective checkpointing keeps within a byte budget,
 //!   recomputing as few multiply-adds as possible; then measured.
+//! - [`FitExercise`] (`fit_exercise`): choose the micro-batches and
+//!   checkpointed segments that fit a training step into a memory budget
+//!   at the least cost, by measuring; graded against every plan measured.
 #![warn(missing_docs)]
 
 // The experiments name this crate by its name, as a notebook cell does.
 extern crate self as workbook_exercises;
 
+mod fit;
 mod policy;
 
+pub use fit::{
+    choose_plan, fit_exercise, grade_plan, recomputed_layers, step_with_plan, StepPlan, StepShape,
+};
 pub use policy::{block_products, choose_kept, grade_choice, policy_exercise, Product};
 
 use serde::{Deserialize, Serialize};
@@ -213,6 +220,137 @@ impl Plugin for PolicyExercise {
     }
 }
 
+/// Parameters of the fit exercise.
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct FitParams {
+    /// Seed of weights and data.
+    pub seed: u64,
+    /// Width of every layer (features; also the classes).
+    pub width: usize,
+    /// Layers (Linear + ReLU each).
+    pub depth: usize,
+    /// Rows of the batch.
+    pub batch: usize,
+    /// The fewest rows a micro-batch may have.
+    pub min_micro_batch: usize,
+    /// The budget, as a fraction of the plain step's measured peak (one
+    /// micro-batch, one segment).
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub budget_fraction: f64,
+}
+
+impl Default for FitParams {
+    fn default() -> Self {
+        Self {
+            seed: 53,
+            width: 256,
+            depth: 16,
+            batch: 4096,
+            min_micro_batch: 256,
+            budget_fraction: 0.1,
+        }
+    }
+}
+
+/// The fit exercise's plugin.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FitExercise;
+
+impl Plugin for FitExercise {
+    type Params = FitParams;
+
+    fn name(&self) -> &str {
+        "fit_exercise"
+    }
+
+    fn description(&self) -> &str {
+        "exercise: micro-batches and segments that fit a step into a budget, graded by measurement"
+    }
+
+    fn validate(&self, p: &FitParams) -> Vec<Violation> {
+        let mut r = Rules::new();
+        r.at_least("width", p.width, 1)
+            .at_least("depth", p.depth, 1)
+            .at_least("batch", p.batch, 1)
+            .between("min_micro_batch", p.min_micro_batch, 1, p.batch.max(1))
+            .within("budget_fraction", p.budget_fraction, 0.0, 1.0)
+            .elements(
+                "batch",
+                "batch × width (a layer's output)",
+                &[p.batch as u64, p.width as u64],
+            )
+            .elements(
+                "width",
+                "depth × width × width (the weights)",
+                &[p.depth as u64, p.width as u64, p.width as u64],
+            );
+        r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &FitParams) -> Option<(u64, String)> {
+        if !self.validate(p).is_empty() {
+            return None;
+        }
+        // The plain step, whose peak sets the budget, keeps every layer's
+        // output (f32).
+        let outputs = (p.depth as u64)
+            .checked_mul(p.batch as u64)?
+            .checked_mul(p.width as u64)?
+            .checked_mul(4)?;
+        Some((
+            outputs,
+            format!(
+                "the plain step keeps {} layers' outputs of {} x {} f32",
+                p.depth, p.batch, p.width
+            ),
+        ))
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::bytes(
+                "budget_bytes",
+                "the budget: budget_fraction of the plain step's measured peak",
+            ),
+            MetricSpec::count("measurements", "steps your plan measured to choose"),
+            MetricSpec::bytes("chosen_peak", "the measured peak of your plan's step"),
+            MetricSpec::count(
+                "chosen_recomputed_layers",
+                "layers whose forward your plan runs twice",
+            ),
+            MetricSpec::count("chosen_micro_batches", "micro-batches of your plan"),
+            MetricSpec::count(
+                "cheapest_recomputed_layers",
+                "the fewest recomputed layers of any plan that fits, every plan measured",
+            ),
+            MetricSpec::count(
+                "cheapest_micro_batches",
+                "the fewest micro-batches of those plans",
+            ),
+            MetricSpec::number(
+                "grad_max_abs_diff",
+                "largest parameter-gradient difference, your plan against plain backprop",
+            ),
+        ]
+    }
+
+    fn notebook(&self) -> Option<NotebookSource> {
+        Some(NotebookSource {
+            package: env!("CARGO_PKG_NAME"),
+            dir: env!("CARGO_MANIFEST_DIR"),
+            plugin: "workbook_exercises::FitExercise",
+            entry: "fit_exercise",
+            params: "FitExerciseParams",
+            source: include_str!("fit.rs"),
+        })
+    }
+
+    fn run(&self, ctx: &mut Context, p: FitParams) -> anyhow::Result<()> {
+        fit::fit_exercise(ctx, p)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,5 +447,78 @@ mod tests {
             .collect();
         assert_eq!(fields, ["heads", "depth", "budget_fraction"]);
         assert!(PolicyExercise.validate(&PolicyParams::default()).is_empty());
+    }
+
+    #[test]
+    fn a_step_allows_equal_parts_and_recomputes_all_but_the_last_segment() {
+        let shape = StepShape {
+            depth: 6,
+            batch: 12,
+            min_micro_batch: 4,
+        };
+        let plans: Vec<(usize, usize)> = shape
+            .plans()
+            .iter()
+            .map(|q| (q.micro_batches, q.segments))
+            .collect();
+        // 12 rows in parts of 4 rows or more: 1, 2 or 3 parts; 6 layers in
+        // 1, 2, 3 or 6 segments.
+        assert_eq!(
+            plans,
+            [
+                (1, 1),
+                (1, 2),
+                (1, 3),
+                (1, 6),
+                (2, 1),
+                (2, 2),
+                (2, 3),
+                (2, 6),
+                (3, 1),
+                (3, 2),
+                (3, 3),
+                (3, 6)
+            ]
+        );
+        let recomputed: Vec<usize> = [1, 2, 3, 6]
+            .into_iter()
+            .map(|segments| {
+                recomputed_layers(
+                    &shape,
+                    StepPlan {
+                        micro_batches: 1,
+                        segments,
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        assert_eq!(recomputed, [0, 3, 4, 5]);
+        let err = recomputed_layers(
+            &shape,
+            StepPlan {
+                micro_batches: 1,
+                segments: 0,
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("segment"), "{err}");
+    }
+
+    #[test]
+    fn bad_fit_parameters_are_refused_by_name() {
+        let p = FitParams {
+            depth: 0,
+            min_micro_batch: 8192,
+            budget_fraction: -0.5,
+            ..FitParams::default()
+        };
+        let fields: Vec<String> = FitExercise
+            .validate(&p)
+            .into_iter()
+            .map(|v| v.field)
+            .collect();
+        assert_eq!(fields, ["depth", "min_micro_batch", "budget_fraction"]);
+        assert!(FitExercise.validate(&FitParams::default()).is_empty());
     }
 }
