@@ -275,7 +275,8 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
         "{failure}"
     );
 
-    // Accumulation alone, as many micro-batches as allowed: over budget.
+    // Accumulation alone, as many micro-batches as allowed, unmeasured:
+    // over budget.
     let view = grade(|shape, _, _| {
         Ok(StepPlan {
             micro_batches: shape.batch / shape.min_micro_batch,
@@ -284,15 +285,16 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
     });
     let failure = view.failure().unwrap();
     assert!(
-        failure.starts_with("cell `exercise-fit` failed 2 of 4 assertions")
-            && failure.contains("`chosen_peak <= budget_bytes`"),
+        failure.starts_with("cell `exercise-fit` failed 3 of 5 assertions")
+            && failure.contains("`chosen_peak <= budget_bytes`")
+            && failure.contains("`measurements >= 1`"),
         "{failure}"
     );
     // Fits, but recomputes more than the cheapest plan that fits.
     let view = grade(lowest_peak);
     let failure = view.failure().unwrap();
     assert!(
-        failure.starts_with("cell `exercise-fit` failed 1 of 4 assertions")
+        failure.starts_with("cell `exercise-fit` failed 1 of 5 assertions")
             && failure.contains("`chosen_recomputed_layers == cheapest_recomputed_layers"),
         "{failure}"
     );
@@ -308,8 +310,8 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
     );
     // Plans the step does not allow, chosen or measured.
     let not_a_plan = "StepPlan { micro_batches: 3, segments: 1 } is not a plan of this step: \
-                      micro-batches must split 1024 rows into parts of at least 128, segments \
-                      split 8 layers into equal parts";
+                      micro_batches must be one of 1, 2, 4, 8 (equal parts of 1024 rows, each \
+                      at least 128), segments one of 1, 2, 4, 8 (equal parts of 8 layers)";
     let view = grade(|_, _, _| {
         Ok(StepPlan {
             micro_batches: 3,
@@ -325,6 +327,32 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
         unreachable!("the measurement fails")
     });
     assert!(view.failure().unwrap().contains(not_a_plan), "{view:?}");
+
+    // A budget no plan reaches: the error says how low a plan gets.
+    let view = wb
+        .try_run(
+            "exercise-fit",
+            FitExercise,
+            FitParams {
+                budget_fraction: 0.01,
+                ..p.clone()
+            },
+            |ctx, p: FitParams| {
+                grade_plan(ctx, &p, |_, _, _| {
+                    Ok(StepPlan {
+                        micro_batches: 1,
+                        segments: 1,
+                    })
+                })
+            },
+        )
+        .unwrap();
+    let failure = view.failure().unwrap();
+    assert!(
+        failure.contains("no plan fits ")
+            && failure.contains("raise budget_fraction or lower min_micro_batch"),
+        "{failure}"
+    );
 
     // The reference solution passes: the cheapest plan that fits, found by
     // measuring plans in the order of their cost.
@@ -363,4 +391,32 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
         .count();
     assert_eq!(m["measurements"], (cheaper + 1) as f64);
     assert!(m["grad_max_abs_diff"] < 1e-5);
+}
+
+#[test]
+fn a_panic_in_a_cell_is_its_error_and_is_not_printed_again() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static PRINTED: AtomicUsize = AtomicUsize::new(0);
+    let (wb, _one) = chapter2();
+    let p = p_of(&wb);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {
+        PRINTED.fetch_add(1, Ordering::SeqCst);
+    }));
+    let view = wb.try_run("footprint", Footprint, p, |_, _: Params| {
+        panic!("the learner's bug")
+    });
+    let in_the_cell = PRINTED.load(Ordering::SeqCst);
+    // The hook is back for panics outside a cell.
+    let outside = std::panic::catch_unwind(|| panic!("outside a cell"));
+    let after = PRINTED.load(Ordering::SeqCst);
+    std::panic::set_hook(previous);
+    assert!(outside.is_err());
+    assert_eq!((in_the_cell, after), (0, 1));
+    let failure = view.unwrap().failure().unwrap();
+    assert!(
+        failure.starts_with("cell `footprint` errored: ")
+            && failure.contains("panicked: the learner's bug"),
+        "{failure}"
+    );
 }

@@ -191,7 +191,8 @@ impl Live {
             isolation: Isolation::InProcess,
             ..RunOptions::default()
         };
-        let report = crate::runner::run(&registry, &chapter, &options, &mut Quiet)?;
+        let report =
+            without_panic_output(|| crate::runner::run(&registry, &chapter, &options, &mut Quiet))?;
         CellView::new(report)
             .map(|v| v.measured_in("in this kernel"))
             .map_err(|e| LiveError::Plots {
@@ -235,6 +236,28 @@ impl Live {
     pub fn run_cell(&self, id: &str) -> CellView {
         self.child.run_cell(id)
     }
+}
+
+/// Runs `f` with panics kept off standard error. A panic inside a cell is
+/// the cell's error, shown in its results; the default hook would print it
+/// again with a backtrace on the kernel's standard error, which Jupyter
+/// shows late, under whichever cell runs next (seen after an unfinished
+/// exercise's `todo!()`). The kernel runs one cell at a time, so the hook
+/// is swapped for the call and put back.
+fn without_panic_output<T>(f: impl FnOnce() -> T) -> T {
+    type Hook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Sync + Send>;
+    struct Restore(Option<Hook>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // (`set_hook` may not be called while unwinding.)
+            if let Some(hook) = self.0.take().filter(|_| !std::thread::panicking()) {
+                std::panic::set_hook(hook);
+            }
+        }
+    }
+    let _restore = Restore(Some(std::panic::take_hook()));
+    std::panic::set_hook(Box::new(|_| {}));
+    f()
 }
 
 /// Parameters as a chapter's table, as the runner takes them: a plugin
