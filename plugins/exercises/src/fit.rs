@@ -107,9 +107,10 @@ pub fn step_with_plan(
 /// above the step's start: each call is a real training step, so measure
 /// what you need, not more.
 ///
-/// Hint: more micro-batches lower the peak; more segments lower it only up
-/// to a point (each segment's input is kept), so do not skip a plan for
-/// its segments' sake.
+/// Hints: more micro-batches lower the peak; more segments lower it only
+/// up to a point (each segment's input is kept), so do not skip a plan for
+/// its segments' sake. A `for` loop lets `measure(plan)?` hand a failed
+/// measurement on, which a closure inside `find` cannot.
 pub fn choose_plan(
     shape: &StepShape,
     budget: u64,
@@ -186,27 +187,38 @@ pub fn grade_plan(
     ctx.metric("budget_bytes", budget as f64);
 
     // Your plan, and the steps it measured on the way.
-    let mut measurements = 0usize;
-    let chosen = choose(&shape, budget, &mut |plan| {
+    let allowed = |plan: StepPlan| -> anyhow::Result<()> {
+        let plans = shape.plans();
+        let mut micro: Vec<usize> = plans.iter().map(|q| q.micro_batches).collect();
+        let mut segments: Vec<usize> = plans.iter().map(|q| q.segments).collect();
+        micro.dedup();
+        segments.sort_unstable();
+        segments.dedup();
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         anyhow::ensure!(
-            shape.plans().contains(&plan),
-            "{plan:?} is not a plan of this step: micro-batches must split {} rows into \
-             parts of at least {}, segments split {} layers into equal parts",
+            plans.contains(&plan),
+            "{plan:?} is not a plan of this step: micro_batches must be one of {} (equal \
+             parts of {} rows, each at least {}), segments one of {} (equal parts of {} layers)",
+            list(&micro),
             p.batch,
             p.min_micro_batch,
+            list(&segments),
             p.depth
         );
+        Ok(())
+    };
+    let mut measurements = 0usize;
+    let chosen = choose(&shape, budget, &mut |plan| {
+        allowed(plan)?;
         measurements += 1;
         measured(ctx, plan)
     })?;
-    anyhow::ensure!(
-        shape.plans().contains(&chosen),
-        "{chosen:?} is not a plan of this step: micro-batches must split {} rows into parts \
-         of at least {}, segments split {} layers into equal parts",
-        p.batch,
-        p.min_micro_batch,
-        p.depth
-    );
+    allowed(chosen)?;
     ctx.print(format!(
         "your plan: {} micro-batch(es), {} segment(s), after {measurements} measured step(s)",
         chosen.micro_batches, chosen.segments
@@ -229,8 +241,12 @@ pub fn grade_plan(
     );
     let mut cheapest: Option<(usize, usize)> = None;
     let mut chosen_peak = None;
+    let mut lowest: Option<(u64, StepPlan)> = None;
     for plan in shape.plans() {
         let peak = measured(ctx, plan)?;
+        if lowest.is_none_or(|(l, _)| peak < l) {
+            lowest = Some((peak, plan));
+        }
         let recomputed = recomputed_layers(&shape, plan)?;
         let fits = peak <= budget;
         if fits {
@@ -256,8 +272,15 @@ pub fn grade_plan(
         ]);
     }
     ctx.table(table);
-    let (fewest_recomputed, fewest_micro) =
-        cheapest.ok_or_else(|| anyhow::anyhow!("no plan fits {budget} bytes"))?;
+    let (fewest_recomputed, fewest_micro) = cheapest.ok_or_else(|| {
+        let (peak, plan) = lowest.unwrap_or((0, plain));
+        anyhow::anyhow!(
+            "no plan fits {budget} bytes: the lowest peak is {peak} bytes, with {} \
+             micro-batch(es) and {} segment(s); raise budget_fraction or lower min_micro_batch",
+            plan.micro_batches,
+            plan.segments
+        )
+    })?;
     let chosen_peak =
         chosen_peak.ok_or_else(|| anyhow::anyhow!("{chosen:?} was not among the plans"))?;
     ctx.metric("chosen_peak", chosen_peak as f64);

@@ -247,8 +247,8 @@ impl Default for FitParams {
             width: 256,
             depth: 16,
             batch: 4096,
-            min_micro_batch: 256,
-            budget_fraction: 0.1,
+            min_micro_batch: 512,
+            budget_fraction: 0.18,
         }
     }
 }
