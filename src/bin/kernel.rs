@@ -29,11 +29,38 @@ fn cache_root() -> Option<PathBuf> {
     Some(cache.join("workbook").join("evcxr"))
 }
 
+/// The cargo configuration beside the build folders, which cargo reads
+/// for each of them (it looks in the folders above where it runs): evcxr
+/// builds a session at `opt-level = 2`, dependencies and the crate of the
+/// cells (which it names `ctx`) alike, and a cell that runs an experiment
+/// instantiates the runner's generic code for the experiment's plugin,
+/// optimised again on every run. Only the cells' crate is built without
+/// optimisation: candle, the toolkit and the workbook stay optimised, and
+/// what a cell allocates is the same at any level.
+const CELL_PROFILE: &str = "\
+# Written by workbook-kernel: the notebook cells' crate unoptimised, so
+# that a cell compiles in seconds; its dependencies stay optimised.
+[profile.dev.package.ctx]
+opt-level = 0
+";
+
+/// Writes [`CELL_PROFILE`] into `root`'s `.cargo/config.toml` unless it
+/// is there already; a failure leaves evcxr's own settings, still correct.
+fn write_cell_profile(root: &Path) {
+    let dir = root.join(".cargo");
+    let path = dir.join("config.toml");
+    if std::fs::read_to_string(&path).is_ok_and(|s| s == CELL_PROFILE) {
+        return;
+    }
+    let _ = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, CELL_PROFILE));
+}
+
 /// A build folder that no other running kernel holds, and the lock that
 /// holds it for as long as this process runs.
 fn claim_build_folder() -> Option<(PathBuf, File)> {
     let root = cache_root()?;
     std::fs::create_dir_all(&root).ok()?;
+    write_cell_profile(&root);
     for slot in 0..SLOTS {
         let lock = File::options()
             .create(true)
