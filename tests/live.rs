@@ -257,6 +257,11 @@ fn lowest_peak(
 fn the_fit_exercise_is_graded_by_measuring_every_plan() {
     let (wb, _one) = chapter2();
     let p: FitParams = wb.try_params("exercise-fit").unwrap();
+    let shape = StepShape {
+        depth: p.depth,
+        batch: p.batch,
+        min_micro_batch: p.min_micro_batch,
+    };
     let grade = |choose: Choose| {
         wb.try_run(
             "exercise-fit",
@@ -300,13 +305,7 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
     );
     assert_eq!(
         view.cell().metrics["measurements"],
-        StepShape {
-            depth: p.depth,
-            batch: p.batch,
-            min_micro_batch: p.min_micro_batch
-        }
-        .plans()
-        .len() as f64
+        shape.plans().len() as f64
     );
     // Plans the step does not allow, chosen or measured.
     let not_a_plan = "StepPlan { micro_batches: 3, segments: 1 } is not a plan of this step: \
@@ -362,32 +361,15 @@ fn the_fit_exercise_is_graded_by_measuring_every_plan() {
     assert_eq!(view.failure(), None);
     let m = &view.cell().metrics;
     assert!(m["chosen_peak"] <= m["budget_bytes"]);
-    let shape = StepShape {
-        depth: p.depth,
-        batch: p.batch,
-        min_micro_batch: p.min_micro_batch,
-    };
-    let chosen = StepPlan {
-        micro_batches: m["chosen_micro_batches"] as usize,
-        segments: shape
-            .plans()
-            .into_iter()
-            .find(|plan| {
-                plan.micro_batches == m["chosen_micro_batches"] as usize
-                    && recomputed_layers(&shape, *plan).unwrap() as f64
-                        == m["chosen_recomputed_layers"]
-            })
-            .unwrap()
-            .segments,
-    };
     // It measured each plan cheaper than its own, and its own.
+    let chosen = (
+        m["chosen_recomputed_layers"] as usize,
+        m["chosen_micro_batches"] as usize,
+    );
     let cheaper = shape
         .plans()
         .into_iter()
-        .filter(|plan| {
-            let cost = |q: StepPlan| (recomputed_layers(&shape, q).unwrap(), q.micro_batches);
-            cost(*plan) < cost(chosen)
-        })
+        .filter(|&q| (recomputed_layers(&shape, q).unwrap(), q.micro_batches) < chosen)
         .count();
     assert_eq!(m["measurements"], (cheaper + 1) as f64);
     assert!(m["grad_max_abs_diff"] < 1e-5);

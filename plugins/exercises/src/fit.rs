@@ -82,9 +82,9 @@ pub fn step_with_plan(
         plan.micro_batches
     );
     let size = rows / plan.micro_batches;
+    let weight = size as f64 / rows as f64;
     let mut sum = GradAccumulator::new(vars.to_vec(), rows).with_observer(Tags);
     for (xb, yb) in micro_batches(x, size)?.iter().zip(&micro_batches(y, size)?) {
-        let weight = size as f64 / rows as f64;
         let head = |h: &Tensor| candle_lean_nn::cross_entropy(h, yb)? * weight;
         let grads = checkpoint_sequential(layers, plan.segments, xb, vars, head, &Tags)?.grads;
         sum.add_weighted(&grads, size)?;
@@ -170,6 +170,7 @@ pub fn grade_plan(
         batch: p.batch,
         min_micro_batch: p.min_micro_batch,
     };
+    let plans = shape.plans();
     // A step under `plan`, measured; its gradients dropped in the region.
     let measured = |ctx: &mut Context, plan: StepPlan| -> anyhow::Result<u64> {
         let region = ctx.region(format!(
@@ -187,29 +188,24 @@ pub fn grade_plan(
     ctx.metric("budget_bytes", budget as f64);
 
     // Your plan, and the steps it measured on the way.
+    let list = |values: std::collections::BTreeSet<usize>| {
+        values
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let not_a_plan = format!(
+        "is not a plan of this step: micro_batches must be one of {} (equal parts of {} rows, \
+         each at least {}), segments one of {} (equal parts of {} layers)",
+        list(plans.iter().map(|q| q.micro_batches).collect()),
+        p.batch,
+        p.min_micro_batch,
+        list(plans.iter().map(|q| q.segments).collect()),
+        p.depth
+    );
     let allowed = |plan: StepPlan| -> anyhow::Result<()> {
-        let plans = shape.plans();
-        let mut micro: Vec<usize> = plans.iter().map(|q| q.micro_batches).collect();
-        let mut segments: Vec<usize> = plans.iter().map(|q| q.segments).collect();
-        micro.dedup();
-        segments.sort_unstable();
-        segments.dedup();
-        let list = |v: &[usize]| {
-            v.iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        anyhow::ensure!(
-            plans.contains(&plan),
-            "{plan:?} is not a plan of this step: micro_batches must be one of {} (equal \
-             parts of {} rows, each at least {}), segments one of {} (equal parts of {} layers)",
-            list(&micro),
-            p.batch,
-            p.min_micro_batch,
-            list(&segments),
-            p.depth
-        );
+        anyhow::ensure!(plans.contains(&plan), "{plan:?} {not_a_plan}");
         Ok(())
     };
     let mut measurements = 0usize;
@@ -242,7 +238,7 @@ pub fn grade_plan(
     let mut cheapest: Option<(usize, usize)> = None;
     let mut chosen_peak = None;
     let mut lowest: Option<(u64, StepPlan)> = None;
-    for plan in shape.plans() {
+    for &plan in &plans {
         let peak = measured(ctx, plan)?;
         if lowest.is_none_or(|(l, _)| peak < l) {
             lowest = Some((peak, plan));
