@@ -7,7 +7,7 @@
 //! most of a fused layer's time beside its matrix products.
 
 use candle_core::{bail, DType, Device, Result, Storage, Tensor};
-use candle_cpu_math::{dispatch, gelu, gelu_grad};
+use candle_cpu_math::{dispatch, exp, gelu, gelu_grad};
 use rayon::prelude::*;
 
 use crate::bias::BiasAct;
@@ -170,4 +170,102 @@ pub(crate) fn act_backward(
         Tensor::from_vec(dz, (rows, n), &Device::Cpu)?,
         Tensor::from_vec(db, n, &Device::Cpu)?,
     ))
+}
+
+/// Lanes of the partial maxima and sums, so that the row loops vectorise.
+const LANES: usize = 16;
+
+dispatch! {
+    /// The largest element of a row (NaN elements are skipped, and show in
+    /// the sum instead).
+    fn row_max(z: &[f32]) -> f32 {
+        let mut parts = [f32::NEG_INFINITY; LANES];
+        for chunk in z.chunks(LANES) {
+            for (p, &v) in parts.iter_mut().zip(chunk) {
+                *p = p.max(v);
+            }
+        }
+        parts.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    }
+}
+
+dispatch! {
+    /// `out[i] = exp(z[i] - max)`; returns their sum.
+    fn exp_shifted_row(z: &[f32], max: f32, out: &mut [f32]) -> f32 {
+        let mut parts = [0f32; LANES];
+        for (o, z) in out.chunks_mut(LANES).zip(z.chunks(LANES)) {
+            for ((p, o), &z) in parts.iter_mut().zip(o.iter_mut()).zip(z) {
+                let e = exp(z - max);
+                *o = e;
+                *p += e;
+            }
+        }
+        parts.iter().sum()
+    }
+}
+
+dispatch! {
+    /// `row *= k`.
+    fn scale_row(row: &mut [f32], k: f32) -> () {
+        for v in row.iter_mut() {
+            *v *= k;
+        }
+    }
+}
+
+/// Checks that every target is a class index of `classes`.
+pub(crate) fn check_targets(targets: &[u32], classes: usize) -> Result<()> {
+    if let Some((row, t)) = targets
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= classes)
+    {
+        bail!("target {t} of row {row} is not a class index: the logits have {classes} classes");
+    }
+    Ok(())
+}
+
+/// The sum over rows of `logsumexp(z) - z[target]`, for contiguous f32
+/// logits `(rows, classes)`, in one pass per row with one row of scratch
+/// per task: no tensor the logits' size.
+pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64> {
+    let (_, n) = logits.dims2()?;
+    with_slice(logits, |z| {
+        z.par_chunks(n * ROWS_PER_TASK)
+            .zip(targets.par_chunks(ROWS_PER_TASK))
+            .map(|(rows, targets)| {
+                let mut scratch = vec![0f32; n];
+                rows.chunks_exact(n)
+                    .zip(targets)
+                    .map(|(z, &t)| {
+                        let max = row_max(z);
+                        let sum = exp_shifted_row(z, max, &mut scratch);
+                        f64::from(max + sum.ln() - z[t as usize])
+                    })
+                    .sum::<f64>()
+            })
+            .sum()
+    })
+}
+
+/// `(softmax(z) - onehot(targets)) * scale` for contiguous f32 logits
+/// `(rows, classes)`: the cross-entropy's gradient, written straight into
+/// the one tensor it returns.
+pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Tensor> {
+    let (rows, n) = logits.dims2()?;
+    let mut d = vec![0f32; rows * n];
+    with_slice(logits, |z| {
+        d.par_chunks_mut(n * ROWS_PER_TASK)
+            .zip(z.par_chunks(n * ROWS_PER_TASK))
+            .zip(targets.par_chunks(ROWS_PER_TASK))
+            .for_each(|((d, z), targets)| {
+                for ((d, z), &t) in d.chunks_exact_mut(n).zip(z.chunks_exact(n)).zip(targets) {
+                    let max = row_max(z);
+                    let sum = exp_shifted_row(z, max, d);
+                    scale_row(d, scale / sum);
+                    d[t as usize] -= scale;
+                }
+            });
+    })?;
+    Tensor::from_vec(d, (rows, n), &Device::Cpu)
 }

@@ -30,5 +30,5 @@ mod loss;
 mod norm;
 
 pub use linear::{Activation, LeanLinear};
-pub use loss::cross_entropy;
+pub use loss::{cross_entropy, cross_entropy_and_grad};
 pub use norm::layer_norm;

@@ -81,6 +81,18 @@ impl LeanLinear {
 
     /// `act(x W^T + b)` for `x` `(..., in)`.
     pub fn forward_act(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
+        let (out, kept) = self.forward_saved(x, act)?;
+        let backward = Linear { act, z: kept };
+        match &self.bias {
+            Some(b) => with_backward3(out, x, &self.weight, b, backward),
+            None => with_backward2(out, x, &self.weight, backward),
+        }
+    }
+
+    /// [`LeanLinear::forward_act`] without a graph: the output, detached,
+    /// and for GELU its input, which [`LeanLinear::backward_saved`] needs
+    /// (ReLU's derivative is read from the output).
+    pub fn forward_saved(&self, x: &Tensor, act: Activation) -> Result<(Tensor, Option<Tensor>)> {
         let (out_f, in_f) = self.weight.dims2()?;
         if x.dims().last() != Some(&in_f) {
             bail!(
@@ -109,12 +121,28 @@ impl LeanLinear {
                 Activation::Gelu => (z.gelu()?, Some(z)),
             }
         };
-        let out = out.reshape(dims)?;
+        Ok((out.reshape(dims)?, kept))
+    }
+
+    /// The backward of [`LeanLinear::forward_saved`], called directly: from
+    /// the input `x`, the output `out`, what the forward kept and the
+    /// output's gradient (handed over: freed before the matrix products),
+    /// the input's gradient (when `want_input`: the
+    /// first layer's data batch needs none, which saves a matrix product),
+    /// the weight's and the bias's. The same arithmetic as the backward of
+    /// [`LeanLinear::forward_act`] in candle's graph, so the same gradients.
+    pub fn backward_saved(
+        &self,
+        act: Activation,
+        kept: Option<Tensor>,
+        x: &Tensor,
+        out: &Tensor,
+        grad: Tensor,
+        want_input: bool,
+    ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
         let backward = Linear { act, z: kept };
-        match &self.bias {
-            Some(b) => with_backward3(out, x, &self.weight, b, backward),
-            None => with_backward2(out, x, &self.weight, backward),
-        }
+        let (dx, dw, db) = backward.grads(x, &self.weight.detach(), out, grad, want_input)?;
+        Ok((dx, dw, self.bias.as_ref().map(|_| db)))
     }
 }
 
@@ -132,35 +160,46 @@ struct Linear {
 }
 
 impl Linear {
-    /// `(dx, dW, db)` from the output and its gradient.
+    /// `(dx, dW, db)` from the output and its gradient; `dx` only when
+    /// `want_input`. The output's gradient is dropped once the product's is
+    /// made, before the matrix products: freed then when the caller handed
+    /// it over.
     fn grads(
         &self,
         x: &Tensor,
         w: &Tensor,
         out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        grad: Tensor,
+        want_input: bool,
+    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
         let (out_f, in_f) = w.dims2()?;
-        let g = grad.reshape(((), out_f))?;
-        let saved = match (self.act, &self.z) {
-            (Activation::Identity, _) => g.clone(),
-            (Activation::Relu, _) => out.reshape(((), out_f))?,
-            (Activation::Gelu, Some(z)) => z.clone(),
-            (Activation::Gelu, None) => bail!("internal: GELU's input was not kept"),
-        };
-        let (g, db) = if crate::cpu::applies(&saved) && g.dtype() == DType::F32 {
-            crate::cpu::act_backward(&g, &saved, self.act)?
-        } else {
-            let g = match self.act {
-                Activation::Identity => g,
-                Activation::Relu => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
-                Activation::Gelu => (g * gelu_grad(&saved)?)?,
+        let (g, db) = {
+            let g = grad.reshape(((), out_f))?;
+            drop(grad);
+            let saved = match (self.act, &self.z) {
+                (Activation::Identity, _) => g.clone(),
+                (Activation::Relu, _) => out.reshape(((), out_f))?,
+                (Activation::Gelu, Some(z)) => z.clone(),
+                (Activation::Gelu, None) => bail!("internal: GELU's input was not kept"),
             };
-            let db = g.sum(0)?;
-            (g, db)
+            if crate::cpu::applies(&saved) && g.dtype() == DType::F32 {
+                crate::cpu::act_backward(&g, &saved, self.act)?
+            } else {
+                let g = match self.act {
+                    Activation::Identity => g,
+                    Activation::Relu => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
+                    Activation::Gelu => (g * gelu_grad(&saved)?)?,
+                };
+                let db = g.sum(0)?;
+                (g, db)
+            }
         };
         let x2 = x.reshape(((), in_f))?;
-        let dx = g.matmul(w)?.reshape(x.shape())?;
+        let dx = if want_input {
+            Some(g.matmul(w)?.reshape(x.shape())?)
+        } else {
+            None
+        };
         let dw = g.t()?.matmul(&x2)?;
         Ok((dx, dw, db))
     }
@@ -196,8 +235,8 @@ impl Backward3 for Linear {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, out, grad)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, dw, db) = self.grads(x, w, out, grad.clone(), true)?;
+        Ok((dx, Some(dw), Some(db)))
     }
 }
 
@@ -213,7 +252,7 @@ impl Backward2 for Linear {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, out, grad)?;
-        Ok((Some(dx), Some(dw)))
+        let (dx, dw, _) = self.grads(x, w, out, grad.clone(), true)?;
+        Ok((dx, Some(dw)))
     }
 }

@@ -39,6 +39,13 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if rows == 0 || classes == 0 {
         bail!("cross-entropy of {rows} rows of {classes} classes has no mean");
     }
+    if crate::cpu::applies(logits) {
+        // f32 on the CPU: a pass per row, no tensor the logits' size.
+        let t = class_indices(targets, classes)?;
+        let mean = crate::cpu::cross_entropy_sum(logits, &t)? / rows as f64;
+        let loss = Tensor::new(mean as f32, logits.device())?;
+        return with_backward2(loss, logits, targets, CrossEntropy);
+    }
     let acc = accumulation(logits.dtype());
     let z = logits.detach().to_dtype(acc)?;
     let t = targets.detach().to_dtype(DType::U32)?.unsqueeze(1)?;
@@ -52,6 +59,49 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let picked = z.gather(&t, 1)?;
     let loss = (lse - picked)?.mean_all()?.to_dtype(logits.dtype())?;
     with_backward2(loss, logits, targets, CrossEntropy)
+}
+
+/// `scale` times the mean cross-entropy of `logits` against `targets` (see
+/// [`cross_entropy`]) and its gradient with respect to the logits, computed
+/// directly, with no graph: for a driver that calls each layer's backward
+/// itself (`candle_checkpoint::direct_backward`). `scale` is 1 for the loss
+/// itself, or a micro-batch's share of the batch in gradient accumulation.
+/// On the CPU in f32 the gradient is the one tensor the logits' size it
+/// allocates.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// let dev = Device::Cpu;
+/// let logits = Var::new(&[[2f32, 0.0, -1.0], [0.5, 0.5, 0.5]], &dev)?;
+/// let targets = Tensor::new(&[0u32, 2], &dev)?;
+/// let (loss, grad) = candle_lean_nn::cross_entropy_and_grad(&logits, &targets, 0.5)?;
+/// let plain = (candle_nn::loss::cross_entropy(&logits, &targets)? * 0.5)?;
+/// assert!((loss.to_scalar::<f32>()? - plain.to_scalar::<f32>()?).abs() < 1e-6);
+/// let expected = plain.backward()?.get(&logits).unwrap().clone();
+/// let d = (grad - expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(d < 1e-7);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn cross_entropy_and_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    let logits = logits.detach();
+    let loss = cross_entropy(&logits, targets)?.affine(scale, 0.0)?;
+    let upstream = Tensor::new(scale as f32, logits.device())?.to_dtype(logits.dtype())?;
+    let (grad, _) = CrossEntropy.backward(&logits, targets, &loss, &upstream)?;
+    let Some(grad) = grad else {
+        bail!("internal: the cross-entropy's backward gave no gradient");
+    };
+    Ok((loss, grad))
+}
+
+/// The targets as `u32` class indices, each checked against `classes`.
+fn class_indices(targets: &Tensor, classes: usize) -> Result<Vec<u32>> {
+    let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    crate::cpu::check_targets(&t, classes)?;
+    Ok(t)
 }
 
 fn accumulation(dtype: DType) -> DType {
@@ -73,6 +123,13 @@ impl Backward2 for CrossEntropy {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (rows, classes) = logits.dims2()?;
+        if crate::cpu::applies(logits) {
+            let t = class_indices(targets, classes)?;
+            // As `affine(1 / rows)` rounds it.
+            let scale = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? * (1.0 / rows as f64) as f32;
+            let d = crate::cpu::cross_entropy_grad(logits, &t, scale)?;
+            return Ok((Some(d), None));
+        }
         let acc = accumulation(logits.dtype());
         let z = logits.to_dtype(acc)?;
         let max = z.max_keepdim(D::Minus1)?;

@@ -188,11 +188,32 @@ fn cross_entropy_refuses_bad_input_saying_why() -> Result<()> {
         .starts_with("targets have shape [3], the logits [2, 3]: one class index per row"));
     assert!(err(&Tensor::new(&[1f32, 2.0], &dev)?)
         .starts_with("targets must be class indices (u8, u32 or i64), got F32"));
+    assert!(err(&Tensor::new(&[1u32, 3], &dev)?)
+        .starts_with("target 3 of row 1 is not a class index: the logits have 3 classes"));
     let empty = Tensor::zeros((0, 3), DType::F32, &dev)?;
     let e = candle_lean_nn::cross_entropy(&empty, &Tensor::zeros(0, DType::U32, &dev)?)
         .unwrap_err()
         .to_string();
     assert!(e.starts_with("cross-entropy of 0 rows of 3 classes has no mean"));
+    Ok(())
+}
+
+/// The loss's f32 CPU kernel over rows spread across parallel tasks (and a
+/// last, shorter one), classes not a multiple of the vector width, large
+/// logits (a softmax that needs its maximum taken out), and an upstream
+/// gradient other than one: against candle-nn's.
+#[test]
+fn cross_entropy_over_many_rows_and_odd_classes_in_f32() -> Result<()> {
+    let dev = Device::Cpu;
+    let logits = Var::from_tensor(&(data(&[101, 37], 1.0, 9)? * 60.0)?)?;
+    let targets = Tensor::new((0..101u32).map(|r| (r * 7) % 37).collect::<Vec<_>>(), &dev)?;
+    let plain = candle_nn::loss::cross_entropy(&logits, &targets)?;
+    let lean = candle_lean_nn::cross_entropy(&logits, &targets)?;
+    let rel = max_diff(&plain, &lean)? / plain.to_scalar::<f32>()?.abs() as f64;
+    assert!(rel <= 1e-6, "value: relative difference {rel}");
+    let (gp, gl) = ((plain * 0.25)?.backward()?, (lean * 0.25)?.backward()?);
+    let d = max_diff(gp.get(&logits).unwrap(), gl.get(&logits).unwrap())?;
+    assert!(d <= 1e-7, "gradient: {d}");
     Ok(())
 }
 

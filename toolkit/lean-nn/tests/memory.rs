@@ -101,3 +101,29 @@ fn the_graph_keeps_no_copy_of_the_logits() -> Result<()> {
     assert!(lean < 0.05, "{lean}");
     Ok(())
 }
+
+/// The loss's forward and its gradient, on f32 logits on the CPU: the
+/// forward allocates nothing the logits' size, and the gradient is the one
+/// tensor the backward makes (candle-nn's, and the composed form, make a
+/// softmax, a one-hot and their difference beside it).
+#[test]
+fn the_loss_and_its_gradient_allocate_one_logits_sized_tensor() -> Result<()> {
+    let _turn = turn();
+    let dev = Device::Cpu;
+    let (rows, classes) = (256, 4096);
+    let logits = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, classes), &dev)?)?;
+    let targets = Tensor::zeros(rows, DType::U32, &dev)?;
+    let size = (rows * classes * 4) as f64;
+    let (loss, forward) = measure(|| candle_lean_nn::cross_entropy(&logits, &targets));
+    let loss = loss?;
+    let (grads, backward) = measure(|| loss.backward());
+    let g = grads?;
+    assert!(g.get(&logits).is_some());
+    let (f, b) = (forward.peak as f64 / size, backward.peak as f64 / size);
+    println!("logits-sized tensors at the peak: forward {f:.3}, backward {b:.3}");
+    assert!(f < 0.05, "{f}");
+    // The gradient, and candle's backward summing it into a zeros tensor:
+    // at most three at once.
+    assert!(b < 3.05, "{b}");
+    Ok(())
+}
