@@ -186,6 +186,7 @@ pub fn lean_backward_with<M: Module>(
         );
     }
     let value = loss.detach();
+    observer.mark("after forward");
 
     let _grads = scope(observer, Kind::Gradients, Place::Device);
     let mut hand_over = |params: GradStore| -> Result<()> {

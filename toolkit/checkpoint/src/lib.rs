@@ -33,12 +33,14 @@
 //! [`candle_observe::Observer`] (pass `&NoObserver` when none).
 #![warn(missing_docs)]
 
+mod direct;
 mod grads;
 mod lean;
 mod policy;
 mod sequential;
 mod vjp;
 
+pub use direct::{autograd_head, checkpoint_direct, direct_backward, direct_backward_with};
 pub use grads::{accumulate, add_grad, ensure_grads, missing_grads, named_vars};
 pub use lean::{lean_backward, lean_backward_with};
 pub use policy::{Policy, Tape, TapeModule};

@@ -45,7 +45,10 @@
 //! ```
 #![warn(missing_docs)]
 
+mod direct;
 pub mod kept;
+
+pub use direct::{DirectBackward, DirectGrads};
 
 use std::sync::Mutex;
 
