@@ -1,7 +1,9 @@
 //! Summing micro-batch gradients with row weights.
 
+use std::collections::HashSet;
+
 use candle_core::backprop::GradStore;
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, Result, Tensor, TensorId, Var};
 use candle_observe::{within, Kind, NoObserver, Observer, Place};
 
 /// Sums the gradients of a batch's micro-batches, each weighted by its share
@@ -29,6 +31,9 @@ pub struct GradAccumulator {
     rows: usize,
     micro_batches: usize,
     sum: GradStore,
+    /// The variables whose sum is the accumulator's alone (a gradient
+    /// handed over, or a sum it made): later gradients go into it in place.
+    owned: HashSet<TensorId>,
     observer: Box<dyn Observer>,
 }
 
@@ -53,6 +58,7 @@ impl GradAccumulator {
             rows: 0,
             micro_batches: 0,
             sum: GradStore::default(),
+            owned: HashSet::new(),
             observer: Box::new(NoObserver),
         }
     }
@@ -96,7 +102,7 @@ impl GradAccumulator {
         let _sum = candle_observe::scope(&*self.observer, Kind::Gradients, Place::Device);
         for var in &self.vars {
             if let Some(g) = grads.get(var.as_tensor()) {
-                add_to_sum(&mut self.sum, var, g)?;
+                add_to_sum(&mut self.sum, &mut self.owned, var, g.detach(), false)?;
             }
         }
         self.rows += rows;
@@ -109,7 +115,11 @@ impl GradAccumulator {
     /// gradient)` to the sum as it comes. With a backward that hands its
     /// gradients over layer by layer (`candle_checkpoint::lean_backward_with`)
     /// a micro-batch's whole set of gradients never exists beside the sum,
-    /// as PyTorch adds into `.grad`. Gradients of other tensors are left
+    /// as PyTorch adds into `.grad`. The gradients handed over become the
+    /// accumulator's: later micro-batches' are added into them in place
+    /// (contiguous f32 on the CPU), as PyTorch does, so that adding takes
+    /// no tensor beside the sum and the gradient; hand over gradients that
+    /// nothing else holds. Gradients of other tensors are left
     /// out. If `f` fails, part of the micro-batch may have been added:
     /// [`reset`](Self::reset) before going on.
     pub fn add_weighted_with<R>(
@@ -119,7 +129,7 @@ impl GradAccumulator {
     ) -> Result<R> {
         self.check_rows(rows)?;
         let _sum = candle_observe::scope(&*self.observer, Kind::Gradients, Place::Device);
-        let (vars, sum) = (&self.vars, &mut self.sum);
+        let (vars, sum, owned) = (&self.vars, &mut self.sum, &mut self.owned);
         let mut add = |var: &Var, g: Tensor| -> Result<()> {
             if !vars
                 .iter()
@@ -127,7 +137,7 @@ impl GradAccumulator {
             {
                 return Ok(());
             }
-            add_to_sum(sum, var, &g)
+            add_to_sum(sum, owned, var, g, true)
         };
         let out = f(&mut add)?;
         self.rows += rows;
@@ -182,23 +192,42 @@ impl GradAccumulator {
         self.grads()?;
         self.rows = 0;
         self.micro_batches = 0;
+        self.owned.clear();
         Ok(std::mem::take(&mut self.sum))
     }
 
     /// Drops what was accumulated.
     pub fn reset(&mut self) {
         self.sum = GradStore::default();
+        self.owned.clear();
         self.rows = 0;
         self.micro_batches = 0;
     }
 }
 
 /// Adds `g` to `var`'s entry of `sum`; the first gradient becomes the sum,
-/// with no copy.
-fn add_to_sum(sum: &mut GradStore, var: &Var, g: &Tensor) -> Result<()> {
+/// with no copy, and is the accumulator's when `handed_over`. A sum that is
+/// the accumulator's takes later gradients in place where it can.
+fn add_to_sum(
+    sum: &mut GradStore,
+    owned: &mut HashSet<TensorId>,
+    var: &Var,
+    g: Tensor,
+    handed_over: bool,
+) -> Result<()> {
+    let id = var.as_tensor().id();
     let total = match sum.remove(var.as_tensor()) {
-        Some(s) => (s + g)?,
-        None => g.detach(),
+        Some(s) if owned.contains(&id) && crate::inplace::add_assign(&s, &g)? => s,
+        Some(s) => {
+            owned.insert(id);
+            (s + g)?
+        }
+        None => {
+            if handed_over {
+                owned.insert(id);
+            }
+            g
+        }
     };
     sum.insert(var.as_tensor(), total);
     Ok(())

@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 mod accumulator;
+mod inplace;
 mod owning;
 
 pub use accumulator::{micro_batches, GradAccumulator};

@@ -155,3 +155,42 @@ fn gradients_handed_over_one_at_a_time() -> Result<()> {
     );
     Ok(())
 }
+
+/// Gradients handed over become the sum, and later ones are added into it
+/// in place (f32 on the CPU): the sum is the first gradient's own tensor,
+/// holding the total. A gradient only lent (`add_weighted`) is never
+/// written: its sum is a new tensor from the second micro-batch on.
+#[test]
+fn handed_over_gradients_take_later_ones_in_place_and_lent_ones_stay() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::new(&[1f32, 2.0], &dev)?;
+    let grad = |a: f32, b: f32| Tensor::new(&[a, b], &dev);
+    let mut acc = GradAccumulator::new(vec![w.clone()], 3);
+    let first = grad(0.5, 0.25)?;
+    let first_id = first.id();
+    for g in [first, grad(1.0, 2.0)?, grad(4.0, 8.0)?] {
+        acc.add_weighted_with(1, |add| add(&w, g))?;
+    }
+    let total = acc.grads()?.get(w.as_tensor()).expect("the sum");
+    assert_eq!(
+        total.id(),
+        first_id,
+        "added in place into the first gradient"
+    );
+    assert_eq!(total.to_vec1::<f32>()?, [5.5, 10.25]);
+
+    let mut lent = GradAccumulator::new(vec![w.clone()], 2);
+    let mut store = candle_core::backprop::GradStore::default();
+    store.insert(w.as_tensor(), grad(0.5, 0.25)?);
+    lent.add_weighted(&store, 1)?;
+    lent.add_weighted_with(1, |add| add(&w, grad(1.0, 2.0)?))?;
+    let kept = store.get(w.as_tensor()).expect("the lent gradient");
+    assert_eq!(
+        kept.to_vec1::<f32>()?,
+        [0.5, 0.25],
+        "a lent gradient is not written"
+    );
+    let total = lent.grads()?.get(w.as_tensor()).expect("the sum");
+    assert_eq!(total.to_vec1::<f32>()?, [1.5, 2.25]);
+    Ok(())
+}
