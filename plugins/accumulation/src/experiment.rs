@@ -4,7 +4,7 @@
 //! included, so that the same text compiles in a notebook cell.
 
 use candle_accumulate::{micro_batches, GradAccumulator};
-use candle_checkpoint::lean_backward_with;
+use candle_checkpoint::direct_backward_with;
 use candle_lean_optim::LeanAdamW;
 use workbook_accumulation::Params as AccumulationParams;
 use workbook_models::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
@@ -18,8 +18,12 @@ use workbook_sdk::{Category, Context, Figure, Table};
 
 // notebook cell
 /// The forward and backward passes of one training step of `model` on
-/// `(x, y)` in `steps` micro-batches, gradients summed. Allocations are tagged
-/// by role. Returns the summed gradients; the optimizer step is the caller's.
+/// `(x, y)` in `steps` micro-batches, gradients summed, on the toolkit's
+/// lean path: its fused layers and cross-entropy, whose backwards
+/// `direct_backward` calls one after the other without candle's graph,
+/// freeing each layer's activations once the backward has passed it and
+/// adding each layer's gradients to the sum as they are made. Returns the
+/// summed gradients; the optimizer step is the caller's.
 pub fn accumulate(
     model: &Mlp,
     x: &Tensor,
@@ -29,15 +33,21 @@ pub fn accumulate(
 ) -> anyhow::Result<GradAccumulator> {
     let rows = x.dim(0)?;
     let size = rows.div_ceil(steps);
-    let mut acc = GradAccumulator::new(model.vars(), rows).with_observer(Tags);
+    let layers = model.fused_layers()?;
+    let vars = model.vars();
+    let mut acc = GradAccumulator::new(vars.clone(), rows).with_observer(Tags);
     for (xb, yb) in micro_batches(x, size)?
         .iter()
         .zip(micro_batches(y, size)?.iter())
     {
-        let loss = Category::Activations.scope(|| cross_entropy(&model.forward(xb)?, yb))?;
-        region.mark("after forward");
-        acc.backward(&loss, xb.dim(0)?)?;
-        drop(loss);
+        // The micro-batch's mean loss with its weight rows / N, as
+        // `add_weighted` expects.
+        let weight = xb.dim(0)? as f64 / rows as f64;
+        let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, yb, weight);
+        // Each layer's gradients go into the sum as the backward makes them.
+        acc.add_weighted_with(xb.dim(0)?, |add| {
+            direct_backward_with(&layers, xb, &vars, head, add, &Marks::new(region))
+        })?;
         region.mark("after backward");
     }
     Ok(acc)
@@ -59,11 +69,9 @@ pub fn batch_of(
     })
 }
 
-/// [`accumulate`] on the lean path: the toolkit's fused layers, its
-/// one-operation cross-entropy, and its lean backward (each layer's graph
-/// freed once the backward has passed it, each layer's gradients added to
-/// the sum as they are made).
-pub fn accumulate_lean(
+/// [`accumulate`] on candle-nn's layers and candle's own backward: what
+/// the framework costs. Allocations are tagged by role.
+pub fn accumulate_candle(
     model: &Mlp,
     x: &Tensor,
     y: &Tensor,
@@ -72,21 +80,15 @@ pub fn accumulate_lean(
 ) -> anyhow::Result<GradAccumulator> {
     let rows = x.dim(0)?;
     let size = rows.div_ceil(steps);
-    let layers = model.fused_layers()?;
-    let vars = model.vars();
-    let mut acc = GradAccumulator::new(vars.clone(), rows).with_observer(Tags);
+    let mut acc = GradAccumulator::new(model.vars(), rows).with_observer(Tags);
     for (xb, yb) in micro_batches(x, size)?
         .iter()
         .zip(micro_batches(y, size)?.iter())
     {
-        // The micro-batch's mean loss with its weight rows / N, as
-        // `add_weighted` expects.
-        let weight = xb.dim(0)? as f64 / rows as f64;
-        let head = |h: &Tensor| candle_lean_nn::cross_entropy(h, yb)? * weight;
-        // Each layer's gradients go into the sum as the backward makes them.
-        acc.add_weighted_with(xb.dim(0)?, |add| {
-            lean_backward_with(&layers, xb, &vars, head, add, &Marks::new(region))
-        })?;
+        let loss = Category::Activations.scope(|| cross_entropy(&model.forward(xb)?, yb))?;
+        region.mark("after forward");
+        acc.backward(&loss, xb.dim(0)?)?;
+        drop(loss);
         region.mark("after backward");
     }
     Ok(acc)
@@ -134,56 +136,57 @@ pub fn rebind(grads: &GradStore, from: &[Var], to: &[Var]) -> GradStore {
 }
 
 // notebook cell
-/// The large batch on the lean path, whole and in micro-batches, beside
-/// candle-nn's peaks; and its gradients against candle-nn's, micro-batch
-/// for micro-batch.
-pub fn lean_path(
+/// What the framework costs: the large batch's steps on candle-nn's layers
+/// and candle's own backward, beside the lean path's peaks (`lean_peaks`,
+/// whole and in `p.compare_steps` micro-batches); and the gradients of the
+/// two paths against each other, micro-batch for micro-batch.
+pub fn candle_nn_path(
     ctx: &mut Context,
     p: &AccumulationParams,
     sweep: &Mlp,
     rng: &mut Rng,
-    full_large: u64,
-    accum_large: u64,
+    lean_peaks: [u64; 2],
 ) -> anyhow::Result<()> {
     let device = ctx.device().clone();
     let (x, y) = batch_of(rng, p.large_batch, p.sweep_width, &device)?;
     let mut table = Table::new(
         format!(
-            "The same steps on the lean path (fused layers, one-operation cross-entropy, lean backward), batch {}",
+            "What the framework costs: the same steps on candle-nn's layers and candle's backward, batch {}",
             p.large_batch
         ),
         &[
             ("micro-batches", Unit::Count),
-            ("peak", Unit::Bytes),
-            ("vs candle-nn's", Unit::Ratio),
+            ("peak, candle-nn", Unit::Bytes),
+            ("peak, lean path", Unit::Bytes),
+            ("lean / candle-nn", Unit::Ratio),
         ],
     );
     let mut peaks = Vec::new();
     let mut worst = 0f64;
-    for (steps, candle_peak) in [(1, full_large), (p.compare_steps, accum_large)] {
-        ctx.progress(&format!("lean path, {steps} micro-batch(es)"));
-        let mut region = ctx.region(format!("lean path, {steps} micro-batch(es)"));
-        let acc = accumulate_lean(sweep, &x, &y, steps, &mut region)?;
+    for (steps, lean_peak) in [(1, lean_peaks[0]), (p.compare_steps, lean_peaks[1])] {
+        ctx.progress(&format!("candle-nn path, {steps} micro-batch(es)"));
+        let mut region = ctx.region(format!("candle-nn path, {steps} micro-batch(es)"));
+        let reference = accumulate_candle(sweep, &x, &y, steps, &mut region)?;
         let peak = ctx.end_region(region).peak_above_baseline();
-        // Against candle-nn's path with the same micro-batches.
-        let mut plain = ctx.region("candle-nn path, for its gradients");
-        let reference = accumulate(sweep, &x, &y, steps, &mut plain)?;
-        drop(plain);
+        // The lean path on the same batch and micro-batches.
+        let mut lean = ctx.region("lean path, for its gradients");
+        let acc = accumulate(sweep, &x, &y, steps, &mut lean)?;
+        drop(lean);
         let diff = grads_max_abs_diff(reference.grads()?, acc.grads()?, &sweep.vars())?;
-        drop(reference);
+        drop((reference, acc));
         worst = worst.max(diff);
-        drop(acc);
         table.row(vec![
             (steps as u64).into(),
             peak.into(),
-            (peak as f64 / candle_peak as f64).into(),
+            lean_peak.into(),
+            (lean_peak as f64 / peak as f64).into(),
         ]);
         peaks.push(peak);
     }
     ctx.table(table);
     ctx.metric("lean_path_grad_max_abs_diff", worst);
-    ctx.metric("peak_full_large_lean", peaks[0] as f64);
-    ctx.metric("peak_accum_large_lean", peaks[1] as f64);
+    ctx.metric("peak_full_large_candle", peaks[0] as f64);
+    ctx.metric("peak_accum_large_candle", peaks[1] as f64);
     Ok(())
 }
 
@@ -433,7 +436,7 @@ pub fn accumulation_experiment(ctx: &mut Context, p: AccumulationParams) -> anyh
             (peak / full_large as f64).into(),
         ]);
     }
-    lean_path(ctx, &p, &sweep, &mut rng, full_large, accum_large)?;
+    candle_nn_path(ctx, &p, &sweep, &mut rng, [full_large, accum_large])?;
     lean_step(ctx, &p, &sweep, &mut rng)?;
     let grad_bytes: u64 = sweep.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
     ctx.metric("peak_full_small", full_small as f64);

@@ -21,8 +21,8 @@ extern crate self as workbook_accumulation;
 mod experiment;
 
 pub use experiment::{
-    accumulate, accumulate_lean, accumulation_experiment, batch_of, lean_path, lean_step, rebind,
-    training_step,
+    accumulate, accumulate_candle, accumulation_experiment, batch_of, candle_nn_path, lean_step,
+    rebind, training_step,
 };
 
 use serde::{Deserialize, Serialize};
@@ -158,12 +158,12 @@ impl Plugin for Accumulation {
                 "largest gradient difference, lean path against candle-nn's, whole and split",
             ),
             MetricSpec::bytes(
-                "peak_full_large_lean",
-                "lean path's forward and backward peak, large batch whole",
+                "peak_full_large_candle",
+                "forward and backward peak on candle-nn's layers and backward, large batch whole",
             ),
             MetricSpec::bytes(
-                "peak_accum_large_lean",
-                "lean path's forward and backward peak, large batch in compare_steps micro-batches",
+                "peak_accum_large_candle",
+                "peak on candle-nn's layers and backward, large batch in compare_steps micro-batches",
             ),
             MetricSpec::number(
                 "fused_step_max_abs_diff",
@@ -204,19 +204,19 @@ impl Plugin for Accumulation {
             ),
             MetricSpec::bytes(
                 "peak_full_small",
-                "peak of forward and backward, small batch whole",
+                "peak of forward and backward on the lean path, small batch whole",
             ),
             MetricSpec::bytes(
                 "peak_accum_small",
-                "peak of forward and backward, small batch in compare_steps micro-batches",
+                "peak of forward and backward on the lean path, small batch in compare_steps micro-batches",
             ),
             MetricSpec::bytes(
                 "peak_full_large",
-                "peak of forward and backward, large batch whole",
+                "peak of forward and backward on the lean path, large batch whole",
             ),
             MetricSpec::bytes(
                 "peak_accum_large",
-                "peak of forward and backward, large batch in compare_steps micro-batches",
+                "peak of forward and backward on the lean path, large batch in compare_steps micro-batches",
             ),
             MetricSpec::bytes(
                 "gradient_bytes",

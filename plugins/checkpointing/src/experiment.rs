@@ -6,7 +6,10 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::{checkpoint_sequential, checkpoint_sequential_with, lean_backward, Policy};
+use candle_checkpoint::{
+    checkpoint_direct, checkpoint_sequential, checkpoint_sequential_with, direct_backward,
+    lean_backward, Policy,
+};
 use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
 use workbook_checkpointing::Params as CheckpointingParams;
 use workbook_models::{
@@ -52,6 +55,8 @@ pub struct Backprop {
     pub peak: u64,
     /// The first run's peak of activations above the region's start.
     pub act: u64,
+    /// The first run's peak of gradients above the region's start.
+    pub grad: u64,
     /// The median time of the runs.
     pub time: f64,
     /// The first run's gradients.
@@ -76,21 +81,21 @@ pub fn measure_backprop(
         times.push(start.elapsed().as_secs_f64());
         if first.is_none() {
             let r = ctx.end_region(region);
-            first = Some((
-                r.peak_above_baseline(),
-                r.category_peak_above_baseline(Category::Activations),
+            first = Some(Backprop {
+                peak: r.peak_above_baseline(),
+                act: r.category_peak_above_baseline(Category::Activations),
+                grad: r.category_peak_above_baseline(Category::Gradients),
+                time: 0.0,
                 grads,
-            ));
+            });
         }
     }
-    let Some((peak, act, grads)) = first else {
+    let Some(first) = first else {
         anyhow::bail!("{name}: repeats must be at least 1");
     };
     Ok(Backprop {
-        peak,
-        act,
         time: median(times),
-        grads,
+        ..first
     })
 }
 
@@ -108,37 +113,26 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 // notebook cell
-/// The deep stack: plain backprop against checkpointing with every segment
-/// count of `p.segments`, and the framework's own cost beside it.
-pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyhow::Result<()> {
-    let device = ctx.device().clone();
-    let model = Mlp::stack(
-        rng,
-        p.stack_width,
-        p.stack_depth,
-        Activation::Gelu,
-        DType::F32,
-        &device,
-    )?;
+/// The deep stack, one forward and backward four ways: what the framework
+/// itself costs, before any technique.
+pub fn framework_cost(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+) -> anyhow::Result<Backprop> {
     let vars = model.vars();
-    let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-        Ok((
-            rng.randn((p.stack_batch, p.stack_width), &device)?,
-            rng.labels(p.stack_batch, p.stack_width as u32, &device)?,
-        ))
-    })?;
-    let head = |h: &Tensor| cross_entropy(h, &y);
-
-    // A forward on candle-nn's layers or the fused ones, then candle's
-    // own backward.
+    // candle-nn's layers (a Linear, then a GELU) or the toolkit's fused
+    // ones, then candle's own backward.
     let candle_backward = |fused: bool, region: &mut workbook_sdk::Region| {
         let loss = Category::Activations.scope(|| {
             let h = if fused {
-                model.forward_fused(&x)?
+                model.forward_fused(x)?
             } else {
-                model.forward(&x)?
+                model.forward(x)?
             };
-            head(&h)
+            cross_entropy(&h, y)
         })?;
         region.mark("after forward");
         let grads = Category::Gradients
@@ -147,38 +141,108 @@ pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyho
         region.mark("after backward");
         Ok(grads)
     };
+    let candle = measure_backprop(
+        ctx,
+        "candle-nn's layers, candle's backward",
+        p.repeats,
+        |r| candle_backward(false, r),
+    )?;
+    let name = "fused layers (candle-lean-nn), candle's backward";
+    let fused = measure_backprop(ctx, name, p.repeats, |r| candle_backward(true, r))?;
+    let fused_diff = grads_max_abs_diff(&candle.grads, &fused.grads, &vars)?;
 
-    // Plain backprop: the reference for gradients, memory and time.
-    let plain = measure_backprop(ctx, "plain backprop", p.repeats, |r| {
-        candle_backward(false, r)
+    // The fused layers under the toolkit's lean backward (each layer's
+    // graph dropped once the backward has passed it, as PyTorch frees what
+    // it saved) and its one-operation cross-entropy.
+    let layers = model.fused_layers()?;
+    let lean_head = |h: &Tensor| candle_lean_nn::cross_entropy(h, y);
+    let name = "fused layers, lean backward";
+    let layered = measure_backprop(ctx, name, p.repeats, |region| {
+        Ok(lean_backward(&layers, x, &vars, lean_head, &Marks::new(region))?.grads)
     })?;
-    let (plain_peak, plain_act, plain_time) = (plain.peak, plain.act, plain.time);
-    let plain_grads = plain.grads;
+    let layered_diff = grads_max_abs_diff(&candle.grads, &layered.grads, &vars)?;
 
-    // The same plain backprop with the toolkit's fused layers: the
-    // framework's own overhead, beside what checkpointing saves.
-    let name = "plain backprop, fused layers (candle-lean-nn)";
-    let fused_run = measure_backprop(ctx, name, p.repeats, |r| candle_backward(true, r))?;
-    let lean_diff = grads_max_abs_diff(&plain_grads, &fused_run.grads, &vars)?;
-    let (lean_peak, lean_act, lean_time) = (fused_run.peak, fused_run.act, fused_run.time);
-    drop(fused_run);
-
-    // The fused layers again, under the toolkit's lean backward (each
-    // layer's graph dropped once the backward has passed it, as PyTorch
-    // frees what it saved) and its one-operation cross-entropy.
-    let fused = model.fused_layers()?;
-    let lean_head = |h: &Tensor| candle_lean_nn::cross_entropy(h, &y);
-    let name = "plain backprop, fused layers, lean backward";
-    let driver = measure_backprop(ctx, name, p.repeats, |region| {
-        Ok(lean_backward(&fused, &x, &vars, lean_head, &Marks::new(region))?.grads)
+    // The lean path: each layer's backward (and the loss's) called
+    // directly, no candle graph at all: no zeros tensor and sum per
+    // gradient.
+    let direct_head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
+    let name = "fused layers, direct backward";
+    let lean = measure_backprop(ctx, name, p.repeats, |region| {
+        Ok(direct_backward(&layers, x, &vars, direct_head, &Marks::new(region))?.grads)
     })?;
-    let driver_diff = grads_max_abs_diff(&plain_grads, &driver.grads, &vars)?;
-    let (driver_peak, driver_act, driver_time) = (driver.peak, driver.act, driver.time);
-    drop(driver);
+    let lean_diff = grads_max_abs_diff(&candle.grads, &lean.grads, &vars)?;
 
     let mut table = Table::new(
         format!(
-            "{} layers of Linear({w},{w}) + GELU, batch {}",
+            "What the framework costs: {} x (Linear({w},{w}) + GELU), batch {}, forward and backward",
+            p.stack_depth,
+            p.stack_batch,
+            w = p.stack_width
+        ),
+        &[
+            ("path", Unit::None),
+            ("peak", Unit::Bytes),
+            ("vs candle-nn", Unit::Ratio),
+            ("activations at their peak", Unit::Bytes),
+            ("gradients at their peak", Unit::Bytes),
+            ("median time", Unit::Seconds),
+            ("max |grad diff|", Unit::None),
+        ],
+    );
+    for (label, run, diff) in [
+        ("candle-nn's layers, candle's backward", &candle, 0.0),
+        ("fused layers, candle's backward", &fused, fused_diff),
+        ("fused layers, lean backward", &layered, layered_diff),
+        ("fused layers, direct backward", &lean, lean_diff),
+    ] {
+        table.row(vec![
+            label.into(),
+            run.peak.into(),
+            (run.peak as f64 / candle.peak as f64).into(),
+            run.act.into(),
+            run.grad.into(),
+            run.time.into(),
+            diff.into(),
+        ]);
+    }
+    ctx.table(table);
+    for (suffix, run) in [
+        ("_candle", &candle),
+        ("_fused", &fused),
+        ("_layered", &layered),
+        ("", &lean),
+    ] {
+        ctx.metric(format!("peak_plain{suffix}"), run.peak as f64);
+        ctx.metric(format!("activation_peak_plain{suffix}"), run.act as f64);
+        ctx.metric(format!("gradient_peak_plain{suffix}"), run.grad as f64);
+    }
+    ctx.metric("time_plain_candle", candle.time);
+    ctx.metric("time_plain", lean.time);
+    ctx.metric("fused_grad_max_abs_diff", fused_diff);
+    ctx.metric("layered_grad_max_abs_diff", layered_diff);
+    ctx.metric("lean_grad_max_abs_diff", lean_diff);
+    Ok(lean)
+}
+
+// notebook cell
+/// Checkpointing on the lean path (`checkpoint_direct`: each recomputed
+/// segment's backward called layer by layer, no graph): plain backprop
+/// (`plain`, from [`framework_cost`]) against every segment count of
+/// `p.segments`.
+pub fn sweep(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+    plain: &Backprop,
+) -> anyhow::Result<()> {
+    let vars = model.vars();
+    let layers = model.fused_layers()?;
+    let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
+    let mut table = Table::new(
+        format!(
+            "Checkpointing {} fused layers of Linear({w},{w}) + GELU, batch {}",
             p.stack_depth,
             p.stack_batch,
             w = p.stack_width
@@ -195,30 +259,12 @@ pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyho
     );
     table.row(vec![
         "plain".into(),
-        plain_peak.into(),
+        plain.peak.into(),
         1.0.into(),
-        plain_act.into(),
-        plain_time.into(),
+        plain.act.into(),
+        plain.time.into(),
         1.0.into(),
         0.0.into(),
-    ]);
-    table.row(vec![
-        "plain, fused layers".into(),
-        lean_peak.into(),
-        (lean_peak as f64 / plain_peak as f64).into(),
-        lean_act.into(),
-        lean_time.into(),
-        (lean_time / plain_time).into(),
-        lean_diff.into(),
-    ]);
-    table.row(vec![
-        "plain, fused layers, lean backward".into(),
-        driver_peak.into(),
-        (driver_peak as f64 / plain_peak as f64).into(),
-        driver_act.into(),
-        driver_time.into(),
-        (driver_time / plain_time).into(),
-        driver_diff.into(),
     ]);
     let mut points = Vec::new();
     let mut worst_diff = 0f64;
@@ -226,54 +272,34 @@ pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyho
     let mut best_act = (u64::MAX, 0usize);
     let mut act_points = Vec::new();
     for &segments in &p.segments {
-        let mut times = Vec::new();
-        let mut peak = 0;
-        let mut act = 0;
-        for rep in 0..p.repeats {
-            ctx.progress(&format!("{segments} segment(s), run {}", rep + 1));
-            let mut region = ctx.region(format!("checkpointed, {segments} segment(s)"));
-            let start = Instant::now();
-            let out = checkpoint_sequential(
-                model.layers(),
-                segments,
-                &x,
-                &vars,
-                head,
-                &Marks::new(&mut region),
-            )?;
+        let name = format!("checkpointed, {segments} segment(s)");
+        let run = measure_backprop(ctx, &name, p.repeats, |region| {
+            let out = checkpoint_direct(&layers, segments, x, &vars, head, &Marks::new(region))?;
             region.mark("after backward");
-            times.push(start.elapsed().as_secs_f64());
-            if rep == 0 {
-                worst_diff = worst_diff.max(grads_max_abs_diff(&plain_grads, &out.grads, &vars)?);
-                drop(out);
-                let r = ctx.end_region(region);
-                peak = r.peak_above_baseline();
-                act = r.category_peak_above_baseline(Category::Activations);
-            }
+            Ok(out.grads)
+        })?;
+        worst_diff = worst_diff.max(grads_max_abs_diff(&plain.grads, &run.grads, &vars)?);
+        if run.peak < best.0 {
+            best = (run.peak, segments, run.time);
         }
-        let time = median(times);
-        if peak < best.0 {
-            best = (peak, segments, time);
+        if run.act < best_act.0 {
+            best_act = (run.act, segments);
         }
-        if act < best_act.0 {
-            best_act = (act, segments);
-        }
-        points.push((segments as f64, peak as f64));
-        act_points.push((segments as f64, act as f64));
+        points.push((segments as f64, run.peak as f64));
+        act_points.push((segments as f64, run.act as f64));
         table.row(vec![
             segments.into(),
-            peak.into(),
-            (peak as f64 / plain_peak as f64).into(),
-            act.into(),
-            time.into(),
-            (time / plain_time).into(),
+            run.peak.into(),
+            (run.peak as f64 / plain.peak as f64).into(),
+            run.act.into(),
+            run.time.into(),
+            (run.time / plain.time).into(),
             worst_diff.into(),
         ]);
     }
     ctx.table(table);
-    // What is cut into segments is the stack's modules, a Linear and a
-    // GELU per block: n is 2 × stack_depth, not the depth.
-    let sqrt_n = (model.layers().len() as f64).sqrt();
+    // What is cut into segments is the fused layers, one per block.
+    let sqrt_n = (layers.len() as f64).sqrt();
     ctx.figure(Figure {
         id: "checkpointing-segments".into(),
         title: format!(
@@ -303,7 +329,7 @@ pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyho
                 name: "plain backprop".into(),
                 points: points
                     .iter()
-                    .map(|(x, _)| (*x, plain_peak as f64))
+                    .map(|(x, _)| (*x, plain.peak as f64))
                     .collect(),
             },
         ],
@@ -315,29 +341,20 @@ pub fn sweep(ctx: &mut Context, p: &CheckpointingParams, rng: &mut Rng) -> anyho
     });
     ctx.print(format!(
         "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",
-        mib(plain_peak),
+        mib(plain.peak),
         best.1,
         mib(best.0),
-        100.0 * best.0 as f64 / plain_peak as f64,
-        best.2 / plain_time
+        100.0 * best.0 as f64 / plain.peak as f64,
+        best.2 / plain.time
     ));
-    ctx.metric("peak_plain", plain_peak as f64);
-    ctx.metric("peak_plain_fused", lean_peak as f64);
-    ctx.metric("activation_peak_plain_fused", lean_act as f64);
-    ctx.metric("fused_grad_max_abs_diff", lean_diff);
-    ctx.metric("peak_plain_lean", driver_peak as f64);
-    ctx.metric("time_plain_lean", driver_time);
-    ctx.metric("lean_grad_max_abs_diff", driver_diff);
     ctx.metric("peak_best", best.0 as f64);
     ctx.metric("best_segments", best.1 as f64);
-    ctx.metric("activation_peak_plain", plain_act as f64);
     ctx.metric("activation_peak_best", best_act.0 as f64);
     ctx.metric("best_activation_segments", best_act.1 as f64);
     ctx.metric("sqrt_layers", sqrt_n);
     ctx.metric("stack_grad_max_abs_diff", worst_diff);
-    ctx.metric("time_plain", plain_time);
     ctx.metric("time_best", best.2);
-    ctx.metric("time_overhead", best.2 / plain_time);
+    ctx.metric("time_overhead", best.2 / plain.time);
     Ok(())
 }
 
@@ -597,7 +614,24 @@ pub fn checkpointing_experiment(ctx: &mut Context, p: CheckpointingParams) -> an
     );
     drop((plain, plain_store));
 
-    sweep(ctx, &p, &mut rng)?;
+    // The deep stack: its data a batch of inputs and class labels.
+    let model = Mlp::stack(
+        &mut rng,
+        p.stack_width,
+        p.stack_depth,
+        Activation::Gelu,
+        DType::F32,
+        &device,
+    )?;
+    let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+        Ok((
+            rng.randn((p.stack_batch, p.stack_width), &device)?,
+            rng.labels(p.stack_batch, p.stack_width as u32, &device)?,
+        ))
+    })?;
+    let plain = framework_cost(ctx, &p, &model, &x, &y)?;
+    sweep(ctx, &p, &model, &x, &y, &plain)?;
+    drop((plain, model, x, y));
     heavy(ctx, &p)?;
     policies(ctx, &p)?;
     Ok(())

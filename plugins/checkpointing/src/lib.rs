@@ -190,37 +190,79 @@ impl Plugin for Checkpointing {
                 "block_grad_max_abs_diff",
                 "largest parameter-gradient difference, checkpointed block against plain",
             ),
-            MetricSpec::bytes("peak_plain", "peak of plain backprop on the deep stack"),
+            MetricSpec::bytes(
+                "peak_plain_candle",
+                "peak of plain backprop on the deep stack, candle-nn's layers and candle's backward",
+            ),
+            MetricSpec::bytes(
+                "activation_peak_plain_candle",
+                "activations at their peak, candle-nn's layers and candle's backward",
+            ),
+            MetricSpec::bytes(
+                "gradient_peak_plain_candle",
+                "gradients at their peak, candle-nn's layers and candle's backward",
+            ),
+            MetricSpec::seconds(
+                "time_plain_candle",
+                "median time of plain backprop, candle-nn's layers and candle's backward",
+            ),
             MetricSpec::bytes(
                 "peak_plain_fused",
-                "peak of plain backprop on the deep stack's fused layers",
+                "peak of plain backprop on the fused layers and candle's backward",
             ),
             MetricSpec::bytes(
                 "activation_peak_plain_fused",
-                "activations at their peak, plain backprop on the fused layers",
+                "activations at their peak, fused layers and candle's backward",
+            ),
+            MetricSpec::bytes(
+                "gradient_peak_plain_fused",
+                "gradients at their peak, fused layers and candle's backward",
             ),
             MetricSpec::number(
                 "fused_grad_max_abs_diff",
-                "largest gradient difference, fused layers against plain backprop",
+                "largest gradient difference, fused layers against candle-nn's",
             ),
             MetricSpec::bytes(
-                "peak_plain_lean",
+                "peak_plain_layered",
                 "peak of plain backprop on the fused layers under the lean backward",
             ),
+            MetricSpec::bytes(
+                "activation_peak_plain_layered",
+                "activations at their peak, fused layers under the lean backward",
+            ),
+            MetricSpec::bytes(
+                "gradient_peak_plain_layered",
+                "gradients at their peak, fused layers under the lean backward",
+            ),
+            MetricSpec::number(
+                "layered_grad_max_abs_diff",
+                "largest gradient difference, the lean backward against candle-nn's",
+            ),
+            MetricSpec::bytes(
+                "peak_plain",
+                "peak of plain backprop on the lean path (fused layers, direct backward)",
+            ),
+            MetricSpec::bytes(
+                "activation_peak_plain",
+                "activations at their peak, plain backprop on the lean path",
+            ),
+            MetricSpec::bytes(
+                "gradient_peak_plain",
+                "gradients at their peak, plain backprop on the lean path",
+            ),
             MetricSpec::seconds(
-                "time_plain_lean",
-                "median time of plain backprop on the fused layers under the lean backward",
+                "time_plain",
+                "median time of plain backprop on the lean path",
             ),
             MetricSpec::number(
                 "lean_grad_max_abs_diff",
-                "largest gradient difference, lean backward against plain backprop",
+                "largest gradient difference, the lean path against candle-nn's",
             ),
-            MetricSpec::bytes("peak_best", "lowest checkpointed peak of the segment sweep"),
-            MetricSpec::count("best_segments", "segment count with the lowest peak"),
             MetricSpec::bytes(
-                "activation_peak_plain",
-                "activations at their peak, plain backprop on the deep stack",
+                "peak_best",
+                "lowest checkpointed peak of the segment sweep (lean path)",
             ),
+            MetricSpec::count("best_segments", "segment count with the lowest peak"),
             MetricSpec::bytes(
                 "activation_peak_best",
                 "lowest activations at their peak of the segment sweep",
@@ -231,15 +273,11 @@ impl Plugin for Checkpointing {
             ),
             MetricSpec::number(
                 "sqrt_layers",
-                "square root of the stack's modules (2 × stack_depth) cut into segments",
+                "square root of the fused layers (stack_depth) cut into segments",
             ),
             MetricSpec::number(
                 "stack_grad_max_abs_diff",
                 "largest gradient difference of the checkpointed stack and plain, over the sweep",
-            ),
-            MetricSpec::seconds(
-                "time_plain",
-                "median time of plain backprop on the deep stack",
             ),
             MetricSpec::seconds(
                 "time_best",

@@ -10,6 +10,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
+use candle_custom_grad::{DirectBackward, DirectGrads};
 use candle_lean_nn::{Activation as FusedActivation, LeanLinear};
 use rand::{Rng as _, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
@@ -253,6 +254,22 @@ impl Mlp {
     /// output (and GELU's input), on the same variables. A layer list for
     /// drivers such as `candle_checkpoint::lean_backward`.
     pub fn fused_layers(&self) -> Result<Vec<FusedLayer>> {
+        self.fused(None)
+    }
+
+    /// [`Mlp::fused_layers`] computing in `dtype`: each takes its weight and
+    /// bias cast to `dtype`, a cast that is differentiable, so f32 master
+    /// weights get f32 gradients while the products and what the layers keep
+    /// are in `dtype` (mixed precision, as [`Mlp::forward_as`]).
+    pub fn fused_layers_as(&self, dtype: DType) -> Result<Vec<FusedLayer>> {
+        self.fused(Some(dtype))
+    }
+
+    fn fused(&self, dtype: Option<DType>) -> Result<Vec<FusedLayer>> {
+        let cast = |v: &Var| match dtype {
+            Some(d) => v.to_dtype(d),
+            None => Ok(v.as_tensor().clone()),
+        };
         let mut layers = Vec::new();
         let mut it = self.layers.iter().peekable();
         while let Some(layer) = it.next() {
@@ -266,10 +283,7 @@ impl Mlp {
                     if act != FusedActivation::Identity {
                         it.next();
                     }
-                    let linear = LeanLinear::new(
-                        l.weight().as_tensor().clone(),
-                        Some(l.bias().as_tensor().clone()),
-                    )?;
+                    let linear = LeanLinear::new(cast(l.weight())?, Some(cast(l.bias())?))?;
                     layers.push(FusedLayer::Linear(linear, act));
                 }
                 Layer::Activation(a) => layers.push(FusedLayer::Activation(*a)),
@@ -285,6 +299,14 @@ impl Mlp {
         self.fused_layers()?
             .iter()
             .try_fold(x.clone(), |h, l| l.forward(&h))
+    }
+
+    /// The forward through [`Mlp::fused_layers_as`], the input cast to
+    /// `dtype` first.
+    pub fn forward_fused_as(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.fused_layers_as(dtype)?
+            .iter()
+            .try_fold(x.to_dtype(dtype)?, |h, l| l.forward(&h))
     }
 
     /// The forward in `dtype` (mixed precision); see [`Linear::forward_as`].
@@ -325,6 +347,37 @@ impl Module for FusedLayer {
             FusedLayer::Linear(l, act) => l.forward_act(x, *act),
             FusedLayer::Activation(a) => a.forward(x),
         }
+    }
+}
+
+impl DirectBackward for FusedLayer {
+    /// GELU's input, for a fused GELU layer.
+    type Saved = Option<Tensor>;
+
+    fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
+        match self {
+            FusedLayer::Linear(l, act) => l.forward_saved(x, *act),
+            FusedLayer::Activation(a) => candle_core::bail!(
+                "a {a:?} with no Linear before it has no direct backward: run it under lean_backward"
+            ),
+        }
+    }
+
+    fn backward_saved(
+        &self,
+        x: &Tensor,
+        out: &Tensor,
+        kept: Self::Saved,
+        grad: Tensor,
+        want_input: bool,
+    ) -> Result<DirectGrads> {
+        let FusedLayer::Linear(l, act) = self else {
+            candle_core::bail!("an activation with no Linear before it has no direct backward");
+        };
+        let (input, dw, db) = l.backward_saved(*act, kept, x, out, grad, want_input)?;
+        let mut params = vec![(l.weight().clone(), dw)];
+        params.extend(l.bias().cloned().zip(db));
+        Ok(DirectGrads { input, params })
     }
 }
 
@@ -413,5 +466,61 @@ mod tests {
         };
         assert_eq!(count(&[128, 128, 10], &mut rng), 17_802);
         assert_eq!(count(&[128, 512, 512, 10], &mut rng), 333_834);
+    }
+
+    /// The fused layers' direct backward gives candle-nn's gradients, and
+    /// the mixed-precision layers compute in their dtype; an activation
+    /// with no Linear before it says it has no direct backward.
+    #[test]
+    fn fused_layers_direct_backward_and_its_limit() {
+        let dev = Device::Cpu;
+        let mut rng = Rng::seeded(3);
+        let mlp = Mlp::new(
+            &mut rng,
+            &[8, 16, 16, 4],
+            Activation::Gelu,
+            DType::F32,
+            &dev,
+        )
+        .unwrap();
+        let x = rng.randn((5, 8), &dev).unwrap();
+        let y = rng.labels(5, 4, &dev).unwrap();
+        let vars = mlp.vars();
+        let plain = param_grads(
+            &cross_entropy(&mlp.forward(&x).unwrap(), &y)
+                .unwrap()
+                .backward()
+                .unwrap(),
+            &vars,
+        );
+        let layers = mlp.fused_layers().unwrap();
+        let mut direct = GradStore::default();
+        let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, &y, 1.0);
+        let (mut saved, mut outs) = (Vec::new(), Vec::new());
+        let mut h = x.clone();
+        for layer in &layers {
+            let (o, kept) = layer.forward_saved(&h).unwrap();
+            saved.push((h, kept));
+            outs.push(o.clone());
+            h = o;
+        }
+        let (_, mut g) = head(&h).unwrap();
+        for (layer, ((x, kept), out)) in layers.iter().zip(saved.into_iter().zip(outs)).rev() {
+            let step = layer.backward_saved(&x, &out, kept, g, true).unwrap();
+            for (p, d) in step.params {
+                direct.insert(&p, d);
+            }
+            g = step.input.unwrap();
+        }
+        assert!(grads_max_abs_diff(&plain, &direct, &vars).unwrap() < 1e-6);
+
+        let half = mlp.forward_fused_as(&x, DType::BF16).unwrap();
+        assert_eq!(half.dtype(), DType::BF16);
+        let bare = FusedLayer::Activation(Activation::Relu);
+        let e = bare.forward_saved(&x).unwrap_err().to_string();
+        assert!(
+            e.starts_with("a Relu with no Linear before it has no direct backward"),
+            "{e}"
+        );
     }
 }

@@ -117,62 +117,53 @@ pub fn activations(ctx: &mut Context, p: &PrecisionParams, rng: &mut Rng) -> any
             w = p.act_width
         ),
         &[
-            ("compute dtype", Unit::None),
+            ("compute dtype, layers", Unit::None),
             ("activations held", Unit::Bytes),
-            ("vs f32", Unit::Ratio),
+            ("vs f32, fused", Unit::Ratio),
             ("activation peak", Unit::Bytes),
-            ("vs f32", Unit::Ratio),
+            ("vs f32, fused", Unit::Ratio),
         ],
     );
+    // The forward alone: what it keeps for the backward, and its peak,
+    // which includes each matrix product's temporaries. On the lean path
+    // (the fused layers, each keeping its output and GELU's input, as
+    // PyTorch's Linear and GELU do), then on candle-nn's layers.
     let mut base = (0f64, 0f64);
-    for (dtype, name) in [
-        (DType::F32, "f32"),
-        (DType::F16, "f16"),
-        (DType::BF16, "bf16"),
-    ] {
-        ctx.progress(&format!("forward in {name}"));
-        let mut region = ctx.region(format!("forward in {name}"));
-        // The layers' forward alone: what it keeps for the backward, and its
-        // peak, which includes each matrix product's temporaries.
-        let out = Category::Activations.scope(|| model.forward_as(&x, dtype))?;
-        region.mark("after forward");
-        let held = region.current_above_baseline().get(Category::Activations) as f64;
-        drop(out);
-        let report = ctx.end_region(region);
-        let peak = report.category_peak_above_baseline(Category::Activations) as f64;
-        if dtype == DType::F32 {
-            base = (held, peak);
+    for (fused, suffix, path) in [(true, "", "fused layers"), (false, "_candle", "candle-nn")] {
+        for (dtype, name) in [
+            (DType::F32, "f32"),
+            (DType::F16, "f16"),
+            (DType::BF16, "bf16"),
+        ] {
+            let label = format!("forward in {name}, {path}");
+            ctx.progress(&label);
+            let mut region = ctx.region(label);
+            let out = Category::Activations.scope(|| {
+                if fused {
+                    model.forward_fused_as(&x, dtype)
+                } else {
+                    model.forward_as(&x, dtype)
+                }
+            })?;
+            region.mark("after forward");
+            let held = region.current_above_baseline().get(Category::Activations) as f64;
+            drop(out);
+            let report = ctx.end_region(region);
+            let peak = report.category_peak_above_baseline(Category::Activations) as f64;
+            if fused && dtype == DType::F32 {
+                base = (held, peak);
+            }
+            ctx.metric(format!("act_held_{name}{suffix}"), held);
+            ctx.metric(format!("act_peak_{name}{suffix}"), peak);
+            table.row(vec![
+                format!("{name}, {path}").into(),
+                (held as u64).into(),
+                (held / base.0).into(),
+                (peak as u64).into(),
+                (peak / base.1).into(),
+            ]);
         }
-        ctx.metric(format!("act_held_{name}"), held);
-        ctx.metric(format!("act_peak_{name}"), peak);
-        table.row(vec![
-            name.into(),
-            (held as u64).into(),
-            (held / base.0).into(),
-            (peak as u64).into(),
-            (peak / base.1).into(),
-        ]);
     }
-    // The f32 forward through the toolkit's fused layers: each keeps its
-    // output and GELU's input, as PyTorch's Linear and GELU do.
-    ctx.progress("forward in f32, fused layers");
-    let mut region = ctx.region("forward in f32, fused layers");
-    let out = Category::Activations.scope(|| model.forward_fused(&x))?;
-    region.mark("after forward");
-    let held = region.current_above_baseline().get(Category::Activations) as f64;
-    drop(out);
-    let peak = ctx
-        .end_region(region)
-        .category_peak_above_baseline(Category::Activations) as f64;
-    ctx.metric("act_held_f32_lean", held);
-    ctx.metric("act_peak_f32_lean", peak);
-    table.row(vec![
-        "f32, fused layers".into(),
-        (held as u64).into(),
-        (held / base.0).into(),
-        (peak as u64).into(),
-        (peak / base.1).into(),
-    ]);
     for (_, name) in HALVES {
         let held = ctx.output().metrics[&format!("act_held_{name}")];
         let peak = ctx.output().metrics[&format!("act_peak_{name}")];

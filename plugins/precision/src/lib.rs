@@ -166,28 +166,23 @@ impl Plugin for Precision {
                 "weight-gradient elements nonzero in f32 but zero with a bf16 forward, unscaled",
             ),
         ]);
-        for dtype in ["f32", "f16", "bf16"] {
-            specs.extend([
-                MetricSpec::bytes(
-                    format!("act_held_{dtype}"),
-                    format!("activations a forward in {dtype} holds when it ends"),
-                ),
-                MetricSpec::bytes(
-                    format!("act_peak_{dtype}"),
-                    format!("activations at their peak during a forward in {dtype}"),
-                ),
-            ]);
+        for (suffix, path) in [
+            ("", "on the lean path (fused layers)"),
+            ("_candle", "on candle-nn's layers"),
+        ] {
+            for dtype in ["f32", "f16", "bf16"] {
+                specs.extend([
+                    MetricSpec::bytes(
+                        format!("act_held_{dtype}{suffix}"),
+                        format!("activations a forward in {dtype} {path} holds when it ends"),
+                    ),
+                    MetricSpec::bytes(
+                        format!("act_peak_{dtype}{suffix}"),
+                        format!("activations at their peak during a forward in {dtype} {path}"),
+                    ),
+                ]);
+            }
         }
-        specs.extend([
-            MetricSpec::bytes(
-                "act_held_f32_lean",
-                "activations an f32 forward on the fused layers holds when it ends",
-            ),
-            MetricSpec::bytes(
-                "act_peak_f32_lean",
-                "activations at their peak during an f32 forward on the fused layers",
-            ),
-        ]);
         for dtype in ["f16", "bf16"] {
             specs.extend([
                 MetricSpec::ratio(
