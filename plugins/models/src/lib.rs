@@ -11,7 +11,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
-use candle_lean_nn::{Activation as FusedActivation, LeanLinear};
+use candle_lean_nn::{Activation as FusedActivation, LeanLayer, LeanLinear};
 use rand::{Rng as _, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
@@ -284,7 +284,7 @@ impl Mlp {
                         it.next();
                     }
                     let linear = LeanLinear::new(cast(l.weight())?, Some(cast(l.bias())?))?;
-                    layers.push(FusedLayer::Linear(linear, act));
+                    layers.push(FusedLayer::Linear(LeanLayer::new(linear, act)));
                 }
                 Layer::Activation(a) => layers.push(FusedLayer::Activation(*a)),
             }
@@ -336,7 +336,7 @@ impl Mlp {
 #[derive(Debug, Clone)]
 pub enum FusedLayer {
     /// A Linear and the activation after it, as one operation.
-    Linear(LeanLinear, FusedActivation),
+    Linear(LeanLayer),
     /// An activation no Linear comes before.
     Activation(Activation),
 }
@@ -344,7 +344,7 @@ pub enum FusedLayer {
 impl Module for FusedLayer {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            FusedLayer::Linear(l, act) => l.forward_act(x, *act),
+            FusedLayer::Linear(l) => l.forward(x),
             FusedLayer::Activation(a) => a.forward(x),
         }
     }
@@ -356,7 +356,7 @@ impl DirectBackward for FusedLayer {
 
     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
         match self {
-            FusedLayer::Linear(l, act) => l.forward_saved(x, *act),
+            FusedLayer::Linear(l) => l.forward_saved(x),
             FusedLayer::Activation(a) => candle_core::bail!(
                 "a {a:?} with no Linear before it has no direct backward: run it under lean_backward"
             ),
@@ -371,13 +371,10 @@ impl DirectBackward for FusedLayer {
         grad: Tensor,
         want_input: bool,
     ) -> Result<DirectGrads> {
-        let FusedLayer::Linear(l, act) = self else {
+        let FusedLayer::Linear(l) = self else {
             candle_core::bail!("an activation with no Linear before it has no direct backward");
         };
-        let (input, dw, db) = l.backward_saved(*act, kept, x, out, grad, want_input)?;
-        let mut params = vec![(l.weight().clone(), dw)];
-        params.extend(l.bias().cloned().zip(db));
-        Ok(DirectGrads { input, params })
+        l.backward_saved(x, out, kept, grad, want_input)
     }
 }
 

@@ -217,7 +217,9 @@ fn add_to_sum(
 ) -> Result<()> {
     let id = var.as_tensor().id();
     let total = match sum.remove(var.as_tensor()) {
-        Some(s) if owned.contains(&id) && crate::inplace::add_assign(&s, &g)? => s,
+        // Where candle refuses the write (storage shared after all), the
+        // sum is made anew below rather than lost.
+        Some(s) if owned.contains(&id) && crate::inplace::add_assign(&s, &g).unwrap_or(false) => s,
         Some(s) => {
             owned.insert(id);
             (s + g)?

@@ -11,16 +11,25 @@ use crate::sequential::{segment_bounds, Checkpointed};
 use crate::vjp::{recompute, Arg, Seed};
 
 /// Hands each parameter gradient of `params` whose tensor is one of `vars`
-/// to `on_grad`; a parameter not among `vars` is not trained and is
-/// dropped.
+/// to `on_grad`; a constant parameter not among `vars` is not trained and
+/// its gradient is dropped. A parameter computed from a variable (a cast to
+/// a half type, say) is an error: its gradient would have to go through
+/// candle's graph to reach the variable.
 fn hand_over(
     params: Vec<(Tensor, Tensor)>,
     vars: &[Var],
     on_grad: &mut impl FnMut(&Var, Tensor) -> Result<()>,
 ) -> Result<()> {
     for (param, grad) in params {
-        if let Some(var) = vars.iter().find(|v| v.as_tensor().id() == param.id()) {
-            on_grad(var, grad)?;
+        match vars.iter().find(|v| v.as_tensor().id() == param.id()) {
+            Some(var) => on_grad(var, grad)?,
+            None if param.track_op() && !param.is_variable() => bail!(
+                "a layer's parameter of shape {:?} is computed from a variable (a cast, say): \
+                 the direct backward hands gradients to the variables themselves; \
+                 build the layer on the variable, or use lean_backward",
+                param.dims()
+            ),
+            None => {}
         }
     }
     Ok(())
@@ -59,8 +68,9 @@ pub fn autograd_head(
 /// costs a zeros tensor and a sum for its output's gradient and another pair
 /// for its input's; here a layer's backward holds the gradient it is given,
 /// the one it passes on and its parameters', as PyTorch's does. The first
-/// layer's input gets a gradient only when it is a variable (a data batch
-/// needs none, which saves a matrix product). `head` maps the last output
+/// layer's input gets a gradient only when candle tracks it (a variable, or
+/// computed from one: pull the gradient back through that graph yourself);
+/// a data batch needs none, which saves a matrix product. `head` maps the last output
 /// to the scalar loss and that loss's gradient with respect to the output:
 /// `candle_lean_nn::cross_entropy_and_grad`, or any loss written with
 /// candle's operations through [`autograd_head`]. A head with variables of
@@ -68,34 +78,17 @@ pub fn autograd_head(
 ///
 /// ```
 /// use candle_checkpoint::{autograd_head, direct_backward, lean_backward};
-/// use candle_core::{Device, Module, Result, Tensor, Var};
-/// use candle_custom_grad::{DirectBackward, DirectGrads};
-/// use candle_lean_nn::{Activation, LeanLinear};
+/// use candle_core::{Device, Result, Tensor, Var};
+/// use candle_lean_nn::{Activation, LeanLayer, LeanLinear};
 /// use candle_observe::NoObserver;
-/// struct Layer(LeanLinear);
-/// impl Module for Layer {
-///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-///         self.0.forward_act(x, Activation::Gelu)
-///     }
-/// }
-/// impl DirectBackward for Layer {
-///     type Saved = Option<Tensor>;
-///     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
-///         self.0.forward_saved(x, Activation::Gelu)
-///     }
-///     fn backward_saved(&self, x: &Tensor, out: &Tensor, kept: Self::Saved, grad: Tensor,
-///                       want_input: bool) -> Result<DirectGrads> {
-///         let (input, dw, db) = self.0.backward_saved(Activation::Gelu, kept, x, out, grad, want_input)?;
-///         let mut params = vec![(self.0.weight().clone(), dw)];
-///         params.extend(self.0.bias().cloned().zip(db));
-///         Ok(DirectGrads { input, params })
-///     }
-/// }
 /// let dev = Device::Cpu;
 /// let vars: Vec<Var> = (0..6).map(|i| Var::randn(0f32, 0.5, if i % 2 == 0 { vec![4, 4] } else { vec![4] }, &dev))
 ///     .collect::<Result<_>>()?;
-/// let layers: Vec<Layer> = vars.chunks(2)
-///     .map(|p| Ok(Layer(LeanLinear::new(p[0].as_tensor().clone(), Some(p[1].as_tensor().clone()))?)))
+/// let layers: Vec<LeanLayer> = vars.chunks(2)
+///     .map(|p| {
+///         let linear = LeanLinear::new(p[0].as_tensor().clone(), Some(p[1].as_tensor().clone()))?;
+///         Ok(LeanLayer::new(linear, Activation::Gelu))
+///     })
 ///     .collect::<Result<_>>()?;
 /// let x = Tensor::randn(0f32, 1.0, (3, 4), &dev)?;
 /// let head = |h: &Tensor| h.sqr()?.mean_all();
@@ -153,7 +146,7 @@ pub fn direct_backward_with<L: DirectBackward>(
     observer.mark("after forward");
     let _grads = scope(observer, Kind::Gradients, Place::Device);
     let (loss, grad) = run_head(head, &out)?;
-    let want_first = input.is_variable();
+    let want_first = input.track_op();
     let grad = backward_through(
         layers,
         &mut saved,
@@ -243,25 +236,12 @@ fn backward_through<L: DirectBackward>(
 /// ```
 /// use candle_checkpoint::{checkpoint_direct, direct_backward};
 /// use candle_core::{Device, Result, Tensor, Var};
-/// use candle_custom_grad::{DirectBackward, DirectGrads};
-/// use candle_lean_nn::{cross_entropy_and_grad, Activation, LeanLinear};
+/// use candle_lean_nn::{cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
 /// use candle_observe::NoObserver;
-/// struct Layer(LeanLinear);
-/// impl DirectBackward for Layer {
-///     type Saved = Option<Tensor>;
-///     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
-///         self.0.forward_saved(x, Activation::Relu)
-///     }
-///     fn backward_saved(&self, x: &Tensor, out: &Tensor, kept: Self::Saved, grad: Tensor,
-///                       want_input: bool) -> Result<DirectGrads> {
-///         let (input, dw, db) = self.0.backward_saved(Activation::Relu, kept, x, out, grad, want_input)?;
-///         Ok(DirectGrads { input, params: vec![(self.0.weight().clone(), dw)] })
-///     }
-/// }
 /// let dev = Device::Cpu;
 /// let vars: Vec<Var> = (0..4).map(|_| Var::randn(0f32, 0.5, (5, 5), &dev)).collect::<Result<_>>()?;
-/// let layers: Vec<Layer> = vars.iter()
-///     .map(|v| Ok(Layer(LeanLinear::new(v.as_tensor().clone(), None)?)))
+/// let layers: Vec<LeanLayer> = vars.iter()
+///     .map(|v| Ok(LeanLayer::new(LeanLinear::new(v.as_tensor().clone(), None)?, Activation::Relu)))
 ///     .collect::<Result<_>>()?;
 /// let x = Tensor::randn(0f32, 1.0, (3, 5), &dev)?;
 /// let y = Tensor::new(&[0u32, 4, 2], &dev)?;
@@ -304,7 +284,7 @@ pub fn checkpoint_direct<L: DirectBackward>(
         run_head(head, &out)?
     };
     drop(out);
-    let want_first = input.is_variable();
+    let want_first = input.track_op();
     let mut input_grad = None;
     for (range, x) in bounds.iter().zip(inputs).rev() {
         let segment = &layers[range.clone()];

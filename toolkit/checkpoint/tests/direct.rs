@@ -4,48 +4,15 @@
 
 use candle_checkpoint::{autograd_head, checkpoint_direct, direct_backward, direct_backward_with};
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use candle_custom_grad::{DirectBackward, DirectGrads};
-use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLinear};
+use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
 use candle_observe::NoObserver;
 
 mod common;
 use common::{max_diff, worst};
 
-/// A fused Linear and activation: through candle's graph as a `Module`,
-/// directly as a `DirectBackward`.
-struct Layer(LeanLinear, Activation);
-
-impl Module for Layer {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.0.forward_act(x, self.1)
-    }
-}
-
-impl DirectBackward for Layer {
-    type Saved = Option<Tensor>;
-    fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
-        self.0.forward_saved(x, self.1)
-    }
-    fn backward_saved(
-        &self,
-        x: &Tensor,
-        out: &Tensor,
-        kept: Self::Saved,
-        grad: Tensor,
-        want_input: bool,
-    ) -> Result<DirectGrads> {
-        let (input, dw, db) = self
-            .0
-            .backward_saved(self.1, kept, x, out, grad, want_input)?;
-        let mut params = vec![(self.0.weight().clone(), dw)];
-        params.extend(self.0.bias().cloned().zip(db));
-        Ok(DirectGrads { input, params })
-    }
-}
-
 /// Six layers of width 24 in `dtype`, the activations in turn, and their
 /// variables.
-fn stack(dtype: DType) -> Result<(Vec<Layer>, Vec<Var>)> {
+fn stack(dtype: DType) -> Result<(Vec<LeanLayer>, Vec<Var>)> {
     let dev = Device::Cpu;
     let acts = [Activation::Relu, Activation::Gelu, Activation::Identity];
     let mut layers = Vec::new();
@@ -54,7 +21,7 @@ fn stack(dtype: DType) -> Result<(Vec<Layer>, Vec<Var>)> {
         let w = Var::from_tensor(&Tensor::randn(0f32, 0.3, (24, 24), &dev)?.to_dtype(dtype)?)?;
         let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, 24, &dev)?.to_dtype(dtype)?)?;
         let linear = LeanLinear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))?;
-        layers.push(Layer(linear, acts[i % 3]));
+        layers.push(LeanLayer::new(linear, acts[i % 3]));
         vars.extend([w, b]);
     }
     Ok((layers, vars))
@@ -148,7 +115,7 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     let (layers, vars) = stack(DType::F32)?;
     let x = Tensor::randn(0f32, 1.0, (5, 24), &Device::Cpu)?;
     let err = |r: Result<candle_checkpoint::Checkpointed>| r.unwrap_err().to_string();
-    let none: &[Layer] = &[];
+    let none: &[LeanLayer] = &[];
     assert!(err(direct_backward(
         none,
         &x,
@@ -166,6 +133,19 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     assert!(
         err(checkpoint_direct(&layers, 7, &x, &vars, head, &NoObserver))
             .starts_with("segments is 7: it must be between 1 and the number of layers, 6")
+    );
+    // A layer built on a cast of the variable: its gradient cannot reach it.
+    let w = Var::randn(0f32, 0.3, (24, 24), &Device::Cpu)?;
+    let cast = LeanLayer::new(
+        LeanLinear::new(w.to_dtype(DType::BF16)?, None)?,
+        Activation::Relu,
+    );
+    let half = x.to_dtype(DType::BF16)?;
+    let head = autograd_head(|h: &Tensor| h.mean_all());
+    assert!(
+        err(direct_backward(&[cast], &half, &[w], head, &NoObserver)).starts_with(
+            "a layer's parameter of shape [24, 24] is computed from a variable (a cast, say)"
+        )
     );
     // A wrong width reaches the layer's own check.
     let wide = Tensor::randn(0f32, 1.0, (5, 25), &Device::Cpu)?;

@@ -3,45 +3,13 @@
 //! are counted.
 
 use candle_checkpoint::{direct_backward, lean_backward};
-use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use candle_custom_grad::{DirectBackward, DirectGrads};
-use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLinear};
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
 use candle_observe::NoObserver;
 use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
-
-struct Layer(LeanLinear);
-
-impl Module for Layer {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.0.forward_act(x, Activation::Relu)
-    }
-}
-
-impl DirectBackward for Layer {
-    type Saved = Option<Tensor>;
-    fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
-        self.0.forward_saved(x, Activation::Relu)
-    }
-    fn backward_saved(
-        &self,
-        x: &Tensor,
-        out: &Tensor,
-        kept: Self::Saved,
-        grad: Tensor,
-        want_input: bool,
-    ) -> Result<DirectGrads> {
-        let (input, dw, _) =
-            self.0
-                .backward_saved(Activation::Relu, kept, x, out, grad, want_input)?;
-        Ok(DirectGrads {
-            input,
-            params: vec![(self.0.weight().clone(), dw)],
-        })
-    }
-}
 
 /// Through candle's graph, a layer's backward adds a zeros tensor and a
 /// sum for its output's gradient and for its input's; called directly it
@@ -54,9 +22,14 @@ fn the_direct_backward_holds_fewer_activation_sized_tensors() -> Result<()> {
     let vars: Vec<Var> = (0..depth)
         .map(|_| Var::randn(0f32, 0.06, (width, width), &dev))
         .collect::<Result<_>>()?;
-    let layers: Vec<Layer> = vars
+    let layers: Vec<LeanLayer> = vars
         .iter()
-        .map(|v| Ok(Layer(LeanLinear::new(v.as_tensor().clone(), None)?)))
+        .map(|v| {
+            Ok(LeanLayer::new(
+                LeanLinear::new(v.as_tensor().clone(), None)?,
+                Activation::Relu,
+            ))
+        })
         .collect::<Result<_>>()?;
     let x = Tensor::randn(0f32, 1.0, (batch, width), &dev)?;
     let y = Tensor::zeros(batch, DType::U32, &dev)?;

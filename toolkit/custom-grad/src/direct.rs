@@ -19,7 +19,9 @@ pub struct DirectGrads {
     /// The gradient of the layer's input, when it was asked for.
     pub input: Option<Tensor>,
     /// Each parameter the layer used (the tensor itself, shared with its
-    /// `Var`) with its gradient.
+    /// `Var`) with its gradient. Each gradient is a fresh tensor that
+    /// nothing else holds, one per parameter: a driver may hand it on to be
+    /// added into in place (`candle_accumulate`'s `add_weighted_with`).
     pub params: Vec<(Tensor, Tensor)>,
 }
 

@@ -25,10 +25,12 @@
 
 mod bias;
 mod cpu;
+mod layer;
 mod linear;
 mod loss;
 mod norm;
 
+pub use layer::LeanLayer;
 pub use linear::{Activation, LeanLinear};
 pub use loss::{cross_entropy, cross_entropy_and_grad};
 pub use norm::layer_norm;

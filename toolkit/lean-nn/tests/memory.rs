@@ -125,5 +125,13 @@ fn the_loss_and_its_gradient_allocate_one_logits_sized_tensor() -> Result<()> {
     // The gradient, and candle's backward summing it into a zeros tensor:
     // at most three at once.
     assert!(b < 3.05, "{b}");
+    // Without candle's graph, the gradient is the one tensor.
+    let (direct, usage) =
+        measure(|| candle_lean_nn::cross_entropy_and_grad(&logits, &targets, 1.0));
+    let (_, grad) = direct?;
+    assert_eq!(grad.dims(), [rows, classes]);
+    let d = usage.peak as f64 / size;
+    println!("cross_entropy_and_grad: {d:.3} logits-sized tensors at the peak");
+    assert!(d < 1.05, "{d}");
     Ok(())
 }
