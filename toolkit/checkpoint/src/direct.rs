@@ -1,13 +1,11 @@
 //! A backward that calls each layer's backward itself, without candle's
 //! graph between the layers.
 
-use candle_core::backprop::GradStore;
 use candle_core::{bail, Result, Tensor, Var};
 use candle_custom_grad::DirectBackward;
 use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
-use crate::grads::add_grad;
-use crate::sequential::{segment_bounds, Checkpointed};
+use crate::sequential::{segment_bounds, Checkpointed, GradSink};
 use crate::vjp::{recompute, Arg, Seed};
 
 /// Hands each parameter gradient of `params` whose tensor is one of `vars`
@@ -107,20 +105,7 @@ pub fn direct_backward<L: DirectBackward>(
     head: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
     observer: &dyn Observer,
 ) -> Result<Checkpointed> {
-    let mut grads = GradStore::default();
-    let (loss, input_grad) = direct_backward_with(
-        layers,
-        input,
-        vars,
-        head,
-        |var, g| add_grad(&mut grads, var, g),
-        observer,
-    )?;
-    Ok(Checkpointed {
-        loss,
-        grads,
-        input_grad,
-    })
+    Checkpointed::summing(|add| direct_backward_with(layers, input, vars, head, add, observer))
 }
 
 /// [`direct_backward`] handing each parameter gradient to `on_grad(var,
@@ -262,6 +247,22 @@ pub fn checkpoint_direct<L: DirectBackward>(
     head: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
     observer: &dyn Observer,
 ) -> Result<Checkpointed> {
+    Checkpointed::summing(|add| {
+        checkpoint_direct_with(layers, segments, input, vars, head, add, observer)
+    })
+}
+
+/// [`checkpoint_direct`] handing each parameter gradient to `on_grad`:
+/// the loss and the input's gradient.
+fn checkpoint_direct_with<L: DirectBackward>(
+    layers: &[L],
+    segments: usize,
+    input: &Tensor,
+    vars: &[Var],
+    head: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
+    mut on_grad: GradSink<'_>,
+    observer: &dyn Observer,
+) -> Result<(Tensor, Option<Tensor>)> {
     let bounds = segment_bounds(layers.len(), segments)?;
     // Forward: each segment's input; what the layers keep is dropped.
     let mut inputs: Vec<Tensor> = Vec::with_capacity(bounds.len());
@@ -277,8 +278,6 @@ pub fn checkpoint_direct<L: DirectBackward>(
         x
     };
     observer.mark("segment forward");
-    let mut grads = GradStore::default();
-    let mut on_grad = |var: &Var, g: Tensor| add_grad(&mut grads, var, g);
     let (loss, mut grad) = {
         let _grads = scope(observer, Kind::Gradients, Place::Device);
         run_head(head, &out)?
@@ -303,9 +302,5 @@ pub fn checkpoint_direct<L: DirectBackward>(
         }
         observer.mark("segment backward");
     }
-    Ok(Checkpointed {
-        loss,
-        grads,
-        input_grad,
-    })
+    Ok((loss, input_grad))
 }

@@ -6,7 +6,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, Module, Result, Tensor, TensorId, Var};
 use candle_observe::{scope, Kind, Observer, Place};
 
-use crate::grads::{accumulate, add_grad};
+use crate::grads::accumulate;
 use crate::sequential::Checkpointed;
 use crate::vjp::{recompute, seeded, Arg, Seed};
 
@@ -130,20 +130,7 @@ pub fn lean_backward<M: Module>(
     head: impl Fn(&Tensor) -> Result<Tensor>,
     observer: &dyn Observer,
 ) -> Result<Checkpointed> {
-    let mut grads = GradStore::default();
-    let (loss, input_grad) = lean_backward_with(
-        layers,
-        input,
-        vars,
-        head,
-        |var, g| add_grad(&mut grads, var, g),
-        observer,
-    )?;
-    Ok(Checkpointed {
-        loss,
-        grads,
-        input_grad,
-    })
+    Checkpointed::summing(|add| lean_backward_with(layers, input, vars, head, add, observer))
 }
 
 /// [`lean_backward`] handing each parameter gradient to `on_grad(var,

@@ -7,7 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, Module, Result, Tensor, Var};
 use candle_observe::{within, Kind, Observer, Place};
 
-use crate::grads::accumulate;
+use crate::grads::{accumulate, add_grad};
 use crate::policy::{Policy, Tape, TapeModule};
 use crate::vjp::{recompute, Arg, Seed};
 
@@ -22,6 +22,26 @@ pub struct Checkpointed {
     /// The gradient of the loss with respect to the input; `None` for an
     /// input that cannot have one (token ids).
     pub input_grad: Option<Tensor>,
+}
+
+/// A sink for parameter gradients, as the `_with` drivers take one.
+pub(crate) type GradSink<'a> = &'a mut dyn FnMut(&Var, Tensor) -> Result<()>;
+
+impl Checkpointed {
+    /// Runs `backward`, a driver that hands each parameter gradient to a
+    /// sink and returns the loss and the input's gradient, summing what it
+    /// hands over per variable.
+    pub(crate) fn summing(
+        backward: impl FnOnce(GradSink<'_>) -> Result<(Tensor, Option<Tensor>)>,
+    ) -> Result<Self> {
+        let mut grads = GradStore::default();
+        let (loss, input_grad) = backward(&mut |var, g| add_grad(&mut grads, var, g))?;
+        Ok(Self {
+            loss,
+            grads,
+            input_grad,
+        })
+    }
 }
 
 /// Splits `n` layers into `segments` contiguous ranges, as even as possible
