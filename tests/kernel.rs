@@ -13,6 +13,21 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+
+/// One kernel at a time. evcxr's compile cache (`:cache`, under the user's
+/// cache folder) is shared by every kernel and is not safe for two writers:
+/// a miss copies its artifacts over the entry in place while a hit reads
+/// it, and the hit counter is truncated and rewritten while another kernel
+/// parses it. Two kernels building the same crates on a cold cache can
+/// fail each other's cells.
+fn one_kernel() -> MutexGuard<'static, ()> {
+    static KERNEL: Mutex<()> = Mutex::new(());
+    // A test that panicked while holding it leaves nothing to repair.
+    KERNEL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn python() -> String {
     std::env::var("WORKBOOK_PYTHON").unwrap_or_else(|_| "python3".into())
@@ -77,6 +92,7 @@ fn a_failing_chapter_cell_fails_its_notebook_through_a_real_kernel() {
     if !can_run() {
         return;
     }
+    let _kernel = one_kernel();
     let dir = tempfile::tempdir().unwrap();
     let workbook = env!("CARGO_BIN_EXE_workbook");
     let spec = dir.path().join("jupyter/kernels/rust-workbook");
@@ -132,6 +148,7 @@ fn a_cell_is_measured_to_the_byte_through_a_real_kernel() {
     if !can_run() {
         return;
     }
+    let _kernel = one_kernel();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kernel_check.py");
     let out = Command::new(python())
         .arg(script)
