@@ -1,17 +1,11 @@
 //! The `gpt_training` cell: the model counts the parameters the formula
 //! says, and it learns.
 
-use candle_lean_optim::LeanAdamW;
-use candle_ledger::Labeller;
-use candle_nn::{Optimizer, ParamsAdamW};
 use serde::{Deserialize, Serialize};
-use workbook_models::Rng;
 use workbook_sdk::metric::MetricSpec;
-use workbook_sdk::output::{Axis, Series};
-use workbook_sdk::{anyhow, Context, Figure, Plugin, Rules, Unit, Violation};
+use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::gpt::{AttentionKind, Gpt, GptConfig};
-use crate::{corpus, parse_dtype};
+use crate::gpt::{AttentionKind, GptConfig};
 
 /// Parameters of the `gpt_training` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -113,72 +107,18 @@ impl Plugin for GptTraining {
         ]
     }
 
+    fn notebook(&self) -> Option<NotebookSource> {
+        Some(NotebookSource {
+            package: env!("CARGO_PKG_NAME"),
+            dir: env!("CARGO_MANIFEST_DIR"),
+            plugin: "workbook_transformer::GptTraining",
+            entry: "gpt_training_experiment",
+            params: "GptTrainingParams",
+            source: include_str!("experiment/training.rs"),
+        })
+    }
+
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
-        let dtype = parse_dtype(&p.dtype)?;
-        let device = ctx.device().clone();
-        let mut rng = Rng::seeded(p.seed);
-        let model = Gpt::new(p.model, dtype, &mut rng, &device)?;
-        let counted = model.param_count();
-        ctx.print(format!(
-            "{} blocks, hidden {}, {} heads, {} positions, vocabulary {}: {counted} parameters",
-            p.model.layers, p.model.hidden, p.model.heads, p.model.seq, p.model.vocab
-        ));
-        ctx.metric("params_counted", counted as f64);
-        ctx.metric("params_formula", p.model.param_count() as f64);
-        let mut opt = LeanAdamW::new(
-            model.vars(),
-            ParamsAdamW {
-                lr: p.lr,
-                ..Default::default()
-            },
-        )?;
-        let mut losses = Vec::with_capacity(p.steps);
-        let mut times = Vec::with_capacity(p.steps);
-        for step in 0..p.steps {
-            if step % 10 == 0 {
-                ctx.progress(&format!("training step {step} of {}", p.steps));
-            }
-            let start = std::time::Instant::now();
-            let (x, y) = corpus::batch(&mut rng, p.batch, p.model.seq, p.model.vocab, &device)?;
-            let loss = model.loss(&x, &y, &Labeller::default())?;
-            opt.backward_step(&loss)?;
-            losses.push(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? as f64);
-            times.push(start.elapsed().as_secs_f64());
-        }
-        let tail = &losses[losses.len().saturating_sub(5)..];
-        let last = tail.iter().sum::<f64>() / tail.len() as f64;
-        ctx.print(format!(
-            "loss {:.3} at the first step, {last:.3} over the last five (a uniform guess: {:.3})",
-            losses[0],
-            (p.model.vocab as f64).ln()
-        ));
-        ctx.metric("loss_first", losses[0]);
-        ctx.metric("loss_last", last);
-        ctx.metric("loss_uniform", (p.model.vocab as f64).ln());
-        ctx.metric("step_seconds", crate::median(times));
-        ctx.figure(Figure {
-            id: "gpt-loss".into(),
-            title: "Training loss of the GPT on arithmetic sequences".into(),
-            x: Axis {
-                label: "step".into(),
-                unit: Unit::Count,
-                log: false,
-            },
-            y: Axis {
-                label: "cross-entropy".into(),
-                unit: Unit::None,
-                log: false,
-            },
-            series: vec![Series {
-                name: "loss".into(),
-                points: losses
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &l)| (i as f64, l))
-                    .collect(),
-            }],
-            ..Figure::default()
-        });
-        Ok(())
+        crate::experiment::training::gpt_training_experiment(ctx, p)
     }
 }

@@ -1,0 +1,259 @@
+//! The `gpt_checkpointing` cell's experiment: what `workbook run` executes
+//! and what chapter 3's notebook shows in its code cells (see
+//! `workbook_sdk::notebook`). Crates are named by their names, this one's
+//! included, so that the same text compiles in a notebook cell.
+
+use std::time::Instant;
+
+use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape};
+use candle_ledger::{Labeller, Ledger};
+use workbook_models::Rng;
+use workbook_sdk::anyhow;
+use workbook_sdk::candle::backprop::GradStore;
+use workbook_sdk::candle::{Module, Tensor};
+use workbook_sdk::observe::Tags;
+use workbook_sdk::output::{Axis, Series};
+use workbook_sdk::{Category, Context, Figure, Table, Unit};
+use workbook_transformer::recompute::Params as GptCheckpointingParams;
+use workbook_transformer::{corpus, median, parse_dtype, Gpt};
+
+// notebook cell
+/// The products a block computes through its tape, with the part of the
+/// profile each is timed and counted under.
+pub const PRODUCTS: [(&str, &str); 4] = [
+    ("qkv", "qkv"),
+    ("proj", "proj"),
+    ("fc", "fc"),
+    ("fc2", "fc2"),
+];
+
+/// One way of running the backward.
+#[derive(Debug, Clone)]
+pub enum Strategy {
+    /// candle's backward over the whole graph.
+    None,
+    /// `candle-checkpoint` in `segments` segments, keeping what `policy` says.
+    Segments {
+        /// Segments the stack is cut into.
+        segments: usize,
+        /// What each recomputed segment keeps from its forward.
+        policy: Policy,
+    },
+}
+
+// notebook cell
+/// The experiment: each product's bytes and forward time measured, the
+/// selective policy chosen from them (keep what costs more time per byte
+/// to recompute than the average), then one forward and backward per
+/// strategy: its peak, its time and its gradients against candle's.
+pub fn gpt_checkpointing_experiment(
+    ctx: &mut Context,
+    p: GptCheckpointingParams,
+) -> anyhow::Result<()> {
+    let dtype = parse_dtype(&p.dtype)?;
+    let device = ctx.device().clone();
+    let mut rng = Rng::seeded(p.seed);
+    let model = Gpt::new(p.model, dtype, &mut rng, &device)?;
+    let vars = model.vars();
+    let (x, y) = Category::Inputs
+        .scope(|| corpus::batch(&mut rng, p.batch, p.model.seq, p.model.vocab, &device))?;
+
+    // The policy: each product's bytes and forward time, measured.
+    let mut profile = Table::new(
+        "Each product, over all blocks: bytes its output holds, forward time, and what keeping it costs",
+        &[
+            ("product", Unit::None),
+            ("bytes", Unit::Bytes),
+            ("forward time", Unit::Seconds),
+            ("time per MiB", Unit::Seconds),
+            ("kept", Unit::None),
+        ],
+    );
+    drop(model.loss(&x, &y, &Labeller::default())?);
+    let mut spans: Vec<Vec<f64>> = vec![Vec::new(); PRODUCTS.len()];
+    let mut bytes = [0u64; 4];
+    for r in 0..p.repeats.max(1) {
+        let labels = Labeller::new();
+        let logits = model.logits_taped(&x, &labels, &Tape::plain())?;
+        // Each product's time over all blocks, as its bytes are.
+        let mut this = [0f64; 4];
+        for (label, spent) in labels.times() {
+            if let Some(k) = PRODUCTS.iter().position(|(_, part)| *part == label.part) {
+                this[k] += spent.as_secs_f64();
+            }
+        }
+        for (k, t) in this.into_iter().enumerate() {
+            spans[k].push(t);
+        }
+        if r == 0 {
+            let ledger = Ledger::of(&logits, &labels)?;
+            for (k, (_, part)) in PRODUCTS.iter().enumerate() {
+                bytes[k] = (0..p.model.layers)
+                    .map(|l| ledger.bytes_of(Some(l), part))
+                    .sum();
+            }
+        }
+    }
+    let times: Vec<f64> = spans.into_iter().map(median).collect();
+    // Keep what costs more time per byte to recompute than the products
+    // on average; recompute the rest (and everything between them).
+    let average = times.iter().sum::<f64>() / bytes.iter().sum::<u64>().max(1) as f64;
+    let mut kept = Vec::new();
+    for (k, (name, _)) in PRODUCTS.iter().enumerate() {
+        let per_byte = times[k] / bytes[k].max(1) as f64;
+        let keep = per_byte >= average;
+        if keep {
+            kept.push(name.to_string());
+        }
+        ctx.metric(format!("kept_{name}"), if keep { 1.0 } else { 0.0 });
+        profile.row(vec![
+            (*name).into(),
+            bytes[k].into(),
+            times[k].into(),
+            (per_byte * (1 << 20) as f64).into(),
+            if keep { "kept" } else { "recomputed" }.into(),
+        ]);
+    }
+    ctx.table(profile);
+    ctx.metric("kept_products", kept.len() as f64);
+    ctx.print(format!(
+        "The selective policy keeps the outputs of {} and recomputes the rest of each block.",
+        if kept.is_empty() {
+            "no product".to_string()
+        } else {
+            kept.join(", ")
+        }
+    ));
+
+    let stack = model.stack();
+    let n = stack.len();
+    let mut strategies = vec![
+        ("none".to_string(), Strategy::None),
+        (
+            "full".to_string(),
+            Strategy::Segments {
+                segments: n,
+                policy: Policy::Nothing,
+            },
+        ),
+    ];
+    for &k in &p.every {
+        strategies.push((
+            format!("every_{k}"),
+            Strategy::Segments {
+                segments: n.div_ceil(k),
+                policy: Policy::Nothing,
+            },
+        ));
+    }
+    strategies.push((
+        "selective".into(),
+        Strategy::Segments {
+            segments: n,
+            policy: Policy::Names(kept.clone()),
+        },
+    ));
+    strategies.push((
+        "dots".into(),
+        Strategy::Segments {
+            segments: n,
+            policy: Policy::Dots,
+        },
+    ));
+
+    let head = |h: &Tensor| model.head_loss(h, &y);
+    let mut reference: Option<GradStore> = None;
+    let mut table = Table::new(
+        "Forward and backward of one batch, per strategy",
+        &[
+            ("strategy", Unit::None),
+            ("peak", Unit::Bytes),
+            ("time", Unit::Seconds),
+            ("time over none", Unit::Ratio),
+            ("largest gradient difference", Unit::None),
+        ],
+    );
+    let mut series = Vec::new();
+    let mut none_seconds = 0.0;
+    for (name, strategy) in &strategies {
+        ctx.progress(&format!("backward: {name}"));
+        let run = |ctx: &mut Context| -> anyhow::Result<(GradStore, u64, f64)> {
+            let mut region = ctx.region(name.clone());
+            let start = Instant::now();
+            let grads = Category::Activations.scope(|| -> anyhow::Result<GradStore> {
+                Ok(match strategy {
+                    Strategy::None => {
+                        let h = stack
+                            .iter()
+                            .try_fold(x.clone(), |h, l| Module::forward(l, &h))?;
+                        let loss = head(&h)?;
+                        let store = Category::Gradients.scope(|| loss.backward())?;
+                        workbook_models::param_grads(&store, &vars)
+                    }
+                    Strategy::Segments { segments, policy } => {
+                        checkpoint_sequential_with(
+                            &stack, *segments, &x, &vars, head, policy, &Tags,
+                        )?
+                        .grads
+                    }
+                })
+            })?;
+            let seconds = start.elapsed().as_secs_f64();
+            region.mark("after backward");
+            let peak = region.peak_above_baseline();
+            ctx.end_region(region);
+            Ok((grads, peak, seconds))
+        };
+        let mut times = Vec::new();
+        let mut peak = 0;
+        let mut grads = None;
+        for _ in 0..p.repeats.max(1) {
+            let (g, pk, s) = run(ctx)?;
+            peak = peak.max(pk);
+            times.push(s);
+            grads = Some(g);
+        }
+        let seconds = median(times);
+        let grads = grads.unwrap_or_default();
+        let diff = match &reference {
+            Some(r) => workbook_models::grads_max_abs_diff(&grads, r, &vars)?,
+            None => 0.0,
+        };
+        if reference.is_none() {
+            reference = Some(grads);
+            none_seconds = seconds;
+        }
+        ctx.metric(format!("peak_{name}"), peak as f64);
+        ctx.metric(format!("seconds_{name}"), seconds);
+        ctx.metric(format!("grad_diff_{name}"), diff);
+        table.row(vec![
+            name.as_str().into(),
+            peak.into(),
+            seconds.into(),
+            (seconds / none_seconds).into(),
+            format!("{diff:.1e}").into(),
+        ]);
+        series.push(Series {
+            name: name.clone(),
+            points: vec![(seconds, peak as f64)],
+        });
+    }
+    ctx.table(table);
+    ctx.figure(Figure {
+        id: "checkpointing".into(),
+        title: "Checkpointing strategies on the memory-time plane".into(),
+        x: Axis {
+            label: "forward and backward time".into(),
+            unit: Unit::Seconds,
+            log: false,
+        },
+        y: Axis {
+            label: "peak".into(),
+            unit: Unit::Bytes,
+            log: false,
+        },
+        series,
+        ..Figure::default()
+    });
+    Ok(())
+}

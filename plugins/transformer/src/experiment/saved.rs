@@ -1,0 +1,136 @@
+//! The `saved_tensors` cell's experiment: what `workbook run` executes and
+//! what chapter 3's notebook shows in its code cells (see
+//! `workbook_sdk::notebook`). Crates are named by their names, this one's
+//! included, so that the same text compiles in a notebook cell.
+
+use candle_ledger::{Labeller, Ledger};
+use workbook_models::Rng;
+use workbook_sdk::anyhow;
+use workbook_sdk::{Category, Context, Table, Unit};
+use workbook_transformer::predict::Run;
+use workbook_transformer::saved::Params as SavedTensorsParams;
+use workbook_transformer::{corpus, parse_dtype, Gpt};
+
+// notebook cell
+/// Whether a held tensor is one of the attention's `(b, a, s, s)` matrices.
+pub fn is_quadratic(shape: &[usize], batch: usize, heads: usize, seq: usize) -> bool {
+    shape == [batch, heads, seq, seq]
+}
+
+/// The experiment: for each recipe, the tensors one block's graph holds for
+/// the backward, part by part, in the units of Korthikanti et al.'s terms,
+/// and the whole graph's bytes beside what the allocator counted.
+pub fn saved_tensors_experiment(ctx: &mut Context, p: SavedTensorsParams) -> anyhow::Result<()> {
+    let dtype = parse_dtype(&p.dtype)?;
+    let device = ctx.device().clone();
+    let c = p.model;
+    let elem = dtype.size_in_bytes() as u64;
+    let run = Run {
+        layers: c.layers as u64,
+        hidden: c.hidden as u64,
+        heads: c.heads as u64,
+        seq: c.seq as u64,
+        batch: p.batch as u64,
+        vocab: c.vocab as u64,
+        params: c.param_count(),
+        elem,
+    };
+    // Units of the paper's terms scaled to the dtype, as
+    // `korthikanti_layer` is: its 34 and 5 count bytes of 16-bit values,
+    // so one s·b·h tensor of the dtype is 2 units.
+    let sbh_unit = (run.seq * run.batch * run.hidden * elem) as f64 / 2.0;
+    let s2_unit = (run.heads * run.seq * run.seq * run.batch * elem) as f64 / 2.0;
+    ctx.metric("korthikanti_layer", run.korthikanti_layer() as f64);
+    let mid = c.layers / 2;
+    let mut summary = Table::new(
+        format!("One block (block {mid}) of the graph, per recipe"),
+        &[
+            ("recipe", Unit::None),
+            ("tensors", Unit::Count),
+            ("bytes", Unit::Bytes),
+            ("s·b·h units", Unit::None),
+            ("a·s²·b units", Unit::None),
+            ("whole graph", Unit::Bytes),
+            ("allocator, activations", Unit::Bytes),
+        ],
+    );
+    for recipe in &p.recipes {
+        let name = recipe.name();
+        let cfg = recipe.apply(c);
+        ctx.progress(&format!("the {name} recipe's graph"));
+        let mut rng = Rng::seeded(p.seed);
+        let model = Gpt::new(cfg, dtype, &mut rng, &device)?;
+        let (x, y) =
+            Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
+        // The allocator's count, from a forward without labels.
+        let region = ctx.region(format!("forward, {name}"));
+        let notes = Labeller::unlabelled();
+        let loss = Category::Activations.scope(|| model.loss(&x, &y, &notes))?;
+        let measured = region.current_above_baseline().get(Category::Activations);
+        let unlabelled = Category::Other.scope(|| Ledger::of(&loss, &notes))?;
+        drop((loss, notes));
+        ctx.end_region(region);
+        // The same forward, labelled part by part.
+        let labels = Labeller::new();
+        let loss = model.loss(&x, &y, &labels)?;
+        let ledger = Ledger::of(&loss, &labels)?;
+        drop(loss);
+        if ledger.total_bytes() != unlabelled.total_bytes() {
+            anyhow::bail!(
+                "the labelled forward held {} bytes, the unlabelled one {}",
+                ledger.total_bytes(),
+                unlabelled.total_bytes()
+            );
+        }
+        let mut parts = Table::new(
+            format!("What block {mid} holds for the backward, {name} recipe"),
+            &[
+                ("part", Unit::None),
+                ("shape", Unit::None),
+                ("dtype", Unit::None),
+                ("bytes", Unit::Bytes),
+                ("views", Unit::Count),
+            ],
+        );
+        let (mut linear, mut quadratic, mut count) = (0u64, 0u64, 0usize);
+        for h in ledger.layer(mid) {
+            count += 1;
+            if is_quadratic(&h.shape, p.batch, c.heads, c.seq) {
+                quadratic += h.bytes;
+            } else {
+                linear += h.bytes;
+            }
+            let part = h.label.as_ref().map_or("unlabelled", |l| l.part.as_str());
+            parts.row(vec![
+                part.into(),
+                format!("{:?}", h.shape).into(),
+                format!("{:?}", h.dtype).to_lowercase().into(),
+                h.bytes.into(),
+                (h.nodes as u64).into(),
+            ]);
+        }
+        ctx.table(parts);
+        let total = ledger.total_bytes();
+        ctx.metric(format!("ledger_{name}"), total as f64);
+        ctx.metric(format!("measured_{name}"), measured as f64);
+        ctx.metric(format!("coverage_{name}"), total as f64 / measured as f64);
+        ctx.metric(format!("linear_units_{name}"), linear as f64 / sbh_unit);
+        ctx.metric(
+            format!("quadratic_units_{name}"),
+            quadratic as f64 / s2_unit,
+        );
+        ctx.metric(format!("tensors_{name}"), count as f64);
+        ctx.metric(format!("block_{name}"), (linear + quadratic) as f64);
+        summary.row(vec![
+            name.into(),
+            (count as u64).into(),
+            (linear + quadratic).into(),
+            (linear as f64 / sbh_unit).into(),
+            (quadratic as f64 / s2_unit).into(),
+            total.into(),
+            measured.into(),
+        ]);
+    }
+    ctx.table(summary);
+    Ok(())
+}
