@@ -28,11 +28,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # beside it: NAME_candle is the step on candle-nn's layers and candle's own
 # backward where the cell trains on the toolkit's lean path (what the
 # framework costs); the attention cell's materialized attention is the plain
-# computation as PyTorch's autograd keeps it, its naive one composed of
-# candle's operations.
+# computation without a graph (two n x n matrices at its peak, where
+# PyTorch's autograd holds three), its naive one composed of candle's
+# operations; the offload cell's device step is candle_nn's AdamW, its lean
+# one the toolkit's in-place LeanAdamW.
 ALSO = {
     ("attention", "peak_naive"): ["peak_materialized"],
     ("attention", "time_naive"): ["time_materialized"],
+    ("offload", "step_seconds_device"): ["step_seconds_device_lean"],
 }
 
 

@@ -4,8 +4,8 @@
 //! included, so that the same text compiles in a notebook cell.
 
 use candle_tiled_attention::{
-    flash_backward, flash_forward, materialized_attention, naive_attention, score_matrix_bytes,
-    FlashConfig,
+    flash_backward, flash_forward, materialized_backward, materialized_forward, naive_attention,
+    score_matrix_bytes, FlashConfig,
 };
 use workbook_attention::Params as AttentionParams;
 use workbook_models::{max_abs_diff, Rng};
@@ -74,19 +74,14 @@ pub fn forward_backward(
     mut after_forward: impl FnMut(),
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
     match m {
-        Method::Naive | Method::Materialized => {
+        Method::Naive => {
             let (q, k, v) = (
                 Var::from_tensor(&x.q)?,
                 Var::from_tensor(&x.k)?,
                 Var::from_tensor(&x.v)?,
             );
             let cfg = FlashConfig::causal(causal);
-            let attention = if m == Method::Naive {
-                naive_attention
-            } else {
-                materialized_attention
-            };
-            let out = Category::Activations.scope(|| attention(&q, &k, &v, &cfg))?;
+            let out = Category::Activations.scope(|| naive_attention(&q, &k, &v, &cfg))?;
             after_forward();
             let grads = Category::Gradients.scope(|| (&out * &x.d_out)?.sum_all()?.backward())?;
             let get = |t: &Var| {
@@ -96,6 +91,16 @@ pub fn forward_backward(
                     .ok_or_else(|| workbook_sdk::candle::Error::Msg("missing gradient".into()))
             };
             Ok((out.detach(), get(&q)?, get(&k)?, get(&v)?))
+        }
+        Method::Materialized => {
+            let cfg = FlashConfig::causal(causal);
+            let fwd =
+                Category::Activations.scope(|| materialized_forward(&x.q, &x.k, &x.v, &cfg))?;
+            let out = fwd.out.clone();
+            after_forward();
+            let (dq, dk, dv) = Category::Gradients
+                .scope(|| materialized_backward(&x.q, &x.k, &x.v, fwd, &x.d_out, &cfg))?;
+            Ok((out, dq, dk, dv))
         }
         Method::Chunked | Method::Tiled => {
             let cfg = FlashConfig {

@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use candle_checkpoint::layerwise_backward;
+use candle_lean_optim::LeanAdamW;
 use candle_offload::{HostAdamW, StreamedLinear, Transfers};
 use workbook_models::{
     cross_entropy, max_abs_diff, param_grads, Activation, Layer, Linear, Mlp, Rng,
@@ -145,6 +146,24 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
     for (a, b) in vars.iter().zip(twin.vars().iter()) {
         diff = diff.max(max_abs_diff(a.as_tensor(), b.as_tensor())?);
     }
+    // The toolkit's in-place AdamW on the device, timed the same way: what
+    // a step with the state on the device costs without candle_nn's
+    // temporaries (compared with PyTorch's AdamW by scripts/compare.py).
+    ctx.progress("LeanAdamW on the device");
+    let lean_twin = model.deep_clone()?;
+    let mut lean = LeanAdamW::new(lean_twin.vars(), config.clone())?;
+    let mut lean_step_time = 0.0;
+    for _ in 0..p.steps {
+        let grads = param_grads(
+            &cross_entropy(&lean_twin.forward(&x)?, &y)?.backward()?,
+            &lean_twin.vars(),
+        );
+        let start = Instant::now();
+        lean.step(&grads)?;
+        lean_step_time += start.elapsed().as_secs_f64();
+    }
+    drop((lean, lean_twin));
+    ctx.metric("step_seconds_device_lean", lean_step_time / p.steps as f64);
     let moved = offloaded.transfers().since(&setup);
     ctx.metric("adamw_max_abs_diff", diff);
     let device_state = |r: &workbook_sdk::RegionReport| {

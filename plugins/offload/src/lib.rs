@@ -133,6 +133,10 @@ impl Plugin for Offload {
                 "mean time of a candle_nn::AdamW step",
             ),
             MetricSpec::seconds(
+                "step_seconds_device_lean",
+                "mean time of a candle_lean_optim::LeanAdamW step (in place)",
+            ),
+            MetricSpec::seconds(
                 "step_seconds_host",
                 "mean time of a HostAdamW step, copies included",
             ),

@@ -21,6 +21,8 @@
 //! * [`naive_attention`]: the plain computation, the reference.
 //! * [`materialized_attention`]: the plain computation as PyTorch's autograd
 //!   keeps it (the probabilities only), the honest baseline for tiling.
+//! * [`materialized_forward`] / [`materialized_backward`]: the same without
+//!   a graph, its backward holding two `n x n` matrices at most.
 //!
 //! On the CPU, f32, f16 and bf16 calls run a kernel of their own, built as
 //! PyTorch's CPU flash kernel is: query blocks (forward) and heads
@@ -49,6 +51,7 @@ mod config;
 mod cpu;
 mod forward;
 mod materialized;
+mod materialized_direct;
 mod op;
 mod shapes;
 
@@ -56,6 +59,7 @@ pub use backward::flash_backward;
 pub use config::FlashConfig;
 pub use forward::{flash_forward, naive_attention, Forward};
 pub use materialized::materialized_attention;
+pub use materialized_direct::{materialized_backward, materialized_forward, Materialized};
 pub use op::flash_attention;
 
 /// Bytes of the score matrices a naive attention materialises: `heads`

@@ -53,7 +53,7 @@ impl InplaceOp1 for SoftmaxInPlace {
 }
 
 /// The probabilities `softmax(q k^T * scale + mask)`, `(.., nq, nk)`.
-fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+pub(crate) fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     let (nq, nk) = (q.dim(D::Minus2)?, k.dim(D::Minus2)?);
     let scores = q
         .contiguous()?
@@ -79,7 +79,7 @@ fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) -> Result<Ten
 }
 
 /// The softmax's backward with the scores' scale: `P (dP - rowsum(dP P)) s`.
-fn scores_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
+pub(crate) fn scores_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
     let (p, dp) = (p.contiguous()?, dp.contiguous()?);
     if p.device().is_cpu() && p.dtype() == DType::F32 && dp.dtype() == DType::F32 {
         let nk = p.dim(D::Minus1)?;

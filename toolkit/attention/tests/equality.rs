@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_tiled_attention::{
-    flash_attention, flash_backward, flash_forward, materialized_attention, naive_attention,
-    FlashConfig,
+    flash_attention, flash_backward, flash_forward, materialized_attention, materialized_backward,
+    materialized_forward, naive_attention, FlashConfig,
 };
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -276,5 +276,85 @@ fn materialized_attention_equals_the_plain_computation() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The materialized attention's two halves, no graph, against the plain
+/// computation in f64: every dtype, causal or not, grouped heads, queries
+/// and keys of different lengths; and equal to the autograd version's.
+#[test]
+fn materialized_halves_equal_the_plain_computation() -> Result<()> {
+    let dev = Device::Cpu;
+    for (dtype, tol) in [
+        (DType::F32, 1e-5),
+        (DType::F64, 1e-12),
+        (DType::F16, 1e-2),
+        (DType::BF16, 6e-2),
+    ] {
+        for causal in [false, true] {
+            for (hkv, nq, nk) in [(4, 13, 13), (2, 13, 21), (1, 21, 13)] {
+                let r = |h, n, d| Tensor::randn(0f32, 1.0, (2, h, n, d), &dev)?.to_dtype(dtype);
+                let (q, k, v) = (r(4, nq, 8)?, r(hkv, nk, 8)?, r(hkv, nk, 6)?);
+                let d_out = Tensor::randn(0f32, 1.0, (2, 4, nq, 6), &dev)?.to_dtype(dtype)?;
+                let cfg = FlashConfig::causal(causal);
+                let fwd = materialized_forward(&q, &k, &v, &cfg)?;
+                assert_eq!(fwd.probs.dims(), &[2, 4, nq, nk]);
+                let out = fwd.out.clone();
+                let grads = materialized_backward(&q, &k, &v, fwd, &d_out, &cfg)?;
+                let want = reference(&q, &k, &v, &d_out, &cfg)?;
+                let what = format!("{dtype:?} causal {causal} kv heads {hkv} {nq}x{nk}");
+                assert_eq!(out.dtype(), dtype);
+                assert!(max_diff(&out, &want[0])? < tol, "{what}: output");
+                let got = [&grads.0, &grads.1, &grads.2];
+                for ((got, input), want) in got.into_iter().zip([&q, &k, &v]).zip(&want[1..]) {
+                    assert_eq!((got.dims(), got.dtype()), (input.dims(), dtype), "{what}");
+                    let d = max_diff(got, want)?;
+                    assert!(d < 4.0 * tol, "{what}: gradient {d}");
+                }
+                // The autograd version, the same arithmetic: equal in f32
+                // and f64 to rounding.
+                if matches!(dtype, DType::F32 | DType::F64) {
+                    let vars = [&q, &k, &v].map(|t| Var::from_tensor(t).unwrap());
+                    let auto = materialized_attention(&vars[0], &vars[1], &vars[2], &cfg)?;
+                    let store = (&auto * &d_out)?.sum_all()?.backward()?;
+                    assert!(max_diff(&auto, &out)? < tol / 10.0, "{what}");
+                    for (var, got) in vars.iter().zip(got) {
+                        let d = max_diff(store.get(var).unwrap(), got)?;
+                        assert!(d < tol, "{what}: against autograd {d}");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the materialized halves refuse, each with its reason.
+#[test]
+fn materialized_halves_refuse_mismatched_input() -> Result<()> {
+    let (q, k, v) = inputs(1, 2, 2, 5, 4, DType::F32)?;
+    let cfg = FlashConfig::causal(false);
+    let k0 = k.narrow(2, 0, 0)?;
+    let v0 = v.narrow(2, 0, 0)?;
+    assert!(err(materialized_forward(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
+    let fwd = materialized_forward(&q, &k, &v, &cfg)?;
+    let short = fwd.out.narrow(2, 0, 4)?;
+    let said = err(materialized_backward(&q, &k, &v, fwd.clone(), &short, &cfg));
+    assert!(
+        said.starts_with("d_out has shape [1, 2, 4, 4], the forward's output [1, 2, 5, 4]"),
+        "{said}"
+    );
+    // A forward of other inputs: its probabilities do not fit these.
+    let (q6, k6, v6) = inputs(1, 2, 2, 6, 4, DType::F32)?;
+    let other = materialized_forward(&q6, &k6, &v6, &cfg)?;
+    let d_out = Tensor::ones((1, 2, 6, 4), DType::F32, &Device::Cpu)?;
+    let (q6b, _, _) = inputs(1, 2, 2, 6, 4, DType::F32)?;
+    let said = err(materialized_backward(&q6b, &k, &v, other, &d_out, &cfg));
+    assert!(
+        said.starts_with(
+            "the probabilities have shape [1, 2, 6, 6], these inputs make [1, 2, 6, 5]"
+        ),
+        "{said}"
+    );
     Ok(())
 }

@@ -70,6 +70,16 @@ dispatch! {
 }
 
 dispatch! {
+    /// `dp[j] = p[j] * (dp[j] - delta) * scale`: the softmax's backward,
+    /// written over the probabilities' gradient.
+    pub(crate) fn softmax_grad_over(dp: &mut [f32], p: &[f32], delta: f32, scale: f32) -> () {
+        for (g, &p) in dp.iter_mut().zip(p) {
+            *g = p * (*g - delta) * scale;
+        }
+    }
+}
+
+dispatch! {
     /// The dot product of two rows.
     pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         let mut lanes = [0f32; LANES];

@@ -1,0 +1,179 @@
+//! The materialized attention's two halves, for a training loop of one's
+//! own: no graph, so the backward frees what it no longer needs as it goes.
+//! The forward keeps the probabilities; the backward writes the softmax's
+//! gradient over the probabilities' gradient and lets the probabilities go
+//! before the two products that follow, so it holds two `n x n` matrices
+//! at most where an autograd graph holds three (PyTorch: the probabilities,
+//! their gradient and the scores' gradient).
+
+use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, D};
+use rayon::prelude::*;
+
+use crate::config::FlashConfig;
+use crate::cpu::rows;
+use crate::forward::scale_of;
+use crate::materialized::{probabilities, scores_grad};
+use crate::shapes::{repeat_kv, Dims};
+
+/// What [`materialized_forward`] returns and [`materialized_backward`]
+/// consumes.
+#[derive(Debug, Clone)]
+pub struct Materialized {
+    /// The attention's output, `(batch, q_heads, nq, dv)`.
+    pub out: Tensor,
+    /// The probabilities `softmax(q k^T * scale + mask)`, `(batch, q_heads,
+    /// nq, nk)`: the one `n x n` matrix kept for the backward.
+    pub probs: Tensor,
+}
+
+/// `softmax(Q K^T * s) V` as [`materialized_attention`](crate::materialized_attention)
+/// computes it, returning the probabilities beside the output instead of
+/// recording a graph. Same shapes, heads, mask and devices.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_tiled_attention::{materialized_backward, materialized_forward, FlashConfig};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1.0, (1, 2, 9, 4), &dev)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 2, 9, 4), &dev)?;
+/// let v = Tensor::randn(0f32, 1.0, (1, 2, 9, 4), &dev)?;
+/// let cfg = FlashConfig::causal(true);
+/// let fwd = materialized_forward(&q, &k, &v, &cfg)?;
+/// let out = fwd.out.clone();
+/// let (dq, dk, dv) = materialized_backward(&q, &k, &v, fwd, &out.ones_like()?, &cfg)?;
+/// assert_eq!((dq.dims(), dk.dims(), dv.dims()), (q.dims(), k.dims(), v.dims()));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn materialized_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &FlashConfig,
+) -> Result<Materialized> {
+    cfg.validate()?;
+    let dims = Dims::of(q, k, v)?;
+    if dims.nk == 0 {
+        bail!("there are no keys to attend to (k and v have length 0)");
+    }
+    let scale = scale_of(cfg, dims.d);
+    let (k, v) = (
+        repeat_kv(&k.detach(), dims.group())?,
+        repeat_kv(&v.detach(), dims.group())?,
+    );
+    let probs = probabilities(&q.detach(), &k, scale, cfg.causal)?;
+    let out = probs.matmul(&v.contiguous()?)?;
+    Ok(Materialized { out, probs })
+}
+
+/// The gradients of `q`, `k` and `v` given the output's gradient `d_out`
+/// and what [`materialized_forward`] returned (taken by value: its
+/// probabilities are freed here once used). Same `cfg` as the forward;
+/// grouped key/value heads get their group's sum.
+pub fn materialized_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    fwd: Materialized,
+    d_out: &Tensor,
+    cfg: &FlashConfig,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    cfg.validate()?;
+    let dims = Dims::of(q, k, v)?;
+    let Materialized { out, probs } = fwd;
+    if d_out.dims() != out.dims() {
+        bail!(
+            "d_out has shape {:?}, the forward's output {:?}",
+            d_out.dims(),
+            out.dims()
+        );
+    }
+    let expected = [dims.batch, dims.q_heads, dims.nq, dims.nk];
+    if probs.dims() != expected {
+        bail!(
+            "the probabilities have shape {:?}, these inputs make {expected:?}",
+            probs.dims()
+        );
+    }
+    drop(out);
+    let scale = scale_of(cfg, dims.d);
+    let group = dims.group();
+    let d_out = d_out.detach().contiguous()?;
+    // dV = P^T dO, per query head.
+    let dv = probs.transpose(D::Minus2, D::Minus1)?.matmul(&d_out)?;
+    // dP = dO V^T, then dS = P (dP - rowsum(dP P)) s written over it.
+    let vr = repeat_kv(&v.detach(), group)?.contiguous()?;
+    let dp = d_out.matmul(&vr.transpose(D::Minus2, D::Minus1)?)?;
+    drop((vr, d_out));
+    let ds = softmax_backward(dp, &probs, scale)?;
+    drop(probs);
+    let kr = repeat_kv(&k.detach(), group)?.contiguous()?;
+    let dq = ds.matmul(&kr)?;
+    drop(kr);
+    let dk = ds
+        .transpose(D::Minus2, D::Minus1)?
+        .matmul(&q.detach().contiguous()?)?;
+    drop(ds);
+    Ok((dq, sum_group(dk, &dims)?, sum_group(dv, &dims)?))
+}
+
+/// A key/value gradient computed per query head, `(batch, q_heads, nk,
+/// d)`, summed over each key/value head's group.
+fn sum_group(t: Tensor, dims: &Dims) -> Result<Tensor> {
+    if dims.group() == 1 {
+        return Ok(t);
+    }
+    let (b, _, n, d) = t.dims4()?;
+    t.reshape((b, dims.kv_heads, dims.group(), n, d))?.sum(2)
+}
+
+/// The scores' gradient from the probabilities' gradient `dp`: over `dp`
+/// itself on the CPU in f32, a new tensor elsewhere.
+fn softmax_backward(dp: Tensor, probs: &Tensor, scale: f64) -> Result<Tensor> {
+    let contiguous = dp.is_contiguous() && probs.is_contiguous();
+    if dp.device().is_cpu() && dp.dtype() == DType::F32 && probs.dtype() == DType::F32 && contiguous
+    {
+        let nk = dp.dim(D::Minus1)?;
+        if nk > 0 {
+            dp.inplace_op2(
+                probs,
+                &SoftmaxGradOver {
+                    nk,
+                    scale: scale as f32,
+                },
+            )?;
+        }
+        return Ok(dp);
+    }
+    scores_grad(probs, &dp, scale)
+}
+
+/// `dp = p (dp - rowsum(dp p)) scale`, row by row, in place.
+struct SoftmaxGradOver {
+    nk: usize,
+    scale: f32,
+}
+
+impl InplaceOp2 for SoftmaxGradOver {
+    fn name(&self) -> &'static str {
+        "softmax-grad-over"
+    }
+
+    fn cpu_fwd(&self, g: &mut CpuStorage, gl: &Layout, p: &CpuStorage, pl: &Layout) -> Result<()> {
+        let (Some((gs, ge)), Some((ps, pe))) = (gl.contiguous_offsets(), pl.contiguous_offsets())
+        else {
+            bail!("softmax-grad-over: both tensors must be contiguous");
+        };
+        let (CpuStorage::F32(g), CpuStorage::F32(p)) = (g, p) else {
+            bail!("softmax-grad-over: f32 only");
+        };
+        let (nk, scale) = (self.nk, self.scale);
+        g[gs..ge]
+            .par_chunks_mut(nk)
+            .zip(p[ps..pe].par_chunks(nk))
+            .for_each(|(g, p)| {
+                let delta = rows::dot(g, p);
+                rows::softmax_grad_over(g, p, delta, scale);
+            });
+        Ok(())
+    }
+}
