@@ -2,9 +2,11 @@
 //! own: no graph, so the backward frees what it no longer needs as it goes.
 //! The forward keeps the probabilities; the backward writes the softmax's
 //! gradient over the probabilities' gradient and lets the probabilities go
-//! before the two products that follow, so it holds two `n x n` matrices
-//! at most where an autograd graph holds three (PyTorch: the probabilities,
-//! their gradient and the scores' gradient).
+//! before the two products that follow, so on the CPU in f32 it holds two
+//! `n x n` matrices at most where an autograd graph holds three (PyTorch:
+//! the probabilities, their gradient and the scores' gradient). Elsewhere
+//! (other devices, other dtypes) the scores' gradient is a new tensor, made
+//! of candle's operations, and the peak is higher.
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, D};
 use rayon::prelude::*;
@@ -24,6 +26,9 @@ pub struct Materialized {
     /// The probabilities `softmax(q k^T * scale + mask)`, `(batch, q_heads,
     /// nq, nk)`: the one `n x n` matrix kept for the backward.
     pub probs: Tensor,
+    /// The scale the scores were multiplied by, which the backward's
+    /// configuration must give too.
+    scale: f64,
 }
 
 /// `softmax(Q K^T * s) V` as [`materialized_attention`](crate::materialized_attention)
@@ -62,7 +67,7 @@ pub fn materialized_forward(
     );
     let probs = probabilities(&q.detach(), &k, scale, cfg.causal)?;
     let out = probs.matmul(&v.contiguous()?)?;
-    Ok(Materialized { out, probs })
+    Ok(Materialized { out, probs, scale })
 }
 
 /// The gradients of `q`, `k` and `v` given the output's gradient `d_out`
@@ -79,13 +84,17 @@ pub fn materialized_backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     cfg.validate()?;
     let dims = Dims::of(q, k, v)?;
-    let Materialized { out, probs } = fwd;
-    if d_out.dims() != out.dims() {
+    let Materialized { out, probs, scale } = fwd;
+    let out_dims = [dims.batch, dims.q_heads, dims.nq, dims.dv];
+    if d_out.dims() != out_dims || out.dims() != out_dims {
         bail!(
-            "d_out has shape {:?}, the forward's output {:?}",
+            "d_out has shape {:?}, the forward's output {:?}; these inputs make {out_dims:?}",
             d_out.dims(),
             out.dims()
         );
+    }
+    if d_out.dtype() != q.dtype() {
+        bail!("d_out is {:?}, the inputs {:?}", d_out.dtype(), q.dtype());
     }
     let expected = [dims.batch, dims.q_heads, dims.nq, dims.nk];
     if probs.dims() != expected {
@@ -95,7 +104,12 @@ pub fn materialized_backward(
         );
     }
     drop(out);
-    let scale = scale_of(cfg, dims.d);
+    if scale_of(cfg, dims.d) != scale {
+        bail!(
+            "the forward scaled the scores by {scale}, this configuration by {}",
+            scale_of(cfg, dims.d)
+        );
+    }
     let group = dims.group();
     let d_out = d_out.detach().contiguous()?;
     // dV = P^T dO, per query head.
@@ -166,6 +180,13 @@ impl InplaceOp2 for SoftmaxGradOver {
         let (CpuStorage::F32(g), CpuStorage::F32(p)) = (g, p) else {
             bail!("softmax-grad-over: f32 only");
         };
+        if ge - gs != pe - ps {
+            bail!(
+                "softmax-grad-over: the gradient has {} elements, the probabilities {}",
+                ge - gs,
+                pe - ps
+            );
+        }
         let (nk, scale) = (self.nk, self.scale);
         g[gs..ge]
             .par_chunks_mut(nk)
