@@ -104,11 +104,9 @@ pub fn materialized_backward(
         );
     }
     drop(out);
-    if scale_of(cfg, dims.d) != scale {
-        bail!(
-            "the forward scaled the scores by {scale}, this configuration by {}",
-            scale_of(cfg, dims.d)
-        );
+    let asked = scale_of(cfg, dims.d);
+    if asked != scale {
+        bail!("the forward scaled the scores by {scale}, this configuration by {asked}");
     }
     let group = dims.group();
     let d_out = d_out.detach().contiguous()?;
