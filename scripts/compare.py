@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chapter 2 in the workbook and in PyTorch, side by side, as ratios.
 
-    python3 scripts/compare.py --run [--check] [--device cuda]
+    python3 scripts/compare.py --run [--check] [--device cuda] [--cell ID]...
 
 runs both (the workbook through `cargo run --release`, PyTorch with the
 Python that runs this script) and prints the table; or, from saved reports,
@@ -39,9 +39,11 @@ ALSO = {
 }
 
 
-def run(check, device):
-    """Both sides' reports, measured now."""
+def run(check, device, cells):
+    """Both sides' reports, measured now: the whole chapter, or `cells`."""
     flags = (["--check"] if check else []) + ["--device", device]
+    for cell in cells:
+        flags += ["--cell", cell]
     workbook = ["cargo", "run", "--quiet", "--release"]
     if device == "cuda":
         workbook += ["--features", "cuda"]
@@ -85,9 +87,10 @@ def main():
     ap.add_argument("--run", action="store_true", help="measure both now")
     ap.add_argument("--check", action="store_true", help="with --run: check-size parameters")
     ap.add_argument("--device", default="cpu", help="with --run: cpu or cuda")
+    ap.add_argument("--cell", action="append", default=[], help="with --run: only this cell (repeat for several)")
     args = ap.parse_args()
     if args.run:
-        ours, theirs = run(args.check, args.device)
+        ours, theirs = run(args.check, args.device, args.cell)
     elif len(args.reports) == 2:
         with open(args.reports[0]) as f:
             ours = json.load(f)

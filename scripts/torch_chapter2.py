@@ -282,10 +282,20 @@ def attention(chapter, check, device, out):
     out["time_ratio_tiled_naive"] = out["time_tiled"] / out["time_naive"]
 
 
+# The chapter's cells, in order; each is named as its cell's id.
+EXPERIMENTS = [footprint, accumulation, checkpointing, precision, offload, attention]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="check-size parameters")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--cell",
+        action="append",
+        choices=[e.__name__ for e in EXPERIMENTS],
+        help="run only this cell's experiment (repeat for several)",
+    )
     args = ap.parse_args()
     chapter = tomllib.loads((ROOT / "chapters" / "chapter2.toml").read_text())
     device = torch.device(args.device)
@@ -293,7 +303,9 @@ def main():
     check_cpu_meter()
     warm_up(device)
     metrics = {}
-    for experiment in [footprint, accumulation, checkpointing, precision, offload, attention]:
+    for experiment in EXPERIMENTS:
+        if args.cell and experiment.__name__ not in args.cell:
+            continue
         out = {}
         experiment(chapter, args.check, device, out)
         metrics[experiment.__name__] = out

@@ -29,6 +29,7 @@ mod layer;
 mod linear;
 mod loss;
 mod norm;
+mod product;
 
 pub use layer::LeanLayer;
 pub use linear::{Activation, LeanLinear};

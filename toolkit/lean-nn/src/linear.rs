@@ -106,7 +106,7 @@ impl LeanLinear {
         }
         // On detached tensors: the forward builds no graph of its own.
         let x2 = x.detach().reshape(((), in_f))?;
-        let z = x2.matmul(&self.weight.detach().t()?)?;
+        let z = crate::product::matmul(&x2, &self.weight.detach().t()?)?;
         let bias = self.bias.as_ref().map(Tensor::detach);
         let (out, kept) = if crate::cpu::applies(&z) {
             crate::cpu::bias_act(z, bias.as_ref(), act)?
@@ -196,11 +196,11 @@ impl Linear {
         };
         let x2 = x.reshape(((), in_f))?;
         let dx = if want_input {
-            Some(g.matmul(w)?.reshape(x.shape())?)
+            Some(crate::product::matmul(&g, w)?.reshape(x.shape())?)
         } else {
             None
         };
-        let dw = g.t()?.matmul(&x2)?;
+        let dw = crate::product::matmul(&g.t()?, &x2)?;
         Ok((dx, dw, db))
     }
 }

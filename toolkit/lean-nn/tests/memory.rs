@@ -135,3 +135,58 @@ fn the_loss_and_its_gradient_allocate_one_logits_sized_tensor() -> Result<()> {
     assert!(d < 1.05, "{d}");
     Ok(())
 }
+
+/// A bf16 layer on the CPU: candle widens a bf16 product's operands and
+/// result to f32 whole; the layer's product goes a slice at a time, so the
+/// forward's peak is what it keeps (output and GELU's input) and the
+/// weight in f32, and its backward's the gradients it makes, the weight
+/// in f32 and a few slices.
+#[test]
+fn a_bf16_layer_widens_a_slice_at_a_time() -> Result<()> {
+    let _turn = turn();
+    let dev = Device::Cpu;
+    let (batch, width) = (4096, 512);
+    let output = batch * width * 2;
+    let weight_f32 = width * width * 4;
+    // Two slices of 256 rows in f32, and bookkeeping.
+    let slices = 2 * 256 * width * 4 + 65_536;
+    let w = Tensor::randn(0f32, 0.05, (width, width), &dev)?.to_dtype(DType::BF16)?;
+    let b = Tensor::zeros(width, DType::BF16, &dev)?;
+    let layer = LeanLinear::new(w.clone(), Some(b))?;
+    let x = Tensor::randn(0f32, 1.0, (batch, width), &dev)?.to_dtype(DType::BF16)?;
+    let (saved, forward) = measure(|| layer.forward_saved(&x, Activation::Gelu));
+    drop(saved?);
+    println!(
+        "forward: {} B at the peak, {} B held after",
+        forward.peak, forward.held
+    );
+    // The output and GELU's input. `gemm` keeps its packing buffers in
+    // thread-locals from one product to the next: they can outlive the
+    // first forward, so the peak is bounded, not what stays.
+    assert!(forward.peak < (2 * output + weight_f32 + slices) as isize);
+    let (_, candle) = measure(|| x.matmul(&w.t()?));
+    println!(
+        "candle's bf16 product alone: {:.2} outputs at the peak",
+        candle.peak as f64 / output as f64
+    );
+    let (saved, _) = measure(|| layer.forward_saved(&x, Activation::Identity));
+    let (out, kept) = saved?;
+    let grad = Tensor::ones((batch, width), DType::BF16, &dev)?;
+    let (grads, backward) =
+        measure(|| layer.backward_saved(Activation::Identity, kept, &x, &out, grad, true));
+    let (dx, dw, db) = grads?;
+    assert_eq!(
+        (dx.map(|t| t.dtype()), dw.dtype()),
+        (Some(DType::BF16), DType::BF16)
+    );
+    assert!(db.is_some());
+    println!("backward: {} B at the peak", backward.peak);
+    // The input's gradient, the weight's in f32 (summed over slices of
+    // the batch) and in bf16, the weight in f32, and slices.
+    assert!(
+        backward.peak < (output + 3 * weight_f32 + slices) as isize,
+        "{}",
+        backward.peak
+    );
+    Ok(())
+}

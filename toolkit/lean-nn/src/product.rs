@@ -1,0 +1,187 @@
+//! Matrix products of bf16 tensors on the CPU in slices.
+//!
+//! candle 0.11 has no bf16 matrix kernel on the CPU: it widens both
+//! operands' whole storage to f32, multiplies, and narrows the f32 result,
+//! so a layer's bf16 product briefly holds its input, its output and its
+//! weight again at twice the size (for a batch of 4096 through 512 features
+//! that is 17 MiB beside a 4 MiB output). Here the long side is widened a
+//! slice at a time: the rows of the left operand, each slice's f32 result
+//! narrowed into the bf16 output as it is made, or, when the shared
+//! dimension is the long one (a weight's gradient), slices of it whose
+//! products are summed in one f32 result. Only the short operand and one
+//! slice of each are held in f32. The products are f32 `gemm` as candle's,
+//! so results are candle's but for a last-bit rounding where a sum's order
+//! differs.
+
+use candle_core::{bail, DType, Result, Storage, Tensor};
+use half::{bf16, slice::HalfFloatSliceExt, vec::HalfFloatVecExt};
+
+/// Rows, or shared-dimension entries, widened at once: 256 of 512 features
+/// are half a MiB in f32, small beside the operands and large enough for
+/// `gemm` to run at full speed.
+const SLICE: usize = 256;
+
+/// `a b` for 2-D `a` `(m, k)` and `b` `(k, n)`, either may be a transposed
+/// view. bf16 on the CPU goes slice by slice (see the module); any other
+/// dtype or device is candle's `matmul`.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if !(a.device().is_cpu() && a.dtype() == DType::BF16 && b.dtype() == DType::BF16) {
+        return a.matmul(b);
+    }
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    if k != k2 || m * k * n == 0 || m.max(k) <= SLICE {
+        // A mismatch is candle's error to report; small products gain nothing.
+        return a.matmul(b);
+    }
+    if m >= k {
+        by_rows(a, b, m, n)
+    } else {
+        by_depth(a, b, k, (m, n))
+    }
+}
+
+/// The output's rows a slice at a time, `b` widened once.
+fn by_rows(a: &Tensor, b: &Tensor, m: usize, n: usize) -> Result<Tensor> {
+    let b32 = b.to_dtype(DType::F32)?;
+    let mut out: Vec<bf16> = Vec::with_capacity(m * n);
+    for start in (0..m).step_by(SLICE) {
+        let rows = SLICE.min(m - start);
+        let part = a
+            .narrow(0, start, rows)?
+            .to_dtype(DType::F32)?
+            .matmul(&b32)?;
+        with_f32(&part, |v| {
+            let from = out.len();
+            out.resize(from + v.len(), bf16::ZERO);
+            out[from..].convert_from_f32_slice(v);
+        })?;
+    }
+    Tensor::from_vec(out, (m, n), a.device())
+}
+
+/// The sum over slices of the shared dimension, in one f32 result.
+fn by_depth(a: &Tensor, b: &Tensor, k: usize, (m, n): (usize, usize)) -> Result<Tensor> {
+    let mut sum = vec![0f32; m * n];
+    for start in (0..k).step_by(SLICE) {
+        let depth = SLICE.min(k - start);
+        let a32 = a.narrow(1, start, depth)?.to_dtype(DType::F32)?;
+        let b32 = b.narrow(0, start, depth)?.to_dtype(DType::F32)?;
+        let part = a32.matmul(&b32)?;
+        drop((a32, b32));
+        with_f32(&part, |v| sum.iter_mut().zip(v).for_each(|(s, p)| *s += p))?;
+    }
+    let out: Vec<bf16> = Vec::from_f32_slice(&sum);
+    drop(sum);
+    Tensor::from_vec(out, (m, n), a.device())
+}
+
+/// The elements of a contiguous f32 CPU tensor, to `f`.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("internal: a CPU product on another device");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("internal: a product that is not contiguous");
+    };
+    Ok(f(&cpu.as_slice::<f32>()?[start..end]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Values in [-2, 2) from a fixed sequence, in bf16.
+    fn data(rows: usize, cols: usize, seed: u32) -> Result<Tensor> {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761) >> 8;
+                h as f32 / (1u32 << 22) as f32 - 2.0
+            })
+            .collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu)?.to_dtype(DType::BF16)
+    }
+
+    /// The largest distance between the two in bf16 steps (units in the
+    /// last place), and the largest difference from the product in f64 of
+    /// the same bf16 inputs, relative to the largest magnitude.
+    fn compare(a: &Tensor, b: &Tensor) -> Result<(u16, f64)> {
+        let ours = matmul(a, b)?;
+        let candle = a.matmul(b)?;
+        assert_eq!(ours.dims(), candle.dims());
+        assert_eq!(ours.dtype(), DType::BF16);
+        assert!(ours.is_contiguous());
+        let bits = |t: &Tensor| -> Result<Vec<u16>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<bf16>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect())
+        };
+        let ulps = bits(&ours)?
+            .iter()
+            .zip(bits(&candle)?)
+            .map(|(x, y)| x.abs_diff(y))
+            .max()
+            .unwrap_or(0);
+        let exact = a.to_dtype(DType::F64)?.matmul(&b.to_dtype(DType::F64)?)?;
+        let scale = exact.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        let diff = (ours.to_dtype(DType::F64)? - &exact)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f64>()?;
+        Ok((ulps, diff / scale))
+    }
+
+    #[test]
+    fn equals_candles_product_but_for_a_last_bit() -> Result<()> {
+        // Rows sliced (a layer's forward and input gradient), the depth
+        // sliced (a weight's gradient), slices that do not divide the
+        // length, and transposed views on either side.
+        let cases = [
+            (data(600, 300, 1)?, data(300, 200, 2)?),
+            (data(600, 300, 3)?, data(200, 300, 4)?.t()?),
+            (data(700, 250, 5)?.t()?, data(700, 130, 6)?),
+            (data(250, 700, 7)?, data(700, 130, 8)?),
+            (data(513, 257, 9)?.t()?, data(130, 513, 10)?.t()?),
+        ];
+        for (i, (a, b)) in cases.iter().enumerate() {
+            let (ulps, rel) = compare(a, b)?;
+            println!("case {i}: {ulps} ulp from candle's, {rel:.2e} of the largest from f64");
+            assert!(ulps <= 1, "case {i}: {ulps} ulp");
+            // bf16 keeps 8 bits: a rounding is at most 2^-8 of a value.
+            assert!(rel < 4e-3, "case {i}: {rel}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn other_dtypes_and_small_or_mismatched_products_are_candles() -> Result<()> {
+        let (a, b) = (data(600, 300, 1)?, data(300, 200, 2)?);
+        for dtype in [DType::F32, DType::F16] {
+            let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+            let (ours, theirs) = (matmul(&a, &b)?, a.matmul(&b)?);
+            assert_eq!(ours.dtype(), dtype);
+            assert_eq!(
+                ours.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                theirs
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+            );
+        }
+        let (small, small_b) = (data(20, 30, 1)?, data(30, 10, 2)?);
+        assert_eq!(
+            matmul(&small, &small_b)?.to_vec2::<bf16>()?,
+            small.matmul(&small_b)?.to_vec2::<bf16>()?
+        );
+        let err = matmul(&a, &data(301, 200, 3)?).unwrap_err().to_string();
+        assert!(err.contains("shape mismatch"), "{err}");
+        let empty = Tensor::zeros((600, 0), DType::BF16, &Device::Cpu)?;
+        let zeros = matmul(&empty, &Tensor::zeros((0, 200), DType::BF16, &Device::Cpu)?)?;
+        assert_eq!(zeros.dims(), [600, 200]);
+        Ok(())
+    }
+}
