@@ -24,6 +24,8 @@ pub struct Job {
     pub steps: usize,
     /// Seed.
     pub seed: u64,
+    /// The dtype the model trains in.
+    pub precision: crate::stage::Precision,
     /// The job's time limit.
     pub timeout: Duration,
 }
@@ -251,6 +253,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         batch: job.batch,
         steps: job.steps,
         seed: job.seed,
+        precision: job.precision,
         out: dir.path().to_path_buf(),
     };
     let args = [

@@ -23,7 +23,7 @@ use workbook_sdk::{Context, Figure, Plugin, Rules, Table, Violation};
 
 use crate::launch::{launch, Job};
 use crate::rank::{RankReport, StageReport};
-use crate::stage::{ModelState, Stage};
+use crate::stage::{ModelState, Precision, Stage};
 
 /// Parameters of the data-parallel cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -47,6 +47,9 @@ pub struct Params {
     pub timeout_seconds: f64,
     /// Seed of weights and data.
     pub seed: u64,
+    /// The dtype the model trains in: `f32`, or `bf16` for mixed precision
+    /// (bf16 parameters and gradients, f32 master weights and moments).
+    pub precision: Precision,
 }
 
 impl Default for Params {
@@ -60,6 +63,7 @@ impl Default for Params {
             budget_mib: 1024.0,
             timeout_seconds: 300.0,
             seed: 19,
+            precision: Precision::F32,
         }
     }
 }
@@ -122,7 +126,11 @@ impl Plugin for ZeroStages {
             ),
             MetricSpec::bytes(
                 "{stage}_n{ranks}_formula",
-                "model states per rank by ZeRO's formula in f32 (4 + 4 + 8 bytes per parameter, the partitioned parts over N)",
+                "model states per rank by ZeRO's formula as the toolkit holds them: in f32 4 + 4 + 8 bytes per parameter, in bf16 2 + 2 + 12 (stage 2's gradient blocks and stage 3's parameter blocks in f32), the partitioned parts over N",
+            ),
+            MetricSpec::bytes(
+                "{stage}_n{ranks}_paper",
+                "model states per rank by Rajbhandari et al. 2020 as printed: (2 + 2 + K)Ψ, 4Ψ + KΨ/N, 2Ψ + (2 + K)Ψ/N, (2 + 2 + K)Ψ/N with K = 12 in bf16; the f32 form (the formula) in f32",
             ),
             MetricSpec::bytes("{stage}_n{ranks}_params", "parameters one rank holds, measured"),
             MetricSpec::bytes("{stage}_n{ranks}_grads", "gradients one rank holds at the step, measured"),
@@ -168,6 +176,7 @@ impl Plugin for ZeroStages {
                 batch: p.batch,
                 steps: p.steps,
                 seed: p.seed,
+                precision: p.precision,
                 timeout: std::time::Duration::from_secs_f64(p.timeout_seconds),
             };
             let outcome = launch(&job)?;
@@ -185,10 +194,14 @@ impl Plugin for ZeroStages {
                     per_rank.iter().map(|s| f(s)).max().unwrap_or(0)
                 };
                 let state = max(&|s| s.held.total());
-                let formula = stage.formula(first.psi, first.block);
+                let formula = stage.formula(first.psi, first.block, p.precision);
                 ctx.metric("psi", first.psi as f64);
                 ctx.metric(key("state"), state as f64);
                 ctx.metric(key("formula"), formula.total() as f64);
+                ctx.metric(
+                    key("paper"),
+                    stage.paper(first.psi, first.block, p.precision) as f64,
+                );
                 ctx.metric(key("params"), max(&|s| s.held.params) as f64);
                 ctx.metric(key("grads"), max(&|s| s.held.grads) as f64);
                 ctx.metric(key("optim"), max(&|s| s.held.optim) as f64);
@@ -223,8 +236,8 @@ impl Plugin for ZeroStages {
                 .collect();
             rows.push((n, full));
         }
-        table(ctx, &rows);
-        figures(ctx, &rows);
+        table(ctx, &rows, p.precision);
+        figures(ctx, &rows, p.precision);
         if !failures.is_empty() {
             anyhow::bail!("{}", failures.join("; "));
         }
@@ -259,9 +272,13 @@ fn extra_ranks(batch: usize) -> anyhow::Result<Option<usize>> {
     Ok(Some(n))
 }
 
-fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
+fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {
+    let dtype = match precision {
+        Precision::F32 => "f32",
+        Precision::Bf16 => "bf16 mixed precision",
+    };
     let mut t = Table::new(
-        "Per rank: model states measured against ZeRO's formula, and bytes sent per step",
+        format!("Per rank, {dtype}: model states measured against ZeRO's formula, and bytes sent per step"),
         &[
             ("stage", Unit::None),
             ("N", Unit::None),
@@ -279,7 +296,7 @@ fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
     );
     for (n, stages) in rows {
         for s in stages {
-            let f: ModelState = s.stage.formula(s.psi, s.block);
+            let f: ModelState = s.stage.formula(s.psi, s.block, precision);
             t.row(vec![
                 s.stage.name().into(),
                 (*n).into(),
@@ -299,7 +316,11 @@ fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
     ctx.table(t);
 }
 
-fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
+fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {
+    let dtype = match precision {
+        Precision::F32 => "",
+        Precision::Bf16 => ", bf16 mixed precision",
+    };
     let series = |f: &dyn Fn(&StageReport) -> f64| -> Vec<Series> {
         Stage::ALL
             .iter()
@@ -321,7 +342,7 @@ fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
     };
     ctx.figure(Figure {
         id: "zero-model-states".into(),
-        title: "Model states per rank, measured".into(),
+        title: format!("Model states per rank, measured{dtype}"),
         x: ranks.clone(),
         y: Axis {
             label: "MiB per rank".into(),
@@ -333,7 +354,7 @@ fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)]) {
     });
     ctx.figure(Figure {
         id: "zero-bytes-sent".into(),
-        title: "Bytes each rank sends per step".into(),
+        title: format!("Bytes each rank sends per step{dtype}"),
         x: ranks,
         y: Axis {
             label: "MiB per step".into(),

@@ -14,13 +14,13 @@ use serde::{Deserialize, Serialize};
 use workbook_models::{param_grads, Rng};
 use workbook_sdk::anyhow::{self, Context as _};
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{Device, Module, Result, Tensor, Var};
+use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{self, Optimizer, ParamsAdamW};
 use workbook_sdk::meter::CpuMeter;
 use workbook_sdk::observe::Tags;
 use workbook_sdk::{Category, Context};
 
-use crate::stage::{ModelState, Stage};
+use crate::stage::{ModelState, Precision, Stage};
 
 /// What the cell asks of every rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,6 +35,9 @@ pub struct RankRequest {
     pub steps: usize,
     /// Seed of the weights and the data (the same on every rank).
     pub seed: u64,
+    /// The dtype the model trains in.
+    #[serde(default)]
+    pub precision: Precision,
     /// The folder each rank writes `rank-R.json` into.
     pub out: PathBuf,
 }
@@ -105,6 +108,11 @@ fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
     (out - y)?.sqr()?.mean_all()
 }
 
+/// A loss's value, whatever its dtype.
+fn scalar(loss: &Tensor) -> Result<f32> {
+    loss.to_dtype(DType::F32)?.to_scalar()
+}
+
 /// The initial weights and biases, equal on every rank.
 fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
     let mut rng = Rng::seeded(req.seed);
@@ -118,16 +126,17 @@ fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
         .collect()
 }
 
-/// This rank's rows of step `step`'s batch.
+/// This rank's rows of step `step`'s batch, in the dtype it trains in.
 fn batch(req: &RankRequest, comm: &Comm, step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     let mut rng = Rng::seeded(req.seed ^ (0x9e37_79b9 + step as u64));
     let x = rng.randn((req.batch, req.width), dev)?;
     let y = rng.randn((req.batch, req.width), dev)?;
     let rows = req.batch / comm.size();
     let at = comm.rank() * rows;
+    let dtype = req.precision.dtype();
     Ok((
-        x.narrow(0, at, rows)?.copy()?,
-        y.narrow(0, at, rows)?.copy()?,
+        x.narrow(0, at, rows)?.to_dtype(dtype)?.copy()?,
+        y.narrow(0, at, rows)?.to_dtype(dtype)?.copy()?,
     ))
 }
 
@@ -145,8 +154,12 @@ fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
     Category::Parameters.scope(|| {
         let mut layers = Vec::new();
         let mut vars = Vec::new();
+        let dtype = req.precision.dtype();
         for (w, b) in init(req, dev)? {
-            let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
+            let (w, b) = (
+                Var::from_tensor(&w.to_dtype(dtype)?)?,
+                Var::from_tensor(&b.to_dtype(dtype)?)?,
+            );
             layers.push(Layer(candle_nn::Linear::new(
                 w.as_tensor().clone(),
                 Some(b.as_tensor().clone()),
@@ -167,14 +180,22 @@ fn dense_backward(
 ) -> Result<(f32, GradStore)> {
     let l = mse(&forward(layers, x)?, y)?;
     let all = Category::Gradients.scope(|| l.backward())?;
-    let loss = l.to_scalar()?;
+    let loss = scalar(&l)?;
     drop(l);
     Ok((loss, param_grads(&all, vars)))
 }
 
+/// DDP's optimizer: in f32 the parameters are their own masters; in mixed
+/// precision every rank keeps whole f32 masters and moments, which is
+/// `ZeroAdamW` on a communicator of one rank (its block is the whole).
+enum DdpOptimizer {
+    Lean(LeanAdamW),
+    Masters(ZeroAdamW),
+}
+
 /// What a stage's optimizer and model are.
 enum Trainer {
-    Ddp(Dense, DataParallel, LeanAdamW),
+    Ddp(Dense, DataParallel, DdpOptimizer),
     Zero1(Dense, ZeroAdamW),
     Zero2(Dense, ZeroAdamW),
     Zero3(Vec<Layer<ShardedLinear>>, LeanAdamW),
@@ -185,7 +206,16 @@ fn trainer(stage: Stage, comm: &Arc<Comm>, req: &RankRequest, dev: &Device) -> R
         Stage::Ddp => {
             let model = dense(req, dev)?;
             let ddp = DataParallel::new(Arc::clone(comm), model.1.clone());
-            let opt = LeanAdamW::with_observer(model.1.clone(), adamw(), Tags)?;
+            let opt = match req.precision {
+                Precision::F32 => {
+                    DdpOptimizer::Lean(LeanAdamW::with_observer(model.1.clone(), adamw(), Tags)?)
+                }
+                Precision::Bf16 => DdpOptimizer::Masters(ZeroAdamW::new(
+                    Arc::new(Comm::solo().observed(Tags)),
+                    model.1.clone(),
+                    adamw(),
+                )?),
+            };
             Trainer::Ddp(model, ddp, opt)
         }
         Stage::Zero1 | Stage::Zero2 => {
@@ -258,7 +288,10 @@ fn run_stage(
                 (loss, grads) = dense_backward(layers, vars, &x, &y)?;
                 ddp.average(&mut grads)?;
                 held.grads = grads_now(&region);
-                opt.step(&grads)?;
+                match opt {
+                    DdpOptimizer::Lean(opt) => opt.step(&grads)?,
+                    DdpOptimizer::Masters(opt) => opt.step(&grads)?,
+                }
             }
             Trainer::Zero1((layers, vars), opt) => {
                 let grads;
@@ -277,7 +310,7 @@ fn run_stage(
                         &Tags,
                     )
                 })?;
-                loss = l.to_scalar()?;
+                loss = scalar(&l)?;
                 drop(l);
                 held.grads = grads_now(&region);
                 opt.step_reduced()?;
@@ -285,7 +318,7 @@ fn run_stage(
             Trainer::Zero3(layers, opt) => {
                 let l = mse(&forward(layers, &x)?, &y)?;
                 let all = Category::Gradients.scope(|| l.backward())?;
-                loss = l.to_scalar()?;
+                loss = scalar(&l)?;
                 drop(l);
                 drop(all);
                 let mut grads = GradStore::default();
@@ -309,9 +342,15 @@ fn run_stage(
         _ => splits.iter().map(|s| (s.block() * 4) as u64).sum(),
     };
     // Weights and biases, their gradients, two moments each; stage 3 adds
-    // a one-element anchor per layer.
+    // a one-element anchor per layer, mixed precision an f32 master of each
+    // below stage 3 (whose f32 blocks are the masters).
     let layers = req.layers as u64;
-    let tensors = 8 * layers + u64::from(stage == Stage::Zero3) * layers;
+    let tensors = 8 * layers
+        + match (stage, req.precision) {
+            (Stage::Zero3, _) => layers,
+            (_, Precision::Bf16) => 2 * layers,
+            (_, Precision::F32) => 0,
+        };
     let trained = ctx.end_region(steps_region);
     drop(t);
     let report = ctx.end_region(region);

@@ -32,17 +32,47 @@ impl Stage {
     }
 
     /// Bytes per rank of parameters, gradients and optimizer state for `psi`
-    /// parameters split in blocks of `block` over the ranks, trained in f32
-    /// with AdamW (4 bytes per parameter, 4 per gradient, 8 of moments):
-    /// Rajbhandari et al.'s formulas with 4-byte parameters and gradients
-    /// and K = 8 (an f32 parameter is its own master copy).
-    pub fn formula(self, psi: u64, block: u64) -> ModelState {
-        let (whole, part) = (4 * psi, 4 * block);
-        match self {
-            Stage::Ddp => ModelState::new(whole, whole, 2 * whole),
-            Stage::Zero1 => ModelState::new(whole, whole, 2 * part),
-            Stage::Zero2 => ModelState::new(whole, part, 2 * part),
-            Stage::Zero3 => ModelState::new(part, part, 2 * part),
+    /// parameters split in blocks of `block` over the ranks, with AdamW, as
+    /// this workbook's stages hold them.
+    ///
+    /// In f32 (4 bytes per parameter, 4 per gradient, 8 of moments) these
+    /// are Rajbhandari et al.'s formulas with 4-byte parameters and
+    /// gradients and K = 8: an f32 parameter is its own master copy. In
+    /// bf16 they are the paper's with K = 12 (an f32 master and two
+    /// moments) but for two things the toolkit does otherwise: stage 2
+    /// keeps its gradient blocks in f32 (4Ψ/N, where the paper has 2Ψ/N),
+    /// and stage 3 keeps its parameter blocks in f32 as the master copies
+    /// themselves, so they count as parameters (4Ψ/N) and the optimizer
+    /// state is the moments (8Ψ/N): the paper's 16Ψ/N in all. See
+    /// [`Stage::paper`].
+    pub fn formula(self, psi: u64, block: u64, precision: Precision) -> ModelState {
+        let (whole, part) = (psi, block);
+        match (precision, self) {
+            (Precision::F32, Stage::Ddp) => ModelState::new(4 * whole, 4 * whole, 8 * whole),
+            (Precision::F32, Stage::Zero1) => ModelState::new(4 * whole, 4 * whole, 8 * part),
+            (Precision::F32, Stage::Zero2) => ModelState::new(4 * whole, 4 * part, 8 * part),
+            (Precision::F32, Stage::Zero3) => ModelState::new(4 * part, 4 * part, 8 * part),
+            (Precision::Bf16, Stage::Ddp) => ModelState::new(2 * whole, 2 * whole, 12 * whole),
+            (Precision::Bf16, Stage::Zero1) => ModelState::new(2 * whole, 2 * whole, 12 * part),
+            (Precision::Bf16, Stage::Zero2) => ModelState::new(2 * whole, 4 * part, 12 * part),
+            (Precision::Bf16, Stage::Zero3) => ModelState::new(4 * part, 4 * part, 8 * part),
+        }
+    }
+
+    /// Model-state bytes per rank by Rajbhandari et al. 2020 as printed,
+    /// for 2-byte parameters and gradients and K = 12 in mixed precision:
+    /// (2 + 2 + K)Ψ, 4Ψ + KΨ/N, 2Ψ + (2 + K)Ψ/N, (2 + 2 + K)Ψ/N, with
+    /// `block` for Ψ/N; in f32 the same with 4-byte parameters and
+    /// gradients and K = 8, which is [`Stage::formula`].
+    pub fn paper(self, psi: u64, block: u64, precision: Precision) -> u64 {
+        match precision {
+            Precision::F32 => self.formula(psi, block, precision).total(),
+            Precision::Bf16 => match self {
+                Stage::Ddp => 16 * psi,
+                Stage::Zero1 => 4 * psi + 12 * block,
+                Stage::Zero2 => 2 * psi + 14 * block,
+                Stage::Zero3 => 16 * block,
+            },
         }
     }
 
@@ -60,6 +90,30 @@ impl Stage {
             Stage::Zero3 => (3, padded),
         };
         volumes * 4 * elements * (ranks - 1) / ranks
+    }
+}
+
+/// The dtype the model trains in.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// Mixed precision: bf16 parameters and gradients, f32 master weights
+    /// and moments (in blocks over the ranks from stage 1 on).
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype of the parameters and the compute.
+    pub fn dtype(self) -> workbook_sdk::candle::DType {
+        match self {
+            Precision::F32 => workbook_sdk::candle::DType::F32,
+            Precision::Bf16 => workbook_sdk::candle::DType::BF16,
+        }
     }
 }
 
@@ -87,5 +141,50 @@ impl ModelState {
     /// Their sum.
     pub fn total(&self) -> u64 {
         self.params + self.grads + self.optim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The paper's figures for Ψ = 7.5 B on N = 64 (its Figure 1: 120 GB,
+    /// 31.4 GB, 16.6 GB and 1.9 GB per device with K = 12), and the
+    /// toolkit's own split where it differs.
+    #[test]
+    fn mixed_precision_matches_the_papers_figure_one() {
+        let (psi, n) = (7_500_000_000u64, 64u64);
+        let block = psi / n;
+        let gb = |b: u64| (b as f64 / 1e6).round() / 1e3;
+        let paper: Vec<f64> = Stage::ALL
+            .iter()
+            .map(|s| gb(s.paper(psi, block, Precision::Bf16)))
+            .collect();
+        assert_eq!(paper, [120.0, 31.406, 16.641, 1.875]);
+        let ours: Vec<f64> = Stage::ALL
+            .iter()
+            .map(|s| gb(s.formula(psi, block, Precision::Bf16).total()))
+            .collect();
+        // Stage 2's gradient blocks in f32: 2Ψ/N more.
+        assert_eq!(ours, [120.0, 31.406, 16.875, 1.875]);
+        assert_eq!(
+            Stage::Zero3.formula(psi, block, Precision::Bf16),
+            ModelState::new(4 * block, 4 * block, 8 * block)
+        );
+    }
+
+    /// In f32, K = 8 and 4-byte parameters and gradients: 16Ψ, 8Ψ + 8Ψ/N,
+    /// 4Ψ + 12Ψ/N, 16Ψ/N.
+    #[test]
+    fn in_f32_the_paper_is_the_formula() {
+        let (psi, block) = (1000, 250);
+        let totals: Vec<u64> = Stage::ALL
+            .iter()
+            .map(|s| s.formula(psi, block, Precision::F32).total())
+            .collect();
+        assert_eq!(totals, [16_000, 10_000, 7_000, 4_000]);
+        for s in Stage::ALL {
+            assert_eq!(s.paper(psi, block, Precision::F32), totals[s as usize]);
+        }
     }
 }

@@ -1,9 +1,9 @@
 //! DDP and ZeRO stages 1, 2 and 3 against one process training on the whole
-//! batch, with 2 and 4 MPI ranks.
+//! batch, with 2 and 4 MPI ranks, in f32 and in mixed precision.
 //!
 //! Run without `mpirun`, this program starts itself under `mpirun` with 2
 //! and then 4 ranks and fails if any rank fails. Each rank trains the same
-//! small network four ways on its shard of the batch and compares the
+//! small network several ways on its shard of the batch and compares the
 //! parameters after every step with those of a single-process run that it
 //! computes itself.
 
@@ -11,7 +11,7 @@ use std::process::{Command, ExitCode};
 use std::sync::Arc;
 
 use candle_checkpoint::lean_backward_with;
-use candle_core::{Device, Module, Result, Tensor, Var};
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_distributed::{Comm, DataParallel, ShardedLinear, Split, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
@@ -82,11 +82,18 @@ fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
 }
 
 fn dense_stack(dev: &Device) -> Result<(Vec<Layer<candle_nn::Linear>>, Vec<Var>)> {
+    dense_stack_as(dev, DType::F32)
+}
+
+fn dense_stack_as(dev: &Device, dtype: DType) -> Result<(Vec<Layer<candle_nn::Linear>>, Vec<Var>)> {
     let mut layers = Vec::new();
     let mut vars = Vec::new();
     for l in 0..DIMS.len() - 1 {
         let (w, b) = init(l, dev)?;
-        let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
+        let (w, b) = (
+            Var::from_tensor(&w.to_dtype(dtype)?)?,
+            Var::from_tensor(&b.to_dtype(dtype)?)?,
+        );
         layers.push(Layer {
             linear: candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone())),
             relu: l + 2 < DIMS.len(),
@@ -102,7 +109,7 @@ fn forward<L: Module>(layers: &[Layer<L>], x: &Tensor) -> Result<Tensor> {
 
 fn values(ts: &[Tensor]) -> Result<Vec<Vec<f32>>> {
     ts.iter()
-        .map(|t| t.flatten_all()?.to_vec1::<f32>())
+        .map(|t| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>())
         .collect()
 }
 
@@ -140,6 +147,17 @@ fn compare(
     got: &[Vec<f32>],
     want: &[Vec<f32>],
 ) -> std::result::Result<f32, String> {
+    compare_within(what, step, got, want, TOLERANCE)
+}
+
+/// As [`compare`], within `tolerance`.
+fn compare_within(
+    what: &str,
+    step: usize,
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+    tolerance: f32,
+) -> std::result::Result<f32, String> {
     let mut worst = 0f32;
     for (g, w) in got.iter().zip(want) {
         if g.len() != w.len() {
@@ -153,7 +171,7 @@ fn compare(
             worst = worst.max((a - b).abs());
         }
     }
-    if worst > TOLERANCE {
+    if worst > tolerance {
         return Err(format!("{what}, step {step}: parameters differ by {worst:e} from one process on the whole batch"));
     }
     Ok(worst)
@@ -256,6 +274,150 @@ fn zero(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Re
             step,
             &var_values(&vars)?,
             want,
+        ) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
+/// The bf16 parameters after each step of one process on the whole batch
+/// in mixed precision: bf16 forward and backward, AdamW on f32 masters
+/// (`ZeroAdamW` on one rank: its block is the whole).
+fn mixed_reference(dev: &Device) -> Result<Vec<Vec<Vec<f32>>>> {
+    let (layers, vars) = dense_stack_as(dev, DType::BF16)?;
+    let mut opt = ZeroAdamW::new(Arc::new(Comm::solo()), vars.clone(), params())?;
+    let mut after = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = bf16_batch(step, dev)?;
+        opt.step(&mse(&forward(&layers, &x)?, &y)?.backward()?)?;
+        after.push(var_values(&vars)?);
+    }
+    Ok(after)
+}
+
+fn bf16_batch(step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let (x, y) = batch(step, dev)?;
+    Ok((x.to_dtype(DType::BF16)?, y.to_dtype(DType::BF16)?))
+}
+
+/// How far mixed precision on N ranks may be from one process: the
+/// gradients are computed in bf16 on shards of the batch and averaged in
+/// f32, not computed on the whole batch in bf16, so they differ by bf16
+/// roundings; through AdamW's normalised step those move the f32 masters
+/// by a fraction of the learning rate, and a parameter rounded to bf16 may
+/// then land one bf16 step (1/128 of its power of two) away. Parameters
+/// here are below 0.5 in magnitude: one step is at most 2^-8.
+const MIXED_TOLERANCE: f32 = 1.0 / 256.0;
+
+/// DDP (stage 0), stage 1 or stage 2 in mixed precision: bf16 parameters
+/// with f32 master blocks.
+fn mixed(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
+    let (layers, vars) = dense_stack_as(dev, DType::BF16)?;
+    let ddp = DataParallel::new(Arc::clone(comm), vars.clone());
+    // DDP keeps whole masters and moments: ZeroAdamW on one rank.
+    let optimizer_comm = if stage == 0 {
+        Arc::new(Comm::solo())
+    } else {
+        Arc::clone(comm)
+    };
+    let mut opt = ZeroAdamW::new(optimizer_comm, vars.clone(), params())?;
+    // Masters and two moments, in f32, for this rank's blocks.
+    let expected_state: usize = vars
+        .iter()
+        .map(|v| {
+            let ranks = if stage == 0 { 1 } else { comm.size() };
+            12 * Split::new(v.elem_count(), ranks).block()
+        })
+        .sum();
+    if opt.state_bytes() != expected_state as u64 {
+        return Ok(Err(format!(
+            "mixed stage {stage}: {} bytes of state, expected {expected_state}",
+            opt.state_bytes()
+        )));
+    }
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = bf16_batch(step, dev)?;
+        let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
+        match stage {
+            0 => {
+                let mut grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
+                ddp.average(&mut grads)?;
+                opt.step(&grads)?;
+            }
+            1 => opt.step(&mse(&forward(&layers, &x)?, &y)?.backward()?)?,
+            _ => {
+                lean_backward_with(
+                    &layers,
+                    &x,
+                    &vars,
+                    |h| mse(h, &y),
+                    |var, g| opt.reduce_gradient(var, &g),
+                    &NoObserver,
+                )?;
+                opt.step_reduced()?;
+            }
+        }
+        if vars.iter().any(|v| v.dtype() != DType::BF16) {
+            return Ok(Err(format!("mixed stage {stage}: a parameter left bf16")));
+        }
+        let what = match stage {
+            0 => "DDP in bf16".to_string(),
+            s => format!("ZeRO stage {s} in bf16"),
+        };
+        match compare_within(&what, step, &var_values(&vars)?, want, MIXED_TOLERANCE) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
+/// Stage 3 in mixed precision: f32 blocks, which are the master weights,
+/// gathered in bf16 for a bf16 forward and backward; the gathered blocks
+/// rounded to bf16 against one process's bf16 parameters.
+fn mixed_stage3(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
+    let mut layers = Vec::new();
+    for l in 0..DIMS.len() - 1 {
+        let (w, b) = init(l, dev)?;
+        layers.push(Layer {
+            linear: ShardedLinear::new(Arc::clone(comm), &w, Some(&b), dev)?,
+            relu: l + 2 < DIMS.len(),
+        });
+    }
+    let blocks: Vec<Var> = layers.iter().flat_map(|l| l.linear.vars()).collect();
+    let mut opt = LeanAdamW::new(blocks, params())?;
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = bf16_batch(step, dev)?;
+        let out = forward(&layers, &shard(comm, &x)?)?;
+        if out.dtype() != DType::BF16 {
+            return Ok(Err(format!("stage 3 in bf16: a {:?} output", out.dtype())));
+        }
+        mse(&out, &shard(comm, &y)?)?.backward()?;
+        let mut grads = candle_core::backprop::GradStore::default();
+        for l in &layers {
+            l.linear.take_grads_into(&mut grads);
+        }
+        opt.step(&grads)?;
+        let mut whole = Vec::new();
+        for l in &layers {
+            whole.push(l.linear.gather_weight()?.to_dtype(DType::BF16)?);
+            whole.extend(
+                l.linear
+                    .gather_bias()?
+                    .map(|b| b.to_dtype(DType::BF16))
+                    .transpose()?,
+            );
+        }
+        match compare_within(
+            "ZeRO stage 3 in bf16",
+            step,
+            &values(&whole)?,
+            want,
+            MIXED_TOLERANCE,
         ) {
             Ok(w) => worst = worst.max(w),
             e => return Ok(e),
@@ -376,6 +538,7 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
         failures.push(e);
     }
     let want = reference(&dev)?;
+    let mixed_want = mixed_reference(&dev)?;
     let checks = [
         ("DDP", ddp(comm, &want, &dev)?),
         (
@@ -388,6 +551,13 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
         (
             "ZeRO stage 3 with HostAdamW",
             stage3(comm, &want, &dev, true)?,
+        ),
+        ("DDP in bf16", mixed(comm, 0, &mixed_want, &dev)?),
+        ("ZeRO stage 1 in bf16", mixed(comm, 1, &mixed_want, &dev)?),
+        ("ZeRO stage 2 in bf16", mixed(comm, 2, &mixed_want, &dev)?),
+        (
+            "ZeRO stage 3 in bf16",
+            mixed_stage3(comm, &mixed_want, &dev)?,
         ),
     ];
     for (what, check) in checks {
