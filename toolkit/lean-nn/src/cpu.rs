@@ -57,7 +57,7 @@ dispatch! {
 dispatch! {
     /// `dz = g * act'(...)` for one row: ReLU's derivative read from the
     /// output, GELU's from its input.
-    fn act_grad_row(g: &[f32], saved: &[f32], dz: &mut [f32], gelu_input: bool) -> () {
+    pub(crate) fn act_grad_row(g: &[f32], saved: &[f32], dz: &mut [f32], gelu_input: bool) -> () {
         for ((d, &g), &s) in dz.iter_mut().zip(g).zip(saved) {
             *d = if gelu_input {
                 g * gelu_grad(s)
@@ -72,7 +72,7 @@ dispatch! {
 
 dispatch! {
     /// `acc += row`.
-    fn add_row(acc: &mut [f32], row: &[f32]) -> () {
+    pub(crate) fn add_row(acc: &mut [f32], row: &[f32]) -> () {
         for (a, &r) in acc.iter_mut().zip(row) {
             *a += r;
         }

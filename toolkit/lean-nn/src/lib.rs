@@ -25,6 +25,7 @@
 
 mod bias;
 mod cpu;
+mod cpu_half;
 mod layer;
 mod linear;
 mod loss;

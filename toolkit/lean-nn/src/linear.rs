@@ -184,6 +184,8 @@ impl Linear {
             };
             if crate::cpu::applies(&saved) && g.dtype() == DType::F32 {
                 crate::cpu::act_backward(&g, &saved, self.act)?
+            } else if crate::cpu_half::applies(&g, &saved) {
+                crate::cpu_half::act_backward(&g, &saved, self.act)?
             } else {
                 let g = match self.act {
                     Activation::Identity => g,

@@ -305,3 +305,57 @@ fn gelu_gradient_is_nearer_the_exact_derivative_than_candles() -> Result<()> {
     assert!(lean < candle, "fused {lean:.2e}, candle-nn {candle:.2e}");
     Ok(())
 }
+
+/// The exact derivative of the tanh-approximated GELU, in f64.
+fn gelu_derivative(z: &Tensor) -> Result<Tensor> {
+    let k = (2.0f64 / std::f64::consts::PI).sqrt();
+    let z2 = z.sqr()?;
+    let t = ((z * k)? * ((&z2 * 0.044715)? + 1.0)?)?.tanh()?;
+    let first = ((&t + 1.0)? * 0.5)?;
+    let slope = (((z * 0.5)? * (1.0 - t.sqr()?)?)? * k)?;
+    let inner = ((&z2 * (3.0 * 0.044715))? + 1.0)?;
+    first + (slope * inner)?
+}
+
+/// In f16 and bf16 the activation's derivative is applied in f32 to the
+/// half-precision gradient and input and rounded once, and the bias's
+/// gradient summed in f32 and rounded once: within a rounding (2^-8 of
+/// each term for bf16, 2^-11 for f16, counted over the terms' magnitudes)
+/// of the same sums in f64 from the same half-precision inputs.
+#[test]
+fn half_precision_bias_gradient_is_within_a_rounding_of_f64() -> Result<()> {
+    for (dtype, unit) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
+        for act in [Activation::Gelu, Activation::Relu] {
+            let w = data(&[24, 40], 0.2, 7)?.to_dtype(dtype)?;
+            let b = data(&[24], 0.2, 8)?.to_dtype(dtype)?;
+            let x = data(&[300, 40], 1.0, 9)?.to_dtype(dtype)?;
+            let grad = data(&[300, 24], 1.0, 10)?.to_dtype(dtype)?;
+            let layer = LeanLinear::new(w, Some(b))?;
+            let (out, kept) = layer.forward_saved(&x, act)?;
+            let (_, _, db) =
+                layer.backward_saved(act, kept.clone(), &x, &out, grad.clone(), true)?;
+            let db = db.expect("a bias's gradient");
+            assert_eq!(db.dtype(), dtype);
+            let g = grad.to_dtype(DType::F64)?;
+            let dz = match act {
+                Activation::Gelu => (g * gelu_derivative(&kept.unwrap().to_dtype(DType::F64)?)?)?,
+                _ => (g * out.to_dtype(DType::F64)?.gt(0.0)?.to_dtype(DType::F64)?)?,
+            };
+            let exact = dz.sum(0)?;
+            let bound = dz.abs()?.sum(0)?.affine(unit, 0.0)?;
+            let excess = ((db.to_dtype(DType::F64)? - &exact)?.abs()? - &bound)?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f64>()?;
+            println!(
+                "{dtype:?} {act:?}: the bias's gradient within its bound by {:.3e}",
+                -excess
+            );
+            assert!(
+                excess <= 0.0,
+                "{dtype:?} {act:?}: {excess:e} over the bound"
+            );
+        }
+    }
+    Ok(())
+}

@@ -138,9 +138,9 @@ fn the_loss_and_its_gradient_allocate_one_logits_sized_tensor() -> Result<()> {
 
 /// A bf16 layer on the CPU: candle widens a bf16 product's operands and
 /// result to f32 whole; the layer's product goes a slice at a time, so the
-/// forward's peak is what it keeps (output and GELU's input) and the
-/// weight in f32, and its backward's the gradients it makes, the weight
-/// in f32 and a few slices.
+/// forward's peak is what it keeps (output and GELU's input), and its
+/// backward's the gradients it makes, the weight
+/// in f32 and a few slices (GELU's derivative taken row by row).
 #[test]
 fn a_bf16_layer_widens_a_slice_at_a_time() -> Result<()> {
     let _turn = turn();
@@ -154,20 +154,40 @@ fn a_bf16_layer_widens_a_slice_at_a_time() -> Result<()> {
     let b = Tensor::zeros(width, DType::BF16, &dev)?;
     let layer = LeanLinear::new(w.clone(), Some(b))?;
     let x = Tensor::randn(0f32, 1.0, (batch, width), &dev)?.to_dtype(DType::BF16)?;
+    // Once unmeasured: `gemm` gives each thread a packing buffer the first
+    // time it multiplies, and keeps it.
+    {
+        let (out, kept) = layer.forward_saved(&x, Activation::Gelu)?;
+        let grad = Tensor::ones((batch, width), DType::BF16, &dev)?;
+        layer.backward_saved(Activation::Gelu, kept, &x, &out, grad, true)?;
+    }
     let (saved, forward) = measure(|| layer.forward_saved(&x, Activation::Gelu));
     drop(saved?);
     println!(
         "forward: {} B at the peak, {} B held after",
         forward.peak, forward.held
     );
-    // The output and GELU's input. `gemm` keeps its packing buffers in
-    // thread-locals from one product to the next: they can outlive the
-    // first forward, so the peak is bounded, not what stays.
-    assert!(forward.peak < (2 * output + weight_f32 + slices) as isize);
+    // What it keeps, the output and GELU's input: the weight in f32 and
+    // the slices come and go before GELU's output is made.
+    assert!(forward.peak < (2 * output + 65_536) as isize);
     let (_, candle) = measure(|| x.matmul(&w.t()?));
     println!(
         "candle's bf16 product alone: {:.2} outputs at the peak",
         candle.peak as f64 / output as f64
+    );
+    // GELU's derivative row by row in f32: as below, with the product's
+    // gradient and a few rows of scratch per task.
+    let (saved, _) = measure(|| layer.forward_saved(&x, Activation::Gelu));
+    let (out, kept) = saved?;
+    let grad = Tensor::ones((batch, width), DType::BF16, &dev)?;
+    let (grads, backward) =
+        measure(|| layer.backward_saved(Activation::Gelu, kept, &x, &out, grad, true));
+    drop((grads?, out));
+    println!("GELU backward: {} B at the peak", backward.peak);
+    assert!(
+        backward.peak < (2 * output + 3 * weight_f32 + slices) as isize,
+        "{}",
+        backward.peak
     );
     let (saved, _) = measure(|| layer.forward_saved(&x, Activation::Identity));
     let (out, kept) = saved?;
@@ -181,8 +201,8 @@ fn a_bf16_layer_widens_a_slice_at_a_time() -> Result<()> {
     );
     assert!(db.is_some());
     println!("backward: {} B at the peak", backward.peak);
-    // The input's gradient, the weight's in f32 (summed over slices of
-    // the batch) and in bf16, the weight in f32, and slices.
+    // The input's gradient, the weight in f32, the weight's gradient as
+    // an f32 sum, a slice's f32 product and bf16, and slices.
     assert!(
         backward.peak < (output + 3 * weight_f32 + slices) as isize,
         "{}",
