@@ -230,7 +230,16 @@ fn trainer(stage: Stage, comm: &Arc<Comm>, req: &RankRequest, dev: &Device) -> R
         Stage::Zero3 => {
             // Every rank makes the whole initial weights, keeps its blocks
             // and drops the rest (a real job would load its blocks only).
-            let init = init(req, dev)?;
+            // In mixed precision the f32 blocks start from the bf16
+            // weights, as the other stages' masters do.
+            let dtype = req.precision.dtype();
+            let init = init(req, dev)?
+                .into_iter()
+                .map(|(w, b)| {
+                    let round = |t: Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
+                    Ok((round(w)?, round(b)?))
+                })
+                .collect::<Result<Vec<_>>>()?;
             let layers = Category::Parameters.scope(|| {
                 init.iter()
                     .map(|(w, b)| {

@@ -155,18 +155,19 @@ mod tests {
     fn mixed_precision_matches_the_papers_figure_one() {
         let (psi, n) = (7_500_000_000u64, 64u64);
         let block = psi / n;
-        let gb = |b: u64| (b as f64 / 1e6).round() / 1e3;
+        // To the figure's printed precision: tenths of a GB.
+        let gb = |b: u64| (b as f64 / 1e8).round() / 10.0;
         let paper: Vec<f64> = Stage::ALL
             .iter()
             .map(|s| gb(s.paper(psi, block, Precision::Bf16)))
             .collect();
-        assert_eq!(paper, [120.0, 31.406, 16.641, 1.875]);
+        assert_eq!(paper, [120.0, 31.4, 16.6, 1.9]);
         let ours: Vec<f64> = Stage::ALL
             .iter()
             .map(|s| gb(s.formula(psi, block, Precision::Bf16).total()))
             .collect();
         // Stage 2's gradient blocks in f32: 2Ψ/N more.
-        assert_eq!(ours, [120.0, 31.406, 16.875, 1.875]);
+        assert_eq!(ours, [120.0, 31.4, 16.9, 1.9]);
         assert_eq!(
             Stage::Zero3.formula(psi, block, Precision::Bf16),
             ModelState::new(4 * block, 4 * block, 8 * block)

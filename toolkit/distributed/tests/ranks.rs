@@ -302,13 +302,16 @@ fn bf16_batch(step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     Ok((x.to_dtype(DType::BF16)?, y.to_dtype(DType::BF16)?))
 }
 
-/// How far mixed precision on N ranks may be from one process: the
+/// How far mixed precision on N ranks may be from one process. The
 /// gradients are computed in bf16 on shards of the batch and averaged in
 /// f32, not computed on the whole batch in bf16, so they differ by bf16
-/// roundings; through AdamW's normalised step those move the f32 masters
-/// by a fraction of the learning rate, and a parameter rounded to bf16 may
-/// then land one bf16 step (1/128 of its power of two) away. Parameters
-/// here are below 0.5 in magnitude: one step is at most 2^-8.
+/// roundings, and a parameter rounded to bf16 after its master's update may
+/// land a bf16 step away (parameters here are below 0.5: a step is at most
+/// 2^-9). This is a bound measured on this problem, not a guarantee: a
+/// gradient component near zero whose sign differed between the two ways
+/// would move a master by up to twice the learning rate per step, through
+/// AdamW's normalisation. Measured: 2^-10 for DDP and every stage at 2 and
+/// 4 ranks, one bf16 step; the bound is four times that.
 const MIXED_TOLERANCE: f32 = 1.0 / 256.0;
 
 /// DDP (stage 0), stage 1 or stage 2 in mixed precision: bf16 parameters
@@ -381,7 +384,11 @@ fn mixed(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> R
 fn mixed_stage3(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
     let mut layers = Vec::new();
     for l in 0..DIMS.len() - 1 {
+        // The f32 blocks start from the bf16 weights, as the masters of
+        // one process do.
         let (w, b) = init(l, dev)?;
+        let round = |t: Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let (w, b) = (round(w)?, round(b)?);
         layers.push(Layer {
             linear: ShardedLinear::new(Arc::clone(comm), &w, Some(&b), dev)?,
             relu: l + 2 < DIMS.len(),
