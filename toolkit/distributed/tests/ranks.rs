@@ -228,18 +228,33 @@ fn ddp_during_backward(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -
     Ok(Ok(worst))
 }
 
+/// Whether `opt` holds `bytes` per element of its blocks of `vars` over
+/// `ranks`.
+fn state_is(
+    opt: &ZeroAdamW,
+    vars: &[Var],
+    ranks: usize,
+    bytes: usize,
+) -> std::result::Result<(), String> {
+    let expected: usize = vars
+        .iter()
+        .map(|v| bytes * Split::new(v.elem_count(), ranks).block())
+        .sum();
+    if opt.state_bytes() != expected as u64 {
+        return Err(format!(
+            "{} bytes of state, expected {expected}",
+            opt.state_bytes()
+        ));
+    }
+    Ok(())
+}
+
 fn zero(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
     let (layers, vars) = dense_stack(dev)?;
     let mut opt = ZeroAdamW::new(Arc::clone(comm), vars.clone(), params())?;
-    let expected_state: usize = vars
-        .iter()
-        .map(|v| 8 * Split::new(v.elem_count(), comm.size()).block())
-        .sum();
-    if opt.state_bytes() != expected_state as u64 {
-        return Ok(Err(format!(
-            "stage {stage}: {} bytes of state, expected {expected_state}",
-            opt.state_bytes()
-        )));
+    // Two moments in f32 for this rank's blocks.
+    if let Err(e) = state_is(&opt, &vars, comm.size(), 8) {
+        return Ok(Err(format!("stage {stage}: {e}")));
     }
     let mut worst = 0f32;
     for (step, want) in want.iter().enumerate() {
@@ -325,20 +340,10 @@ fn mixed(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> R
     } else {
         Arc::clone(comm)
     };
-    let mut opt = ZeroAdamW::new(optimizer_comm, vars.clone(), params())?;
+    let mut opt = ZeroAdamW::new(Arc::clone(&optimizer_comm), vars.clone(), params())?;
     // Masters and two moments, in f32, for this rank's blocks.
-    let expected_state: usize = vars
-        .iter()
-        .map(|v| {
-            let ranks = if stage == 0 { 1 } else { comm.size() };
-            12 * Split::new(v.elem_count(), ranks).block()
-        })
-        .sum();
-    if opt.state_bytes() != expected_state as u64 {
-        return Ok(Err(format!(
-            "mixed stage {stage}: {} bytes of state, expected {expected_state}",
-            opt.state_bytes()
-        )));
+    if let Err(e) = state_is(&opt, &vars, optimizer_comm.size(), 12) {
+        return Ok(Err(format!("mixed stage {stage}: {e}")));
     }
     let mut worst = 0f32;
     for (step, want) in want.iter().enumerate() {

@@ -6,7 +6,7 @@
 //! and GELU goes through libm's `tanhf`, which does not vectorise: they took
 //! most of a fused layer's time beside its matrix products.
 
-use candle_core::{bail, DType, Device, Result, Storage, Tensor};
+use candle_core::{bail, DType, Device, Result, Storage, Tensor, WithDType};
 use candle_cpu_math::{dispatch, exp, gelu, gelu_grad};
 use rayon::prelude::*;
 
@@ -22,8 +22,8 @@ pub(crate) fn applies(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() > 0
 }
 
-/// The f32 elements of a contiguous CPU tensor, to `f`.
-fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+/// The elements of a contiguous CPU tensor of type `T`, to `f`.
+pub(crate) fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         bail!("internal: the CPU kernel got a tensor on another device");
@@ -31,7 +31,7 @@ fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         bail!("internal: the CPU kernel got a strided tensor");
     };
-    Ok(f(&cpu.as_slice::<f32>()?[start..end]))
+    Ok(f(&cpu.as_slice::<T>()?[start..end]))
 }
 
 dispatch! {
@@ -115,7 +115,7 @@ pub(crate) fn bias_act(
         Activation::Gelu => {
             z.inplace_op2(bias, &BiasAct { relu: false })?;
             let mut out = vec![0f32; z.elem_count()];
-            with_slice(&z, |zs| {
+            with_slice::<f32, _>(&z, |zs| {
                 out.par_chunks_mut(n * ROWS_PER_TASK)
                     .zip(zs.par_chunks(n * ROWS_PER_TASK))
                     .for_each(|(o, z)| gelu_row(z, o));
@@ -142,8 +142,8 @@ pub(crate) fn act_backward(
     let grad = grad.contiguous()?;
     let gelu_input = act == Activation::Gelu;
     let mut dz = vec![0f32; rows * n];
-    with_slice(&grad, |g| {
-        with_slice(saved, |s| {
+    with_slice::<f32, _>(&grad, |g| {
+        with_slice::<f32, _>(saved, |s| {
             dz.par_chunks_mut(n * ROWS_PER_TASK)
                 .zip(g.par_chunks(n * ROWS_PER_TASK))
                 .zip(s.par_chunks(n * ROWS_PER_TASK))
@@ -230,7 +230,7 @@ pub(crate) fn check_targets(targets: &[u32], classes: usize) -> Result<()> {
 /// per task: no tensor the logits' size.
 pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64> {
     let (_, n) = logits.dims2()?;
-    with_slice(logits, |z| {
+    with_slice::<f32, _>(logits, |z| {
         z.par_chunks(n * ROWS_PER_TASK)
             .zip(targets.par_chunks(ROWS_PER_TASK))
             .map(|(rows, targets)| {
@@ -254,7 +254,7 @@ pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64>
 pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Tensor> {
     let (rows, n) = logits.dims2()?;
     let mut d = vec![0f32; rows * n];
-    with_slice(logits, |z| {
+    with_slice::<f32, _>(logits, |z| {
         d.par_chunks_mut(n * ROWS_PER_TASK)
             .zip(z.par_chunks(n * ROWS_PER_TASK))
             .zip(targets.par_chunks(ROWS_PER_TASK))

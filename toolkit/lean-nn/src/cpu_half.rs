@@ -8,11 +8,11 @@
 //! into the one tensor returned; the bias's gradient is summed in f32 from
 //! the rounded rows and rounded once.
 
-use candle_core::{bail, DType, Device, Result, Storage, Tensor, WithDType};
+use candle_core::{bail, DType, Device, Result, Tensor, WithDType};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::cpu::{act_grad_row, add_row, ROWS_PER_TASK};
+use crate::cpu::{act_grad_row, add_row, with_slice, ROWS_PER_TASK};
 use crate::linear::Activation;
 
 /// Whether [`act_backward`] takes `grad` and `saved`: contiguous f16 or
@@ -112,16 +112,4 @@ impl Scratch {
             db: vec![0.0; n],
         }
     }
-}
-
-/// The elements of a contiguous CPU tensor of type `T`, to `f`.
-fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        bail!("internal: the CPU kernel got a tensor on another device");
-    };
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("internal: the CPU kernel got a strided tensor");
-    };
-    Ok(f(&cpu.as_slice::<T>()?[start..end]))
 }

@@ -22,6 +22,31 @@ use candle_custom_grad::{with_backward2, Backward2};
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (_, classes) = check(logits, targets)?;
+    if crate::cpu::applies(logits) {
+        // f32 on the CPU: a pass per row, no tensor the logits' size.
+        let t = class_indices(targets, classes)?;
+        let loss = cpu_mean(logits, &t)?;
+        return with_backward2(loss, logits, targets, CrossEntropy);
+    }
+    let acc = accumulation(logits.dtype());
+    let z = logits.detach().to_dtype(acc)?;
+    let t = targets.detach().to_dtype(DType::U32)?.unsqueeze(1)?;
+    let max = z.max_keepdim(D::Minus1)?;
+    let lse = (z
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + max)?;
+    let picked = z.gather(&t, 1)?;
+    let loss = (lse - picked)?.mean_all()?.to_dtype(logits.dtype())?;
+    with_backward2(loss, logits, targets, CrossEntropy)
+}
+
+/// The logits' rows and classes, once the targets are checked against
+/// them.
+fn check(logits: &Tensor, targets: &Tensor) -> Result<(usize, usize)> {
     let (rows, classes) = logits.dims2()?;
     if targets.dims() != [rows] {
         bail!(
@@ -39,26 +64,24 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if rows == 0 || classes == 0 {
         bail!("cross-entropy of {rows} rows of {classes} classes has no mean");
     }
-    if crate::cpu::applies(logits) {
-        // f32 on the CPU: a pass per row, no tensor the logits' size.
-        let t = class_indices(targets, classes)?;
-        let mean = crate::cpu::cross_entropy_sum(logits, &t)? / rows as f64;
-        let loss = Tensor::new(mean as f32, logits.device())?;
-        return with_backward2(loss, logits, targets, CrossEntropy);
-    }
-    let acc = accumulation(logits.dtype());
-    let z = logits.detach().to_dtype(acc)?;
-    let t = targets.detach().to_dtype(DType::U32)?.unsqueeze(1)?;
-    let max = z.max_keepdim(D::Minus1)?;
-    let lse = (z
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?
-        + max)?;
-    let picked = z.gather(&t, 1)?;
-    let loss = (lse - picked)?.mean_all()?.to_dtype(logits.dtype())?;
-    with_backward2(loss, logits, targets, CrossEntropy)
+    Ok((rows, classes))
+}
+
+/// The mean cross-entropy of contiguous f32 CPU logits against checked
+/// class indices, as a scalar tensor.
+fn cpu_mean(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let rows = logits.dim(0)?;
+    let mean = crate::cpu::cross_entropy_sum(logits, targets)? / rows as f64;
+    Tensor::new(mean as f32, logits.device())
+}
+
+/// `(softmax(logits) - onehot(targets)) * upstream / rows` for contiguous
+/// f32 CPU logits and checked class indices.
+fn cpu_grad(logits: &Tensor, targets: &[u32], upstream: f32) -> Result<Tensor> {
+    let rows = logits.dim(0)?;
+    // As `affine(1 / rows)` rounds it.
+    let scale = upstream * (1.0 / rows as f64) as f32;
+    crate::cpu::cross_entropy_grad(logits, targets, scale)
 }
 
 /// `scale` times the mean cross-entropy of `logits` against `targets` (see
@@ -88,6 +111,13 @@ pub fn cross_entropy_and_grad(
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
     let logits = logits.detach();
+    if crate::cpu::applies(&logits) {
+        // The targets converted and checked once for both.
+        let (_, classes) = check(&logits, targets)?;
+        let t = class_indices(targets, classes)?;
+        let loss = cpu_mean(&logits, &t)?.affine(scale, 0.0)?;
+        return Ok((loss, cpu_grad(&logits, &t, scale as f32)?));
+    }
     let loss = cross_entropy(&logits, targets)?.affine(scale, 0.0)?;
     let upstream = Tensor::new(scale as f32, logits.device())?.to_dtype(logits.dtype())?;
     let (grad, _) = CrossEntropy.backward(&logits, targets, &loss, &upstream)?;
@@ -125,10 +155,8 @@ impl Backward2 for CrossEntropy {
         let (rows, classes) = logits.dims2()?;
         if crate::cpu::applies(logits) {
             let t = class_indices(targets, classes)?;
-            // As `affine(1 / rows)` rounds it.
-            let scale = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? * (1.0 / rows as f64) as f32;
-            let d = crate::cpu::cross_entropy_grad(logits, &t, scale)?;
-            return Ok((Some(d), None));
+            let upstream = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            return Ok((Some(cpu_grad(logits, &t, upstream)?), None));
         }
         let acc = accumulation(logits.dtype());
         let z = logits.to_dtype(acc)?;

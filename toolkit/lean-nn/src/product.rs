@@ -16,8 +16,10 @@
 //! `gemm` as candle's, so results are candle's but for a last-bit rounding
 //! where a sum's order differs.
 
-use candle_core::{bail, DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 use half::{bf16, slice::HalfFloatSliceExt, vec::HalfFloatVecExt};
+
+use crate::cpu::with_slice;
 
 /// Rows, or shared-dimension entries, widened at once: 256 of 512 features
 /// are half a MiB in f32, small beside the operands and large enough for
@@ -58,7 +60,7 @@ fn by_rows(a: &Tensor, b: &Tensor, m: usize, n: usize) -> Result<Tensor> {
             .narrow(0, start, rows)?
             .to_dtype(DType::F32)?
             .matmul(&b32)?;
-        with_f32(&part, |v| {
+        with_slice::<f32, _>(&part, |v| {
             let from = out.len();
             out.resize(from + v.len(), bf16::ZERO);
             out[from..].convert_from_f32_slice(v);
@@ -76,23 +78,11 @@ fn by_depth(a: &Tensor, b: &Tensor, k: usize, (m, n): (usize, usize)) -> Result<
         let b32 = b.narrow(0, start, depth)?.to_dtype(DType::F32)?;
         let part = a32.matmul(&b32)?;
         drop((a32, b32));
-        with_f32(&part, |v| sum.iter_mut().zip(v).for_each(|(s, p)| *s += p))?;
+        with_slice::<f32, _>(&part, |v| sum.iter_mut().zip(v).for_each(|(s, p)| *s += p))?;
     }
     let out: Vec<bf16> = Vec::from_f32_slice(&sum);
     drop(sum);
     Tensor::from_vec(out, (m, n), a.device())
-}
-
-/// The elements of a contiguous f32 CPU tensor, to `f`.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        bail!("internal: a CPU product on another device");
-    };
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("internal: a product that is not contiguous");
-    };
-    Ok(f(&cpu.as_slice::<f32>()?[start..end]))
 }
 
 #[cfg(test)]
