@@ -11,6 +11,24 @@ use crate::cpu::{rows, with_slices};
 use crate::forward::{causal_mask, scale_of};
 use crate::shapes::{repeat_kv, Dims};
 
+/// The inputs' sizes and the scores' scale, once `cfg` and the shapes are
+/// checked and there is a key to attend to: the start of both materialized
+/// forwards.
+pub(crate) fn checked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cfg: &FlashConfig,
+) -> Result<(Dims, f64)> {
+    cfg.validate()?;
+    let dims = Dims::of(q, k, v)?;
+    if dims.nk == 0 {
+        bail!("there are no keys to attend to (k and v have length 0)");
+    }
+    let scale = scale_of(cfg, dims.d);
+    Ok((dims, scale))
+}
+
 /// `softmax(scores * scale)` row by row in place, keys after the query
 /// masked out when causal (top-left aligned).
 struct SoftmaxInPlace {
@@ -154,12 +172,7 @@ pub fn materialized_attention(
     v: &Tensor,
     cfg: &FlashConfig,
 ) -> Result<Tensor> {
-    cfg.validate()?;
-    let dims = Dims::of(q, k, v)?;
-    if dims.nk == 0 {
-        bail!("there are no keys to attend to (k and v have length 0)");
-    }
-    let scale = scale_of(cfg, dims.d);
+    let (dims, scale) = checked(q, k, v, cfg)?;
     let (k, v) = (repeat_kv(k, dims.group())?, repeat_kv(v, dims.group())?);
     let p = probabilities(&q.detach(), &k.detach(), scale, cfg.causal)?;
     let p = with_backward2(p, q, &k, Probabilities { scale })?;

@@ -14,8 +14,8 @@ use rayon::prelude::*;
 use crate::config::FlashConfig;
 use crate::cpu::rows;
 use crate::forward::scale_of;
-use crate::materialized::{probabilities, scores_grad};
-use crate::shapes::{repeat_kv, Dims};
+use crate::materialized::{checked, probabilities, scores_grad};
+use crate::shapes::{repeat_kv, sum_kv_group, Dims};
 
 /// What [`materialized_forward`] returns and [`materialized_backward`]
 /// consumes.
@@ -55,12 +55,7 @@ pub fn materialized_forward(
     v: &Tensor,
     cfg: &FlashConfig,
 ) -> Result<Materialized> {
-    cfg.validate()?;
-    let dims = Dims::of(q, k, v)?;
-    if dims.nk == 0 {
-        bail!("there are no keys to attend to (k and v have length 0)");
-    }
-    let scale = scale_of(cfg, dims.d);
+    let (dims, scale) = checked(q, k, v, cfg)?;
     let (k, v) = (
         repeat_kv(&k.detach(), dims.group())?,
         repeat_kv(&v.detach(), dims.group())?,
@@ -125,17 +120,7 @@ pub fn materialized_backward(
         .transpose(D::Minus2, D::Minus1)?
         .matmul(&q.detach().contiguous()?)?;
     drop(ds);
-    Ok((dq, sum_group(dk, &dims)?, sum_group(dv, &dims)?))
-}
-
-/// A key/value gradient computed per query head, `(batch, q_heads, nk,
-/// d)`, summed over each key/value head's group.
-fn sum_group(t: Tensor, dims: &Dims) -> Result<Tensor> {
-    if dims.group() == 1 {
-        return Ok(t);
-    }
-    let (b, _, n, d) = t.dims4()?;
-    t.reshape((b, dims.kv_heads, dims.group(), n, d))?.sum(2)
+    Ok((dq, sum_kv_group(&dk, &dims)?, sum_kv_group(&dv, &dims)?))
 }
 
 /// The scores' gradient from the probabilities' gradient `dp`: over `dp`

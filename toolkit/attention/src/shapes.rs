@@ -1,6 +1,6 @@
 //! Checking shapes and folding heads into the batch.
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor, D};
 
 /// The dimensions of a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,9 +103,20 @@ pub(crate) fn fold(t: &Tensor, dims: &Dims, acc: DType) -> Result<Tensor> {
 /// The gradient of a folded key/value back to `(batch, kv_heads, n, d)`:
 /// the group's query heads add up.
 pub(crate) fn unfold_kv(t: &Tensor, dims: &Dims, dtype: DType) -> Result<Tensor> {
-    let (_, n, d) = t.dims3()?;
-    let t = t.reshape((dims.batch, dims.kv_heads, dims.group(), n, d))?;
-    t.sum(2)?.to_dtype(dtype)
+    sum_kv_group(t, dims)?.to_dtype(dtype)
+}
+
+/// A gradient computed per query head, `(batch, q_heads, n, d)` or folded
+/// `(batch * q_heads, n, d)`, back to its key/value heads, `(batch,
+/// kv_heads, n, d)`: each group's query heads add up (the inverse of
+/// [`repeat_kv`] for gradients).
+pub(crate) fn sum_kv_group(t: &Tensor, dims: &Dims) -> Result<Tensor> {
+    let (n, d) = (t.dim(D::Minus2)?, t.dim(D::Minus1)?);
+    if dims.group() == 1 {
+        return t.reshape((dims.batch, dims.kv_heads, n, d));
+    }
+    t.reshape((dims.batch, dims.kv_heads, dims.group(), n, d))?
+        .sum(2)
 }
 
 /// Key/value heads repeated for their query group, `(batch, heads * group,
