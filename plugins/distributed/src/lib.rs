@@ -273,12 +273,11 @@ fn extra_ranks(batch: usize) -> anyhow::Result<Option<usize>> {
 }
 
 fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {
-    let dtype = match precision {
-        Precision::F32 => "f32",
-        Precision::Bf16 => "bf16 mixed precision",
-    };
     let mut t = Table::new(
-        format!("Per rank, {dtype}: model states measured against ZeRO's formula, and bytes sent per step"),
+        format!(
+            "Per rank, {}: model states measured against ZeRO's formula, and bytes sent per step",
+            precision.describe()
+        ),
         &[
             ("stage", Unit::None),
             ("N", Unit::None),
@@ -317,9 +316,10 @@ fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Preci
 }
 
 fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {
+    // The f32 plots keep the titles they had before bf16 was measured.
     let dtype = match precision {
-        Precision::F32 => "",
-        Precision::Bf16 => ", bf16 mixed precision",
+        Precision::F32 => String::new(),
+        other => format!(", {}", other.describe()),
     };
     let series = |f: &dyn Fn(&StageReport) -> f64| -> Vec<Series> {
         Stage::ALL

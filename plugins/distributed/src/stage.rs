@@ -108,6 +108,14 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// How tables and plots name it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16 mixed precision",
+        }
+    }
+
     /// The dtype of the parameters and the compute.
     pub fn dtype(self) -> workbook_sdk::candle::DType {
         match self {

@@ -249,54 +249,6 @@ fn state_is(
     Ok(())
 }
 
-fn zero(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
-    let (layers, vars) = dense_stack(dev)?;
-    let mut opt = ZeroAdamW::new(Arc::clone(comm), vars.clone(), params())?;
-    // Two moments in f32 for this rank's blocks.
-    if let Err(e) = state_is(&opt, &vars, comm.size(), 8) {
-        return Ok(Err(format!("stage {stage}: {e}")));
-    }
-    let mut worst = 0f32;
-    for (step, want) in want.iter().enumerate() {
-        let (x, y) = batch(step, dev)?;
-        let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
-        if stage == 1 {
-            let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
-            opt.step(&grads)?;
-        } else {
-            lean_backward_with(
-                &layers,
-                &x,
-                &vars,
-                |h| mse(h, &y),
-                |var, g| opt.reduce_gradient(var, &g),
-                &NoObserver,
-            )?;
-            let expected: usize = vars
-                .iter()
-                .map(|v| 4 * Split::new(v.elem_count(), comm.size()).block())
-                .sum();
-            if opt.gradient_bytes() != expected as u64 {
-                return Ok(Err(format!(
-                    "stage 2: {} bytes of gradient blocks, expected {expected}",
-                    opt.gradient_bytes()
-                )));
-            }
-            opt.step_reduced()?;
-        }
-        match compare(
-            &format!("ZeRO stage {stage}"),
-            step,
-            &var_values(&vars)?,
-            want,
-        ) {
-            Ok(w) => worst = worst.max(w),
-            e => return Ok(e),
-        }
-    }
-    Ok(Ok(worst))
-}
-
 /// The bf16 parameters after each step of one process on the whole batch
 /// in mixed precision: bf16 forward and backward, AdamW on f32 masters
 /// (`ZeroAdamW` on one rank: its block is the whole).
@@ -305,16 +257,17 @@ fn mixed_reference(dev: &Device) -> Result<Vec<Vec<Vec<f32>>>> {
     let mut opt = ZeroAdamW::new(Arc::new(Comm::solo()), vars.clone(), params())?;
     let mut after = Vec::new();
     for step in 0..STEPS {
-        let (x, y) = bf16_batch(step, dev)?;
+        let (x, y) = batch_as(step, dev, DType::BF16)?;
         opt.step(&mse(&forward(&layers, &x)?, &y)?.backward()?)?;
         after.push(var_values(&vars)?);
     }
     Ok(after)
 }
 
-fn bf16_batch(step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+/// Step `step`'s whole batch in `dtype`.
+fn batch_as(step: usize, dev: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
     let (x, y) = batch(step, dev)?;
-    Ok((x.to_dtype(DType::BF16)?, y.to_dtype(DType::BF16)?))
+    Ok((x.to_dtype(dtype)?, y.to_dtype(dtype)?))
 }
 
 /// How far mixed precision on N ranks may be from one process. The
@@ -329,25 +282,48 @@ fn bf16_batch(step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
 /// 4 ranks, one bf16 step; the bound is four times that.
 const MIXED_TOLERANCE: f32 = 1.0 / 256.0;
 
-/// DDP (stage 0), stage 1 or stage 2 in mixed precision: bf16 parameters
-/// with f32 master blocks.
-fn mixed(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
-    let (layers, vars) = dense_stack_as(dev, DType::BF16)?;
+/// The tolerance against one process, and the name's suffix, for training
+/// in `dtype`: f32, or bf16 with f32 masters.
+fn precision(dtype: DType) -> (f32, &'static str) {
+    if dtype == DType::F32 {
+        (TOLERANCE, "")
+    } else {
+        (MIXED_TOLERANCE, " in bf16")
+    }
+}
+
+/// ZeRO stage 1 or 2 with parameters in `dtype` (bf16: f32 master blocks),
+/// or, as stage 0, DDP in bf16: gradients all-reduced, whole masters and
+/// moments (`ZeroAdamW` on one rank).
+fn zero(
+    comm: &Arc<Comm>,
+    stage: u8,
+    dtype: DType,
+    want: &[Vec<Vec<f32>>],
+    dev: &Device,
+) -> Result<Check> {
+    let (tolerance, suffix) = precision(dtype);
+    let what = match stage {
+        0 => format!("DDP{suffix}"),
+        s => format!("ZeRO stage {s}{suffix}"),
+    };
+    let (layers, vars) = dense_stack_as(dev, dtype)?;
     let ddp = DataParallel::new(Arc::clone(comm), vars.clone());
-    // DDP keeps whole masters and moments: ZeroAdamW on one rank.
     let optimizer_comm = if stage == 0 {
         Arc::new(Comm::solo())
     } else {
         Arc::clone(comm)
     };
     let mut opt = ZeroAdamW::new(Arc::clone(&optimizer_comm), vars.clone(), params())?;
-    // Masters and two moments, in f32, for this rank's blocks.
-    if let Err(e) = state_is(&opt, &vars, optimizer_comm.size(), 12) {
-        return Ok(Err(format!("mixed stage {stage}: {e}")));
+    // Two moments in f32 for this rank's blocks, and an f32 master beside
+    // them for a parameter that is not f32.
+    let state = if dtype == DType::F32 { 8 } else { 12 };
+    if let Err(e) = state_is(&opt, &vars, optimizer_comm.size(), state) {
+        return Ok(Err(format!("{what}: {e}")));
     }
     let mut worst = 0f32;
     for (step, want) in want.iter().enumerate() {
-        let (x, y) = bf16_batch(step, dev)?;
+        let (x, y) = batch_as(step, dev, dtype)?;
         let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
         match stage {
             0 => {
@@ -365,72 +341,24 @@ fn mixed(comm: &Arc<Comm>, stage: u8, want: &[Vec<Vec<f32>>], dev: &Device) -> R
                     |var, g| opt.reduce_gradient(var, &g),
                     &NoObserver,
                 )?;
+                // This rank's gradient blocks, kept in f32.
+                let expected: usize = vars
+                    .iter()
+                    .map(|v| 4 * Split::new(v.elem_count(), comm.size()).block())
+                    .sum();
+                if opt.gradient_bytes() != expected as u64 {
+                    return Ok(Err(format!(
+                        "{what}: {} bytes of gradient blocks, expected {expected}",
+                        opt.gradient_bytes()
+                    )));
+                }
                 opt.step_reduced()?;
             }
         }
-        if vars.iter().any(|v| v.dtype() != DType::BF16) {
-            return Ok(Err(format!("mixed stage {stage}: a parameter left bf16")));
+        if vars.iter().any(|v| v.dtype() != dtype) {
+            return Ok(Err(format!("{what}: a parameter left {dtype:?}")));
         }
-        let what = match stage {
-            0 => "DDP in bf16".to_string(),
-            s => format!("ZeRO stage {s} in bf16"),
-        };
-        match compare_within(&what, step, &var_values(&vars)?, want, MIXED_TOLERANCE) {
-            Ok(w) => worst = worst.max(w),
-            e => return Ok(e),
-        }
-    }
-    Ok(Ok(worst))
-}
-
-/// Stage 3 in mixed precision: f32 blocks, which are the master weights,
-/// gathered in bf16 for a bf16 forward and backward; the gathered blocks
-/// rounded to bf16 against one process's bf16 parameters.
-fn mixed_stage3(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Result<Check> {
-    let mut layers = Vec::new();
-    for l in 0..DIMS.len() - 1 {
-        // The f32 blocks start from the bf16 weights, as the masters of
-        // one process do.
-        let (w, b) = init(l, dev)?;
-        let round = |t: Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
-        let (w, b) = (round(w)?, round(b)?);
-        layers.push(Layer {
-            linear: ShardedLinear::new(Arc::clone(comm), &w, Some(&b), dev)?,
-            relu: l + 2 < DIMS.len(),
-        });
-    }
-    let blocks: Vec<Var> = layers.iter().flat_map(|l| l.linear.vars()).collect();
-    let mut opt = LeanAdamW::new(blocks, params())?;
-    let mut worst = 0f32;
-    for (step, want) in want.iter().enumerate() {
-        let (x, y) = bf16_batch(step, dev)?;
-        let out = forward(&layers, &shard(comm, &x)?)?;
-        if out.dtype() != DType::BF16 {
-            return Ok(Err(format!("stage 3 in bf16: a {:?} output", out.dtype())));
-        }
-        mse(&out, &shard(comm, &y)?)?.backward()?;
-        let mut grads = candle_core::backprop::GradStore::default();
-        for l in &layers {
-            l.linear.take_grads_into(&mut grads);
-        }
-        opt.step(&grads)?;
-        let mut whole = Vec::new();
-        for l in &layers {
-            whole.push(l.linear.gather_weight()?.to_dtype(DType::BF16)?);
-            whole.extend(
-                l.linear
-                    .gather_bias()?
-                    .map(|b| b.to_dtype(DType::BF16))
-                    .transpose()?,
-            );
-        }
-        match compare_within(
-            "ZeRO stage 3 in bf16",
-            step,
-            &values(&whole)?,
-            want,
-            MIXED_TOLERANCE,
-        ) {
+        match compare_within(&what, step, &var_values(&vars)?, want, tolerance) {
             Ok(w) => worst = worst.max(w),
             e => return Ok(e),
         }
@@ -442,16 +370,28 @@ fn mixed_stage3(comm: &Arc<Comm>, want: &[Vec<Vec<f32>>], dev: &Device) -> Resul
 type Step = dyn FnMut(&candle_core::backprop::GradStore) -> Result<()>;
 
 /// Stage 3's blocks stepped by `opt`: LeanAdamW, or HostAdamW (the blocks'
-/// state on the host: ZeRO-Offload).
+/// state on the host: ZeRO-Offload). The blocks are f32, the master
+/// weights; in bf16 they start from the bf16 weights, as one process's
+/// masters do, are gathered in bf16 for a bf16 forward and backward, and
+/// are compared, rounded to bf16, with one process's bf16 parameters.
 fn stage3(
     comm: &Arc<Comm>,
     want: &[Vec<Vec<f32>>],
     dev: &Device,
     host_optimizer: bool,
+    dtype: DType,
 ) -> Result<Check> {
+    let (tolerance, suffix) = precision(dtype);
+    let what = if host_optimizer {
+        format!("ZeRO stage 3 with HostAdamW{suffix}")
+    } else {
+        format!("ZeRO stage 3{suffix}")
+    };
+    let round = |t: Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
     let mut layers = Vec::new();
     for l in 0..DIMS.len() - 1 {
         let (w, b) = init(l, dev)?;
+        let (w, b) = (round(w)?, round(b)?);
         layers.push(Layer {
             linear: ShardedLinear::new(Arc::clone(comm), &w, Some(&b), dev)?,
             relu: l + 2 < DIMS.len(),
@@ -468,8 +408,12 @@ fn stage3(
     };
     let mut worst = 0f32;
     for (step, want) in want.iter().enumerate() {
-        let (x, y) = batch(step, dev)?;
-        mse(&forward(&layers, &shard(comm, &x)?)?, &shard(comm, &y)?)?.backward()?;
+        let (x, y) = batch_as(step, dev, dtype)?;
+        let out = forward(&layers, &shard(comm, &x)?)?;
+        if out.dtype() != dtype {
+            return Ok(Err(format!("{what}: a {:?} output", out.dtype())));
+        }
+        mse(&out, &shard(comm, &y)?)?.backward()?;
         let mut grads = candle_core::backprop::GradStore::default();
         for l in &layers {
             l.linear.take_grads_into(&mut grads);
@@ -477,15 +421,15 @@ fn stage3(
         step_with(&grads)?;
         let mut whole = Vec::new();
         for l in &layers {
-            whole.push(l.linear.gather_weight()?);
-            whole.extend(l.linear.gather_bias()?);
+            whole.push(l.linear.gather_weight()?.to_dtype(dtype)?);
+            whole.extend(
+                l.linear
+                    .gather_bias()?
+                    .map(|b| b.to_dtype(dtype))
+                    .transpose()?,
+            );
         }
-        let what = if host_optimizer {
-            "ZeRO stage 3 with HostAdamW"
-        } else {
-            "ZeRO stage 3"
-        };
-        match compare(what, step, &values(&whole)?, want) {
+        match compare_within(&what, step, &values(&whole)?, want, tolerance) {
             Ok(w) => worst = worst.max(w),
             e => return Ok(e),
         }
@@ -557,19 +501,31 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
             "DDP during the backward",
             ddp_during_backward(comm, &want, &dev)?,
         ),
-        ("ZeRO stage 1", zero(comm, 1, &want, &dev)?),
-        ("ZeRO stage 2", zero(comm, 2, &want, &dev)?),
-        ("ZeRO stage 3", stage3(comm, &want, &dev, false)?),
+        ("ZeRO stage 1", zero(comm, 1, DType::F32, &want, &dev)?),
+        ("ZeRO stage 2", zero(comm, 2, DType::F32, &want, &dev)?),
+        (
+            "ZeRO stage 3",
+            stage3(comm, &want, &dev, false, DType::F32)?,
+        ),
         (
             "ZeRO stage 3 with HostAdamW",
-            stage3(comm, &want, &dev, true)?,
+            stage3(comm, &want, &dev, true, DType::F32)?,
         ),
-        ("DDP in bf16", mixed(comm, 0, &mixed_want, &dev)?),
-        ("ZeRO stage 1 in bf16", mixed(comm, 1, &mixed_want, &dev)?),
-        ("ZeRO stage 2 in bf16", mixed(comm, 2, &mixed_want, &dev)?),
+        (
+            "DDP in bf16",
+            zero(comm, 0, DType::BF16, &mixed_want, &dev)?,
+        ),
+        (
+            "ZeRO stage 1 in bf16",
+            zero(comm, 1, DType::BF16, &mixed_want, &dev)?,
+        ),
+        (
+            "ZeRO stage 2 in bf16",
+            zero(comm, 2, DType::BF16, &mixed_want, &dev)?,
+        ),
         (
             "ZeRO stage 3 in bf16",
-            mixed_stage3(comm, &mixed_want, &dev)?,
+            stage3(comm, &mixed_want, &dev, false, DType::BF16)?,
         ),
     ];
     for (what, check) in checks {
