@@ -1,13 +1,15 @@
 //! A backward of your own for a tensor computed with candle's operations.
 //!
-//! candle's custom operations (`CustomOp2`, `CustomOp3`) take a forward
+//! candle's custom operations (`CustomOp1` to `CustomOp3`) take a forward
 //! written against raw storage, per device. Often the forward is best
 //! written with candle's own tensor operations and only the backward needs
 //! to differ: a backward that recomputes instead of keeping (FlashAttention),
 //! that fetches weights from elsewhere (offload), or that skips a product
-//! whose output was kept. [`with_backward2`] and [`with_backward3`] take the
-//! output computed beforehand, detached, and return it as one operation of
-//! candle's autograd over the given inputs, whose backward is the given one.
+//! whose output was kept, a parameter gathered from its shards whose
+//! gradient goes back to them. [`with_backward1`], [`with_backward2`] and
+//! [`with_backward3`] take the output computed beforehand, detached, and
+//! return it as one operation of candle's autograd over the given inputs,
+//! whose backward is the given one.
 //!
 //! The forward hands candle a copy of the output's storage (candle's custom
 //! operations must return storage of their own), so the output briefly
@@ -53,9 +55,22 @@ pub use direct::{DirectBackward, DirectGrads};
 use std::sync::Mutex;
 
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, MetalStorage, Result, Shape,
-    Storage, Tensor,
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, MetalStorage, Result,
+    Shape, Storage, Tensor,
 };
+
+/// The backward of an operation of one input: the gradient of `a` (`None`
+/// for none) from the output `out` and its gradient `grad`.
+pub trait Backward1: Send + Sync {
+    /// The input's gradient.
+    fn backward(&self, a: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>>;
+
+    /// The tensors this backward keeps beside its input and output. See
+    /// [`Backward2::kept`].
+    fn kept(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+}
 
 /// The backward of an operation of two inputs: the gradients of `a` and
 /// `b` (`None` for an input that gets none) from the output `out` and its
@@ -150,6 +165,33 @@ impl Handover {
             (Storage::Metal(s), shape) => Ok((s, shape)),
             _ => bail!("the precomputed output is not on the Metal device, where the inputs are"),
         }
+    }
+}
+
+struct Op1<B> {
+    out: Handover,
+    backward: B,
+}
+
+impl<B: Backward1> CustomOp1 for Op1<B> {
+    fn name(&self) -> &'static str {
+        "custom-backward"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> Result<(MetalStorage, Shape)> {
+        self.out.metal()
+    }
+
+    fn bwd(&self, a: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        self.backward.backward(&a.detach(), &res.detach(), grad)
     }
 }
 
@@ -262,6 +304,35 @@ impl<B: Backward3> CustomOp3 for Op3<B> {
         self.backward
             .backward(&a.detach(), &b.detach(), &c.detach(), &res.detach(), grad)
     }
+}
+
+/// `out`, computed beforehand from `a`, as one operation of candle's
+/// autograd over it whose backward is `backward`. `out` may differ from `a`
+/// in shape and dtype (a gathered parameter from its block); it must be on
+/// `a`'s device, and its graph, if any, is dropped.
+pub fn with_backward1(
+    out: Tensor,
+    a: &Tensor,
+    backward: impl Backward1 + 'static,
+) -> Result<Tensor> {
+    if !out.device().same_device(a.device()) {
+        bail!(
+            "the output is on {:?}, the input on {:?}",
+            out.device(),
+            a.device()
+        );
+    }
+    let kept = if kept::is_recording() {
+        backward.kept()
+    } else {
+        Vec::new()
+    };
+    let out = a.apply_op1(Op1 {
+        out: Handover::new(out),
+        backward,
+    })?;
+    kept::note(&out, kept);
+    Ok(out)
 }
 
 /// `out`, computed beforehand from `a` and `b`, as one operation of

@@ -15,10 +15,38 @@ use crate::Comm;
 
 /// One partitioned parameter: this rank's block, in f32.
 #[derive(Debug)]
-struct Block {
-    var: Var,
-    shape: Shape,
-    split: Split,
+pub(crate) struct Block {
+    pub(crate) var: Var,
+    pub(crate) shape: Shape,
+    pub(crate) split: Split,
+}
+
+impl Block {
+    /// This rank's block of `t` (equal on every rank), a variable on
+    /// `device` allocated as parameters.
+    pub(crate) fn new(comm: &Comm, t: &Tensor, device: &Device) -> Result<Self> {
+        let split = Split::new(t.elem_count(), comm.size());
+        let mine = own_block(comm, t, split)?;
+        let _params = scope(comm.observer(), Kind::Parameters, Place::Device);
+        Ok(Self {
+            var: Var::from_slice(&mine, split.block(), device)?,
+            shape: t.shape().clone(),
+            split,
+        })
+    }
+
+    /// The whole parameter from every rank's block, in `dtype`.
+    pub(crate) fn gather(&self, comm: &Comm, dtype: DType, device: &Device) -> Result<Tensor> {
+        all_gather_whole(
+            comm,
+            &self.var,
+            self.split,
+            &self.shape,
+            dtype,
+            device,
+            Kind::Parameters,
+        )
+    }
 }
 
 /// The peers as a layer's [`WeightSource`]: a fetch all-gathers the blocks,
@@ -33,15 +61,7 @@ struct Peers {
 
 impl Peers {
     fn gather(&self, block: &Block, dtype: DType) -> Result<Tensor> {
-        all_gather_whole(
-            &self.comm,
-            &block.var,
-            block.split,
-            &block.shape,
-            dtype,
-            &self.device,
-            Kind::Parameters,
-        )
+        block.gather(&self.comm, dtype, &self.device)
     }
 
     fn scatter(&self, block: &Block, grad: &Tensor) -> Result<()> {
@@ -131,16 +151,7 @@ impl ShardedLinear {
                 );
             }
         }
-        let block = |t: &Tensor| -> Result<Block> {
-            let split = Split::new(t.elem_count(), comm.size());
-            let mine = own_block(&comm, t, split)?;
-            let _params = scope(comm.observer(), Kind::Parameters, Place::Device);
-            Ok(Block {
-                var: Var::from_slice(&mine, split.block(), device)?,
-                shape: t.shape().clone(),
-                split,
-            })
-        };
+        let block = |t: &Tensor| Block::new(&comm, t, device);
         let (weight, bias) = (block(weight)?, bias.map(block).transpose()?);
         Ok(Self {
             peers: Arc::new(Peers {

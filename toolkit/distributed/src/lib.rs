@@ -19,7 +19,9 @@
 //!   gradients) partitioned.
 //! * [`ShardedLinear`]: ZeRO stage 3 / FSDP, the parameters partitioned too
 //!   and gathered for each use; the same mechanism as
-//!   `candle_offload::StreamedLinear`, with the peers as the source.
+//!   `candle_offload::StreamedLinear`, with the peers as the source; and
+//!   [`ShardedParam`] for every other parameter (a norm's scale, an
+//!   embedding table), gathered as an operation of candle's autograd.
 //!
 //! Per rank, with Ψ parameters, `N` ranks and AdamW in f32 (4 bytes per
 //! parameter, 4 per gradient, 8 of moments), the model states are
@@ -37,6 +39,7 @@ mod fsdp;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod param;
 mod rehearsal;
 mod split;
 mod traffic;
@@ -49,6 +52,7 @@ pub use fsdp::ShardedLinear;
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]
 pub use nccl::Nccl;
+pub use param::ShardedParam;
 pub use rehearsal::Rehearsal;
 pub use split::Split;
 pub use traffic::{OpTraffic, Traffic};

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use candle_checkpoint::lean_backward_with;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use candle_distributed::{Comm, DataParallel, ShardedLinear, Split, ZeroAdamW};
+use candle_distributed::{Comm, DataParallel, ShardedLinear, ShardedParam, Split, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use candle_observe::NoObserver;
@@ -437,6 +437,75 @@ fn stage3(
     Ok(Ok(worst))
 }
 
+/// A linear layer of two [`ShardedParam`]s: each gathered whole for the
+/// forward and kept by the graph until the backward reduce-scatters its
+/// gradient.
+struct Gathered {
+    weight: ShardedParam,
+    bias: ShardedParam,
+}
+
+impl Module for Gathered {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.gather(x.dtype())?;
+        let b = self.bias.gather(x.dtype())?;
+        x.matmul(&w.t()?)?.broadcast_add(&b)
+    }
+}
+
+/// Stage 3 with every parameter a [`ShardedParam`], its gradient blocks
+/// from candle's own gradient store.
+fn stage3_gathered(
+    comm: &Arc<Comm>,
+    want: &[Vec<Vec<f32>>],
+    dev: &Device,
+    dtype: DType,
+) -> Result<Check> {
+    let (tolerance, suffix) = precision(dtype);
+    let what = format!("ZeRO stage 3, parameters gathered{suffix}");
+    let round = |t: Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
+    let mut layers = Vec::new();
+    for l in 0..DIMS.len() - 1 {
+        let (w, b) = init(l, dev)?;
+        layers.push(Layer {
+            linear: Gathered {
+                weight: ShardedParam::new(Arc::clone(comm), &round(w)?, dev)?,
+                bias: ShardedParam::new(Arc::clone(comm), &round(b)?, dev)?,
+            },
+            relu: l + 2 < DIMS.len(),
+        });
+    }
+    let blocks: Vec<Var> = layers
+        .iter()
+        .flat_map(|l| [l.linear.weight.var().clone(), l.linear.bias.var().clone()])
+        .collect();
+    let mut opt = LeanAdamW::new(blocks.clone(), params())?;
+    let mut worst = 0f32;
+    for (step, want) in want.iter().enumerate() {
+        let (x, y) = batch_as(step, dev, dtype)?;
+        let out = forward(&layers, &shard(comm, &x)?)?;
+        let grads = mse(&out, &shard(comm, &y)?)?.backward()?;
+        if let Some(v) = blocks.iter().find(|v| grads.get(v.as_tensor()).is_none()) {
+            return Ok(Err(format!(
+                "{what}: no gradient for a block of {:?}",
+                v.dims()
+            )));
+        }
+        opt.step(&grads)?;
+        let mut whole = Vec::new();
+        for l in &layers {
+            for p in [&l.linear.weight, &l.linear.bias] {
+                whole.push(p.gather(DType::F32)?.detach().to_dtype(dtype)?);
+            }
+        }
+        match compare_within(&what, step, &values(&whole)?, want, tolerance) {
+            Ok(w) => worst = worst.max(w),
+            e => return Ok(e),
+        }
+    }
+    Ok(Ok(worst))
+}
+
 fn collectives(comm: &Comm) -> std::result::Result<(), String> {
     let (r, n) = (comm.rank() as f32, comm.size());
     let fail = |what: &str, e: candle_core::Error| format!("{what}: {e}");
@@ -512,6 +581,10 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
             stage3(comm, &want, &dev, true, DType::F32)?,
         ),
         (
+            "ZeRO stage 3, parameters gathered",
+            stage3_gathered(comm, &want, &dev, DType::F32)?,
+        ),
+        (
             "DDP in bf16",
             zero(comm, 0, DType::BF16, &mixed_want, &dev)?,
         ),
@@ -526,6 +599,10 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
         (
             "ZeRO stage 3 in bf16",
             stage3(comm, &mixed_want, &dev, false, DType::BF16)?,
+        ),
+        (
+            "ZeRO stage 3, parameters gathered, in bf16",
+            stage3_gathered(comm, &mixed_want, &dev, DType::BF16)?,
         ),
     ];
     for (what, check) in checks {
