@@ -191,7 +191,8 @@ enum Command {
         ranks: usize,
         /// With --ranks, how they may share the training, comma-separated:
         /// ddp (everything replicated), zero1 (optimizer state
-        /// partitioned), zero2 (gradients too) [default: all three].
+        /// partitioned), zero2 (gradients too), zero3 (parameters too)
+        /// [default: all four].
         #[arg(long, value_delimiter = ',', value_parser = parse_stage)]
         stages: Option<Vec<workbook_distributed::stage::Stage>>,
         /// With --ranks and --verify, the ranks' time limit in seconds.
@@ -280,12 +281,11 @@ fn parse_ranks(s: &str) -> Result<usize, String> {
 fn parse_stage(s: &str) -> Result<workbook_distributed::stage::Stage, String> {
     use workbook_distributed::stage::Stage;
     match Stage::ALL.into_iter().find(|stage| stage.name() == s) {
-        Some(Stage::Zero3) => Err(format!(
-            "`zero3` is not among the planner's stages: {}",
-            workbook_transformer::step::NO_STAGE_3
-        )),
         Some(stage) => Ok(stage),
-        None => Err(format!("`{s}` is not a stage; allowed: ddp, zero1, zero2")),
+        None => Err(format!(
+            "`{s}` is not a stage; allowed: {}",
+            Stage::ALL.map(Stage::name).join(", ")
+        )),
     }
 }
 
@@ -854,7 +854,7 @@ fn plan(command: &Command) -> anyhow::Result<ExitCode> {
         ranks: *ranks,
         stages: stages.clone().unwrap_or_else(|| {
             use workbook_distributed::stage::Stage;
-            vec![Stage::Ddp, Stage::Zero1, Stage::Zero2]
+            Stage::ALL.to_vec()
         }),
     };
     if stages.is_some() && *ranks == 1 {

@@ -114,7 +114,7 @@ fn sharing(stage: Stage) -> String {
         Stage::Ddp => "DDP (everything replicated), ",
         Stage::Zero1 => "ZeRO stage 1 (optimizer state partitioned), ",
         Stage::Zero2 => "ZeRO stage 2 (optimizer state and gradients partitioned), ",
-        Stage::Zero3 => "ZeRO stage 3, ",
+        Stage::Zero3 => "ZeRO stage 3 (parameters, gradients and optimizer state partitioned), ",
     }
     .to_string()
 }
@@ -226,8 +226,8 @@ pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
                 bytes(c.peaks[0]),
                 100.0 * plan.margin,
                 if plan.ranks > 1 {
-                    " So would more ranks (`--ranks`) with ZeRO stage 1 or 2, each then holding \
-                     a smaller share of the optimizer state."
+                    " So would more ranks (`--ranks`) with ZeRO, each then holding a smaller \
+                     share of the model's states."
                 } else {
                     ""
                 },

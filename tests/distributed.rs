@@ -174,10 +174,23 @@ fn plan(args: &[&str]) -> Value {
 #[test]
 fn a_plan_for_ranks_is_verified_on_real_ranks() {
     let _one = one_job();
+    verified_on_real_ranks(&[]);
+}
+
+#[test]
+fn a_stage_3_plan_is_verified_on_real_ranks() {
+    let _one = one_job();
+    verified_on_real_ranks(&["--stages", "zero3"]);
+}
+
+/// For 2 and 4 ranks, a plan among `stages` (every stage when empty) under
+/// a budget that makes it accumulate micro-batches, run on real ranks.
+fn verified_on_real_ranks(stages: &[&str]) {
     for ranks in ["2", "4"] {
+        let with = |args: &[&str]| plan(&[args, stages].concat());
         // A budget below every whole batch's predicted peak: the plan
         // must accumulate micro-batches, whose peak holds the gradient sum.
-        let options = plan(&["--budget", "1GiB", "--ranks", ranks]);
+        let options = with(&["--budget", "1GiB", "--ranks", ranks]);
         let whole = options["plan"]["candidates"]
             .as_array()
             .unwrap()
@@ -186,8 +199,11 @@ fn a_plan_for_ranks_is_verified_on_real_ranks() {
             .min()
             .unwrap();
         let budget = ((whole as f64 * 0.98) as u64).to_string();
-        let v = plan(&["--budget", &budget, "--ranks", ranks, "--verify"]);
+        let v = with(&["--budget", &budget, "--ranks", ranks, "--verify"]);
         let chosen = &v["plan"]["chosen"];
+        if let [_, stage] = stages {
+            assert_eq!(chosen["stage"], *stage, "{chosen}");
+        }
         assert!(chosen["micro_steps"].as_u64().unwrap() > 1, "{chosen}");
         let verified = &v["verification"];
         assert_eq!(verified["ranks"].as_u64(), Some(ranks.parse().unwrap()));

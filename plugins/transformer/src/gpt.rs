@@ -2,8 +2,12 @@
 //! causal multi-head attention and a GELU MLP with residuals, a final layer
 //! norm and a head tied to the token embedding.
 
+use std::sync::Arc;
+
 use candle_checkpoint::{Tape, TapeModule};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_distributed::{Comm, ShardedLinear, ShardedParam};
 use candle_lean_nn::{Activation, LeanLinear};
 use candle_ledger::Labeller;
 use candle_tiled_attention::{
@@ -124,74 +128,136 @@ impl GptConfig {
     }
 }
 
+/// Where the parameters live: whole in this process, or partitioned over
+/// ranks under ZeRO stage 3 (each rank a block in f32, gathered for use).
+#[derive(Clone)]
+enum Placement {
+    Whole,
+    Sharded(Arc<Comm>),
+}
+
+impl Placement {
+    /// A parameter made whole (equal on every rank), kept as placed.
+    fn param(&self, whole: Tensor, device: &Device) -> Result<Param> {
+        Ok(match self {
+            Placement::Whole => Param::Whole(Var::from_tensor(&whole)?),
+            Placement::Sharded(comm) => {
+                Param::Sharded(ShardedParam::new(Arc::clone(comm), &whole, device)?)
+            }
+        })
+    }
+}
+
+/// A parameter that is not a linear layer's: whole, or this rank's block.
+#[derive(Debug, Clone)]
+enum Param {
+    Whole(Var),
+    Sharded(ShardedParam),
+}
+
+impl Param {
+    /// The whole parameter in `dtype` (the model's): the variable itself,
+    /// or gathered from the ranks, its gradient reduce-scattered back.
+    fn tensor(&self, dtype: DType) -> Result<Tensor> {
+        match self {
+            Param::Whole(v) => Ok(v.as_tensor().clone()),
+            Param::Sharded(p) => p.gather(dtype),
+        }
+    }
+
+    /// What the optimizer updates.
+    fn var(&self) -> Var {
+        match self {
+            Param::Whole(v) => v.clone(),
+            Param::Sharded(p) => p.var().clone(),
+        }
+    }
+}
+
 /// A layer norm's scale and shift.
 #[derive(Debug, Clone)]
 struct Norm {
-    weight: Var,
-    bias: Var,
+    weight: Param,
+    bias: Param,
 }
 
 impl Norm {
-    fn new(h: usize, dtype: DType, device: &Device) -> Result<Self> {
+    fn new(h: usize, dtype: DType, device: &Device, place: &Placement) -> Result<Self> {
         Ok(Self {
-            weight: Var::from_tensor(&Tensor::ones(h, dtype, device)?)?,
-            bias: Var::from_tensor(&Tensor::zeros(h, dtype, device)?)?,
+            weight: place.param(Tensor::ones(h, dtype, device)?, device)?,
+            bias: place.param(Tensor::zeros(h, dtype, device)?, device)?,
         })
     }
 
     /// candle-nn's layer norm as differentiable operations (its fused
     /// kernel has no backward), or the toolkit's as one operation.
     fn forward(&self, x: &Tensor, lean: bool) -> Result<Tensor> {
-        let (w, b) = (self.weight.as_tensor(), self.bias.as_tensor());
+        let (w, b) = (self.weight.tensor(x.dtype())?, self.bias.tensor(x.dtype())?);
         if lean {
-            candle_lean_nn::layer_norm(x, w, b, 1e-5)
+            candle_lean_nn::layer_norm(x, &w, &b, 1e-5)
         } else {
-            candle_nn::ops::layer_norm_slow(x, w, b, 1e-5)
+            candle_nn::ops::layer_norm_slow(x, &w, &b, 1e-5)
         }
+    }
+
+    fn vars(&self) -> [Var; 2] {
+        [self.weight.var(), self.bias.var()]
     }
 }
 
-/// A linear layer `x W^T + b` with GPT-2's initialisation.
+/// A linear layer `x W^T + b` with GPT-2's initialisation: whole, or under
+/// ZeRO stage 3 this rank's blocks, gathered for the forward and again for
+/// the backward.
 #[derive(Debug, Clone)]
-struct Dense {
-    weight: Var,
-    bias: Var,
+enum Dense {
+    Whole { weight: Var, bias: Var },
+    Sharded(ShardedLinear),
 }
 
 impl Dense {
     fn new(
         rng: &mut Rng,
-        input: usize,
-        output: usize,
+        (input, output): (usize, usize),
         dtype: DType,
         device: &Device,
+        place: &Placement,
     ) -> Result<Self> {
         let w = (rng.randn((output, input), device)? * 0.02)?.to_dtype(dtype)?;
-        Ok(Self {
-            weight: Var::from_tensor(&w)?,
-            bias: Var::from_tensor(&Tensor::zeros(output, dtype, device)?)?,
+        let b = Tensor::zeros(output, dtype, device)?;
+        Ok(match place {
+            Placement::Whole => Dense::Whole {
+                weight: Var::from_tensor(&w)?,
+                bias: Var::from_tensor(&b)?,
+            },
+            Placement::Sharded(comm) => {
+                Dense::Sharded(ShardedLinear::new(Arc::clone(comm), &w, Some(&b), device)?)
+            }
         })
     }
 
     /// `act(x W^T + b)`: candle-nn's `Linear` and activation, or the lean
-    /// layer's one operation.
+    /// layer's one operation; sharded, on weights gathered for it.
     fn forward(&self, x: &Tensor, gelu: bool, lean: bool) -> Result<Tensor> {
+        let act = if gelu {
+            Activation::Gelu
+        } else {
+            Activation::Identity
+        };
+        let (weight, bias) = match self {
+            Dense::Whole { weight, bias } => (weight, bias),
+            Dense::Sharded(linear) if lean => return linear.forward_act(x, act),
+            Dense::Sharded(linear) => {
+                let y = linear.forward(x)?;
+                return if gelu { y.gelu() } else { Ok(y) };
+            }
+        };
         if lean {
-            let layer = LeanLinear::new(
-                self.weight.as_tensor().clone(),
-                Some(self.bias.as_tensor().clone()),
-            )?;
-            let act = if gelu {
-                Activation::Gelu
-            } else {
-                Activation::Identity
-            };
+            let layer =
+                LeanLinear::new(weight.as_tensor().clone(), Some(bias.as_tensor().clone()))?;
             return layer.forward_act(x, act);
         }
-        let linear = candle_nn::Linear::new(
-            self.weight.as_tensor().clone(),
-            Some(self.bias.as_tensor().clone()),
-        );
+        let linear =
+            candle_nn::Linear::new(weight.as_tensor().clone(), Some(bias.as_tensor().clone()));
         let y = linear.forward(x)?;
         if gelu {
             y.gelu()
@@ -200,8 +266,11 @@ impl Dense {
         }
     }
 
-    fn vars(&self) -> [Var; 2] {
-        [self.weight.clone(), self.bias.clone()]
+    fn vars(&self) -> Vec<Var> {
+        match self {
+            Dense::Whole { weight, bias } => vec![weight.clone(), bias.clone()],
+            Dense::Sharded(linear) => linear.vars(),
+        }
     }
 }
 
@@ -220,8 +289,8 @@ struct Block {
 #[derive(Debug, Clone)]
 pub struct Gpt {
     config: GptConfig,
-    wte: Var,
-    wpe: Var,
+    wte: Param,
+    wpe: Param,
     blocks: Vec<Block>,
     ln_f: Norm,
     dtype: DType,
@@ -232,6 +301,35 @@ impl Gpt {
     /// (weights normal with deviation 0.02, biases 0, norms 1 and 0) from
     /// `rng`. Its allocations are tagged [`Category::Parameters`].
     pub fn new(config: GptConfig, dtype: DType, rng: &mut Rng, device: &Device) -> Result<Self> {
+        Self::placed(config, dtype, rng, device, Placement::Whole)
+    }
+
+    /// The same model (equal to [`Gpt::new`]'s from the same `rng`) under
+    /// ZeRO stage 3 on `comm`: each rank keeps a `1/N` block of every
+    /// parameter in f32, the master weights, which [`Gpt::vars`] returns.
+    /// The linear layers gather their weights for the forward and again
+    /// for the backward and hand their gradient blocks to
+    /// [`Gpt::take_grads_into`]; the embeddings and norms are gathered for
+    /// the forward and held by the graph until the backward, which puts
+    /// their gradient blocks in candle's store. Each parameter is made
+    /// whole (in `dtype`) and partitioned before the next is made.
+    pub fn sharded(
+        config: GptConfig,
+        dtype: DType,
+        rng: &mut Rng,
+        device: &Device,
+        comm: Arc<Comm>,
+    ) -> Result<Self> {
+        Self::placed(config, dtype, rng, device, Placement::Sharded(comm))
+    }
+
+    fn placed(
+        config: GptConfig,
+        dtype: DType,
+        rng: &mut Rng,
+        device: &Device,
+        place: Placement,
+    ) -> Result<Self> {
         if config.heads == 0 || !config.hidden.is_multiple_of(config.heads) {
             candle_core::bail!(
                 "hidden size {} is not a multiple of {} heads",
@@ -241,20 +339,23 @@ impl Gpt {
         }
         let _params = Category::Parameters.enter();
         let (h, v, s) = (config.hidden, config.vocab, config.seq);
-        let table = |rng: &mut Rng, rows: usize| -> Result<Var> {
-            Var::from_tensor(&(rng.randn((rows, h), device)? * 0.02)?.to_dtype(dtype)?)
+        let table = |rng: &mut Rng, rows: usize| -> Result<Param> {
+            place.param(
+                (rng.randn((rows, h), device)? * 0.02)?.to_dtype(dtype)?,
+                device,
+            )
         };
         let wte = table(rng, v)?;
         let wpe = table(rng, s)?;
         let blocks = (0..config.layers)
             .map(|_| {
                 Ok(Block {
-                    ln1: Norm::new(h, dtype, device)?,
-                    qkv: Dense::new(rng, h, 3 * h, dtype, device)?,
-                    proj: Dense::new(rng, h, h, dtype, device)?,
-                    ln2: Norm::new(h, dtype, device)?,
-                    fc: Dense::new(rng, h, 4 * h, dtype, device)?,
-                    fc2: Dense::new(rng, 4 * h, h, dtype, device)?,
+                    ln1: Norm::new(h, dtype, device, &place)?,
+                    qkv: Dense::new(rng, (h, 3 * h), dtype, device, &place)?,
+                    proj: Dense::new(rng, (h, h), dtype, device, &place)?,
+                    ln2: Norm::new(h, dtype, device, &place)?,
+                    fc: Dense::new(rng, (h, 4 * h), dtype, device, &place)?,
+                    fc2: Dense::new(rng, (4 * h, h), dtype, device, &place)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -263,7 +364,7 @@ impl Gpt {
             wte,
             wpe,
             blocks,
-            ln_f: Norm::new(h, dtype, device)?,
+            ln_f: Norm::new(h, dtype, device, &place)?,
             dtype,
         })
     }
@@ -278,24 +379,43 @@ impl Gpt {
         self.dtype
     }
 
-    /// Every trainable variable.
+    /// Every trainable variable (under ZeRO stage 3, this rank's blocks).
     pub fn vars(&self) -> Vec<Var> {
-        let mut vars = vec![self.wte.clone(), self.wpe.clone()];
+        let mut vars = vec![self.wte.var(), self.wpe.var()];
         for b in &self.blocks {
-            vars.extend([b.ln1.weight.clone(), b.ln1.bias.clone()]);
+            vars.extend(b.ln1.vars());
             vars.extend(b.qkv.vars());
             vars.extend(b.proj.vars());
-            vars.extend([b.ln2.weight.clone(), b.ln2.bias.clone()]);
+            vars.extend(b.ln2.vars());
             vars.extend(b.fc.vars());
             vars.extend(b.fc2.vars());
         }
-        vars.extend([self.ln_f.weight.clone(), self.ln_f.bias.clone()]);
+        vars.extend(self.ln_f.vars());
         vars
     }
 
-    /// Parameters, counted from the variables.
+    /// Parameters of the whole model (on one rank or partitioned alike).
     pub fn param_count(&self) -> u64 {
-        self.vars().iter().map(|v| v.elem_count() as u64).sum()
+        self.config.param_count()
+    }
+
+    /// Whether the parameters are partitioned over ranks (ZeRO stage 3).
+    pub fn is_sharded(&self) -> bool {
+        matches!(self.wte, Param::Sharded(_))
+    }
+
+    /// Under ZeRO stage 3, moves the linear layers' gradient blocks reduced
+    /// by the backwards since the last call into `store` (the other
+    /// parameters' are in the store candle's backward returns); nothing for
+    /// a whole model.
+    pub fn take_grads_into(&self, store: &mut GradStore) {
+        for b in &self.blocks {
+            for d in [&b.qkv, &b.proj, &b.fc, &b.fc2] {
+                if let Dense::Sharded(linear) = d {
+                    linear.take_grads_into(store);
+                }
+            }
+        }
     }
 
     /// The logits `(b·s, v)` for `tokens` `(b, s)`, each part labelled in
@@ -325,10 +445,10 @@ impl Gpt {
         if s > c.seq {
             candle_core::bail!("{s} tokens, the model's positions stop at {}", c.seq);
         }
-        let positions = self.wpe.as_tensor().narrow(0, 0, s)?;
+        let positions = self.wpe.tensor(self.dtype)?.narrow(0, 0, s)?;
         let x = self
             .wte
-            .as_tensor()
+            .tensor(self.dtype)?
             .embedding(&tokens.flatten_all()?)?
             .reshape((b, s, c.hidden))?
             .broadcast_add(&positions)?;
@@ -352,13 +472,15 @@ impl Gpt {
         let d = h / a;
         let blk = &self.blocks[i];
         let dense = |name: &str, layer: &Dense, x: &Tensor, gelu: bool| -> Result<Tensor> {
-            match tape {
-                Some(tape) => {
+            match (tape, layer) {
+                // A sharded layer's weight exists only while it computes:
+                // no tape can keep its product.
+                (Some(tape), Dense::Whole { weight, bias }) => {
                     let y = tape.named_linear(
                         Some(name),
                         x,
-                        layer.weight.as_tensor(),
-                        Some(layer.bias.as_tensor()),
+                        weight.as_tensor(),
+                        Some(bias.as_tensor()),
                     )?;
                     if gelu {
                         y.gelu()
@@ -366,7 +488,7 @@ impl Gpt {
                         Ok(y)
                     }
                 }
-                None => layer.forward(x, gelu, lean),
+                _ => layer.forward(x, gelu, lean),
             }
         };
         let l = Some(i);
@@ -407,7 +529,9 @@ impl Gpt {
     fn head(&self, x: &Tensor, labels: &Labeller) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let x = labels.label(self.ln_f.forward(x, self.config.lean)?, None, "ln_f");
-        let logits = x.reshape((b * s, h))?.matmul(&self.wte.as_tensor().t()?)?;
+        let logits = x
+            .reshape((b * s, h))?
+            .matmul(&self.wte.tensor(self.dtype)?.t()?)?;
         Ok(labels.label(logits, None, "head"))
     }
 
@@ -485,6 +609,86 @@ mod tests {
         let made: Vec<usize> = model.vars().iter().map(|v| v.elem_count()).collect();
         assert_eq!(config.param_sizes(), made);
         assert_eq!(made.iter().sum::<usize>() as u64, config.param_count());
+        Ok(())
+    }
+
+    /// Every parameter's gradient from `loss`: candle's store, and under
+    /// stage 3 the linear layers' blocks beside it; flattened, in
+    /// [`Gpt::vars`]'s order.
+    fn gradients(model: &Gpt, store: GradStore) -> Result<Vec<Vec<f32>>> {
+        let mut store = store;
+        model.take_grads_into(&mut store);
+        model
+            .vars()
+            .iter()
+            .map(|v| {
+                let g = store
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("no gradient for a parameter of {:?}", v.dims()));
+                g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+            })
+            .collect()
+    }
+
+    fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: parameters");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g.len(), w.len(), "{what}: parameter {i}");
+            for (a, b) in g.iter().zip(w) {
+                assert!((a - b).abs() <= 1e-6, "{what}: parameter {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Partitioned over one rank, every block is its whole parameter, so
+    /// the gradients (gathered, reduce-scattered: a mean over one rank)
+    /// equal the whole model's, on the plain path and the checkpointed one,
+    /// with the lean layers and candle-nn's.
+    #[test]
+    fn a_model_sharded_over_one_rank_has_the_whole_models_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        for lean in [true, false] {
+            let config = GptConfig {
+                layers: 2,
+                hidden: 16,
+                heads: 2,
+                seq: 6,
+                vocab: 13,
+                attention: AttentionKind::Tiled,
+                lean,
+            };
+            let whole = Gpt::new(config, DType::F32, &mut Rng::seeded(3), &dev)?;
+            let comm = Arc::new(Comm::solo());
+            let sharded = Gpt::sharded(config, DType::F32, &mut Rng::seeded(3), &dev, comm)?;
+            assert!(sharded.is_sharded() && !whole.is_sharded());
+            assert_eq!(sharded.param_count(), whole.param_count());
+            let (x, y) = crate::corpus::batch(&mut Rng::seeded(4), 3, 6, 13, &dev)?;
+            let plain = |m: &Gpt| -> Result<Vec<Vec<f32>>> {
+                let store = m.loss(&x, &y, &Labeller::default())?.backward()?;
+                gradients(m, store)
+            };
+            let want = plain(&whole)?;
+            assert_close(&plain(&sharded)?, &want, &format!("plain, lean {lean}"));
+            let checkpointed = |m: &Gpt| -> Result<Vec<Vec<f32>>> {
+                let stack = m.stack();
+                let head = |h: &Tensor| m.head_loss(h, &y);
+                let out = candle_checkpoint::checkpoint_sequential_with(
+                    &stack,
+                    stack.len(),
+                    &x,
+                    &m.vars(),
+                    head,
+                    &candle_checkpoint::Policy::Nothing,
+                    &workbook_sdk::observe::Tags,
+                )?;
+                gradients(m, out.grads)
+            };
+            assert_close(
+                &checkpointed(&sharded)?,
+                &want,
+                &format!("checkpointed, lean {lean}"),
+            );
+        }
         Ok(())
     }
 }

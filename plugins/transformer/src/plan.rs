@@ -14,10 +14,10 @@
 //! on that line, one sequence at a time is measured; when gradients are
 //! accumulated over several micro-batches, the later micro-batches hold the
 //! sum they are added into beside their own peak (the parameters' size, or
-//! under ZeRO stage 2 the rank's f32 blocks of it), and the step's peak is
+//! under ZeRO stages 2 and 3 the rank's f32 blocks of it), and the step's peak is
 //! the first micro-batch's or a later one's, whichever is higher.
 //!
-//! On N ranks (data parallelism, ZeRO stage 1 or 2), the budget is each
+//! On N ranks (data parallelism, ZeRO stage 1, 2 or 3), the budget is each
 //! rank's and each rank trains on `batch / N` sequences. A rank's steps are
 //! calibrated in this one process over a [`Rehearsal`] of the job: the
 //! collectives allocate what a real rank's do, the peers are stand-ins, so
@@ -65,7 +65,7 @@ pub struct PlanRequest {
     /// Ranks sharing the batch (1: one process).
     pub ranks: usize,
     /// With more than one rank, the ways to share the training to
-    /// consider: DDP, ZeRO stage 1, stage 2.
+    /// consider: DDP, ZeRO stage 1, 2, 3.
     pub stages: Vec<Stage>,
 }
 
@@ -116,7 +116,8 @@ pub struct Calibration {
     /// Bytes of the parameters.
     pub param_bytes: u64,
     /// Bytes of the gradient sum held while micro-batches accumulate: the
-    /// parameters' size, or under ZeRO stage 2 this rank's f32 blocks.
+    /// parameters' size, or under ZeRO stages 2 and 3 this rank's f32
+    /// blocks.
     pub sum_bytes: u64,
     /// Bytes of one sequence's tokens and targets: the whole batch's are
     /// held while its micro-batches run one after another.
@@ -235,7 +236,7 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
     req.batch_per_rank()?;
     if req.ranks > 1 && req.stages.is_empty() {
         anyhow::bail!(
-            "{} ranks and no stage to weigh; allowed: ddp, zero1, zero2",
+            "{} ranks and no stage to weigh; allowed: ddp, zero1, zero2, zero3",
             req.ranks
         );
     }
@@ -279,7 +280,7 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
                         seconds: [steps[0].seconds, steps[1].seconds, steps[2].seconds],
                         param_bytes,
                         sum_bytes: match stage {
-                            Some(Stage::Zero2) => config
+                            Some(Stage::Zero2 | Stage::Zero3) => config
                                 .param_sizes()
                                 .iter()
                                 .map(|&n| 4 * Split::new(n, req.ranks).block() as u64)

@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 use candle_checkpoint::add_grad;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Shape, Tensor, Var};
+use candle_lean_nn::Activation;
 use candle_observe::{scope, Kind, Place};
-use candle_offload::{fetched_linear, WeightSource};
+use candle_offload::{fetched_linear, fetched_linear_act, WeightSource};
 
 use crate::split::{all_gather_whole, own_block, reduce_scatter_mean, Split};
 use crate::Comm;
@@ -198,6 +199,13 @@ impl ShardedLinear {
     /// The whole bias, all-gathered.
     pub fn gather_bias(&self) -> Result<Option<Tensor>> {
         self.peers.fetch_bias(DType::F32)
+    }
+
+    /// `act(x W^T + b)`, the activation fused as `candle_lean_nn`'s
+    /// `LeanLinear` fuses it (the graph keeps the input and, for GELU, the
+    /// activation's input).
+    pub fn forward_act(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
+        fetched_linear_act(x, &self.peers, &self.anchor, act)
     }
 
     /// The bytes of this rank's blocks.

@@ -33,6 +33,6 @@ mod norm;
 mod product;
 
 pub use layer::LeanLayer;
-pub use linear::{Activation, LeanLinear};
+pub use linear::{linear_backward, Activation, LeanLinear};
 pub use loss::{cross_entropy, cross_entropy_and_grad};
 pub use norm::layer_norm;

@@ -140,10 +140,26 @@ impl LeanLinear {
         grad: Tensor,
         want_input: bool,
     ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
-        let backward = Linear { act, z: kept };
-        let (dx, dw, db) = backward.grads(x, &self.weight.detach(), out, grad, want_input)?;
+        let (dx, dw, db) = linear_backward(act, kept, x, &self.weight, out, grad, want_input)?;
         Ok((dx, dw, self.bias.as_ref().map(|_| db)))
     }
+}
+
+/// The backward of [`LeanLinear::forward_saved`] for a layer whose weight
+/// `w` is handed to it rather than kept (fetched again for the backward,
+/// as an offloaded or sharded layer's is): `(dx, dW, db)`, `dx` only when
+/// `want_input`, `db` whether or not the layer has a bias. The arithmetic
+/// of [`LeanLinear::backward_saved`].
+pub fn linear_backward(
+    act: Activation,
+    kept: Option<Tensor>,
+    x: &Tensor,
+    w: &Tensor,
+    out: &Tensor,
+    grad: Tensor,
+    want_input: bool,
+) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+    Linear { act, z: kept }.grads(x, &w.detach(), out, grad, want_input)
 }
 
 impl Module for LeanLinear {

@@ -9,7 +9,8 @@
 //!   visit the device for its forward and again for its backward (as FSDP
 //!   gathers a layer's shards twice); its weight gradients go straight back
 //!   to the host. A [`Module`](candle_core::Module) inside candle's autograd.
-//! * [`WeightSource`] and [`fetched_linear`]: the mechanism under it, for
+//! * [`WeightSource`] and [`fetched_linear`] (or [`fetched_linear_act`], an
+//!   activation fused): the mechanism under it, for
 //!   weights kept anywhere (sharded over peers, for ZeRO stage 3).
 //! * [`Transfers`]: the bytes and time of every copy.
 #![warn(missing_docs)]
@@ -20,6 +21,6 @@ mod stream;
 mod transfers;
 
 pub use host::HostAdamW;
-pub use source::{fetched_linear, WeightSource};
+pub use source::{fetched_linear, fetched_linear_act, WeightSource};
 pub use stream::StreamedLinear;
 pub use transfers::Transfers;

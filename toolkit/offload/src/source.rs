@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_custom_grad::{with_backward2, Backward2};
+use candle_lean_nn::{linear_backward, Activation, LeanLinear};
 
 /// Where a linear layer's weights are kept between uses, and where its
 /// weight gradients go.
@@ -27,14 +28,6 @@ pub trait WeightSource: Send + Sync + 'static {
     fn give_gradients(&self, weight: Tensor, bias: Option<Tensor>) -> Result<()>;
 }
 
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.broadcast_matmul(&w.t()?)?;
-    match b {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
-    }
-}
-
 /// `y = x W^T + b`, `W` and `b` fetched from `source` for this product and
 /// dropped after it, as one operation of candle's autograd: its backward
 /// fetches `W` again, gives `x` its gradient and hands the weight
@@ -46,6 +39,18 @@ pub fn fetched_linear<S: WeightSource>(
     source: &Arc<S>,
     anchor: &Var,
 ) -> Result<Tensor> {
+    fetched_linear_act(x, source, anchor, Activation::Identity)
+}
+
+/// [`fetched_linear`] with an activation fused as `candle_lean_nn`'s
+/// [`LeanLinear`] fuses it: `act(x W^T + b)`, the graph keeping the input
+/// and, for GELU, the activation's input, and nothing of the weights.
+pub fn fetched_linear_act<S: WeightSource>(
+    x: &Tensor,
+    source: &Arc<S>,
+    anchor: &Var,
+    act: Activation,
+) -> Result<Tensor> {
     if !x.device().same_device(source.device()) {
         bail!(
             "the input is on {:?}, the layer computes on {:?}",
@@ -53,10 +58,10 @@ pub fn fetched_linear<S: WeightSource>(
             source.device()
         );
     }
-    let out = {
+    let (out, kept) = {
         let w = source.fetch_weight(x.dtype())?;
         let b = source.fetch_bias(x.dtype())?;
-        linear(&x.detach(), &w, b.as_ref())?
+        LeanLinear::new(w, b)?.forward_saved(x, act)?
         // The fetched weights are dropped here.
     };
     with_backward2(
@@ -65,6 +70,8 @@ pub fn fetched_linear<S: WeightSource>(
         anchor.as_tensor(),
         Fetch {
             source: Arc::clone(source),
+            act,
+            kept,
         },
     )
 }
@@ -73,6 +80,9 @@ pub fn fetched_linear<S: WeightSource>(
 /// the weight's and the bias's to the source.
 struct Fetch<S> {
     source: Arc<S>,
+    act: Activation,
+    /// GELU's input, kept by the forward.
+    kept: Option<Tensor>,
 }
 
 impl<S: WeightSource> Backward2 for Fetch<S> {
@@ -80,24 +90,20 @@ impl<S: WeightSource> Backward2 for Fetch<S> {
         &self,
         x: &Tensor,
         _anchor: &Tensor,
-        _out: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The backward needs the weight only, not the bias.
         let w = self.source.fetch_weight(grad.dtype())?;
-        let (out_f, in_f) = w.dims2()?;
-        // Every leading dimension is a row.
-        let g2 = grad.reshape(((), out_f))?;
-        let x2 = x.detach().reshape(((), in_f))?;
-        let dx = g2.matmul(&w)?.reshape(x.shape())?;
+        let (dx, dw, db) =
+            linear_backward(self.act, self.kept.clone(), x, &w, out, grad.clone(), true)?;
         drop(w);
-        let dw = g2.t()?.matmul(&x2)?;
-        let db = if self.source.has_bias() {
-            Some(g2.sum(0)?)
-        } else {
-            None
-        };
-        self.source.give_gradients(dw, db)?;
-        Ok((Some(dx), None))
+        self.source
+            .give_gradients(dw, self.source.has_bias().then_some(db))?;
+        Ok((dx, None))
+    }
+
+    fn kept(&self) -> Vec<Tensor> {
+        self.kept.iter().cloned().collect()
     }
 }
