@@ -165,6 +165,14 @@ impl Param {
         }
     }
 
+    /// Elements of the whole parameter.
+    fn elem_count(&self) -> usize {
+        match self {
+            Param::Whole(v) => v.elem_count(),
+            Param::Sharded(p) => p.shape().elem_count(),
+        }
+    }
+
     /// What the optimizer updates.
     fn var(&self) -> Var {
         match self {
@@ -202,6 +210,10 @@ impl Norm {
 
     fn vars(&self) -> [Var; 2] {
         [self.weight.var(), self.bias.var()]
+    }
+
+    fn param_count(&self) -> usize {
+        self.weight.elem_count() + self.bias.elem_count()
     }
 }
 
@@ -270,6 +282,14 @@ impl Dense {
         match self {
             Dense::Whole { weight, bias } => vec![weight.clone(), bias.clone()],
             Dense::Sharded(linear) => linear.vars(),
+        }
+    }
+
+    /// Elements of the whole weight and bias.
+    fn param_count(&self) -> usize {
+        match self {
+            Dense::Whole { weight, bias } => weight.elem_count() + bias.elem_count(),
+            Dense::Sharded(linear) => linear.param_count(),
         }
     }
 }
@@ -394,9 +414,54 @@ impl Gpt {
         vars
     }
 
-    /// Parameters of the whole model (on one rank or partitioned alike).
+    /// Parameters, counted from the tensors the model made (under ZeRO
+    /// stage 3, the whole parameters its blocks are of).
     pub fn param_count(&self) -> u64 {
-        self.config.param_count()
+        let blocks = self.blocks.iter().map(|b| {
+            b.ln1.param_count()
+                + b.qkv.param_count()
+                + b.proj.param_count()
+                + b.ln2.param_count()
+                + b.fc.param_count()
+                + b.fc2.param_count()
+        });
+        (self.wte.elem_count()
+            + self.wpe.elem_count()
+            + blocks.sum::<usize>()
+            + self.ln_f.param_count()) as u64
+    }
+
+    /// The whole parameters in f32, in [`Gpt::vars`]'s order: the
+    /// variables, or under ZeRO stage 3 gathered from the ranks (for
+    /// checking: it costs an all-gather per parameter, which every rank
+    /// must make).
+    pub fn gathered_params(&self) -> Result<Vec<Tensor>> {
+        let param = |p: &Param| p.tensor(DType::F32).map(|t| t.detach());
+        let dense = |d: &Dense| -> Result<Vec<Tensor>> {
+            match d {
+                Dense::Whole { weight, bias } => Ok(vec![
+                    weight.as_tensor().to_dtype(DType::F32)?,
+                    bias.as_tensor().to_dtype(DType::F32)?,
+                ]),
+                Dense::Sharded(l) => Ok(vec![
+                    l.gather_weight()?,
+                    l.gather_bias()?.ok_or_else(|| {
+                        candle_core::Error::Msg("a layer without its bias".into())
+                    })?,
+                ]),
+            }
+        };
+        let mut all = vec![param(&self.wte)?, param(&self.wpe)?];
+        for b in &self.blocks {
+            all.extend([param(&b.ln1.weight)?, param(&b.ln1.bias)?]);
+            all.extend(dense(&b.qkv)?);
+            all.extend(dense(&b.proj)?);
+            all.extend([param(&b.ln2.weight)?, param(&b.ln2.bias)?]);
+            all.extend(dense(&b.fc)?);
+            all.extend(dense(&b.fc2)?);
+        }
+        all.extend([param(&self.ln_f.weight)?, param(&self.ln_f.bias)?]);
+        Ok(all)
     }
 
     /// Whether the parameters are partitioned over ranks (ZeRO stage 3).
@@ -421,34 +486,36 @@ impl Gpt {
     /// The logits `(b·s, v)` for `tokens` `(b, s)`, each part labelled in
     /// `labels` (block index and part; embeddings and head have no block).
     pub fn logits(&self, tokens: &Tensor, labels: &Labeller) -> Result<Tensor> {
-        let mut x = self.embed(tokens, labels)?;
+        // The tied table, gathered once under ZeRO stage 3 for both uses.
+        let wte = self.wte.tensor(self.dtype)?;
+        let mut x = self.embed(tokens, labels, &wte)?;
         for i in 0..self.blocks.len() {
             x = self.block(i, &x, labels, None)?;
         }
-        self.head(&x, labels)
+        self.head(&x, labels, &wte)
     }
 
     /// [`Gpt::logits`] with the blocks' products through `tape` (see
     /// [`GptLayer`]): the computation checkpointing policies apply to.
     pub fn logits_taped(&self, tokens: &Tensor, labels: &Labeller, tape: &Tape) -> Result<Tensor> {
-        let mut x = self.embed(tokens, labels)?;
+        let wte = self.wte.tensor(self.dtype)?;
+        let mut x = self.embed(tokens, labels, &wte)?;
         for i in 0..self.blocks.len() {
             x = self.block(i, &x, labels, Some(tape))?;
         }
-        self.head(&x, labels)
+        self.head(&x, labels, &wte)
     }
 
-    /// The token and position embeddings of `tokens` `(b, s)`: `(b, s, h)`.
-    fn embed(&self, tokens: &Tensor, labels: &Labeller) -> Result<Tensor> {
+    /// The token and position embeddings of `tokens` `(b, s)`: `(b, s, h)`,
+    /// `wte` the token table (the variable, or gathered).
+    fn embed(&self, tokens: &Tensor, labels: &Labeller, wte: &Tensor) -> Result<Tensor> {
         let (b, s) = tokens.dims2()?;
         let c = &self.config;
         if s > c.seq {
             candle_core::bail!("{s} tokens, the model's positions stop at {}", c.seq);
         }
         let positions = self.wpe.tensor(self.dtype)?.narrow(0, 0, s)?;
-        let x = self
-            .wte
-            .tensor(self.dtype)?
+        let x = wte
             .embedding(&tokens.flatten_all()?)?
             .reshape((b, s, c.hidden))?
             .broadcast_add(&positions)?;
@@ -525,13 +592,11 @@ impl Gpt {
         Ok(labels.label((x + m)?, l, "residual"))
     }
 
-    /// The final norm and the tied head: the logits `(b·s, v)`.
-    fn head(&self, x: &Tensor, labels: &Labeller) -> Result<Tensor> {
+    /// The final norm and the head tied to `wte`: the logits `(b·s, v)`.
+    fn head(&self, x: &Tensor, labels: &Labeller, wte: &Tensor) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let x = labels.label(self.ln_f.forward(x, self.config.lean)?, None, "ln_f");
-        let logits = x
-            .reshape((b * s, h))?
-            .matmul(&self.wte.tensor(self.dtype)?.t()?)?;
+        let logits = x.reshape((b * s, h))?.matmul(&wte.t()?)?;
         Ok(labels.label(logits, None, "head"))
     }
 
@@ -544,8 +609,10 @@ impl Gpt {
     }
 
     /// The final norm, the head and the loss on the last block's output.
+    /// Under ZeRO stage 3 it gathers the tied table again: the stack's
+    /// embedding layer and the head are computed apart.
     pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let logits = self.head(x, &Labeller::default())?;
+        let logits = self.head(x, &Labeller::default(), &self.wte.tensor(self.dtype)?)?;
         self.cross_entropy(&logits, targets)
     }
 
@@ -579,7 +646,9 @@ pub enum GptLayer<'a> {
 impl TapeModule for GptLayer<'_> {
     fn forward_t(&self, x: &Tensor, tape: &Tape) -> Result<Tensor> {
         match *self {
-            GptLayer::Embedding(gpt) => gpt.embed(x, &Labeller::default()),
+            GptLayer::Embedding(gpt) => {
+                gpt.embed(x, &Labeller::default(), &gpt.wte.tensor(gpt.dtype)?)
+            }
             GptLayer::Block(gpt, i) => gpt.block(i, x, &Labeller::default(), Some(tape)),
         }
     }

@@ -113,7 +113,9 @@ pub struct Calibration {
     pub peaks: [u64; 3],
     /// Step time at batch 1, 2 and 4, seconds.
     pub seconds: [f64; 3],
-    /// Bytes of the parameters.
+    /// Bytes of the whole model's parameters in the dtype (what DDP and
+    /// stages 1 and 2 hold on each rank; under stage 3 a rank holds its f32
+    /// blocks of them instead).
     pub param_bytes: u64,
     /// Bytes of the gradient sum held while micro-batches accumulate: the
     /// parameters' size, or under ZeRO stages 2 and 3 this rank's f32

@@ -418,3 +418,143 @@ pub fn calibrate(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_distributed::{Split, Threads};
+    use candle_ledger::Labeller;
+
+    use super::*;
+    use crate::gpt::AttentionKind;
+
+    const CONFIG: GptConfig = GptConfig {
+        layers: 2,
+        hidden: 16,
+        heads: 2,
+        seq: 6,
+        vocab: 13,
+        attention: AttentionKind::Tiled,
+        lean: true,
+    };
+    const BATCH: usize = 8;
+
+    fn flat(t: &Tensor) -> anyhow::Result<Vec<f32>> {
+        Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    }
+
+    /// The gradients of one process on the whole batch, in `vars` order.
+    fn one_process(x: &Tensor, y: &Tensor) -> anyhow::Result<Vec<Vec<f32>>> {
+        let model = Gpt::new(CONFIG, DType::F32, &mut Rng::seeded(3), &Device::Cpu)?;
+        let store = model.loss(x, y, &Labeller::default())?.backward()?;
+        model
+            .vars()
+            .iter()
+            .map(|v| flat(store.get(v.as_tensor()).expect("a gradient")))
+            .collect()
+    }
+
+    /// One rank's backward under ZeRO stage 3 as [`measured_step`] runs it:
+    /// its rows of the batch in micro-batches of `micro`, each loss weighted
+    /// by its share of the rows, the gradient blocks summed in the update's
+    /// store; then each block all-gathered into the whole gradient it is of.
+    /// (The parameters after AdamW's first step are no test: it divides
+    /// each gradient by its own size, so a gradient that is zero but for
+    /// rounding, as the key bias's is, moves its parameter by the
+    /// rounding's sign.)
+    fn stage3_rank(
+        comm: Arc<Comm>,
+        x: &Tensor,
+        y: &Tensor,
+        micro: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let parallel = Parallel::new(Arc::clone(&comm), Stage::Zero3)?;
+        let model = Gpt::sharded(
+            CONFIG,
+            DType::F32,
+            &mut Rng::seeded(3),
+            &Device::Cpu,
+            Arc::clone(&comm),
+        )?;
+        let vars = model.vars();
+        let mut opt = Update::new(vars.clone(), Some(&parallel))?;
+        assert!(opt.reduces_each_gradient());
+        let rows = BATCH / comm.size();
+        let (x, y) = (
+            x.narrow(0, comm.rank() * rows, rows)?,
+            y.narrow(0, comm.rank() * rows, rows)?,
+        );
+        for start in (0..rows).step_by(micro) {
+            let m = micro.min(rows - start);
+            let loss = model.loss(
+                &x.narrow(0, start, m)?,
+                &y.narrow(0, start, m)?,
+                &Labeller::default(),
+            )?;
+            let store = (loss * (m as f64 / rows as f64))?.backward()?;
+            opt.reduce_all(param_grads(&store, &vars), &vars)?;
+        }
+        let Update::Sharded(_, sum) = &mut opt else {
+            anyhow::bail!("stage 3's update is not the sharded one");
+        };
+        model.take_grads_into(sum);
+        let sizes = CONFIG.param_sizes();
+        let mut whole = Vec::new();
+        for (var, &len) in vars.iter().zip(&sizes) {
+            let block = flat(sum.get(var.as_tensor()).expect("a gradient block"))?;
+            let mut all = vec![0f32; Split::new(len, comm.size()).padded()];
+            comm.all_gather(&block, &mut all)?;
+            all.truncate(len);
+            whole.push(all);
+        }
+        Ok(whole)
+    }
+
+    /// ZeRO stage 3 on 2 and 4 ranks (threads of this process, exchanging
+    /// real values), whole and in micro-batches (3 then 1 of a rank's 4
+    /// rows: unequal weights), gives the gradients of one process on the
+    /// whole batch: every block the mean over the ranks.
+    #[test]
+    fn stage_3_on_ranks_has_the_gradients_of_one_process_on_the_whole_batch() -> anyhow::Result<()>
+    {
+        let (x, y) = corpus::batch(
+            &mut Rng::seeded(4),
+            BATCH,
+            CONFIG.seq,
+            CONFIG.vocab,
+            &Device::Cpu,
+        )?;
+        let want = one_process(&x, &y)?;
+        for (ranks, micro) in [(2, 4), (2, 3), (4, 1)] {
+            let got = std::thread::scope(|s| {
+                let handles: Vec<_> = Threads::world(ranks)
+                    .into_iter()
+                    .map(|t| {
+                        let (x, y) = (&x, &y);
+                        s.spawn(move || stage3_rank(Arc::new(Comm::new(t)), x, y, micro))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a rank panicked"))
+                    .collect::<anyhow::Result<Vec<_>>>()
+            })?;
+            for (rank, grads) in got.iter().enumerate() {
+                assert_eq!(grads.len(), want.len());
+                for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
+                    assert_eq!(g.len(), w.len(), "parameter {i}");
+                    let worst = g
+                        .iter()
+                        .zip(w)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(
+                        worst <= 1e-6,
+                        "{ranks} ranks, micro-batches of {micro}, rank {rank}: the gradient of \
+                         parameter {i} differs by {worst:e}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -208,6 +208,12 @@ impl ShardedLinear {
         fetched_linear_act(x, &self.peers, &self.anchor, act)
     }
 
+    /// Parameters of the whole layer, weight and bias.
+    pub fn param_count(&self) -> usize {
+        self.peers.weight.shape.elem_count()
+            + self.peers.bias.as_ref().map_or(0, |b| b.shape.elem_count())
+    }
+
     /// The bytes of this rank's blocks.
     pub fn bytes(&self) -> u64 {
         self.vars()

@@ -6,8 +6,10 @@
 //!   an [`Engine`]: [`Mpi`] (feature `mpi`: ranks as processes under
 //!   `mpirun`, on one machine or a cluster), `Nccl` (feature `nccl`: one
 //!   GPU per rank, NCCL's collectives, MPI to start them), [`Solo`] (one
-//!   process) or [`Rehearsal`] (one rank of N in one process, the peers
-//!   stand-ins: a rank's memory and traffic measured without a job). Each
+//!   process), [`Rehearsal`] (one rank of N in one process, the peers
+//!   stand-ins: a rank's memory and traffic measured without a job) or
+//!   [`Threads`] (N ranks as threads of one process, the values real: a
+//!   job's arithmetic checked without a library). Each
 //!   call is counted ([`Traffic`]: payload, and bytes sent and received per
 //!   rank under the ring algorithms), and the buffers it allocates are
 //!   reported to an observer as
@@ -42,6 +44,7 @@ mod nccl;
 mod param;
 mod rehearsal;
 mod split;
+mod threads;
 mod traffic;
 mod zero;
 
@@ -55,6 +58,7 @@ pub use nccl::Nccl;
 pub use param::ShardedParam;
 pub use rehearsal::Rehearsal;
 pub use split::Split;
+pub use threads::Threads;
 pub use traffic::{OpTraffic, Traffic};
 pub use zero::ZeroAdamW;
 

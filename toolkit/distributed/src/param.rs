@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Shape, Tensor, Var};
 use candle_custom_grad::{with_backward1, Backward1};
+use candle_observe::{scope, Kind, Place};
 
 use crate::fsdp::Block;
 use crate::split::{reduce_scatter_mean, Split};
@@ -82,6 +83,9 @@ impl ShardedParam {
     /// order.
     pub fn gather(&self, dtype: DType) -> Result<Tensor> {
         let whole = self.block.gather(&self.comm, dtype, &self.device)?;
+        // The operation's output, which the graph keeps, is a copy of the
+        // gathered whole: parameters too, whatever the caller's scope.
+        let _params = scope(self.comm.observer(), Kind::Parameters, Place::Device);
         with_backward1(
             whole,
             self.block.var.as_tensor(),

@@ -140,7 +140,8 @@ impl LeanLinear {
         grad: Tensor,
         want_input: bool,
     ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
-        let (dx, dw, db) = linear_backward(act, kept, x, &self.weight, out, grad, want_input)?;
+        let w = self.weight.clone();
+        let (dx, dw, db) = linear_backward(act, kept, x, w, out, grad, want_input)?;
         Ok((dx, dw, self.bias.as_ref().map(|_| db)))
     }
 }
@@ -148,18 +149,20 @@ impl LeanLinear {
 /// The backward of [`LeanLinear::forward_saved`] for a layer whose weight
 /// `w` is handed to it rather than kept (fetched again for the backward,
 /// as an offloaded or sharded layer's is): `(dx, dW, db)`, `dx` only when
-/// `want_input`, `db` whether or not the layer has a bias. The arithmetic
-/// of [`LeanLinear::backward_saved`].
+/// `want_input`, `db` whether or not the layer has a bias. `w` is handed
+/// over: dropped once the input's gradient is made, before the weight's,
+/// so a fetched weight is freed then. The arithmetic of
+/// [`LeanLinear::backward_saved`].
 pub fn linear_backward(
     act: Activation,
     kept: Option<Tensor>,
     x: &Tensor,
-    w: &Tensor,
+    w: Tensor,
     out: &Tensor,
     grad: Tensor,
     want_input: bool,
 ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
-    Linear { act, z: kept }.grads(x, &w.detach(), out, grad, want_input)
+    Linear { act, z: kept }.grads(x, w.detach(), out, grad, want_input)
 }
 
 impl Module for LeanLinear {
@@ -178,12 +181,12 @@ struct Linear {
 impl Linear {
     /// `(dx, dW, db)` from the output and its gradient; `dx` only when
     /// `want_input`. The output's gradient is dropped once the product's is
-    /// made, before the matrix products: freed then when the caller handed
-    /// it over.
+    /// made, before the matrix products, and the weight once the input's
+    /// gradient is made: each freed then when the caller handed it over.
     fn grads(
         &self,
         x: &Tensor,
-        w: &Tensor,
+        w: Tensor,
         out: &Tensor,
         grad: Tensor,
         want_input: bool,
@@ -214,10 +217,11 @@ impl Linear {
         };
         let x2 = x.reshape(((), in_f))?;
         let dx = if want_input {
-            Some(crate::product::matmul(&g, w)?.reshape(x.shape())?)
+            Some(crate::product::matmul(&g, &w)?.reshape(x.shape())?)
         } else {
             None
         };
+        drop(w);
         let dw = crate::product::matmul(&g.t()?, &x2)?;
         Ok((dx, dw, db))
     }
@@ -253,7 +257,7 @@ impl Backward3 for Linear {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, out, grad.clone(), true)?;
+        let (dx, dw, db) = self.grads(x, w.clone(), out, grad.clone(), true)?;
         Ok((dx, Some(dw), Some(db)))
     }
 }
@@ -270,7 +274,7 @@ impl Backward2 for Linear {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, out, grad.clone(), true)?;
+        let (dx, dw, _) = self.grads(x, w.clone(), out, grad.clone(), true)?;
         Ok((dx, Some(dw)))
     }
 }

@@ -95,9 +95,9 @@ impl<S: WeightSource> Backward2 for Fetch<S> {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The backward needs the weight only, not the bias.
         let w = self.source.fetch_weight(grad.dtype())?;
+        // Handed over: freed once the input's gradient is made.
         let (dx, dw, db) =
-            linear_backward(self.act, self.kept.clone(), x, &w, out, grad.clone(), true)?;
-        drop(w);
+            linear_backward(self.act, self.kept.clone(), x, w, out, grad.clone(), true)?;
         self.source
             .give_gradients(dw, self.source.has_bias().then_some(db))?;
         Ok((dx, None))
