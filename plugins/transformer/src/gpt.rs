@@ -660,6 +660,18 @@ impl Module for GptLayer<'_> {
     }
 }
 
+/// A model small enough for a unit test's every step.
+#[cfg(test)]
+pub(crate) const SMALL: GptConfig = GptConfig {
+    layers: 2,
+    hidden: 16,
+    heads: 2,
+    seq: 6,
+    vocab: 13,
+    attention: AttentionKind::Tiled,
+    lean: true,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -717,15 +729,7 @@ mod tests {
     fn a_model_sharded_over_one_rank_has_the_whole_models_gradients() -> Result<()> {
         let dev = Device::Cpu;
         for lean in [true, false] {
-            let config = GptConfig {
-                layers: 2,
-                hidden: 16,
-                heads: 2,
-                seq: 6,
-                vocab: 13,
-                attention: AttentionKind::Tiled,
-                lean,
-            };
+            let config = GptConfig { lean, ..SMALL };
             let whole = Gpt::new(config, DType::F32, &mut Rng::seeded(3), &dev)?;
             let comm = Arc::new(Comm::solo());
             let sharded = Gpt::sharded(config, DType::F32, &mut Rng::seeded(3), &dev, comm)?;

@@ -425,17 +425,7 @@ mod tests {
     use candle_ledger::Labeller;
 
     use super::*;
-    use crate::gpt::AttentionKind;
-
-    const CONFIG: GptConfig = GptConfig {
-        layers: 2,
-        hidden: 16,
-        heads: 2,
-        seq: 6,
-        vocab: 13,
-        attention: AttentionKind::Tiled,
-        lean: true,
-    };
+    use crate::gpt::SMALL as CONFIG;
     const BATCH: usize = 8;
 
     fn flat(t: &Tensor) -> anyhow::Result<Vec<f32>> {

@@ -306,6 +306,27 @@ impl<B: Backward3> CustomOp3 for Op3<B> {
     }
 }
 
+/// Checks that `out` is on the inputs' device (`a`'s), and returns what
+/// the backward keeps when a ledger is recording.
+fn before_apply(
+    out: &Tensor,
+    a: &Tensor,
+    kept_by_backward: impl FnOnce() -> Vec<Tensor>,
+) -> Result<Vec<Tensor>> {
+    if !out.device().same_device(a.device()) {
+        bail!(
+            "the output is on {:?}, the inputs on {:?}",
+            out.device(),
+            a.device()
+        );
+    }
+    Ok(if kept::is_recording() {
+        kept_by_backward()
+    } else {
+        Vec::new()
+    })
+}
+
 /// `out`, computed beforehand from `a`, as one operation of candle's
 /// autograd over it whose backward is `backward`. `out` may differ from `a`
 /// in shape and dtype (a gathered parameter from its block); it must be on
@@ -315,18 +336,7 @@ pub fn with_backward1(
     a: &Tensor,
     backward: impl Backward1 + 'static,
 ) -> Result<Tensor> {
-    if !out.device().same_device(a.device()) {
-        bail!(
-            "the output is on {:?}, the input on {:?}",
-            out.device(),
-            a.device()
-        );
-    }
-    let kept = if kept::is_recording() {
-        backward.kept()
-    } else {
-        Vec::new()
-    };
+    let kept = before_apply(&out, a, || backward.kept())?;
     let out = a.apply_op1(Op1 {
         out: Handover::new(out),
         backward,
@@ -344,18 +354,7 @@ pub fn with_backward2(
     b: &Tensor,
     backward: impl Backward2 + 'static,
 ) -> Result<Tensor> {
-    if !out.device().same_device(a.device()) {
-        bail!(
-            "the output is on {:?}, the inputs on {:?}",
-            out.device(),
-            a.device()
-        );
-    }
-    let kept = if kept::is_recording() {
-        backward.kept()
-    } else {
-        Vec::new()
-    };
+    let kept = before_apply(&out, a, || backward.kept())?;
     let out = a.apply_op2(
         b,
         Op2 {
@@ -375,18 +374,7 @@ pub fn with_backward3(
     c: &Tensor,
     backward: impl Backward3 + 'static,
 ) -> Result<Tensor> {
-    if !out.device().same_device(a.device()) {
-        bail!(
-            "the output is on {:?}, the inputs on {:?}",
-            out.device(),
-            a.device()
-        );
-    }
-    let kept = if kept::is_recording() {
-        backward.kept()
-    } else {
-        Vec::new()
-    };
+    let kept = before_apply(&out, a, || backward.kept())?;
     let out = a.apply_op3(
         b,
         c,
