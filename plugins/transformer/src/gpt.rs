@@ -207,14 +207,6 @@ impl Norm {
             candle_nn::ops::layer_norm_slow(x, &w, &b, 1e-5)
         }
     }
-
-    fn vars(&self) -> [Var; 2] {
-        [self.weight.var(), self.bias.var()]
-    }
-
-    fn param_count(&self) -> usize {
-        self.weight.elem_count() + self.bias.elem_count()
-    }
 }
 
 /// A linear layer `x W^T + b` with GPT-2's initialisation: whole, or under
@@ -290,6 +282,32 @@ impl Dense {
         match self {
             Dense::Whole { weight, bias } => weight.elem_count() + bias.elem_count(),
             Dense::Sharded(linear) => linear.param_count(),
+        }
+    }
+}
+
+/// One of a model's parameters as it holds it: a norm's or embedding's, or
+/// a linear layer's weight and bias.
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    Param(&'a Param),
+    Dense(&'a Dense),
+}
+
+impl Part<'_> {
+    /// What the optimizer updates.
+    fn vars(self) -> Vec<Var> {
+        match self {
+            Part::Param(p) => vec![p.var()],
+            Part::Dense(d) => d.vars(),
+        }
+    }
+
+    /// Elements of the whole parameters.
+    fn param_count(self) -> usize {
+        match self {
+            Part::Param(p) => p.elem_count(),
+            Part::Dense(d) => d.param_count(),
         }
     }
 }
@@ -399,69 +417,38 @@ impl Gpt {
         self.dtype
     }
 
+    /// Every parameter as the model holds it, in one order: the tables,
+    /// each block's norms and linear layers, the final norm.
+    fn parts(&self) -> Vec<Part<'_>> {
+        let mut parts = vec![Part::Param(&self.wte), Part::Param(&self.wpe)];
+        for b in &self.blocks {
+            parts.extend([
+                Part::Param(&b.ln1.weight),
+                Part::Param(&b.ln1.bias),
+                Part::Dense(&b.qkv),
+                Part::Dense(&b.proj),
+                Part::Param(&b.ln2.weight),
+                Part::Param(&b.ln2.bias),
+                Part::Dense(&b.fc),
+                Part::Dense(&b.fc2),
+            ]);
+        }
+        parts.extend([Part::Param(&self.ln_f.weight), Part::Param(&self.ln_f.bias)]);
+        parts
+    }
+
     /// Every trainable variable (under ZeRO stage 3, this rank's blocks).
     pub fn vars(&self) -> Vec<Var> {
-        let mut vars = vec![self.wte.var(), self.wpe.var()];
-        for b in &self.blocks {
-            vars.extend(b.ln1.vars());
-            vars.extend(b.qkv.vars());
-            vars.extend(b.proj.vars());
-            vars.extend(b.ln2.vars());
-            vars.extend(b.fc.vars());
-            vars.extend(b.fc2.vars());
-        }
-        vars.extend(self.ln_f.vars());
-        vars
+        self.parts().into_iter().flat_map(Part::vars).collect()
     }
 
     /// Parameters, counted from the tensors the model made (under ZeRO
     /// stage 3, the whole parameters its blocks are of).
     pub fn param_count(&self) -> u64 {
-        let blocks = self.blocks.iter().map(|b| {
-            b.ln1.param_count()
-                + b.qkv.param_count()
-                + b.proj.param_count()
-                + b.ln2.param_count()
-                + b.fc.param_count()
-                + b.fc2.param_count()
-        });
-        (self.wte.elem_count()
-            + self.wpe.elem_count()
-            + blocks.sum::<usize>()
-            + self.ln_f.param_count()) as u64
-    }
-
-    /// The whole parameters in f32, in [`Gpt::vars`]'s order: the
-    /// variables, or under ZeRO stage 3 gathered from the ranks (for
-    /// checking: it costs an all-gather per parameter, which every rank
-    /// must make).
-    pub fn gathered_params(&self) -> Result<Vec<Tensor>> {
-        let param = |p: &Param| p.tensor(DType::F32).map(|t| t.detach());
-        let dense = |d: &Dense| -> Result<Vec<Tensor>> {
-            match d {
-                Dense::Whole { weight, bias } => Ok(vec![
-                    weight.as_tensor().to_dtype(DType::F32)?,
-                    bias.as_tensor().to_dtype(DType::F32)?,
-                ]),
-                Dense::Sharded(l) => Ok(vec![
-                    l.gather_weight()?,
-                    l.gather_bias()?.ok_or_else(|| {
-                        candle_core::Error::Msg("a layer without its bias".into())
-                    })?,
-                ]),
-            }
-        };
-        let mut all = vec![param(&self.wte)?, param(&self.wpe)?];
-        for b in &self.blocks {
-            all.extend([param(&b.ln1.weight)?, param(&b.ln1.bias)?]);
-            all.extend(dense(&b.qkv)?);
-            all.extend(dense(&b.proj)?);
-            all.extend([param(&b.ln2.weight)?, param(&b.ln2.bias)?]);
-            all.extend(dense(&b.fc)?);
-            all.extend(dense(&b.fc2)?);
-        }
-        all.extend([param(&self.ln_f.weight)?, param(&self.ln_f.bias)?]);
-        Ok(all)
+        self.parts()
+            .into_iter()
+            .map(Part::param_count)
+            .sum::<usize>() as u64
     }
 
     /// Whether the parameters are partitioned over ranks (ZeRO stage 3).
@@ -474,11 +461,9 @@ impl Gpt {
     /// parameters' are in the store candle's backward returns); nothing for
     /// a whole model.
     pub fn take_grads_into(&self, store: &mut GradStore) {
-        for b in &self.blocks {
-            for d in [&b.qkv, &b.proj, &b.fc, &b.fc2] {
-                if let Dense::Sharded(linear) = d {
-                    linear.take_grads_into(store);
-                }
+        for part in self.parts() {
+            if let Part::Dense(Dense::Sharded(linear)) = part {
+                linear.take_grads_into(store);
             }
         }
     }
@@ -660,20 +645,58 @@ impl Module for GptLayer<'_> {
     }
 }
 
-/// A model small enough for a unit test's every step.
+/// What the crate's unit tests of the model share.
 #[cfg(test)]
-pub(crate) const SMALL: GptConfig = GptConfig {
-    layers: 2,
-    hidden: 16,
-    heads: 2,
-    seq: 6,
-    vocab: 13,
-    attention: AttentionKind::Tiled,
-    lean: true,
-};
+pub(crate) mod testing {
+    use super::*;
+
+    /// A model small enough for a unit test's every step.
+    pub(crate) const SMALL: GptConfig = GptConfig {
+        layers: 2,
+        hidden: 16,
+        heads: 2,
+        seq: 6,
+        vocab: 13,
+        attention: AttentionKind::Tiled,
+        lean: true,
+    };
+
+    /// `t`'s values in f32.
+    pub(crate) fn flat(t: &Tensor) -> Result<Vec<f32>> {
+        t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+    }
+
+    /// Every parameter's gradient: `store`'s, and under stage 3 the linear
+    /// layers' blocks beside it; flattened, in [`Gpt::vars`]'s order.
+    pub(crate) fn gradients(model: &Gpt, mut store: GradStore) -> Result<Vec<Vec<f32>>> {
+        model.take_grads_into(&mut store);
+        model
+            .vars()
+            .iter()
+            .map(|v| {
+                let g = store
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("no gradient for a parameter of {:?}", v.dims()));
+                flat(g)
+            })
+            .collect()
+    }
+
+    /// Each parameter's values within 1e-6 of `want`'s.
+    pub(crate) fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: parameters");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g.len(), w.len(), "{what}: parameter {i}");
+            for (a, b) in g.iter().zip(w) {
+                assert!((a - b).abs() <= 1e-6, "{what}: parameter {i}: {a} vs {b}");
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
+    use super::testing::{assert_close, gradients, SMALL};
     use super::*;
 
     #[test]
@@ -691,34 +714,6 @@ mod tests {
         assert_eq!(config.param_sizes(), made);
         assert_eq!(made.iter().sum::<usize>() as u64, config.param_count());
         Ok(())
-    }
-
-    /// Every parameter's gradient from `loss`: candle's store, and under
-    /// stage 3 the linear layers' blocks beside it; flattened, in
-    /// [`Gpt::vars`]'s order.
-    fn gradients(model: &Gpt, store: GradStore) -> Result<Vec<Vec<f32>>> {
-        let mut store = store;
-        model.take_grads_into(&mut store);
-        model
-            .vars()
-            .iter()
-            .map(|v| {
-                let g = store
-                    .get(v.as_tensor())
-                    .unwrap_or_else(|| panic!("no gradient for a parameter of {:?}", v.dims()));
-                g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
-            })
-            .collect()
-    }
-
-    fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: parameters");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert_eq!(g.len(), w.len(), "{what}: parameter {i}");
-            for (a, b) in g.iter().zip(w) {
-                assert!((a - b).abs() <= 1e-6, "{what}: parameter {i}: {a} vs {b}");
-            }
-        }
     }
 
     /// Partitioned over one rank, every block is its whole parameter, so

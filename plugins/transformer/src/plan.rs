@@ -14,8 +14,8 @@
 //! on that line, one sequence at a time is measured; when gradients are
 //! accumulated over several micro-batches, the later micro-batches hold the
 //! sum they are added into beside their own peak (the parameters' size, or
-//! under ZeRO stages 2 and 3 the rank's f32 blocks of it), and the step's peak is
-//! the first micro-batch's or a later one's, whichever is higher.
+//! under ZeRO stages 2 and 3 the rank's f32 blocks of it), and the step's
+//! peak is the first micro-batch's or a later one's, whichever is higher.
 //!
 //! On N ranks (data parallelism, ZeRO stage 1, 2 or 3), the budget is each
 //! rank's and each rank trains on `batch / N` sequences. A rank's steps are
@@ -302,7 +302,7 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
 /// Rank 0 of a rehearsed job of `ranks`, sharing the training as `stage`.
 fn rehearsal(ranks: usize, stage: Stage) -> anyhow::Result<Parallel> {
     let comm = Comm::new(Rehearsal::new(ranks)?).observed(Tags);
-    Parallel::new(Arc::new(comm), stage)
+    Ok(Parallel::new(Arc::new(comm), stage))
 }
 
 /// The options from calibrations: for each, the whole batch and the

@@ -102,8 +102,8 @@ pub struct Parallel {
 
 impl Parallel {
     /// `stage` on `comm`.
-    pub fn new(comm: Arc<Comm>, stage: Stage) -> anyhow::Result<Self> {
-        Ok(Self { comm, stage })
+    pub fn new(comm: Arc<Comm>, stage: Stage) -> Self {
+        Self { comm, stage }
     }
 }
 
@@ -152,22 +152,15 @@ impl Update {
     /// whole one as soon as its block is kept. Stage 3: adds the gradient
     /// blocks in `grads` to the sum.
     fn reduce_all(&mut self, mut grads: GradStore, vars: &[Var]) -> anyhow::Result<()> {
-        match self {
-            Update::Zero(opt, _) => {
-                for var in vars {
-                    if let Some(g) = grads.remove(var.as_tensor()) {
-                        opt.reduce_gradient(var, &g)?;
-                    }
-                }
+        for var in vars {
+            let Some(g) = grads.remove(var.as_tensor()) else {
+                continue;
+            };
+            match self {
+                Update::Zero(opt, _) => opt.reduce_gradient(var, &g)?,
+                Update::Sharded(_, sum) => add_grad(sum, var, g)?,
+                Update::Whole(..) => {}
             }
-            Update::Sharded(_, sum) => {
-                for var in vars {
-                    if let Some(g) = grads.remove(var.as_tensor()) {
-                        add_grad(sum, var, g)?;
-                    }
-                }
-            }
-            Update::Whole(..) => {}
         }
         Ok(())
     }
@@ -180,9 +173,9 @@ impl Update {
     fn step(&mut self, grads: Option<GradStore>, model: &Gpt) -> anyhow::Result<()> {
         match (self, grads) {
             (Update::Sharded(opt, sum), None) => {
-                model.take_grads_into(sum);
-                opt.step(sum)?;
-                *sum = GradStore::default();
+                let mut grads = std::mem::take(sum);
+                model.take_grads_into(&mut grads);
+                opt.step(&grads)?;
             }
             (Update::Sharded(..), Some(_)) => {
                 anyhow::bail!("ZeRO stage 3 was handed whole gradients at its update")
@@ -425,22 +418,14 @@ mod tests {
     use candle_ledger::Labeller;
 
     use super::*;
-    use crate::gpt::SMALL as CONFIG;
+    use crate::gpt::testing::{assert_close, flat, gradients, SMALL as CONFIG};
     const BATCH: usize = 8;
-
-    fn flat(t: &Tensor) -> anyhow::Result<Vec<f32>> {
-        Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-    }
 
     /// The gradients of one process on the whole batch, in `vars` order.
     fn one_process(x: &Tensor, y: &Tensor) -> anyhow::Result<Vec<Vec<f32>>> {
         let model = Gpt::new(CONFIG, DType::F32, &mut Rng::seeded(3), &Device::Cpu)?;
         let store = model.loss(x, y, &Labeller::default())?.backward()?;
-        model
-            .vars()
-            .iter()
-            .map(|v| flat(store.get(v.as_tensor()).expect("a gradient")))
-            .collect()
+        Ok(gradients(&model, store)?)
     }
 
     /// One rank's backward under ZeRO stage 3 as [`measured_step`] runs it:
@@ -457,7 +442,7 @@ mod tests {
         y: &Tensor,
         micro: usize,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let parallel = Parallel::new(Arc::clone(&comm), Stage::Zero3)?;
+        let parallel = Parallel::new(Arc::clone(&comm), Stage::Zero3);
         let model = Gpt::sharded(
             CONFIG,
             DType::F32,
@@ -529,20 +514,8 @@ mod tests {
                     .collect::<anyhow::Result<Vec<_>>>()
             })?;
             for (rank, grads) in got.iter().enumerate() {
-                assert_eq!(grads.len(), want.len());
-                for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
-                    assert_eq!(g.len(), w.len(), "parameter {i}");
-                    let worst = g
-                        .iter()
-                        .zip(w)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f32, f32::max);
-                    assert!(
-                        worst <= 1e-6,
-                        "{ranks} ranks, micro-batches of {micro}, rank {rank}: the gradient of \
-                         parameter {i} differs by {worst:e}"
-                    );
-                }
+                let what = format!("{ranks} ranks, micro-batches of {micro}, rank {rank}");
+                assert_close(grads, &want, &what);
             }
         }
         Ok(())
