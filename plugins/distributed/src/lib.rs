@@ -152,6 +152,10 @@ impl Plugin for ZeroStages {
                 "{stage}_n{ranks}_excess_per_tensor",
                 "measured model states minus the formula, per tensor that holds them: candle's bookkeeping",
             ),
+            MetricSpec::bytes(
+                "{stage}_n{ranks}_scaled_excess",
+                "what the measured model states grow by from half the width to the whole, less what the formula grows by: 0 when every byte that grows with the model is the formula's (the rank whose difference is largest)",
+            ),
             MetricSpec::count("{stage}_n{ranks}_ranks_reported", "ranks that wrote a report for the stage"),
         ]
     }
@@ -224,6 +228,14 @@ impl Plugin for ZeroStages {
                     key("excess_per_tensor"),
                     (state as f64 - formula.total() as f64) / first.tensors as f64,
                 );
+                if let Some(excess) = per_rank
+                    .iter()
+                    .map(|s| scaled_excess(s, stage, p.precision))
+                    .collect::<Option<Vec<i64>>>()
+                    .and_then(|e| e.into_iter().max_by_key(|x| x.abs()))
+                {
+                    ctx.metric(key("scaled_excess"), excess as f64);
+                }
             }
             let full: Vec<StageReport> = Stage::ALL
                 .iter()
@@ -251,6 +263,17 @@ fn stage_reports(reports: &[RankReport], stage: Stage) -> Vec<&StageReport> {
         .iter()
         .filter_map(|r| r.stages.iter().find(|s| s.stage == stage))
         .collect()
+}
+
+/// What a rank's model states grew by from half the width to the whole,
+/// less what the formula grew by; `None` where the stage was not measured
+/// at half the width.
+fn scaled_excess(s: &StageReport, stage: Stage, precision: Precision) -> Option<i64> {
+    let m = s.smaller.as_ref()?;
+    let grown = s.held.total() as i64 - m.held.total() as i64;
+    let formula = stage.formula(s.psi, s.block, precision).total() as i64
+        - stage.formula(m.psi, m.block, precision).total() as i64;
+    Some(grown - formula)
 }
 
 /// The rank count that `workbook run --ranks N` adds to every cell's

@@ -89,6 +89,33 @@ pub struct StageReport {
     pub loss: f32,
     /// Tensors that hold the model states (each with candle's bookkeeping).
     pub tensors: u64,
+    /// The same stage measured again at half the width, for one step: what
+    /// grows with the model is the difference between the two.
+    pub smaller: Option<Smaller>,
+}
+
+/// A stage's model states measured at half the width: the same tensors,
+/// so the same bookkeeping, and a quarter of the weights' elements.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Smaller {
+    /// Parameters of the smaller model.
+    pub psi: u64,
+    /// Parameters of this rank's blocks of it.
+    pub block: u64,
+    /// Model states held, from the meter, as [`StageReport::held`].
+    pub held: ModelState,
+}
+
+impl RankRequest {
+    /// The same request at half the width and for one step, if the width
+    /// can be halved.
+    fn smaller(&self) -> Option<RankRequest> {
+        (self.width >= 2).then(|| RankRequest {
+            width: self.width / 2,
+            steps: 1,
+            ..self.clone()
+        })
+    }
 }
 
 /// A Linear + ReLU layer over any linear map.
@@ -394,6 +421,7 @@ fn run_stage(
         seconds_per_step: seconds / steps as f64,
         loss,
         tensors,
+        smaller: None,
     })
 }
 
@@ -549,9 +577,17 @@ fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
         if let Some(f) = &fault {
             f.strike(comm.rank(), stage);
         }
-        let s = run_stage(&mut ctx, comm, stage, req).with_context(|| {
-            format!("rank {} of {}, {}", comm.rank(), comm.size(), stage.name())
-        })?;
+        let what = || format!("rank {} of {}, {}", comm.rank(), comm.size(), stage.name());
+        let mut s = run_stage(&mut ctx, comm, stage, req).with_context(what)?;
+        if let Some(smaller) = req.smaller() {
+            let m = run_stage(&mut ctx, comm, stage, &smaller)
+                .with_context(|| format!("{} at half the width", what()))?;
+            s.smaller = Some(Smaller {
+                psi: m.psi,
+                block: m.block,
+                held: m.held,
+            });
+        }
         report.stages.push(s);
         write_report(&report, &req.out)?;
         // Every rank's report of this stage is written before any rank
