@@ -82,6 +82,12 @@ fn a_clean_run_measures_every_stage() {
             2.0,
             "{cell}"
         );
+        // From width 4 to 8, the model states grow by the formula's bytes.
+        assert_eq!(
+            cell["metrics"][format!("{stage}_n2_scaled_excess")],
+            0.0,
+            "{cell}"
+        );
     }
 }
 
