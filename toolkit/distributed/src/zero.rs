@@ -116,6 +116,19 @@ impl ZeroAdamW {
             .sum()
     }
 
+    /// This rank's block of `var`'s gradient, averaged over the ranks and
+    /// summed over the backward passes since the last step (stage 2's
+    /// [`reduce_gradient`](Self::reduce_gradient)): `split.block()` f32
+    /// elements, the part past the tensor's end zero. `None` for a variable
+    /// this optimizer does not update or that has no gradient yet. What a
+    /// gradient norm for clipping, or a check, reads.
+    pub fn gradient_block(&self, var: &Var) -> Option<&Tensor> {
+        self.slots
+            .iter()
+            .find(|s| s.var.id() == var.id())
+            .and_then(|s| s.grad.as_ref())
+    }
+
     /// Stage 2: reduce-scatters `grad`, the gradient of `var` on this rank,
     /// and keeps this rank's block of its mean over the ranks. Every rank
     /// must hand over the same variables in the same order.
