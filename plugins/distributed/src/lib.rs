@@ -137,6 +137,7 @@ impl Plugin for ZeroStages {
             MetricSpec::bytes("{stage}_n{ranks}_optim", "optimizer state one rank holds, measured"),
             MetricSpec::bytes("{stage}_n{ranks}_peak", "one rank's highest memory during the steps, above the stage's start (model states included, their set-up not)"),
             MetricSpec::bytes("{stage}_n{ranks}_comm_peak", "communication buffers at their highest on one rank"),
+            MetricSpec::bytes("{stage}_n{ranks}_activations", "activations at their highest on one rank, above the stage's start"),
             MetricSpec::bytes("{stage}_n{ranks}_sent", "bytes one rank sends per step (ring algorithms), counted"),
             MetricSpec::bytes(
                 "{stage}_n{ranks}_sent_formula",
@@ -211,6 +212,7 @@ impl Plugin for ZeroStages {
                 ctx.metric(key("optim"), max(&|s| s.held.optim) as f64);
                 ctx.metric(key("peak"), max(&|s| s.peak) as f64);
                 ctx.metric(key("comm_peak"), max(&|s| s.comm_peak) as f64);
+                ctx.metric(key("activations"), max(&|s| s.activations_peak) as f64);
                 ctx.metric(key("sent"), max(&|s| s.sent_per_step) as f64);
                 ctx.metric(
                     key("sent_formula"),
@@ -338,6 +340,20 @@ fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Preci
     ctx.table(t);
 }
 
+/// The categories of the by-category plot.
+const CATEGORIES: usize = 5;
+
+/// What a rank held of each category, as the by-category plot names them.
+fn by_category(s: &StageReport) -> [(&'static str, u64); CATEGORIES] {
+    [
+        ("parameters", s.held.params),
+        ("gradients", s.held.grads),
+        ("optimizer state", s.held.optim),
+        ("activations (peak)", s.activations_peak),
+        ("communication buffers (peak)", s.comm_peak),
+    ]
+}
+
 fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {
     // The f32 plots keep the titles they had before bf16 was measured.
     let dtype = match precision {
@@ -375,6 +391,33 @@ fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Pre
         series: series(&|s| mib(s.held.total())),
         ..Default::default()
     });
+    // What each stage partitions, one category at a time, at the most ranks.
+    if let Some((n, stages)) = rows.last().filter(|(_, s)| !s.is_empty()) {
+        ctx.figure(Figure {
+            id: "zero-by-category".into(),
+            title: format!("What one rank holds on {n} ranks, by category{dtype}"),
+            x: Axis {
+                label: "stage (0: DDP, 1-3: ZeRO)".into(),
+                unit: Unit::None,
+                log: false,
+            },
+            y: Axis {
+                label: "MiB per rank".into(),
+                unit: Unit::None,
+                log: false,
+            },
+            series: (0..CATEGORIES)
+                .map(|i| Series {
+                    name: by_category(&stages[0])[i].0.to_string(),
+                    points: stages
+                        .iter()
+                        .map(|s| (s.stage as usize as f64, mib(by_category(s)[i].1)))
+                        .collect(),
+                })
+                .collect(),
+            ..Default::default()
+        });
+    }
     ctx.figure(Figure {
         id: "zero-bytes-sent".into(),
         title: format!("Bytes each rank sends per step{dtype}"),

@@ -205,7 +205,7 @@ fn dense_backward(
     x: &Tensor,
     y: &Tensor,
 ) -> Result<(f32, GradStore)> {
-    let l = mse(&forward(layers, x)?, y)?;
+    let l = Category::Activations.scope(|| mse(&forward(layers, x)?, y))?;
     let all = Category::Gradients.scope(|| l.backward())?;
     let loss = scalar(&l)?;
     drop(l);
@@ -352,7 +352,7 @@ fn run_stage(
                 opt.step_reduced()?;
             }
             Trainer::Zero3(layers, opt) => {
-                let l = mse(&forward(layers, &x)?, &y)?;
+                let l = Category::Activations.scope(|| mse(&forward(layers, &x)?, &y))?;
                 let all = Category::Gradients.scope(|| l.backward())?;
                 loss = scalar(&l)?;
                 drop(l);
