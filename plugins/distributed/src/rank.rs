@@ -320,9 +320,22 @@ fn run_stage(
         };
         match &mut t {
             Trainer::Ddp((layers, vars), ddp, opt) => {
-                let mut grads;
-                (loss, grads) = dense_backward(layers, vars, &x, &y)?;
-                ddp.average(&mut grads)?;
+                // Gradients averaged a bucket at a time as the layer-wise
+                // backward hands them over, where DDP's hooks launch theirs.
+                let mut buckets = ddp.bucketing();
+                let (l, _) = Category::Gradients.scope(|| {
+                    lean_backward_with(
+                        layers,
+                        &x,
+                        vars,
+                        |h| mse(h, &y),
+                        |var, g| buckets.push(var, g),
+                        &Tags,
+                    )
+                })?;
+                loss = scalar(&l)?;
+                drop(l);
+                let grads = Category::Gradients.scope(|| buckets.finish())?;
                 held.grads = grads_now(&region);
                 match opt {
                     DdpOptimizer::Lean(opt) => opt.step(&grads)?,
