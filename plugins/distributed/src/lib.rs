@@ -125,6 +125,10 @@ impl Plugin for ZeroStages {
                 "model states one rank holds (parameters + gradients + optimizer state), measured, highest over the ranks",
             ),
             MetricSpec::bytes(
+                "{stage}_n{ranks}_state_spread",
+                "the most model states a rank holds less the fewest: 0 when every rank holds the same (the other metrics are the highest over the ranks)",
+            ),
+            MetricSpec::bytes(
                 "{stage}_n{ranks}_formula",
                 "model states per rank by ZeRO's formula as the toolkit holds them: in f32 4 + 4 + 8 bytes per parameter, in bf16 2 + 2 + 12 (stage 2's gradient blocks and stage 3's parameter blocks in f32), the partitioned parts over N",
             ),
@@ -184,7 +188,15 @@ impl Plugin for ZeroStages {
                 precision: p.precision,
                 timeout: std::time::Duration::from_secs_f64(p.timeout_seconds),
             };
-            let outcome = launch(&job)?;
+            // A job that cannot start ends the cell's runs, but what the
+            // earlier rank counts measured still goes into the table.
+            let outcome = match launch(&job) {
+                Ok(o) => o,
+                Err(e) => {
+                    failures.push(format!("{n} ranks: {e:#}"));
+                    break;
+                }
+            };
             if let Some(e) = &outcome.error {
                 failures.push(format!("{n} ranks: {e}"));
             }
@@ -199,9 +211,11 @@ impl Plugin for ZeroStages {
                     per_rank.iter().map(|s| f(s)).max().unwrap_or(0)
                 };
                 let state = max(&|s| s.held.total());
+                let least = per_rank.iter().map(|s| s.held.total()).min().unwrap_or(0);
                 let formula = stage.formula(first.psi, first.block, p.precision);
                 ctx.metric("psi", first.psi as f64);
                 ctx.metric(key("state"), state as f64);
+                ctx.metric(key("state_spread"), (state - least) as f64);
                 ctx.metric(key("formula"), formula.total() as f64);
                 ctx.metric(
                     key("paper"),

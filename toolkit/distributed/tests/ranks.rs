@@ -708,6 +708,10 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
             stage3(comm, &mixed_want, &dev, false, DType::BF16)?,
         ),
         (
+            "ZeRO stage 3 with HostAdamW in bf16",
+            stage3(comm, &mixed_want, &dev, true, DType::BF16)?,
+        ),
+        (
             "ZeRO stage 3, parameters gathered, in bf16",
             stage3_gathered(comm, &mixed_want, &dev, DType::BF16)?,
         ),
