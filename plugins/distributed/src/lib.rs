@@ -88,8 +88,9 @@ impl Plugin for ZeroStages {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
+        // Width 2 at least: each stage is measured again at half of it.
         r.at_least("layers", p.layers, 1)
-            .at_least("width", p.width, 1)
+            .at_least("width", p.width, 2)
             .at_least("batch", p.batch, 1)
             .at_least("steps", p.steps, 1)
             .positive("budget_mib", p.budget_mib)
@@ -159,7 +160,7 @@ impl Plugin for ZeroStages {
             ),
             MetricSpec::bytes(
                 "{stage}_n{ranks}_scaled_excess",
-                "what the measured model states grow by from half the width to the whole, less what the formula grows by: 0 when every byte that grows with the model is the formula's (the rank whose difference is largest)",
+                "what the measured model states grow by from half the width to the whole, less what the formula grows by: 0 when every byte that grows with the model is the formula's (the rank whose difference is largest in magnitude, its sign kept)",
             ),
             MetricSpec::count("{stage}_n{ranks}_ranks_reported", "ranks that wrote a report for the stage"),
         ]
@@ -264,8 +265,10 @@ impl Plugin for ZeroStages {
                 .collect();
             rows.push((n, full));
         }
-        table(ctx, &rows, p.precision);
-        figures(ctx, &rows, p.precision);
+        if !rows.is_empty() {
+            table(ctx, &rows, p.precision);
+            figures(ctx, &rows, p.precision);
+        }
         if !failures.is_empty() {
             anyhow::bail!("{}", failures.join("; "));
         }
@@ -354,17 +357,23 @@ fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Preci
     ctx.table(t);
 }
 
-/// The categories of the by-category plot.
-const CATEGORIES: usize = 5;
+/// The by-category plot's lines.
+const CATEGORIES: [&str; 5] = [
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "activations (peak)",
+    "communication buffers (peak)",
+];
 
-/// What a rank held of each category, as the by-category plot names them.
-fn by_category(s: &StageReport) -> [(&'static str, u64); CATEGORIES] {
+/// What a rank held of each of [`CATEGORIES`].
+fn by_category(s: &StageReport) -> [u64; CATEGORIES.len()] {
     [
-        ("parameters", s.held.params),
-        ("gradients", s.held.grads),
-        ("optimizer state", s.held.optim),
-        ("activations (peak)", s.activations_peak),
-        ("communication buffers (peak)", s.comm_peak),
+        s.held.params,
+        s.held.grads,
+        s.held.optim,
+        s.activations_peak,
+        s.comm_peak,
     ]
 }
 
@@ -406,7 +415,7 @@ fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Pre
         ..Default::default()
     });
     // What each stage partitions, one category at a time, at the most ranks.
-    if let Some((n, stages)) = rows.last().filter(|(_, s)| !s.is_empty()) {
+    if let Some((n, stages)) = rows.last() {
         ctx.figure(Figure {
             id: "zero-by-category".into(),
             title: format!("What one rank holds on {n} ranks, by category{dtype}"),
@@ -420,12 +429,14 @@ fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Pre
                 unit: Unit::None,
                 log: false,
             },
-            series: (0..CATEGORIES)
-                .map(|i| Series {
-                    name: by_category(&stages[0])[i].0.to_string(),
+            series: CATEGORIES
+                .iter()
+                .enumerate()
+                .map(|(i, name)| Series {
+                    name: name.to_string(),
                     points: stages
                         .iter()
-                        .map(|s| (s.stage as usize as f64, mib(by_category(s)[i].1)))
+                        .map(|s| (s.stage as usize as f64, mib(by_category(s)[i])))
                         .collect(),
                 })
                 .collect(),

@@ -11,7 +11,7 @@ use candle_checkpoint::lean_backward_with;
 use candle_distributed::{Comm, DataParallel, ShardedLinear, Split, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use serde::{Deserialize, Serialize};
-use workbook_models::{param_grads, Rng};
+use workbook_models::Rng;
 use workbook_sdk::anyhow::{self, Context as _};
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
@@ -197,19 +197,19 @@ fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
     })
 }
 
-/// candle's backward of the dense model: the loss, and the parameters'
-/// gradients alone (candle's store holds every node's).
-fn dense_backward(
+/// The dense model's layer-wise backward (candle-checkpoint's), each
+/// parameter's gradient handed to `on_grad` as soon as it exists, as DDP's
+/// hooks and ZeRO's reduce-scatters take them: the loss.
+fn layerwise_backward(
     layers: &[Layer<candle_nn::Linear>],
     vars: &[Var],
     x: &Tensor,
     y: &Tensor,
-) -> Result<(f32, GradStore)> {
-    let l = Category::Activations.scope(|| mse(&forward(layers, x)?, y))?;
-    let all = Category::Gradients.scope(|| l.backward())?;
-    let loss = scalar(&l)?;
-    drop(l);
-    Ok((loss, param_grads(&all, vars)))
+    on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+) -> Result<f32> {
+    let (l, _) = Category::Gradients
+        .scope(|| lean_backward_with(layers, x, vars, |h| mse(h, y), on_grad, &Tags))?;
+    scalar(&l)
 }
 
 /// DDP's optimizer: in f32 the parameters are their own masters; in mixed
@@ -300,11 +300,13 @@ fn run_stage(
 ) -> anyhow::Result<StageReport> {
     let dev = Device::Cpu;
     let ranks = comm.size();
-    let region = ctx.region(stage.name());
+    // Regions named by stage and width: the half-width run has its own.
+    let name = format!("{} at width {}", stage.name(), req.width);
+    let region = ctx.region(name.clone());
     let mut t = trainer(stage, comm, req, &dev)?;
     // The training's own peak, set-up left out (stage 3 makes the whole
     // initial model once to keep its blocks).
-    let steps_region = ctx.region(format!("{} steps", stage.name()));
+    let steps_region = ctx.region(format!("{name}, steps"));
     let sizes: Vec<usize> = (0..req.layers)
         .flat_map(|_| [req.width * req.width, req.width])
         .collect();
@@ -323,18 +325,7 @@ fn run_stage(
                 // Gradients averaged a bucket at a time as the layer-wise
                 // backward hands them over, where DDP's hooks launch theirs.
                 let mut buckets = ddp.bucketing();
-                let (l, _) = Category::Gradients.scope(|| {
-                    lean_backward_with(
-                        layers,
-                        &x,
-                        vars,
-                        |h| mse(h, &y),
-                        |var, g| buckets.push(var, g),
-                        &Tags,
-                    )
-                })?;
-                loss = scalar(&l)?;
-                drop(l);
+                loss = layerwise_backward(layers, vars, &x, &y, |var, g| buckets.push(var, g))?;
                 let grads = Category::Gradients.scope(|| buckets.finish())?;
                 held.grads = grads_now(&region);
                 match opt {
@@ -343,24 +334,19 @@ fn run_stage(
                 }
             }
             Trainer::Zero1((layers, vars), opt) => {
-                let grads;
-                (loss, grads) = dense_backward(layers, vars, &x, &y)?;
+                // Every gradient whole until the step reduce-scatters them.
+                let mut grads = GradStore::default();
+                loss = layerwise_backward(layers, vars, &x, &y, |var, g| {
+                    grads.insert(var.as_tensor(), g);
+                    Ok(())
+                })?;
                 held.grads = grads_now(&region);
                 opt.step(&grads)?;
             }
             Trainer::Zero2((layers, vars), opt) => {
-                let (l, _) = Category::Gradients.scope(|| {
-                    lean_backward_with(
-                        layers,
-                        &x,
-                        vars,
-                        |h| mse(h, &y),
-                        |var, g| opt.reduce_gradient(var, &g),
-                        &Tags,
-                    )
+                loss = layerwise_backward(layers, vars, &x, &y, |var, g| {
+                    opt.reduce_gradient(var, &g)
                 })?;
-                loss = scalar(&l)?;
-                drop(l);
                 held.grads = grads_now(&region);
                 opt.step_reduced()?;
             }

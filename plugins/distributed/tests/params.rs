@@ -61,6 +61,15 @@ fn sizes_and_limits_are_checked() {
     assert!(r[2].starts_with("timeout_seconds: 0"), "{r:?}");
 }
 
+#[test]
+fn a_width_that_cannot_be_halved_is_refused() {
+    let p = Params {
+        width: 1,
+        ..Params::default()
+    };
+    assert_eq!(refusals(p), ["width: 1 (allowed: at least 2)"]);
+}
+
 #[cfg(not(feature = "mpi"))]
 #[test]
 fn without_mpi_a_job_says_what_to_install() {

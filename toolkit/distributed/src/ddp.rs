@@ -115,8 +115,10 @@ impl DataParallel {
         }
     }
 
-    /// One bucket's all-reduce: the gradients' means, in order.
-    fn reduce<'v>(&self, bucket: Vec<(&'v Var, Tensor)>) -> Result<Vec<(&'v Var, Tensor)>> {
+    /// One bucket's all-reduce: the gradients' means, in order, each
+    /// gradient freed as its mean is made (the bucket is taken by value, so
+    /// nothing else holds them).
+    fn reduce<V>(&self, bucket: Vec<(V, Tensor)>) -> Result<Vec<(V, Tensor)>> {
         if bucket.is_empty() {
             return Ok(Vec::new());
         }
@@ -188,11 +190,7 @@ impl Bucketing<'_> {
         if pending.is_empty() {
             return Ok(());
         }
-        let bucket: Vec<(&Var, Tensor)> = pending.iter().map(|(v, g)| (v, g.clone())).collect();
-        let means = self.ddp.reduce(bucket)?;
-        let means: Vec<(Var, Tensor)> = means.into_iter().map(|(v, t)| (v.clone(), t)).collect();
-        drop(pending);
-        for (var, mean) in means {
+        for (var, mean) in self.ddp.reduce(pending)? {
             // A variable used twice is handed over twice: sum.
             add_grad(&mut self.done, &var, mean)?;
         }

@@ -120,8 +120,8 @@ impl ZeroAdamW {
     /// summed over the backward passes since the last step (stage 2's
     /// [`reduce_gradient`](Self::reduce_gradient)): `split.block()` f32
     /// elements, the part past the tensor's end zero. `None` for a variable
-    /// this optimizer does not update or that has no gradient yet. What a
-    /// gradient norm for clipping, or a check, reads.
+    /// this optimizer does not update, or that has had no gradient since
+    /// the last step. What a gradient norm for clipping, or a check, reads.
     pub fn gradient_block(&self, var: &Var) -> Option<&Tensor> {
         self.slots
             .iter()

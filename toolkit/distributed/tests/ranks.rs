@@ -4,10 +4,10 @@
 //! Run without `mpirun`, this program starts itself under `mpirun` with 2
 //! and then 4 ranks and fails if any rank fails. Each rank trains the same
 //! small network several ways on its shard of the batch and compares the
-//! parameters after every step, and in f32 the gradients each step used,
-//! with those of a single-process run that it computes itself. The layers'
-//! sizes do not all divide by the ranks, so the last block of a split is
-//! partly padding.
+//! parameters after every step, and in f32 the gradients each step used
+//! (DDP's averaged gradients, the blocks of stages 2 and 3), with those of a
+//! single-process run that it computes itself. The layers' sizes do not all
+//! divide by the ranks, so some ranks' blocks are partly or wholly padding.
 
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
@@ -161,19 +161,20 @@ fn reference(dev: &Device) -> Result<Reference> {
 }
 
 /// Whether `got`, this rank's gradients at `step`, are one process's on
-/// the whole batch: whole, or with `blocks` this rank's block of each (its
-/// padding zero). Nothing to compare where the reference has no gradients.
+/// the whole batch: whole, or with `block_of` this rank's block of each
+/// (its padding zero). Nothing to compare where the reference has no
+/// gradients.
 fn grads_match(
     what: &str,
     step: usize,
     want: &Reference,
     got: &[Vec<f32>],
-    blocks: Option<&Comm>,
+    block_of: Option<&Comm>,
 ) -> std::result::Result<(), String> {
     let Some(whole) = want.grads.get(step) else {
         return Ok(());
     };
-    let expected: Vec<Vec<f32>> = match blocks {
+    let expected: Vec<Vec<f32>> = match block_of {
         None => whole.clone(),
         Some(comm) => whole
             .iter()
