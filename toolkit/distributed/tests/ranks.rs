@@ -160,20 +160,21 @@ fn reference(dev: &Device) -> Result<Reference> {
     Ok(Reference { params, grads })
 }
 
-/// Whether `got`, this rank's gradients at `step`, are one process's on
-/// the whole batch: whole, or with `block_of` this rank's block of each
-/// (its padding zero). Nothing to compare where the reference has no
-/// gradients.
+/// Whether the gradients of `vars` in `grads`, this rank's at `step`, are
+/// one process's on the whole batch: whole, or with `block_of` this rank's
+/// block of each (its padding zero). Nothing to compare where the
+/// reference has no gradients.
 fn grads_match(
     what: &str,
     step: usize,
     want: &Reference,
-    got: &[Vec<f32>],
+    (grads, vars): (&GradStore, &[Var]),
     block_of: Option<&Comm>,
-) -> std::result::Result<(), String> {
+) -> Result<std::result::Result<(), String>> {
     let Some(whole) = want.grads.get(step) else {
-        return Ok(());
+        return Ok(Ok(()));
     };
+    let got = grad_values(grads, vars)?;
     let expected: Vec<Vec<f32>> = match block_of {
         None => whole.clone(),
         Some(comm) => whole
@@ -186,14 +187,13 @@ fn grads_match(
             })
             .collect(),
     };
-    let worst = worst_difference(got, &expected)
-        .map_err(|e| format!("{what}, step {step}: gradients: {e}"))?;
-    if worst > TOLERANCE {
-        return Err(format!(
+    Ok(match worst_difference(&got, &expected) {
+        Err(e) => Err(format!("{what}, step {step}: gradients: {e}")),
+        Ok(worst) if worst > TOLERANCE => Err(format!(
             "{what}, step {step}: gradients differ by {worst:e} from one process on the whole batch"
-        ));
-    }
-    Ok(())
+        )),
+        Ok(_) => Ok(()),
+    })
 }
 
 /// This rank's rows of the batch.
@@ -257,7 +257,7 @@ fn ddp(comm: &Arc<Comm>, want: &Reference, dev: &Device) -> Result<Check> {
         let mut grads =
             mse(&forward(&layers, &shard(comm, &x)?)?, &shard(comm, &y)?)?.backward()?;
         ddp.average(&mut grads)?;
-        if let Err(e) = grads_match("DDP", step, want, &grad_values(&grads, &vars)?, None) {
+        if let Err(e) = grads_match("DDP", step, want, (&grads, &vars), None)? {
             return Ok(Err(e));
         }
         opt.step(&grads)?;
@@ -290,7 +290,7 @@ fn ddp_during_backward(comm: &Arc<Comm>, want: &Reference, dev: &Device) -> Resu
         )?;
         let grads = buckets.finish()?;
         let what = "DDP during the backward";
-        if let Err(e) = grads_match(what, step, want, &grad_values(&grads, &vars)?, None) {
+        if let Err(e) = grads_match(what, step, want, (&grads, &vars), None)? {
             return Ok(Err(e));
         }
         opt.step(&grads)?;
@@ -432,14 +432,13 @@ fn zero(
                         opt.gradient_bytes()
                     )));
                 }
-                let blocks = vars
-                    .iter()
-                    .map(|v| opt.gradient_block(v).cloned())
-                    .collect::<Option<Vec<_>>>();
-                let Some(blocks) = blocks else {
-                    return Ok(Err(format!("{what}: a parameter without a gradient block")));
-                };
-                if let Err(e) = grads_match(&what, step, want, &values(&blocks)?, Some(comm)) {
+                let mut blocks = GradStore::default();
+                for v in &vars {
+                    if let Some(b) = opt.gradient_block(v) {
+                        blocks.insert(v.as_tensor(), b.clone());
+                    }
+                }
+                if let Err(e) = grads_match(&what, step, want, (&blocks, &vars), Some(comm))? {
                     return Ok(Err(e));
                 }
                 opt.step_reduced()?;
@@ -508,13 +507,7 @@ fn stage3(
         for l in &layers {
             l.linear.take_grads_into(&mut grads);
         }
-        if let Err(e) = grads_match(
-            &what,
-            step,
-            want,
-            &grad_values(&grads, &blocks)?,
-            Some(comm),
-        ) {
+        if let Err(e) = grads_match(&what, step, want, (&grads, &blocks), Some(comm))? {
             return Ok(Err(e));
         }
         step_with(&grads)?;
@@ -590,13 +583,7 @@ fn stage3_gathered(
                 v.dims()
             )));
         }
-        if let Err(e) = grads_match(
-            &what,
-            step,
-            want,
-            &grad_values(&grads, &blocks)?,
-            Some(comm),
-        ) {
+        if let Err(e) = grads_match(&what, step, want, (&grads, &blocks), Some(comm))? {
             return Ok(Err(e));
         }
         opt.step(&grads)?;
