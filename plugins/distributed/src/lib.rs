@@ -170,6 +170,9 @@ impl Plugin for ZeroStages {
         let budget = p.budget_mib * 1_048_576.0;
         let mut failures = Vec::new();
         let mut rows: Vec<(usize, Vec<StageReport>)> = Vec::new();
+        // Every rank's reports of the largest job that ran, for the table
+        // rank by rank.
+        let mut largest: Vec<RankReport> = Vec::new();
         let mut counts = p.ranks.clone();
         if let Some(n) = extra_ranks(p.batch)? {
             if !counts.contains(&n) {
@@ -264,9 +267,11 @@ impl Plugin for ZeroStages {
                 })
                 .collect();
             rows.push((n, full));
+            largest = outcome.reports;
         }
         if !rows.is_empty() {
             table(ctx, &rows, p.precision);
+            rank_table(ctx, &largest, p.precision);
             figures(ctx, &rows, p.precision);
         }
         if !failures.is_empty() {
@@ -375,6 +380,50 @@ fn by_category(s: &StageReport) -> [u64; CATEGORIES.len()] {
         s.activations_peak,
         s.comm_peak,
     ]
+}
+
+/// What each rank of one job measured, stage by stage: the first table
+/// keeps the highest rank of each.
+fn rank_table(ctx: &mut Context, reports: &[RankReport], precision: Precision) {
+    let Some(ranks) = reports.first().map(|r| r.ranks) else {
+        return;
+    };
+    let mut t = Table::new(
+        format!(
+            "Each of {ranks} ranks, {}: what it held and its peak",
+            precision.describe()
+        ),
+        &[
+            ("stage", Unit::None),
+            ("rank", Unit::None),
+            ("params", Unit::Bytes),
+            ("grads", Unit::Bytes),
+            ("optim", Unit::Bytes),
+            ("activations", Unit::Bytes),
+            ("comm buffers", Unit::Bytes),
+            ("peak", Unit::Bytes),
+            ("sent / step", Unit::Bytes),
+        ],
+    );
+    for stage in Stage::ALL {
+        for r in reports {
+            let Some(s) = r.stages.iter().find(|s| s.stage == stage) else {
+                continue;
+            };
+            t.row(vec![
+                stage.name().into(),
+                r.rank.into(),
+                s.held.params.into(),
+                s.held.grads.into(),
+                s.held.optim.into(),
+                s.activations_peak.into(),
+                s.comm_peak.into(),
+                s.peak.into(),
+                s.sent_per_step.into(),
+            ]);
+        }
+    }
+    ctx.table(t);
 }
 
 fn figures(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {
