@@ -1,8 +1,9 @@
 //! DDP and ZeRO stages 1, 2 and 3 against one process training on the whole
-//! batch, with 2 and 4 MPI ranks, in f32 and in mixed precision.
+//! batch, with 2, 3 and 4 MPI ranks, in f32 and in mixed precision.
 //!
-//! Run without `mpirun`, this program starts itself under `mpirun` with 2
-//! and then 4 ranks and fails if any rank fails. Each rank trains the same
+//! Run without `mpirun`, this program starts itself under `mpirun` with 2,
+//! 3 and 4 ranks and fails if any rank fails. Three ranks split the batch
+//! of 8 rows unevenly (3, 3, 2), each rank's loss weighted by its rows. Each rank trains the same
 //! small network several ways on its shard of the batch and compares the
 //! parameters after every step, and in f32 the gradients each step used
 //! (DDP's averaged gradients, the blocks of stages 2 and 3), with those of a
@@ -15,7 +16,9 @@ use std::sync::Arc;
 use candle_checkpoint::lean_backward_with;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use candle_distributed::{Comm, DataParallel, ShardedLinear, ShardedParam, Split, ZeroAdamW};
+use candle_distributed::{
+    Comm, DataParallel, Shard, ShardedLinear, ShardedParam, Split, ZeroAdamW,
+};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use candle_observe::NoObserver;
@@ -196,10 +199,15 @@ fn grads_match(
     })
 }
 
-/// This rank's rows of the batch.
+/// This rank's rows of the batch: 3 ranks split it unevenly.
 fn shard(comm: &Comm, t: &Tensor) -> Result<Tensor> {
-    let rows = BATCH / comm.size();
-    t.narrow(0, comm.rank() * rows, rows)
+    Shard::new(BATCH, comm.size(), comm.rank()).narrow(t)
+}
+
+/// The loss of this rank's rows, weighted by its share of the batch so that
+/// the average over the ranks is the whole batch's mean.
+fn shard_mse(comm: &Comm, out: &Tensor, y: &Tensor) -> Result<Tensor> {
+    Shard::new(BATCH, comm.size(), comm.rank()).weigh(&mse(out, y)?)
 }
 
 fn compare(
@@ -254,8 +262,12 @@ fn ddp(comm: &Arc<Comm>, want: &Reference, dev: &Device) -> Result<Check> {
     let mut worst = 0f32;
     for (step, params) in want.params.iter().enumerate() {
         let (x, y) = batch(step, dev)?;
-        let mut grads =
-            mse(&forward(&layers, &shard(comm, &x)?)?, &shard(comm, &y)?)?.backward()?;
+        let mut grads = shard_mse(
+            comm,
+            &forward(&layers, &shard(comm, &x)?)?,
+            &shard(comm, &y)?,
+        )?
+        .backward()?;
         ddp.average(&mut grads)?;
         if let Err(e) = grads_match("DDP", step, want, (&grads, &vars), None)? {
             return Ok(Err(e));
@@ -284,7 +296,7 @@ fn ddp_during_backward(comm: &Arc<Comm>, want: &Reference, dev: &Device) -> Resu
             &layers,
             &x,
             &vars,
-            |h| mse(h, &y),
+            |h| shard_mse(comm, h, &y),
             |var, g| buckets.push(var, g),
             &NoObserver,
         )?;
@@ -407,17 +419,17 @@ fn zero(
         let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
         match stage {
             0 => {
-                let mut grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
+                let mut grads = shard_mse(comm, &forward(&layers, &x)?, &y)?.backward()?;
                 ddp.average(&mut grads)?;
                 opt.step(&grads)?;
             }
-            1 => opt.step(&mse(&forward(&layers, &x)?, &y)?.backward()?)?,
+            1 => opt.step(&shard_mse(comm, &forward(&layers, &x)?, &y)?.backward()?)?,
             _ => {
                 lean_backward_with(
                     &layers,
                     &x,
                     &vars,
-                    |h| mse(h, &y),
+                    |h| shard_mse(comm, h, &y),
                     |var, g| opt.reduce_gradient(var, &g),
                     &NoObserver,
                 )?;
@@ -502,7 +514,7 @@ fn stage3(
         if out.dtype() != dtype {
             return Ok(Err(format!("{what}: a {:?} output", out.dtype())));
         }
-        mse(&out, &shard(comm, &y)?)?.backward()?;
+        shard_mse(comm, &out, &shard(comm, &y)?)?.backward()?;
         let mut grads = candle_core::backprop::GradStore::default();
         for l in &layers {
             l.linear.take_grads_into(&mut grads);
@@ -576,7 +588,7 @@ fn stage3_gathered(
     for (step, params) in want.params.iter().enumerate() {
         let (x, y) = batch_as(step, dev, dtype)?;
         let out = forward(&layers, &shard(comm, &x)?)?;
-        let grads = mse(&out, &shard(comm, &y)?)?.backward()?;
+        let grads = shard_mse(comm, &out, &shard(comm, &y)?)?.backward()?;
         if let Some(v) = blocks.iter().find(|v| grads.get(v.as_tensor()).is_none()) {
             return Ok(Err(format!(
                 "{what}: no gradient for a block of {:?}",
@@ -734,7 +746,7 @@ fn launch() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    for ranks in [2, 4] {
+    for ranks in [2, 3, 4] {
         let mut cmd = Command::new("mpirun");
         cmd.args(["--oversubscribe", "-n", &ranks.to_string()]);
         // Open MPI refuses to run as root unless told.

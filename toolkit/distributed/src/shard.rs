@@ -1,0 +1,97 @@
+//! How a batch's rows are split over the ranks, evenly or not.
+
+use std::ops::Range;
+
+use candle_core::{Result, Tensor};
+
+/// One rank's rows of a batch of `batch` rows over `ranks` ranks: the
+/// first `batch % ranks` ranks take one row more, so any rank count up to
+/// the batch works.
+///
+/// Each rank's mean loss is weighted by [`weight`](Self::weight), its rows
+/// × N / batch, so that the gradients averaged over the ranks (what DDP's
+/// all-reduce and ZeRO's reduce-scatter compute) equal the whole batch's
+/// mean, as `candle-accumulate`'s `add_weighted` does for micro-batches of
+/// unequal size. For an even split the weight is exactly 1.
+///
+/// ```
+/// use candle_distributed::Shard;
+/// let rows: Vec<_> = (0..3).map(|r| Shard::new(8, 3, r).rows()).collect();
+/// assert_eq!(rows, [0..3, 3..6, 6..8]);
+/// assert_eq!(Shard::new(8, 3, 2).weight(), 0.75);
+/// assert_eq!(Shard::new(8, 4, 1).weight(), 1.0);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    batch: usize,
+    ranks: usize,
+    rank: usize,
+}
+
+impl Shard {
+    /// `rank`'s share of `batch` rows over `ranks` (at least one).
+    pub fn new(batch: usize, ranks: usize, rank: usize) -> Self {
+        Self {
+            batch,
+            ranks: ranks.max(1),
+            rank,
+        }
+    }
+
+    /// The rows this rank trains on.
+    pub fn rows(&self) -> Range<usize> {
+        let (each, extra) = (self.batch / self.ranks, self.batch % self.ranks);
+        let start = self.rank * each + self.rank.min(extra);
+        let len = each + usize::from(self.rank < extra);
+        start.min(self.batch)..(start + len).min(self.batch)
+    }
+
+    /// What this rank's mean loss is multiplied by: its rows × ranks /
+    /// batch (0 for an empty batch).
+    pub fn weight(&self) -> f64 {
+        if self.batch == 0 {
+            return 0.0;
+        }
+        self.rows().len() as f64 * self.ranks as f64 / self.batch as f64
+    }
+
+    /// This rank's rows of `t` (split along its first dimension).
+    pub fn narrow(&self, t: &Tensor) -> Result<Tensor> {
+        let rows = self.rows();
+        t.narrow(0, rows.start, rows.len())
+    }
+
+    /// `loss`, this rank's mean, weighted for averaging over the ranks.
+    pub fn weigh(&self, loss: &Tensor) -> Result<Tensor> {
+        loss.affine(self.weight(), 0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Shard;
+
+    #[test]
+    fn every_row_is_one_ranks_and_the_weights_average_to_one() {
+        for batch in 1..40 {
+            for ranks in 1..=batch {
+                let shards: Vec<Shard> = (0..ranks).map(|r| Shard::new(batch, ranks, r)).collect();
+                let mut next = 0;
+                for s in &shards {
+                    assert_eq!(s.rows().start, next, "batch {batch}, {ranks} ranks");
+                    assert!(!s.rows().is_empty());
+                    next = s.rows().end;
+                }
+                assert_eq!(next, batch);
+                let mean: f64 = shards.iter().map(Shard::weight).sum::<f64>() / ranks as f64;
+                assert!(
+                    (mean - 1.0).abs() < 1e-12,
+                    "batch {batch}, {ranks} ranks: {mean}"
+                );
+                if batch % ranks == 0 {
+                    assert!(shards.iter().all(|s| s.weight() == 1.0));
+                }
+            }
+        }
+    }
+}
