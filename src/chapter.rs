@@ -332,11 +332,36 @@ fn plain(table: &SpannedTable) -> toml::Table {
 struct Source<'a> {
     path: &'a Path,
     text: &'a str,
+    /// The byte offset each line starts at: a chapter of n cells is
+    /// located n times, each in O(log n) rather than by reading from the
+    /// start of the file.
+    line_starts: Vec<usize>,
 }
 
-impl Source<'_> {
+impl<'a> Source<'a> {
+    fn new(path: &'a Path, text: &'a str) -> Self {
+        let line_starts = std::iter::once(0)
+            .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+            .collect();
+        Self {
+            path,
+            text,
+            line_starts,
+        }
+    }
+
     fn at(&self, span: std::ops::Range<usize>) -> Location {
-        Location::in_text(self.path, self.text, span.start)
+        let mut offset = span.start.min(self.text.len());
+        while !self.text.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let line = self.line_starts.partition_point(|&s| s <= offset);
+        let start = self.line_starts[line - 1];
+        Location {
+            path: self.path.to_path_buf(),
+            line,
+            column: self.text[start..offset].chars().count() + 1,
+        }
     }
 
     fn error(
@@ -359,7 +384,7 @@ impl Source<'_> {
 
 /// Parses and validates chapter text read from `path`.
 pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, ChapterError> {
-    let src = Source { path, text };
+    let src = Source::new(path, text);
     let raw: RawChapter = toml::from_str(text).map_err(|e| {
         let span = e.span().unwrap_or(0..0);
         src.error(span, None, e.message().trim().to_string())
@@ -655,13 +680,16 @@ enum Written {
 }
 
 /// A time limit in seconds, as a duration; the error says what is allowed.
+/// A millisecond is the least: below it no worker could even start, and
+/// the limit would read as "0 s" when it stops one.
 pub fn seconds(s: f64) -> Result<std::time::Duration, String> {
+    const MIN: f64 = 0.001;
     const MAX: f64 = 7.0 * 24.0 * 3600.0;
-    if s.is_finite() && s > 0.0 && s <= MAX {
+    if s.is_finite() && (MIN..=MAX).contains(&s) {
         Ok(std::time::Duration::from_secs_f64(s))
     } else {
         Err(format!(
-            "a time limit is a number of seconds above 0 and at most {MAX} (a week)"
+            "a time limit is a number of seconds from {MIN} (a millisecond) to {MAX} (a week)"
         ))
     }
 }
@@ -704,7 +732,7 @@ pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterErr
 
 /// That `path` is a regular file (through links), or what it is instead.
 /// Reading a FIFO would wait for a writer forever.
-fn check_file(path: &Path) -> Result<(), ChapterError> {
+pub fn check_file(path: &Path) -> Result<(), ChapterError> {
     use std::os::unix::fs::FileTypeExt;
     let not_a_file = |what: String| ChapterError::NotAFile {
         path: path.to_path_buf(),

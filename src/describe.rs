@@ -2,6 +2,8 @@
 //! Schema of its parameter type) and metrics (as it declares them), as
 //! text or as the Markdown of docs/plugins.md.
 
+use std::cell::Cell;
+
 use serde_json::Value;
 use workbook_sdk::protocol::PluginInfo;
 use workbook_sdk::Unit;
@@ -25,7 +27,8 @@ pub struct Param {
 /// follow it, named `table.field`.
 pub fn params(info: &PluginInfo) -> Vec<Param> {
     let mut out = Vec::new();
-    fields(&info.params, &info.params, "", &mut out, 0);
+    let work = Cell::new(WORK);
+    fields(&info.params, &info.params, "", &mut out, 0, &work);
     out
 }
 
@@ -33,7 +36,30 @@ pub fn params(info: &PluginInfo) -> Vec<Param> {
 /// is the plugin's to write) may refer to itself.
 const DEPTH: usize = 8;
 
-fn fields(root: &Value, object: &Value, prefix: &str, out: &mut Vec<Param>, depth: usize) {
+/// How many schema nodes one description may visit in all: depth alone
+/// does not bound a schema whose every level refers to itself several
+/// times (ten `anyOf` branches eight deep are 10^8 of them).
+const WORK: usize = 20_000;
+
+/// Takes one step of the work left; `false` once it is spent.
+fn spend(work: &Cell<usize>) -> bool {
+    match work.get() {
+        0 => false,
+        n => {
+            work.set(n - 1);
+            true
+        }
+    }
+}
+
+fn fields(
+    root: &Value,
+    object: &Value,
+    prefix: &str,
+    out: &mut Vec<Param>,
+    depth: usize,
+    work: &Cell<usize>,
+) {
     if depth > DEPTH {
         return;
     }
@@ -46,11 +72,14 @@ fn fields(root: &Value, object: &Value, prefix: &str, out: &mut Vec<Param>, dept
         return;
     };
     for (name, p) in properties {
+        if !spend(work) {
+            return;
+        }
         let resolved = resolve(root, p);
         let full = format!("{prefix}{name}");
         out.push(Param {
             name: full.clone(),
-            kind: kind(root, p, 0),
+            kind: kind(root, p, 0, work),
             default: p
                 .get("default")
                 .map(toml_text)
@@ -61,7 +90,7 @@ fn fields(root: &Value, object: &Value, prefix: &str, out: &mut Vec<Param>, dept
                 .unwrap_or_default(),
         });
         if resolved.get("properties").is_some() {
-            fields(root, resolved, &format!("{full}."), out, depth + 1);
+            fields(root, resolved, &format!("{full}."), out, depth + 1, work);
         }
     }
 }
@@ -83,8 +112,8 @@ fn resolve<'a>(root: &'a Value, v: &'a Value) -> &'a Value {
     }
 }
 
-fn kind(root: &Value, v: &Value, depth: usize) -> String {
-    if depth > DEPTH {
+fn kind(root: &Value, v: &Value, depth: usize, work: &Cell<usize>) -> String {
+    if depth > DEPTH || !spend(work) {
         return "…".to_string();
     }
     let v = resolve(root, v);
@@ -118,7 +147,7 @@ fn kind(root: &Value, v: &Value, depth: usize) -> String {
                 Some(values) if !values.is_empty() => one_of(values.into_iter()),
                 _ => options
                     .iter()
-                    .map(|o| kind(root, o, depth + 1))
+                    .map(|o| kind(root, o, depth + 1, work))
                     .collect::<Vec<_>>()
                     .join(" or "),
             };
@@ -131,7 +160,7 @@ fn kind(root: &Value, v: &Value, depth: usize) -> String {
     }
     match v.get("type") {
         Some(Value::String(t)) if t == "array" => match v.get("items") {
-            Some(items) => format!("array of {}", kind(root, items, depth + 1)),
+            Some(items) => format!("array of {}", kind(root, items, depth + 1, work)),
             None => "array".to_string(),
         },
         Some(Value::String(t)) => t.clone(),
@@ -145,7 +174,7 @@ fn kind(root: &Value, v: &Value, depth: usize) -> String {
             if base == "array" {
                 match v.get("items") {
                     Some(items) => {
-                        format!("array of {} (optional)", kind(root, items, depth + 1))
+                        format!("array of {} (optional)", kind(root, items, depth + 1, work))
                     }
                     None => "array (optional)".to_string(),
                 }

@@ -5,18 +5,19 @@
 //! cells in a process of its own, as it runs a built-in plugin's.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use workbook_sdk::protocol::{
-    Body, Message, ParamError, PluginInfo, Request, Verdict, PROTOCOL_VERSION,
+    Body, Message, ParamError, PluginInfo, Request, Verdict, MAX_LINE_BYTES, PROTOCOL_VERSION,
 };
 use workbook_sdk::{Context, DynPlugin, MetricSpec, Violation};
 
+use crate::child::{Group, Line};
 use crate::excerpt::excerpt;
 
 /// The start of an external plugin's file name.
@@ -223,21 +224,19 @@ impl DynPlugin for ExternalPlugin {
     }
 }
 
-/// The most a plugin may write before its answer's line ends.
-const ANSWER_BYTES: u64 = 64 << 20;
-
 /// Sends `request` to a new process of `program` and reads its one answer:
-/// the first line it writes. Its standard input, output and error are each
-/// served by a thread of their own, so that no pipe can fill and stall it,
-/// and the process is killed at [`ANSWER_LIMIT`] whatever it does.
+/// the first line it writes, at most [`MAX_LINE_BYTES`]. Its standard
+/// input, output and error are each served by a thread of their own, so
+/// that no pipe can fill and stall it, and its process group is ended at
+/// [`ANSWER_LIMIT`] whatever it does.
 fn ask(program: &Path, request: &Request) -> Result<Message, String> {
-    let mut child = Command::new(program)
+    let mut command = crate::child::command(program);
+    command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot start it: {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
+        .stderr(Stdio::piped());
+    let mut group = Group::spawn(&mut command).map_err(|e| format!("cannot start it: {e}"))?;
+    if let Some(mut stdin) = group.child().stdin.take() {
         let mut line = serde_json::to_vec(request).unwrap_or_default();
         line.push(b'\n');
         // A program that does not read its input must not stall the runner;
@@ -247,40 +246,33 @@ fn ask(program: &Path, request: &Request) -> Result<Message, String> {
         });
     }
     let (tx, rx) = mpsc::channel();
-    if let Some(stdout) = child.stdout.take() {
+    if let Some(stdout) = group.child().stdout.take() {
         std::thread::spawn(move || {
-            let mut reader = std::io::BufReader::new(stdout.take(ANSWER_BYTES));
-            let mut line = Vec::new();
-            loop {
-                line.clear();
-                match std::io::BufRead::read_until(&mut reader, b'\n', &mut line) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) if line.iter().all(u8::is_ascii_whitespace) => continue,
-                    Ok(_) => {
-                        let _ = tx.send(String::from_utf8_lossy(&line).into_owned());
-                        return;
-                    }
+            crate::child::read_lines(stdout, MAX_LINE_BYTES, |line| match line {
+                Line::Text(t) if t.trim().is_empty() => true,
+                Line::Text(t) => {
+                    let _ = tx.send(Ok(t));
+                    false
                 }
-            }
+                bad => {
+                    let _ = tx.send(Err(bad.problem(MAX_LINE_BYTES).unwrap_or_default()));
+                    false
+                }
+            });
         });
     }
-    let tail_rx = crate::runner::read_tail(child.stderr.take());
+    let tail_rx = crate::child::read_tail(group.child().stderr.take());
     let answer = rx.recv_timeout(ANSWER_LIMIT);
-    // Whatever it answered, the process has nothing more to say: it is
-    // stopped if it has not exited, and reaped either way (the `Child` is
-    // still ours, so the signal cannot reach a reused process id).
-    if !matches!(child.try_wait(), Ok(Some(_))) {
-        let exited = (0..100).any(|_| {
-            std::thread::sleep(Duration::from_millis(1));
-            matches!(child.try_wait(), Ok(Some(_)))
-        });
-        if !exited {
-            let _ = child.kill();
-        }
-    }
-    let status = child.wait();
+    // Whatever it answered, the process has nothing more to say: it has a
+    // moment to exit, then its group is ended and it is reaped.
+    let status = group.wait(Duration::from_millis(100));
     let line = match answer {
-        Ok(line) => line,
+        Ok(Ok(line)) => line,
+        Ok(Err(problem)) => {
+            return Err(format!(
+                "its answer is not protocol version {PROTOCOL_VERSION}'s: {problem}"
+            ))
+        }
         Err(RecvTimeoutError::Timeout) => {
             return Err(format!(
                 "it did not answer within {} s",

@@ -41,6 +41,8 @@ pub mod assertion;
 #[cfg(feature = "runner")]
 pub mod chapter;
 #[cfg(feature = "runner")]
+pub mod child;
+#[cfg(feature = "runner")]
 pub mod describe;
 pub mod excerpt;
 #[cfg(feature = "runner")]
@@ -59,6 +61,7 @@ pub mod report;
 #[cfg(feature = "runner")]
 pub mod runner;
 pub mod suggest;
+pub mod terminal;
 #[cfg(feature = "runner")]
 pub mod worker;
 

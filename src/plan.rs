@@ -37,11 +37,28 @@ pub struct ModelFile {
     pub vocab: usize,
 }
 
+/// The largest model file read: a few lines of TOML are a few hundred
+/// bytes.
+pub const MAX_MODEL_FILE: u64 = 64 << 10;
+
 impl ModelFile {
-    /// Reads a model file; errors name the file, line and column.
+    /// Reads a model file, a regular file of at most [`MAX_MODEL_FILE`]
+    /// bytes; errors name the file, line and column.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
+        use std::io::Read as _;
+        crate::chapter::check_file(path)?;
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        if text.len() as u64 > MAX_MODEL_FILE {
+            anyhow::bail!(
+                "{} is larger than a model file may be ({} bytes at most): a model file holds \
+                 `layers`, `hidden`, `heads`, `seq` and `vocab`",
+                path.display(),
+                MAX_MODEL_FILE
+            );
+        }
         toml::from_str(&text).map_err(|e| match e.span() {
             Some(span) => {
                 let at = Location::in_text(path, &text, span.start);
@@ -84,6 +101,79 @@ impl ModelFile {
             lean: true,
         })
     }
+}
+
+/// The GPT's parameters, counted without overflow: the token and position
+/// tables, 12h² + 13h per block, and the final norm; `None` past `u64`.
+pub fn param_count(c: &GptConfig) -> Option<u64> {
+    let (h, s, v, l) = (
+        c.hidden as u64,
+        c.seq as u64,
+        c.vocab as u64,
+        c.layers as u64,
+    );
+    let block = h
+        .checked_mul(h)?
+        .checked_mul(12)?
+        .checked_add(h.checked_mul(13)?)?;
+    v.checked_mul(h)?
+        .checked_add(s.checked_mul(h)?)?
+        .checked_add(l.checked_mul(block)?)?
+        .checked_add(2 * h)
+}
+
+/// Refuses, before anything is allocated, a model whose calibration cannot
+/// fit in `available` bytes, or whose sizes overflow. The floor is what
+/// every calibrated step holds at least, in the smallest of `dtypes`: the
+/// parameters, their gradients, and the logits of one sequence (s × v:
+/// the head computes them whole).
+pub fn preflight(
+    config: &GptConfig,
+    dtypes: &[workbook_sdk::candle::DType],
+    available: u64,
+) -> anyhow::Result<()> {
+    let Some(params) = param_count(config) else {
+        anyhow::bail!(
+            "this model's parameter count overflows 64 bits (layers {}, hidden {}, seq {}, \
+             vocab {}): no machine can hold it",
+            config.layers,
+            config.hidden,
+            config.seq,
+            config.vocab
+        );
+    };
+    let Some(dtype) = dtypes.iter().min_by_key(|d| d.size_in_bytes()) else {
+        anyhow::bail!("no dtype to plan for; allowed: f32, bf16, f16");
+    };
+    let size = dtype.size_in_bytes() as u128;
+    let logits = config.seq as u128 * config.vocab as u128;
+    let floor = (u128::from(params) * 2 + logits) * size;
+    if floor > u128::from(available) {
+        anyhow::bail!(
+            "this model cannot be planned on this machine: its {params} parameters, their \
+             gradients and one sequence's {logits} logits take at least {} in {}, more than \
+             the {} of memory available here (the planner measures steps of the model \
+             itself, at batch 1, 2 and 4, before it predicts larger ones)",
+            bytes(u64::try_from(floor).unwrap_or(u64::MAX)),
+            dtype.as_str(),
+            bytes(available)
+        );
+    }
+    Ok(())
+}
+
+/// A field of `/proc/meminfo` (`MemTotal:`, `MemAvailable:`), in bytes.
+pub fn memory_field(name: &str) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with(name))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The memory this machine has available now (`MemAvailable`), else its
+/// physical memory; `None` where neither can be read.
+pub fn available_memory() -> Option<u64> {
+    memory_field("MemAvailable:").or_else(|| memory_field("MemTotal:"))
 }
 
 fn option(c: &Candidate) -> String {

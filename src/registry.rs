@@ -154,9 +154,27 @@ impl Registry {
             .map_err(|e| Unusable::Refused(e.to_string()))
     }
 
+    /// Asks every external plugin not yet asked to describe itself, all at
+    /// once: a listing waits for the slowest program, not for the sum of
+    /// their time limits.
+    pub fn load_all(&self) {
+        std::thread::scope(|scope| {
+            for (name, entry) in &self.plugins {
+                if let Entry::External { loaded, .. } = entry {
+                    if loaded.get().is_none() {
+                        scope.spawn(move || {
+                            let _ = entry.plugin(name);
+                        });
+                    }
+                }
+            }
+        });
+    }
+
     /// The plugins that cannot be used (external ones are asked first), and
     /// why.
     pub fn refused(&self) -> Vec<(&str, String)> {
+        self.load_all();
         let mut out: Vec<(&str, String)> = self
             .plugins
             .iter()
@@ -178,6 +196,7 @@ impl Registry {
     /// The plugins that can be used, in order (external ones are asked to
     /// describe themselves).
     pub fn iter(&self) -> impl Iterator<Item = &dyn DynPlugin> {
+        self.load_all();
         self.plugins.iter().filter_map(|(n, e)| e.plugin(n).ok())
     }
 }

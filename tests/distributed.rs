@@ -9,6 +9,9 @@ use std::sync::Mutex;
 
 use serde_json::Value;
 
+mod common;
+use common::{marked, none_left};
+
 /// One job at a time: each starts MPI ranks that would compete for this
 /// machine's cores, and the hang test's time limit must not be eaten by
 /// the others.
@@ -21,14 +24,25 @@ fn one_job() -> std::sync::MutexGuard<'static, ()> {
 /// A chapter of one tiny data-parallel cell on 2 ranks, `seed` marking its
 /// ranks' command lines.
 fn chapter(dir: &std::path::Path, seed: u64, timeout: u32) -> std::path::PathBuf {
+    sized_chapter(dir, seed, (1, 8), timeout)
+}
+
+/// A chapter of one data-parallel cell of `layers` × `width` on 2 ranks,
+/// batch 8.
+fn sized_chapter(
+    dir: &std::path::Path,
+    seed: u64,
+    (layers, width): (u32, u32),
+    timeout: u32,
+) -> std::path::PathBuf {
     let path = dir.join("dp.toml");
     std::fs::write(
         &path,
         format!(
             "format_version = 1\nid = \"dp\"\ntitle = \"t\"\n\n[[cells]]\nid = \"zero\"\n\
              title = \"z\"\nplugin = \"zero_stages\"\nassertions = [\"ddp_n2_state > 0\"]\n\
-             [cells.params]\nlayers = 1\nwidth = 8\nbatch = 8\nsteps = 1\nranks = [2]\n\
-             seed = {seed}\ntimeout_seconds = {timeout}\n"
+             [cells.params]\nlayers = {layers}\nwidth = {width}\nbatch = 8\nsteps = 1\n\
+             ranks = [2]\nseed = {seed}\ntimeout_seconds = {timeout}\n"
         ),
     )
     .unwrap();
@@ -136,7 +150,7 @@ fn a_hanging_rank_is_stopped_at_the_time_limit() {
 }
 
 #[test]
-fn ranks_adds_a_rank_count_and_refuses_one_that_does_not_split_the_batch() {
+fn ranks_adds_a_rank_count_even_one_that_splits_the_batch_unevenly() {
     let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let path = chapter(dir.path(), 91_004, 60);
@@ -144,12 +158,102 @@ fn ranks_adds_a_rank_count_and_refuses_one_that_does_not_split_the_batch() {
     assert_eq!(code, 0, "{cell}");
     assert_eq!(cell["metrics"]["zero3_n4_ranks_reported"], 4.0, "{cell}");
     assert_eq!(cell["metrics"]["zero3_n2_ranks_reported"], 2.0, "{cell}");
+    // 8 rows over 3 ranks: 3, 3 and 2, each rank's loss weighted by its rows.
     let (cell, code) = run(&path, &["--ranks", "3"], &[]);
+    assert_eq!(code, 0, "{cell}");
+    for stage in ["ddp", "zero1", "zero2", "zero3"] {
+        assert_eq!(
+            cell["metrics"][format!("{stage}_n3_ranks_reported")],
+            3.0,
+            "{cell}"
+        );
+    }
+    let (cell, code) = run(&path, &["--ranks", "9"], &[]);
     assert_eq!(code, 1, "{cell}");
     assert_eq!(
-        cell["error"], "--ranks is 3, which does not divide this cell's batch of 8 rows",
+        cell["error"],
+        "--ranks is 9, more than this cell's batch of 8 rows; allowed: at most 8 (each rank \
+         trains on one row at least)",
         "{cell}"
     );
+}
+
+#[test]
+fn a_rank_count_no_cell_allows_is_a_bad_flag() {
+    for n in ["0", "65", "three"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_workbook"))
+            .args(["run", "chapter4", "--check", "--ranks", n])
+            .env_remove("WORKBOOK_RANKS")
+            .output()
+            .expect("the binary runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{n}: {err}");
+        assert!(
+            err.contains(&format!("`{n}` is not a number of ranks; allowed: 1 to 64")),
+            "{n}: {err}"
+        );
+    }
+}
+
+#[test]
+fn max_memory_holds_every_rank_and_a_ranks_allocation_failure_is_quoted() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    // Over the floor at once: 16 bytes for each of 4096² + 4096 parameters.
+    let (cell, code) = run(
+        &sized_chapter(dir.path(), 91_006, (1, 4096), 120),
+        &["--max-memory", "64MiB"],
+        &[],
+    );
+    assert_eq!(code, 1, "{cell}");
+    let error = cell["error"].as_str().unwrap();
+    assert!(
+        error.starts_with(
+            "refused before running: it needs at least 256.1 MiB (each rank's DDP model states"
+        ),
+        "{error}"
+    );
+    // Under the floor (32 MiB), but DDP's states and the warm-up's model
+    // take more than 48 MiB: the rank's own allocator refuses, and says so.
+    let (cell, code) = run(
+        &sized_chapter(dir.path(), 91_007, (2, 1024), 120),
+        &["--max-memory", "48MiB"],
+        &[],
+    );
+    assert_eq!(code, 1, "{cell}");
+    let error = cell["error"].as_str().unwrap();
+    assert!(error.contains("memory allocation of"), "{error}");
+    assert!(error.contains("2 ranks: mpirun ended with"), "{error}");
+    assert_eq!(leftovers(91_007), 0);
+}
+
+#[test]
+fn killing_the_runner_leaves_no_worker_mpirun_or_rank_behind() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let mark = format!("{}-kill", std::process::id());
+    let mut runner = Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .arg("run")
+        .arg(chapter(dir.path(), 91_005, 600))
+        .args(["--format", "json"])
+        .env_remove("WORKBOOK_RANKS")
+        .env("WORKBOOK_RANK_FAULT", "0:zero1:hang")
+        .env("WORKBOOK_TEST_MARK", &mark)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the binary runs");
+    // Until both ranks run (the runner, its worker, mpirun and 2 ranks).
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while leftovers(91_005) < 2 {
+        assert!(std::time::Instant::now() < until, "the ranks never started");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(marked(&mark).len() >= 4, "{:?}", marked(&mark));
+    runner.kill().unwrap();
+    runner.wait().unwrap();
+    none_left(&mark, std::time::Duration::from_secs(20));
+    assert_eq!(leftovers(91_005), 0);
 }
 
 /// `workbook plan` on the small model with `args`, as JSON.

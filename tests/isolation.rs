@@ -156,7 +156,11 @@ fn a_bad_memory_limit_or_time_limit_is_refused() {
         ),
         (
             vec!["--timeout", "0"],
-            "a time limit is a number of seconds above 0",
+            "a time limit is a number of seconds from 0.001 (a millisecond) to 604800 (a week)",
+        ),
+        (
+            vec!["--timeout", "1e-300"],
+            "a time limit is a number of seconds from 0.001 (a millisecond)",
         ),
         (
             vec!["--timeout", "soon"],

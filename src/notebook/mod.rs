@@ -304,7 +304,7 @@ impl CellView {
             .cells
             .first()
             .ok_or_else(|| anyhow::anyhow!("the report has no cell"))?;
-        let plots = cell_plots(cell, Formats::Svg)?;
+        let plots = cell_plots(cell, Formats::Svg);
         Ok(Self {
             report,
             plots,

@@ -50,10 +50,13 @@ impl ReportWriter {
         use anyhow::Context as _;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the report folder {}", dir.display()))?;
-        let probe = dir.join(".workbook-write-check");
-        std::fs::write(&probe, b"")
+        // A new file of a name no one can have planted (created exclusively,
+        // never through a link), removed at once.
+        let probe = tempfile::Builder::new()
+            .prefix(".workbook-write-check")
+            .tempfile_in(dir)
             .with_context(|| format!("cannot write in the report folder {}", dir.display()))?;
-        let _ = std::fs::remove_file(&probe);
+        drop(probe);
         // Nothing to remove is as good as removed.
         let gone = |r: std::io::Result<()>| match r {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -62,11 +65,17 @@ impl ReportWriter {
         let html = dir.join("report.html");
         gone(std::fs::remove_file(&html))
             .with_context(|| format!("cannot remove the earlier report {}", html.display()))?;
+        // A link named `plots` is removed, never followed.
         let plot_dir = dir.join("plots");
-        gone(std::fs::remove_dir_all(&plot_dir)).with_context(|| {
+        let removed = match std::fs::symlink_metadata(&plot_dir) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&plot_dir),
+            Ok(_) => std::fs::remove_file(&plot_dir),
+            Err(e) => Err(e),
+        };
+        gone(removed).with_context(|| {
             format!("cannot remove the earlier plots in {}", plot_dir.display())
         })?;
-        std::fs::create_dir_all(&plot_dir)
+        std::fs::create_dir(&plot_dir)
             .with_context(|| format!("cannot create {}", plot_dir.display()))?;
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -75,17 +84,23 @@ impl ReportWriter {
         })
     }
 
-    /// Draws a finished cell's plots and writes them, SVG and PNG.
+    /// Draws a finished cell's plots and writes them, SVG and PNG, each
+    /// file new (never written through a link someone left in the
+    /// folder). A plot that cannot be drawn or written keeps its error,
+    /// which the page shows in its place.
     pub fn add_cell(&mut self, cell: &CellReport) -> anyhow::Result<()> {
-        use anyhow::Context as _;
-        let drawn = cell_plots(cell, Formats::SvgAndPng)?;
+        let mut drawn = cell_plots(cell, Formats::SvgAndPng);
         let plot_dir = self.dir.join("plots");
-        for p in &drawn {
+        let cell_id = super::plot::file_id(&cell.id, &[]);
+        for p in drawn.iter_mut().filter(|p| p.drawn()) {
             for (ext, data) in [("svg", p.svg.as_bytes()), ("png", p.png.as_slice())] {
-                let path = plot_dir.join(format!("{}-{}.{ext}", cell.id, p.id));
-                std::fs::write(&path, data)
-                    .with_context(|| format!("cannot write {}", path.display()))?;
-                self.files.push(path);
+                let path = plot_dir.join(format!("{cell_id}-{}.{ext}", p.id));
+                match write_new(&path, data) {
+                    Ok(()) => self.files.push(path),
+                    Err(e) => {
+                        p.error = Some(format!("cannot write {}: {e}", path.display()));
+                    }
+                }
             }
         }
         self.plots.push(drawn);
@@ -93,21 +108,39 @@ impl ReportWriter {
     }
 
     /// Writes the page of `report`, whose cells are those added, in order.
-    /// The page is written beside and then renamed, so it is never seen
-    /// half-written.
+    /// The page is written to a new file of a random name beside it and
+    /// then renamed over it, so it is never seen half-written and never
+    /// written through a link.
     pub fn write_page(&self, report: &ChapterReport) -> anyhow::Result<ReportFiles> {
         use anyhow::Context as _;
+        use std::io::Write as _;
         let html = self.dir.join("report.html");
-        let partial = self.dir.join(".report.html.partial");
-        std::fs::write(&partial, page(report, &self.plots))
-            .with_context(|| format!("cannot write {}", partial.display()))?;
-        std::fs::rename(&partial, &html)
+        let mut partial = tempfile::Builder::new()
+            .prefix(".report.html.")
+            .tempfile_in(&self.dir)
+            .with_context(|| format!("cannot write a page in {}", self.dir.display()))?;
+        partial
+            .write_all(page(report, &self.plots).as_bytes())
+            .with_context(|| format!("cannot write {}", partial.path().display()))?;
+        partial
+            .persist(&html)
+            .map_err(|e| e.error)
             .with_context(|| format!("cannot write {}", html.display()))?;
         Ok(ReportFiles {
             html,
             plots: self.files.clone(),
         })
     }
+}
+
+/// Writes `data` to `path`, which must not exist yet (not even as a link).
+fn write_new(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)?
+        .write_all(data)
 }
 
 pub(crate) fn escape(s: &str) -> String {
@@ -288,6 +321,16 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot], embed: Embed, pro
         table_html(out, t);
     }
     for p in plots {
+        if !p.drawn() {
+            let _ = write!(
+                out,
+                "<figure class=\"plot-error\"><figcaption>{title}: <span class=\"why\">not \
+                 drawn: {why}</span></figcaption></figure>",
+                title = escape(&p.title),
+                why = escape(p.error.as_deref().unwrap_or_default()),
+            );
+            continue;
+        }
         if embed == Embed::Svg {
             let _ = write!(
                 out,
@@ -299,13 +342,20 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot], embed: Embed, pro
             continue;
         }
         let data = base64::engine::general_purpose::STANDARD.encode(&p.png);
+        let files = match &p.error {
+            None => format!(
+                " · <a href=\"plots/{cell}-{id}.svg\">SVG</a> · <a href=\"plots/{cell}-{id}.png\">PNG</a>",
+                id = escape(&p.id),
+                cell = escape(&c.id),
+            ),
+            Some(why) => format!(" · <span class=\"why\">{}</span>", escape(why)),
+        };
         let _ = write!(
             out,
             "<figure><img data-plot=\"{id}\" alt=\"{title}\" width=\"{w}\" height=\"{h}\" src=\"data:image/png;base64,{data}\">\
-             <figcaption>{title} · <a href=\"plots/{cell}-{id}.svg\">SVG</a> · <a href=\"plots/{cell}-{id}.png\">PNG</a></figcaption></figure>",
+             <figcaption>{title}{files}</figcaption></figure>",
             id = escape(&p.id),
             title = escape(&p.title),
-            cell = escape(&c.id),
             w = super::plot::SIZE.0,
             h = super::plot::SIZE.1,
         );

@@ -34,6 +34,48 @@ pub struct Plot {
     pub svg: String,
     /// The PNG file; empty when only SVG was asked for.
     pub png: Vec<u8>,
+    /// What went wrong: the plot could not be drawn (then `svg` and `png`
+    /// are empty), or its files could not be written. A plot's failure is
+    /// its own, shown where it would be; the report goes on without it.
+    pub error: Option<String>,
+}
+
+impl Plot {
+    /// Whether there is a picture to show.
+    pub fn drawn(&self) -> bool {
+        !self.svg.is_empty() || !self.png.is_empty()
+    }
+}
+
+/// The longest plot id in a file name.
+const MAX_FILE_ID: usize = 64;
+
+/// `id` as a file name's part: letters, digits, `-` and `_` kept, anything
+/// else (`/`, `..`, spaces, control characters) as `_`, cut to
+/// [`MAX_FILE_ID`] characters, and made unique among `taken` with a
+/// numbered suffix.
+pub fn file_id(id: &str, taken: &[String]) -> String {
+    let mut base: String = id
+        .chars()
+        .take(MAX_FILE_ID)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if base.is_empty() {
+        base.push_str("figure");
+    }
+    let mut name = base.clone();
+    let mut n = 2;
+    while taken.contains(&name) {
+        name = format!("{base}-{n}");
+        n += 1;
+    }
+    name
 }
 
 /// Plot size in pixels.
@@ -96,6 +138,9 @@ fn scale(unit: Unit, max: f64) -> (f64, &'static str) {
 fn tick(v: &f64) -> String {
     let v = *v;
     let a = v.abs();
+    if a >= 1e15 {
+        return format!("{v:.1e}");
+    }
     let (x, suffix) = if a >= 1e9 {
         (v / 1e9, "G")
     } else if a >= 1e6 {
@@ -212,6 +257,7 @@ fn render(id: &str, title: &str, d: &impl Draw, formats: Formats) -> anyhow::Res
             title: title.to_string(),
             svg,
             png: Vec::new(),
+            error: None,
         });
     }
     let (w, h) = SIZE;
@@ -238,6 +284,18 @@ fn render(id: &str, title: &str, d: &impl Draw, formats: Formats) -> anyhow::Res
         title: title.to_string(),
         svg,
         png,
+        error: None,
+    })
+}
+
+/// [`render`], a failure kept as the plot's error.
+fn render_or_say(id: &str, title: &str, d: &impl Draw, formats: Formats) -> Plot {
+    render(id, title, d, formats).unwrap_or_else(|e| Plot {
+        id: id.to_string(),
+        title: title.to_string(),
+        svg: String::new(),
+        png: Vec::new(),
+        error: Some(format!("{e:#}")),
     })
 }
 
@@ -247,13 +305,14 @@ pub fn figure_plot(f: &Figure, formats: Formats) -> anyhow::Result<Plot> {
 }
 
 /// The plots of one cell: its timeline and peaks when it measured regions,
-/// and one per figure it declared.
-pub fn cell_plots(cell: &CellReport, formats: Formats) -> anyhow::Result<Vec<Plot>> {
+/// and one per figure it declared, each with a file-name-safe id unique in
+/// the cell. A plot that cannot be drawn carries its error instead.
+pub fn cell_plots(cell: &CellReport, formats: Formats) -> Vec<Plot> {
     let mut plots = Vec::new();
     let regions = &cell.memory.regions;
     if !regions.is_empty() {
         let title = format!("{}: memory over time", cell.title);
-        plots.push(render(
+        plots.push(render_or_say(
             "timeline",
             &title,
             &Timeline {
@@ -261,9 +320,9 @@ pub fn cell_plots(cell: &CellReport, formats: Formats) -> anyhow::Result<Vec<Plo
                 regions,
             },
             formats,
-        )?);
+        ));
         let title = format!("{}: peak memory per variant", cell.title);
-        plots.push(render(
+        plots.push(render_or_say(
             "peaks",
             &title,
             &Peaks {
@@ -271,12 +330,14 @@ pub fn cell_plots(cell: &CellReport, formats: Formats) -> anyhow::Result<Vec<Plo
                 regions,
             },
             formats,
-        )?);
+        ));
     }
     for f in &cell.figures {
-        plots.push(render(&f.id, &f.title, &FigurePlot(f), formats)?);
+        let taken: Vec<String> = plots.iter().map(|p| p.id.clone()).collect();
+        let id = file_id(&f.id, &taken);
+        plots.push(render_or_say(&id, &f.title, &FigurePlot(f), formats));
     }
-    Ok(plots)
+    plots
 }
 
 fn title_font(size: u32) -> TextStyle<'static> {
@@ -529,6 +590,12 @@ impl Draw for Peaks<'_> {
 
 struct FigurePlot<'a>(&'a Figure);
 
+/// Whether a point can be drawn on axes `xs` by `ys`: finite and within
+/// them (a log axis leaves out what is not above 0).
+fn inside((x, y): (f64, f64), xs: (f64, f64), ys: (f64, f64)) -> bool {
+    x.is_finite() && y.is_finite() && x >= xs.0 && x <= xs.1 && y >= ys.0 && y <= ys.1
+}
+
 fn bounds(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for v in values.filter(|v| v.is_finite() && (!log || *v > 0.0)) {
@@ -536,16 +603,38 @@ fn bounds(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
         hi = hi.max(v);
     }
     if !lo.is_finite() {
-        return (if log { 1.0 } else { 0.0 }, 1.0);
+        return if log { (1.0, 10.0) } else { (0.0, 1.0) };
     }
+    // Every bound stays a finite float: an axis that ends at infinity
+    // (1.7e308 × 1.5) never finishes laying out its ticks.
     if log {
+        // And their ratio: plotters lays out a log axis over hi / lo, so an
+        // axis spans at most 300 decades, the lowest values left off.
+        let hi = hi.clamp(f64::MIN_POSITIVE * 1e10, f64::MAX / 2.0);
+        let lo = lo.clamp(hi / 1e300, hi);
         (lo / 1.5, hi * 1.5)
     } else {
-        let pad = ((hi - lo) * 0.08).max(hi.abs() * 0.02).max(1e-12);
-        (
-            (lo - pad).min(if lo >= 0.0 { 0.0 } else { lo - pad }),
-            hi + pad,
-        )
+        // Halves first: hi − lo itself may overflow.
+        let pad = ((hi / 2.0 - lo / 2.0) * 0.16)
+            .max(hi.abs() * 0.02)
+            .max(1e-12);
+        let low = if lo >= 0.0 {
+            (lo - pad).min(0.0)
+        } else {
+            lo - pad
+        };
+        // The axis's span must stay finite too: plotters lays out ticks
+        // over hi − lo. What lies beyond a quarter of the largest float
+        // is left off the axis.
+        const EDGE: f64 = f64::MAX / 4.0;
+        let low = low.clamp(-EDGE, EDGE / 2.0);
+        let high = (hi + pad).min(EDGE);
+        let high = if high > low {
+            high
+        } else {
+            low + low.abs().max(1e-12) * 1e-3
+        };
+        (low, high)
     }
 }
 
@@ -593,6 +682,9 @@ impl Draw for FigurePlot<'_> {
                     .draw()?;
                 for m in &f.markers {
                     let x = m.x / xdiv;
+                    if !inside((x, y0), (x0, x1), (y0, y1)) {
+                        continue;
+                    }
                     chart.draw_series(DashedLineSeries::new(
                         vec![(x, y0), (x, y1)],
                         6,
@@ -612,7 +704,7 @@ impl Draw for FigurePlot<'_> {
                             .points
                             .iter()
                             .map(|&(x, _)| (x / xdiv, gy * (x / gx).powf(g.power) / ydiv))
-                            .filter(|&(_, y)| y >= y0 && y <= y1)
+                            .filter(|&p| inside(p, (x0, x1), (y0, y1)))
                             .collect();
                         let style = RGBColor(90, 90, 90).mix(0.7).stroke_width(1);
                         chart
@@ -636,6 +728,7 @@ impl Draw for FigurePlot<'_> {
                         .points
                         .iter()
                         .map(|&(x, y)| (x / xdiv, y / ydiv))
+                        .filter(|&(x, y)| inside((x, y), (x0, x1), (y0, y1)))
                         .collect();
                     chart
                         .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(width)))?
@@ -670,5 +763,93 @@ impl Draw for FigurePlot<'_> {
             (false, false) => body!(builder.build_cartesian_2d(x0..x1, y0..y1)?),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use workbook_sdk::output::{Axis, Series};
+
+    fn figure(points: Vec<(f64, f64)>, log: (bool, bool)) -> Figure {
+        let axis = |label: &str, log: bool| Axis {
+            label: label.into(),
+            log,
+            ..Axis::default()
+        };
+        Figure {
+            id: "f".into(),
+            title: "extremes".into(),
+            x: axis("x", log.0),
+            y: axis("y", log.1),
+            series: vec![Series {
+                name: "s".into(),
+                points,
+            }],
+            markers: Vec::new(),
+            guides: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn bounds_stay_finite_for_every_extreme_float() {
+        let extremes = [
+            f64::MAX,
+            -f64::MAX,
+            f64::MIN_POSITIVE,
+            5e-324,
+            0.0,
+            -0.0,
+            1.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+        ];
+        for log in [false, true] {
+            for &a in &extremes {
+                for &b in &extremes {
+                    let (lo, hi) = bounds([a, b].into_iter(), log);
+                    assert!(
+                        lo.is_finite() && hi.is_finite() && lo < hi,
+                        "{a} {b} {log}: {lo} {hi}"
+                    );
+                    if log {
+                        assert!(lo > 0.0, "{a} {b}: {lo}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn figures_of_extreme_values_are_drawn_on_every_axis_kind() {
+        let sets = [
+            vec![(1.0, 1.7e308), (2.0, 1e-300)],
+            vec![(f64::MAX, f64::MAX), (-f64::MAX, -f64::MAX)],
+            vec![(5e-324, f64::MIN_POSITIVE), (1.0, 1.0)],
+            vec![
+                (f64::NAN, f64::INFINITY),
+                (0.0, f64::NEG_INFINITY),
+                (1.0, 0.0),
+            ],
+        ];
+        for log in [(false, false), (false, true), (true, false), (true, true)] {
+            for points in &sets {
+                let plot = figure_plot(&figure(points.clone(), log), Formats::Svg)
+                    .unwrap_or_else(|e| panic!("{points:?} {log:?}: {e}"));
+                assert!(plot.svg.contains("extremes"), "{points:?} {log:?}");
+            }
+        }
+        assert_eq!(tick(&1.7e308), "1.7e308");
+    }
+
+    #[test]
+    fn figure_ids_become_safe_distinct_file_names() {
+        assert_eq!(file_id("a/b", &[]), "a_b");
+        assert_eq!(file_id("../../x", &[]), "______x");
+        assert_eq!(file_id("", &[]), "figure");
+        assert_eq!(file_id(&"é".repeat(300), &[]).len(), MAX_FILE_ID);
+        let taken = vec!["a_b".to_string(), "a_b-2".to_string()];
+        assert_eq!(file_id("a/b", &taken), "a_b-3");
     }
 }

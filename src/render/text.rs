@@ -151,68 +151,83 @@ impl<W: Write> TextRenderer<W> {
         }
     }
 
+    /// Writes what `write` writes, with the control characters of
+    /// chapter and plugin text escaped (see [`crate::terminal`]).
+    fn emit(
+        &mut self,
+        write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let mut buf = Vec::new();
+        write(&mut buf)?;
+        let text = String::from_utf8_lossy(&buf);
+        self.out
+            .write_all(crate::terminal::printable(&text).as_bytes())?;
+        self.out.flush()
+    }
+
     /// Writes one cell's report.
     pub fn cell(&mut self, c: &CellReport) -> std::io::Result<()> {
-        let out = &mut self.out as &mut dyn Write;
-        if c.id == c.plugin {
-            writeln!(out, "\n== {}  [{}]", c.title, c.id)?;
-        } else {
-            writeln!(out, "\n== {}  [{}, plugin {}]", c.title, c.id, c.plugin)?;
-        }
-        for line in c.prose.trim().lines() {
-            writeln!(out, "  {line}")?;
-        }
-        if c.status == Status::Skipped {
-            writeln!(out, "  (skipped)")?;
-            return Ok(());
-        }
-        if !c.printed.is_empty() {
-            writeln!(out)?;
-            for line in &c.printed {
-                writeln!(out, "  > {line}")?;
-            }
-        }
-        for t in &c.tables {
-            writeln!(out)?;
-            write_table(out, t, "  ")?;
-        }
-        writeln!(out)?;
-        write_table(out, &super::memory_table(c), "  ")?;
-        if let Some(e) = &c.error {
-            writeln!(out, "\n  ERROR: {e}")?;
-        }
-        writeln!(out)?;
-        for a in &c.assertions {
-            let mark = if a.passed {
-                "✓"
-            } else if a.skipped {
-                "-"
-            } else {
-                "✗"
-            };
-            let values = match assertion_values(a) {
-                v if v.is_empty() => v,
-                v => format!("   ({v})"),
-            };
-            writeln!(out, "  {mark} {}{values}", a.expr)?;
-            if let Some(m) = &a.message {
-                if a.skipped {
-                    writeln!(out, "      (skipped: {m})")?;
-                } else if !a.passed {
-                    writeln!(out, "      {m}")?;
-                }
-            }
-        }
-        writeln!(out, "  [{:.2} s]", c.seconds)?;
-        out.flush()
+        self.emit(|out| write_cell(out, c))
     }
+}
+
+fn write_cell(out: &mut dyn Write, c: &CellReport) -> std::io::Result<()> {
+    if c.id == c.plugin {
+        writeln!(out, "\n== {}  [{}]", c.title, c.id)?;
+    } else {
+        writeln!(out, "\n== {}  [{}, plugin {}]", c.title, c.id, c.plugin)?;
+    }
+    for line in c.prose.trim().lines() {
+        writeln!(out, "  {line}")?;
+    }
+    if c.status == Status::Skipped {
+        writeln!(out, "  (skipped)")?;
+        return Ok(());
+    }
+    if !c.printed.is_empty() {
+        writeln!(out)?;
+        for line in &c.printed {
+            writeln!(out, "  > {line}")?;
+        }
+    }
+    for t in &c.tables {
+        writeln!(out)?;
+        write_table(out, t, "  ")?;
+    }
+    writeln!(out)?;
+    write_table(out, &super::memory_table(c), "  ")?;
+    if let Some(e) = &c.error {
+        writeln!(out, "\n  ERROR: {e}")?;
+    }
+    writeln!(out)?;
+    for a in &c.assertions {
+        let mark = if a.passed {
+            "✓"
+        } else if a.skipped {
+            "-"
+        } else {
+            "✗"
+        };
+        let values = match assertion_values(a) {
+            v if v.is_empty() => v,
+            v => format!("   ({v})"),
+        };
+        writeln!(out, "  {mark} {}{values}", a.expr)?;
+        if let Some(m) = &a.message {
+            if a.skipped {
+                writeln!(out, "      (skipped: {m})")?;
+            } else if !a.passed {
+                writeln!(out, "      {m}")?;
+            }
+        }
+    }
+    writeln!(out, "  [{:.2} s]", c.seconds)
 }
 
 #[cfg(feature = "runner")]
 impl<W: Write> crate::runner::Observer for TextRenderer<W> {
     fn started(&mut self, r: &ChapterReport) {
-        let out = &mut self.out;
-        let result = (|| {
+        let result = self.emit(|out| {
             writeln!(
                 out,
                 "{}  ({}, {} mode, device {}, meter {})",
@@ -225,8 +240,8 @@ impl<W: Write> crate::runner::Observer for TextRenderer<W> {
             for line in r.chapter.intro.trim().lines() {
                 writeln!(out, "{line}")?;
             }
-            out.flush()
-        })();
+            Ok(())
+        });
         self.keep(result);
     }
 
@@ -238,8 +253,7 @@ impl<W: Write> crate::runner::Observer for TextRenderer<W> {
     }
 
     fn finished(&mut self, r: &ChapterReport) {
-        let out = &mut self.out;
-        let result = (|| {
+        let result = self.emit(|out| {
             if r.incomplete {
                 writeln!(
                     out,
@@ -248,9 +262,8 @@ impl<W: Write> crate::runner::Observer for TextRenderer<W> {
                     r.cells.len()
                 )?;
             }
-            writeln!(out, "\n{}", r.summary.line())?;
-            out.flush()
-        })();
+            writeln!(out, "\n{}", r.summary.line())
+        });
         self.keep(result);
     }
 }

@@ -21,7 +21,6 @@ use crate::report::{CellMemory, CellReport, ChapterInfo, ChapterReport, Mode, St
 
 pub use device::DeviceChoice;
 use device::{device_name, select_device, select_meter};
-pub(crate) use process::read_tail;
 pub use process::{interrupt_flag, WorkerCommand};
 pub use workbook_sdk::worker::CellOutcome;
 

@@ -3,17 +3,18 @@
 //! limit ends that cell alone, and what it recorded before is kept.
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use workbook_sdk::output::CellOutput;
-use workbook_sdk::protocol::{CellEnd, Message, Request, PROTOCOL_VERSION};
+use workbook_sdk::protocol::{CellEnd, Message, Request, MAX_LINE_BYTES, PROTOCOL_VERSION};
 
+use crate::child::{self, Group, Line};
 use crate::excerpt::excerpt;
 use workbook_sdk::worker::CellOutcome;
 
@@ -70,33 +71,6 @@ pub(crate) struct Watch<'a> {
     pub max_memory: Option<u64>,
 }
 
-/// The last bytes of a worker's standard error kept for its error message.
-const STDERR_TAIL: usize = 4096;
-
-/// Reads `stream` to its end on a thread of its own (so that the process
-/// never stalls on a full pipe) and sends its last [`STDERR_TAIL`] bytes or
-/// so once it closes.
-pub(crate) fn read_tail(stream: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tail = Vec::new();
-        if let Some(mut stream) = stream {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = stream.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                tail.extend_from_slice(&buf[..n]);
-                if tail.len() > 2 * STDERR_TAIL {
-                    tail.drain(..tail.len() - STDERR_TAIL);
-                }
-            }
-        }
-        let _ = tx.send(tail);
-    });
-    rx
-}
-
 /// The error of the cell that was running when the run was stopped.
 const INTERRUPTED: &str = "interrupted: the run was stopped (Ctrl-C) while this cell ran";
 
@@ -106,19 +80,29 @@ const TICK: Duration = Duration::from_millis(100);
 enum Event {
     Message(Box<Message>),
     Garbled(String),
+    /// A line past the protocol's cap: reading stopped there.
+    Overlong(String),
 }
+
+/// How long a stopped worker's group has after SIGTERM (time for `mpirun`
+/// to end its ranks) before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// How long the readers of a finished worker's pipes may take to see them
+/// close; past it they are left behind rather than waited on.
+const READER_GRACE: Duration = Duration::from_secs(2);
 
 /// Runs one cell's request in a new worker.
 pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>) -> WorkerResult {
     let start = Instant::now();
-    let mut child = match Command::new(&command.program)
+    let mut spawned = child::command(&command.program);
+    spawned
         .args(&command.args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Ok(c) => c,
+        .stderr(Stdio::piped());
+    let mut group = match Group::spawn(&mut spawned) {
+        Ok(g) => g,
         Err(e) => {
             return WorkerResult::Fatal(format!(
                 "cannot start the worker process {}: {e}",
@@ -127,28 +111,33 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
         }
     };
     // The request is small: written whole, then the pipe is closed.
-    if let Some(mut stdin) = child.stdin.take() {
+    if let Some(mut stdin) = group.child().stdin.take() {
         let mut line = serde_json::to_string(request).unwrap_or_default();
         line.push('\n');
         // A worker that died at once is reported from its exit below.
         let _ = stdin.write_all(line.as_bytes());
     }
     let (tx, rx) = mpsc::channel::<Event>();
-    let stdout = child.stdout.take();
+    let stdout = group.child().stdout.take();
     let reader = std::thread::spawn(move || {
         let Some(stdout) = stdout else { return };
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            let event = match serde_json::from_str::<Message>(&line) {
-                Ok(m) => Event::Message(Box::new(m)),
-                Err(_) => Event::Garbled(excerpt(line.trim(), 200)),
+        child::read_lines(stdout, MAX_LINE_BYTES, |line| {
+            let event = match line {
+                Line::Text(text) => match serde_json::from_str::<Message>(&text) {
+                    Ok(m) => Event::Message(Box::new(m)),
+                    Err(_) => Event::Garbled(excerpt(text.trim(), 200)),
+                },
+                bad @ Line::NotUtf8 { .. } => {
+                    Event::Garbled(bad.problem(MAX_LINE_BYTES).unwrap_or_default())
+                }
+                long @ Line::TooLong { .. } => {
+                    Event::Overlong(long.problem(MAX_LINE_BYTES).unwrap_or_default())
+                }
             };
-            if tx.send(event).is_err() {
-                break;
-            }
-        }
+            tx.send(event).is_ok()
+        });
     });
-    let stderr_tail = read_tail(child.stderr.take());
+    let stderr_tail = child::read_tail(group.child().stderr.take());
 
     let mut output = CellOutput::default();
     let mut hello = None;
@@ -156,6 +145,7 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
     let mut stopped: Option<String> = None;
     let mut garbled: Option<String> = None;
     let mut fatal: Option<String> = None;
+    let mut exited_at: Option<Instant> = None;
     let deadline = start + watch.limit;
     // Until the cell's end arrives: after it, nothing the cell did can be
     // lost, and neither the time limit nor Ctrl-C may rewrite how it ended.
@@ -216,7 +206,22 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
             Ok(Event::Garbled(line)) => {
                 garbled.get_or_insert(line);
             }
-            Err(RecvTimeoutError::Timeout) => {}
+            Ok(Event::Overlong(why)) => {
+                stopped = Some(format!(
+                    "the cell's worker process broke the protocol: {why} (what it sent \
+                     before that line is kept)"
+                ));
+                break;
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                // A worker that died while a process it started still holds
+                // its output open: what it wrote is read within the grace.
+                match exited_at {
+                    None if group.exited() => exited_at = Some(Instant::now()),
+                    Some(t) if t.elapsed() >= READER_GRACE => break,
+                    _ => {}
+                }
+            }
             Err(RecvTimeoutError::Disconnected) => break,
         }
     }
@@ -224,15 +229,20 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
         && end.is_none()
         && watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst))
     {
-        // Ctrl-C reaches the worker too, which may die of it first.
+        // SIGTERM sent to the runner's whole group reaches the worker too,
+        // which may die of it first.
         stopped = Some(INTERRUPTED.into());
     }
-    if stopped.is_some() || fatal.is_some() {
-        kill(&mut child);
-    }
-    let status = wait(&mut child);
-    let _ = reader.join();
-    let tail = stderr_tail.recv().unwrap_or_default();
+    // A stopped worker is ended with everything it started; one that ended
+    // its cell gets time to exit, and whatever it leaves in its group (a
+    // process still holding its pipes) is killed then.
+    let status = if stopped.is_some() || fatal.is_some() {
+        group.end(STOP_GRACE)
+    } else {
+        group.wait(EXIT_GRACE)
+    };
+    let _ = child::join_within(reader, READER_GRACE);
+    let tail = stderr_tail.recv_timeout(READER_GRACE).unwrap_or_default();
     if let Some(message) = fatal {
         return WorkerResult::Fatal(message);
     }
@@ -262,31 +272,9 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
     WorkerResult::Ran(Box::new(CellOutcome { output, end }), hello)
 }
 
-fn kill(child: &mut Child) {
-    // It may have exited by itself in the meantime.
-    let _ = child.kill();
-}
-
 /// How long a worker that has ended its cell may take to exit (freeing a
 /// large heap, tearing down a CUDA context) before it is killed.
 const EXIT_GRACE: Duration = Duration::from_secs(30);
-
-/// Waits for the worker to exit, killing it after [`EXIT_GRACE`].
-fn wait(child: &mut Child) -> std::io::Result<ExitStatus> {
-    let until = Instant::now() + EXIT_GRACE;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status);
-        }
-        if Instant::now() >= until {
-            kill(child);
-            return child.wait();
-        }
-        // A worker exits within a millisecond or two of its cell's end: a
-        // coarser poll would add its period to every cell.
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
 
 fn seconds_text(d: Duration) -> String {
     let s = d.as_secs_f64();

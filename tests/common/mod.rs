@@ -39,3 +39,41 @@ pub fn text(o: &Output) -> (String, String) {
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
 }
+
+/// The processes whose environment holds `WORKBOOK_TEST_MARK=mark` (a
+/// runner run with that variable, and whatever it started), zombies left
+/// out: they run nothing.
+pub fn marked(mark: &str) -> Vec<u32> {
+    let needle = format!("WORKBOOK_TEST_MARK={mark}");
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == needle.as_bytes()))
+        })
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().next())
+                    != Some("Z")
+            })
+        })
+        .collect()
+}
+
+/// Waits up to `limit` until no process is marked `mark`; fails naming
+/// those still running.
+pub fn none_left(mark: &str, limit: std::time::Duration) {
+    let until = std::time::Instant::now() + limit;
+    loop {
+        let left = marked(mark);
+        if left.is_empty() {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "left running: {left:?}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

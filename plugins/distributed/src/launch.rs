@@ -28,6 +28,8 @@ pub struct Job {
     pub precision: crate::stage::Precision,
     /// The job's time limit.
     pub timeout: Duration,
+    /// The most each rank may hold at once (the cell's cap), if any.
+    pub max_memory: Option<u64>,
 }
 
 /// What came back from a job: every report that was written, and what went
@@ -52,19 +54,37 @@ pub fn built_with_mpi() -> bool {
 /// The executable that serves as a rank: `$WORKBOOK_BIN`, else this one.
 fn rank_executable() -> anyhow::Result<PathBuf> {
     if let Some(bin) = std::env::var_os("WORKBOOK_BIN") {
-        return Ok(PathBuf::from(bin));
+        use std::os::unix::fs::PermissionsExt;
+        let path = PathBuf::from(bin);
+        let executable = std::fs::metadata(&path)
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+        if !executable {
+            anyhow::bail!(
+                "WORKBOOK_BIN is {}, which is not an executable file; point it at a workbook \
+                 built with `--features mpi`, or unset it to start this one",
+                path.display()
+            );
+        }
+        return Ok(path);
     }
     std::env::current_exe().context("finding the workbook executable to start as ranks")
 }
 
-/// What the ranks said that matters: their `error:` lines (which MPI's
-/// own abort banner would push out of a plain tail), else the last lines.
+/// What the ranks said that matters: their `error:` lines, a failed
+/// allocation, a panic, and which rank mpirun saw fail (MPI's own abort
+/// banner would push these out of a plain tail), else the last lines.
 fn said(log: &str) -> String {
+    let telling = [
+        "memory allocation of",
+        "panicked at",
+        "has overflowed its stack",
+        "mpirun noticed that process rank",
+    ];
     let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
     let errors: Vec<&str> = lines
         .iter()
         .copied()
-        .filter(|l| l.trim_start().starts_with("error:"))
+        .filter(|l| l.trim_start().starts_with("error:") || telling.iter().any(|t| l.contains(t)))
         .collect();
     if errors.is_empty() {
         lines[lines.len().saturating_sub(8)..].join("\n")
@@ -255,6 +275,7 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
         seed: job.seed,
         precision: job.precision,
         out: dir.path().to_path_buf(),
+        max_memory: job.max_memory,
     };
     let args = [
         "rank".to_string(),

@@ -33,7 +33,8 @@ pub struct Params {
     pub layers: usize,
     /// Features in and out of each layer.
     pub width: usize,
-    /// Rows of the whole batch, split evenly over the ranks.
+    /// Rows of the whole batch, split over the ranks (unevenly where the
+    /// ranks do not divide it, each rank's loss weighted by its rows).
     pub batch: usize,
     /// Training steps per stage.
     #[schemars(range(min = 1))]
@@ -73,7 +74,8 @@ impl Default for Params {
 pub struct ZeroStages;
 
 /// The most ranks a cell may ask for.
-const MAX_RANKS: usize = 64;
+/// The most ranks a cell may ask for (`--ranks` included).
+pub const MAX_RANKS: usize = 64;
 
 impl Plugin for ZeroStages {
     type Params = Params;
@@ -107,15 +109,34 @@ impl Plugin for ZeroStages {
                     n.to_string(),
                     format!("allowed: at most {MAX_RANKS}"),
                 );
-            } else if n > 0 && !p.batch.is_multiple_of(n) {
+            } else if n > p.batch {
                 r.violation(
                     &field,
                     n.to_string(),
-                    format!("allowed: a divisor of the batch, {}", p.batch),
+                    format!(
+                        "allowed: at most the batch, {} rows (each rank trains on one row at \
+                         least)",
+                        p.batch
+                    ),
                 );
             }
         }
         r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // Every rank runs DDP first, which holds the whole model's states:
+        // 16 bytes a parameter in f32 (4 + 4 + 8) and in mixed precision
+        // (2 + 2 + 12). Each rank is held to the cell's cap.
+        let (l, w) = (p.layers as u64, p.width as u64);
+        let psi = w.saturating_mul(w).saturating_add(w).saturating_mul(l);
+        Some((
+            psi.saturating_mul(16),
+            format!(
+                "each rank's DDP model states, 16 bytes for each of the {l} × ({w}² + {w}) \
+                 parameters"
+            ),
+        ))
     }
 
     fn metrics(&self) -> Vec<MetricSpec> {
@@ -191,6 +212,7 @@ impl Plugin for ZeroStages {
                 seed: p.seed,
                 precision: p.precision,
                 timeout: std::time::Duration::from_secs_f64(p.timeout_seconds),
+                max_memory: workbook_sdk::meter::limit(),
             };
             // A job that cannot start ends the cell's runs, but what the
             // earlier rank counts measured still goes into the table.
@@ -313,8 +335,11 @@ fn extra_ranks(batch: usize) -> anyhow::Result<Option<usize>> {
     if n == 0 || n > MAX_RANKS {
         anyhow::bail!("--ranks is {n}; allowed: 1 to {MAX_RANKS}");
     }
-    if !batch.is_multiple_of(n) {
-        anyhow::bail!("--ranks is {n}, which does not divide this cell's batch of {batch} rows");
+    if n > batch {
+        anyhow::bail!(
+            "--ranks is {n}, more than this cell's batch of {batch} rows; allowed: at most \
+             {batch} (each rank trains on one row at least)"
+        );
     }
     Ok(Some(n))
 }

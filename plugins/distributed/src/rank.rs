@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_checkpoint::lean_backward_with;
-use candle_distributed::{Comm, DataParallel, ShardedLinear, Split, ZeroAdamW};
+use candle_distributed::{Comm, DataParallel, Shard, ShardedLinear, Split, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use serde::{Deserialize, Serialize};
 use workbook_models::Rng;
@@ -29,7 +29,8 @@ pub struct RankRequest {
     pub layers: usize,
     /// Features in and out of each layer.
     pub width: usize,
-    /// Rows of the whole batch, split evenly over the ranks.
+    /// Rows of the whole batch, split over the ranks (the first `batch %
+    /// ranks` take one more).
     pub batch: usize,
     /// Training steps per stage.
     pub steps: usize,
@@ -40,6 +41,10 @@ pub struct RankRequest {
     pub precision: Precision,
     /// The folder each rank writes `rank-R.json` into.
     pub out: PathBuf,
+    /// The most this rank may hold at once: the cell's cap (`--max-memory`)
+    /// holds for every rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_memory: Option<u64>,
 }
 
 /// What one rank measured.
@@ -153,17 +158,21 @@ fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
         .collect()
 }
 
+/// This rank's share of the batch: its rows, and its loss's weight.
+fn shard(req: &RankRequest, comm: &Comm) -> Shard {
+    Shard::new(req.batch, comm.size(), comm.rank())
+}
+
 /// This rank's rows of step `step`'s batch, in the dtype it trains in.
 fn batch(req: &RankRequest, comm: &Comm, step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     let mut rng = Rng::seeded(req.seed ^ (0x9e37_79b9 + step as u64));
     let x = rng.randn((req.batch, req.width), dev)?;
     let y = rng.randn((req.batch, req.width), dev)?;
-    let rows = req.batch / comm.size();
-    let at = comm.rank() * rows;
+    let shard = shard(req, comm);
     let dtype = req.precision.dtype();
     Ok((
-        x.narrow(0, at, rows)?.to_dtype(dtype)?.copy()?,
-        y.narrow(0, at, rows)?.to_dtype(dtype)?.copy()?,
+        shard.narrow(&x)?.to_dtype(dtype)?.copy()?,
+        shard.narrow(&y)?.to_dtype(dtype)?.copy()?,
     ))
 }
 
@@ -203,12 +212,12 @@ fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
 fn layerwise_backward(
     layers: &[Layer<candle_nn::Linear>],
     vars: &[Var],
-    x: &Tensor,
-    y: &Tensor,
+    (x, y, shard): (&Tensor, &Tensor, Shard),
     on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
 ) -> Result<f32> {
-    let (l, _) = Category::Gradients
-        .scope(|| lean_backward_with(layers, x, vars, |h| mse(h, y), on_grad, &Tags))?;
+    let loss = |h: &Tensor| shard.weigh(&mse(h, y)?);
+    let (l, _) =
+        Category::Gradients.scope(|| lean_backward_with(layers, x, vars, loss, on_grad, &Tags))?;
     scalar(&l)
 }
 
@@ -317,6 +326,7 @@ fn run_stage(
     let start = Instant::now();
     for step in 0..req.steps {
         let (x, y) = Category::Inputs.scope(|| batch(req, comm, step, &dev))?;
+        let rows = (&x, &y, shard(req, comm));
         let grads_now = |region: &workbook_sdk::Region| {
             region.current_above_baseline().get(Category::Gradients)
         };
@@ -325,7 +335,7 @@ fn run_stage(
                 // Gradients averaged a bucket at a time as the layer-wise
                 // backward hands them over, where DDP's hooks launch theirs.
                 let mut buckets = ddp.bucketing();
-                loss = layerwise_backward(layers, vars, &x, &y, |var, g| buckets.push(var, g))?;
+                loss = layerwise_backward(layers, vars, rows, |var, g| buckets.push(var, g))?;
                 let grads = Category::Gradients.scope(|| buckets.finish())?;
                 held.grads = grads_now(&region);
                 match opt {
@@ -336,7 +346,7 @@ fn run_stage(
             Trainer::Zero1((layers, vars), opt) => {
                 // Every gradient whole until the step reduce-scatters them.
                 let mut grads = GradStore::default();
-                loss = layerwise_backward(layers, vars, &x, &y, |var, g| {
+                loss = layerwise_backward(layers, vars, rows, |var, g| {
                     grads.insert(var.as_tensor(), g);
                     Ok(())
                 })?;
@@ -344,14 +354,14 @@ fn run_stage(
                 opt.step(&grads)?;
             }
             Trainer::Zero2((layers, vars), opt) => {
-                loss = layerwise_backward(layers, vars, &x, &y, |var, g| {
-                    opt.reduce_gradient(var, &g)
-                })?;
+                loss =
+                    layerwise_backward(layers, vars, rows, |var, g| opt.reduce_gradient(var, &g))?;
                 held.grads = grads_now(&region);
                 opt.step_reduced()?;
             }
             Trainer::Zero3(layers, opt) => {
-                let l = Category::Activations.scope(|| mse(&forward(layers, &x)?, &y))?;
+                let l = Category::Activations
+                    .scope(|| rows.2.weigh(&mse(&forward(layers, &x)?, &y)?))?;
                 let all = Category::Gradients.scope(|| l.backward())?;
                 loss = scalar(&l)?;
                 drop(l);
@@ -512,6 +522,7 @@ impl Fault {
 /// the whole job (`MPI_Abort`), so that no other rank waits for it in a
 /// collective.
 pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
+    workbook_sdk::meter::set_limit(req.max_memory);
     serve(comm, &req.out, |comm| run_rank(comm, req))
 }
 
@@ -522,6 +533,7 @@ pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
 /// standard error and the whole job ended (`MPI_Abort`), so that no other
 /// rank waits for this one in a collective. A panic is an error too.
 pub fn serve(comm: Comm, out: &Path, work: impl FnOnce(&Arc<Comm>) -> anyhow::Result<()>) -> ! {
+    die_with_launcher();
     let comm = Arc::new(comm.observed(Tags));
     let run = || -> anyhow::Result<()> {
         std::fs::write(
@@ -545,11 +557,26 @@ pub fn serve(comm: Comm, out: &Path, work: impl FnOnce(&Arc<Comm>) -> anyhow::Re
     }
 }
 
+/// Makes this rank end when the process that started it (mpirun) ends,
+/// even by SIGKILL: a rank is never left behind computing for no one.
+fn die_with_launcher() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl(2) and getppid(2) with plain integer arguments.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        // The launcher may have died before the prctl: then this rank was
+        // handed to init (or a subreaper), and is alone.
+        if libc::getppid() == 1 {
+            std::process::exit(1);
+        }
+    }
+}
+
 fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
     let fault = Fault::from_env()?;
-    if !req.batch.is_multiple_of(comm.size()) {
+    if req.batch < comm.size() {
         anyhow::bail!(
-            "a batch of {} rows does not split evenly over {} ranks",
+            "a batch of {} rows cannot give each of {} ranks a row",
             req.batch,
             comm.size()
         );

@@ -18,18 +18,19 @@ fn the_defaults_are_valid() {
 }
 
 #[test]
-fn rank_counts_must_split_the_batch() {
+fn rank_counts_may_split_the_batch_unevenly_but_not_past_its_rows() {
     let p = Params {
         batch: 12,
-        ranks: vec![1, 0, 8, 65],
+        ranks: vec![1, 0, 8, 13, 65],
         ..Params::default()
     };
     assert_eq!(
         refusals(p),
         [
             "ranks[1]: 0 (allowed: at least 1)",
-            "ranks[2]: 8 (allowed: a divisor of the batch, 12)",
-            "ranks[3]: 65 (allowed: at most 64)",
+            "ranks[3]: 13 (allowed: at most the batch, 12 rows (each rank trains on one row \
+             at least))",
+            "ranks[4]: 65 (allowed: at most 64)",
         ]
     );
 }
@@ -83,6 +84,7 @@ fn without_mpi_a_job_says_what_to_install() {
         seed: 1,
         precision: workbook_distributed::stage::Precision::F32,
         timeout: std::time::Duration::from_secs(5),
+        max_memory: None,
     };
     let err = launch(&job).unwrap_err().to_string();
     assert!(

@@ -37,6 +37,12 @@ use crate::rules::Violation;
 /// takes a new version.
 pub const PROTOCOL_VERSION: u32 = 2;
 
+/// The longest line either side may write, newline included: a runner
+/// stops reading a process past it (a plugin that never ends its line
+/// must not exhaust the runner's memory), and reports the line as the
+/// cell's error.
+pub const MAX_LINE_BYTES: usize = 64 << 20;
+
 /// One request: the protocol version and what is asked.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Request {

@@ -305,6 +305,42 @@ fn rehearsal(ranks: usize, stage: Stage) -> anyhow::Result<Parallel> {
     Ok(Parallel::new(Arc::new(comm), stage))
 }
 
+/// The largest micro-batch below `batch` whose predicted step `fits`, by
+/// bisection rather than by trying every size (a batch may be 10^11).
+/// [`Calibration::peak`] has two regimes. Past half the batch, the later
+/// micro-batch is the remainder: the first micro-batch's peak grows with
+/// `m` and the later one's shrinks, so the sizes that fit form a range and
+/// its top is where the first stops fitting. Up to half the batch, every
+/// micro-batch is `m` and the peak grows with it.
+fn largest_micro(c: &Calibration, batch: usize, fits: impl Fn(u64) -> bool) -> Option<usize> {
+    // The last m in lo..=hi for which `ok` holds, where it holds up to a
+    // point and not past it.
+    let last = |lo: usize, hi: usize, ok: &dyn Fn(usize) -> bool| -> Option<usize> {
+        if lo > hi || !ok(lo) {
+            return None;
+        }
+        let (mut good, mut bad) = (lo, hi + 1);
+        while bad - good > 1 {
+            let mid = good + (bad - good) / 2;
+            if ok(mid) {
+                good = mid;
+            } else {
+                bad = mid;
+            }
+        }
+        Some(good)
+    };
+    let half = batch / 2;
+    let tokens = |m: usize| (batch - m) as u64 * c.batch_bytes_per_sequence;
+    let first_fits = |m: usize| fits(c.micro_peak(m).saturating_add(tokens(m)));
+    if let Some(m) = last(half + 1, batch.saturating_sub(1), &first_fits) {
+        if fits(c.peak(batch, m)) {
+            return Some(m);
+        }
+    }
+    last(1, half, &|m| fits(c.peak(batch, m))).filter(|&m| fits(c.peak(batch, m)))
+}
+
 /// The options from calibrations: for each, the whole batch and the
 /// largest micro-batch that fits; the fastest that fits is chosen.
 /// `req`'s batch must split evenly over its ranks ([`plan`] checks it).
@@ -315,7 +351,7 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     for c in &calibrations {
         let mut micros = vec![batch];
         let fits = |peak: u64| peak as f64 * (1.0 + req.margin) <= req.budget as f64;
-        let largest_fitting = (1..batch).rev().find(|&m| fits(c.peak(batch, m)));
+        let largest_fitting = largest_micro(c, batch, fits);
         if !fits(c.peak(batch, batch)) && batch > 1 {
             // The largest micro-batch that fits, or, when none does, one
             // sequence at a time: the least this recipe and dtype can need.
@@ -521,6 +557,52 @@ mod tests {
         assert_eq!(c.peak(8, 1), 115 + 50 + 7);
         // A sum that outweighs the micro-batches' difference.
         assert_eq!(calibration(500).peak(8, 7), 115 + 500 + 1);
+    }
+
+    #[test]
+    fn the_micro_batch_search_finds_what_trying_every_size_finds() {
+        // Calibrations as steps give them: the peak grows by more per
+        // sequence than a sequence's tokens, one sequence at most the line
+        // through batch 2 and 4.
+        let mut seed = 7u64;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..2000 {
+            let fixed = 1000 + next(5000);
+            let per = 20 + next(400);
+            let token = 1 + next(per / 2);
+            let mut c = calibration(next(4000));
+            c.peaks = [
+                fixed + per - next(per / 2 + 1),
+                fixed + 2 * per,
+                fixed + 4 * per,
+            ];
+            c.batch_bytes_per_sequence = token;
+            let batch = 1 + next(120) as usize;
+            let budget = fixed + next(per * batch as u64 + 6000);
+            let fits = |peak: u64| peak <= budget;
+            let scan = (1..batch).rev().find(|&m| fits(c.peak(batch, m)));
+            assert_eq!(
+                largest_micro(&c, batch, fits),
+                scan,
+                "{c:?} batch {batch} budget {budget}"
+            );
+        }
+        // A batch of 10^11 sequences is weighed at once.
+        let c = calibration(50);
+        // Up to half the batch: 10^11 + 150 + 9m, so m = 1094 is the last.
+        assert_eq!(
+            largest_micro(&c, 100_000_000_000, |p| p <= 100_000_000_000 + 10_000),
+            Some(1094)
+        );
+        assert_eq!(
+            largest_micro(&c, 100_000_000_000, |p| p <= 1 << 62),
+            Some(99_999_999_999)
+        );
     }
 
     #[test]

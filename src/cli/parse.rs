@@ -1,0 +1,106 @@
+//! The values of flags: each parser's error says what is allowed.
+
+use std::time::Duration;
+
+use workbook::DeviceChoice;
+
+pub fn parse_budget(s: &str) -> Result<u64, String> {
+    bytes_above_zero(s, "the budget")
+}
+
+pub fn parse_dtype(s: &str) -> Result<workbook_sdk::candle::DType, String> {
+    workbook_transformer::parse_dtype(s)
+        .map_err(|_| format!("`{s}` is not a dtype; expected one of: f32, bf16, f16"))
+}
+
+pub fn parse_steps(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a number of steps; allowed: 1 or more"
+        )),
+    }
+}
+
+pub fn parse_ranks(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a number of ranks; allowed: 1 to 1024"
+        )),
+    }
+}
+
+pub fn parse_run_ranks(s: &str) -> Result<usize, String> {
+    let most = workbook_distributed::MAX_RANKS;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=most).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a number of ranks; allowed: 1 to {most}"
+        )),
+    }
+}
+
+pub fn parse_job_seconds(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a time limit; allowed: a whole number of seconds, at least 1"
+        )),
+    }
+}
+
+pub fn parse_stage(s: &str) -> Result<workbook_distributed::stage::Stage, String> {
+    use workbook_distributed::stage::Stage;
+    match Stage::ALL.into_iter().find(|stage| stage.name() == s) {
+        Some(stage) => Ok(stage),
+        None => Err(format!(
+            "`{s}` is not a stage; allowed: {}",
+            Stage::ALL.map(Stage::name).join(", ")
+        )),
+    }
+}
+
+pub fn parse_recipe(s: &str) -> Result<workbook_transformer::Recipe, String> {
+    use workbook_transformer::Recipe;
+    [Recipe::Candle, Recipe::Lean, Recipe::Tiled]
+        .into_iter()
+        .find(|r| r.name() == s)
+        .ok_or_else(|| format!("`{s}` is not a recipe; expected one of: candle, lean, tiled"))
+}
+
+pub fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    DeviceChoice::from_name(s).ok_or_else(|| {
+        format!(
+            "`{s}` is not a device; expected one of: {}",
+            DeviceChoice::ALL.map(DeviceChoice::name).join(", ")
+        )
+    })
+}
+
+pub fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let value: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    workbook::chapter::seconds(value)
+}
+
+/// A size such as `8GiB`, above zero; `what` names it in the error.
+pub fn bytes_above_zero(s: &str, what: &str) -> Result<u64, String> {
+    let size: bytesize::ByteSize = s.parse().map_err(|e| {
+        format!("`{s}` is not a size ({e}); write it as bytes or with a unit: 8GiB, 500MB")
+    })?;
+    if size.as_u64() == 0 {
+        return Err(format!("{what} must be above 0 bytes"));
+    }
+    Ok(size.as_u64())
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    bytes_above_zero(s, "the memory limit")
+}
+
+/// The machine's physical memory, the default cap on what a cell may hold.
+pub fn physical_memory() -> Option<u64> {
+    workbook::plan::memory_field("MemTotal:")
+}

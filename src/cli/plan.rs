@@ -1,0 +1,257 @@
+//! `workbook plan`: a GPT's training step fitted into a memory budget,
+//! and with `--verify` run and measured.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::parse::{
+    parse_budget, parse_dtype, parse_job_seconds, parse_ranks, parse_recipe, parse_stage,
+    parse_steps,
+};
+use super::progress::Spinner;
+use super::say;
+
+/// The arguments of `workbook plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// The most memory a training step may hold: 2GiB, 500MB, or bytes.
+    #[arg(long, value_parser = parse_budget)]
+    pub budget: u64,
+    /// Sequences per optimizer step.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// A TOML file with the model's `layers`, `hidden`, `heads`, `seq`
+    /// and `vocab` (the flags below then are not used).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "seq", "vocab"])]
+    pub model: Option<PathBuf>,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Hidden size (a multiple of heads).
+    #[arg(long, default_value_t = 256)]
+    pub hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Sequence length.
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    /// Vocabulary.
+    #[arg(long, default_value_t = 512)]
+    pub vocab: usize,
+    /// Ways of computing the layers to consider, comma-separated: candle
+    /// (candle-nn's layers, naive attention), lean (the toolkit's lean
+    /// layers, the probabilities kept), tiled (lean, tiled attention).
+    #[arg(long, value_delimiter = ',', default_value = "candle,lean,tiled", value_parser = parse_recipe)]
+    pub recipes: Vec<workbook_transformer::Recipe>,
+    /// Leave checkpointing out of the options.
+    #[arg(long)]
+    pub no_checkpointing: bool,
+    /// Dtypes to consider, comma-separated: f32, bf16, f16.
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = parse_dtype)]
+    pub dtypes: Vec<workbook_sdk::candle::DType>,
+    /// Ranks sharing the batch (data parallelism): the budget is then
+    /// each rank's, and each trains on batch / ranks sequences;
+    /// --verify runs them under mpirun (a build with `--features mpi`).
+    #[arg(long, default_value_t = 1, value_parser = parse_ranks)]
+    pub ranks: usize,
+    /// With --ranks, how they may share the training, comma-separated:
+    /// ddp (everything replicated), zero1 (optimizer state
+    /// partitioned), zero2 (gradients too), zero3 (parameters too)
+    /// [default: all four].
+    #[arg(long, value_delimiter = ',', value_parser = parse_stage)]
+    pub stages: Option<Vec<workbook_distributed::stage::Stage>>,
+    /// With --ranks and --verify, the ranks' time limit in seconds (at
+    /// least 1).
+    #[arg(long, default_value_t = 1800, value_name = "SECONDS", value_parser = parse_job_seconds)]
+    pub timeout: u64,
+    /// Run the chosen plan and check that its measured peak is within
+    /// the budget and within 5% of the prediction (exit code 1 if not).
+    #[arg(long)]
+    pub verify: bool,
+    /// Steps the verification runs (at least 1).
+    #[arg(long, default_value_t = 2, requires = "verify", value_parser = parse_steps)]
+    pub steps: usize,
+    /// Write the options' plot (plan.svg, plan.png) into this folder.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Print the plan as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The tolerance `plan --verify` holds a plan's measured peak to.
+const PLAN_TOLERANCE: f64 = 0.05;
+
+/// `workbook plan`: weighs the options, and with `--verify` runs the one
+/// chosen.
+pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
+    let PlanArgs {
+        budget,
+        batch,
+        model,
+        layers,
+        hidden,
+        heads,
+        seq,
+        vocab,
+        recipes,
+        no_checkpointing,
+        dtypes,
+        ranks,
+        stages,
+        timeout,
+        verify,
+        steps,
+        out,
+        json,
+    } = args;
+    use workbook::plan as view;
+    use workbook_transformer::plan::{
+        plan as weigh, verify as run_plan, PlanRequest, VerifyRequest,
+    };
+    let file = match model {
+        Some(path) => view::ModelFile::read(path)?,
+        None => view::ModelFile {
+            layers: *layers,
+            hidden: *hidden,
+            heads: *heads,
+            seq: *seq,
+            vocab: *vocab,
+        },
+    };
+    let config = file.config()?;
+    if *batch == 0 {
+        anyhow::bail!("`--batch` is 0; allowed: at least 1");
+    }
+    let available = view::available_memory().unwrap_or(u64::MAX);
+    view::preflight(&config, dtypes, available)?;
+    let request = PlanRequest {
+        model: config,
+        batch: *batch,
+        budget: *budget,
+        margin: PLAN_TOLERANCE,
+        dtypes: dtypes.clone(),
+        recipes: recipes.clone(),
+        checkpointing: !no_checkpointing,
+        seed: 11,
+        ranks: *ranks,
+        stages: stages.clone().unwrap_or_else(|| {
+            use workbook_distributed::stage::Stage;
+            Stage::ALL.to_vec()
+        }),
+    };
+    if stages.is_some() && *ranks == 1 {
+        anyhow::bail!("`--stages` shares the training between ranks; give `--ranks` 2 or more");
+    }
+    request.batch_per_rank()?;
+    if *verify && *ranks > 1 && !workbook_distributed::launch::built_with_mpi() {
+        anyhow::bail!(
+            "--verify with --ranks runs MPI ranks, and this workbook was built without the \
+             `mpi` feature: {}",
+            workbook_distributed::launch::INSTALL
+        );
+    }
+    let meter = workbook_sdk::device::meter_for(&workbook_sdk::candle::Device::Cpu)?;
+    let progress = Spinner::new(0).bar;
+    progress.enable_steady_tick(Duration::from_millis(120));
+    let mut ctx = {
+        let progress = progress.clone();
+        workbook_sdk::Context::new(workbook_sdk::candle::Device::Cpu, meter, false)
+            .with_progress(move |m| progress.set_message(m.to_string()))
+    };
+    let plan = weigh(&mut ctx, &request)?;
+    let verification = match (&plan.chosen, verify) {
+        (Some(chosen), true) => {
+            // What the plan holds per rank, and all ranks on this machine.
+            let needed = chosen.peak.saturating_mul(*ranks as u64);
+            if needed > available {
+                progress.finish_and_clear();
+                anyhow::bail!(
+                    "the chosen plan is predicted to hold {} ({} per rank), more than the {} \
+                     of memory available here: it cannot be verified on this machine (plan \
+                     without --verify, or with a smaller --budget)",
+                    workbook::render::text::bytes(needed),
+                    workbook::render::text::bytes(chosen.peak),
+                    workbook::render::text::bytes(available)
+                );
+            }
+            let v = VerifyRequest::new(&request, chosen, *steps)?;
+            Some(if *ranks > 1 {
+                progress.set_message(format!("verifying on {ranks} ranks"));
+                verify_on_ranks(v, *ranks, Duration::from_secs(*timeout))?
+            } else {
+                run_plan(&mut ctx, &v, None)?
+            })
+        }
+        _ => None,
+    };
+    progress.finish_and_clear();
+    if let Some(dir) = out {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+        let plot = workbook::render::plot::figure_plot(
+            &view::figure(&plan),
+            workbook::render::plot::Formats::SvgAndPng,
+        )?;
+        for (name, data) in [
+            ("plan.svg", plot.svg.as_bytes()),
+            ("plan.png", &plot.png[..]),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, data)
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        }
+    }
+    if *json {
+        let value = serde_json::json!({ "plan": plan, "verification": verification });
+        say(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;
+    } else {
+        say(&view::text(&plan, *batch))?;
+        if let Some(v) = &verification {
+            say(&view::verified(v, PLAN_TOLERANCE))?;
+        }
+    }
+    if plan.chosen.is_none() {
+        if *json {
+            eprintln!("error: {}", view::nothing_fits(&plan, *batch));
+        }
+        return Ok(ExitCode::from(1));
+    }
+    Ok(match verification {
+        Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
+    })
+}
+
+/// Runs a plan's verification on `ranks` MPI ranks and gathers what each
+/// measured.
+fn verify_on_ranks(
+    mut v: workbook_transformer::plan::VerifyRequest,
+    ranks: usize,
+    timeout: Duration,
+) -> anyhow::Result<workbook_transformer::plan::Verification> {
+    use anyhow::Context as _;
+    use workbook_transformer::plan::{of_ranks, Verification};
+    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
+    v.out = Some(dir.path().to_path_buf());
+    let args = [
+        "rank".to_string(),
+        "--verify".into(),
+        serde_json::to_string(&v)?,
+    ];
+    let ran = workbook_distributed::launch::run_ranks(ranks, timeout, dir.path(), &args)?;
+    let (each, unread): (Vec<Verification>, _) =
+        workbook_distributed::launch::gather(dir.path(), ranks, |dir, rank| {
+            dir.join(format!("verify-{rank}.json"))
+        });
+    let mut problems = ran.problems();
+    problems.extend(unread);
+    if let Some(error) = ran.error(&problems) {
+        anyhow::bail!("the verification on {ranks} ranks failed: {error}");
+    }
+    of_ranks(&each).context("no rank reported")
+}
