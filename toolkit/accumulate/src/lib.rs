@@ -17,4 +17,8 @@ mod inplace;
 mod owning;
 
 pub use accumulator::{micro_batches, GradAccumulator};
+/// The measurement hook that calls here accept, and the one that does
+/// nothing (`&NoObserver`): re-exported, so that a caller needs no
+/// `candle-observe` of its own for them.
+pub use candle_observe::{NoObserver, Observer};
 pub use owning::Accumulating;

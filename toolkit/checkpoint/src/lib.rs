@@ -30,7 +30,7 @@
 //! Give such a layer its mask or seed as an input ([`Arg::Const`]).
 //!
 //! Supports candle 0.11. Measurement attaches through a
-//! [`candle_observe::Observer`] (pass `&NoObserver` when none).
+//! [`Observer`] (pass `&NoObserver` when none; both are re-exported here).
 #![warn(missing_docs)]
 
 mod direct;
@@ -40,6 +40,10 @@ mod policy;
 mod sequential;
 mod vjp;
 
+/// The measurement hook that calls here accept, and the one that does
+/// nothing (`&NoObserver`): re-exported, so that a caller needs no
+/// `candle-observe` of its own for them.
+pub use candle_observe::{NoObserver, Observer};
 pub use direct::{autograd_head, checkpoint_direct, direct_backward, direct_backward_with};
 pub use grads::{accumulate, add_grad, ensure_grads, missing_grads, named_vars};
 pub use lean::{lean_backward, lean_backward_with};

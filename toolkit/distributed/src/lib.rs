@@ -49,6 +49,10 @@ mod threads;
 mod traffic;
 mod zero;
 
+/// The measurement hook that calls here accept, and the one that does
+/// nothing (`&NoObserver`): re-exported, so that a caller needs no
+/// `candle-observe` of its own for them.
+pub use candle_observe::{NoObserver, Observer};
 pub use comm::{Comm, Engine, Solo};
 pub use ddp::{Bucketing, DataParallel, DEFAULT_BUCKET_BYTES};
 pub use fsdp::ShardedLinear;

@@ -20,6 +20,10 @@ mod source;
 mod stream;
 mod transfers;
 
+/// The measurement hook that calls here accept, and the one that does
+/// nothing (`&NoObserver`): re-exported, so that a caller needs no
+/// `candle-observe` of its own for them.
+pub use candle_observe::{NoObserver, Observer};
 pub use host::HostAdamW;
 pub use source::{fetched_linear, fetched_linear_act, WeightSource};
 pub use stream::StreamedLinear;

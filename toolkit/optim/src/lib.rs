@@ -21,6 +21,10 @@ mod kernel;
 mod lean;
 mod state;
 
+/// The measurement hook that calls here accept, and the one that does
+/// nothing (`&NoObserver`): re-exported, so that a caller needs no
+/// `candle-observe` of its own for them.
+pub use candle_observe::{NoObserver, Observer};
 pub use kernel::AdamWStep;
 pub use lean::{adamw_update, LeanAdamW};
 pub use state::{save_state, StateFile};
