@@ -15,7 +15,10 @@
 //!
 //! [`cross_entropy`] is the loss as one operation: its graph keeps the
 //! logits, not a log-softmax beside them. [`layer_norm`] keeps its input
-//! and two numbers per row, not five tensors the input's size.
+//! and two numbers per row, not five tensors the input's size;
+//! [`LeanLayerNorm`] is it as a module, from a `candle_nn::LayerNorm`'s
+//! variables or new ones ([`lean_layer_norm`]), and [`lean_linear`] makes a
+//! [`LeanLinear`] as `candle_nn::linear` makes its layer.
 //!
 //! Built from a `candle_nn::Linear`, a [`LeanLinear`] shares its variables,
 //! so any optimizer steps it unchanged. Its gradients equal candle-nn's,
@@ -33,6 +36,6 @@ mod norm;
 mod product;
 
 pub use layer::LeanLayer;
-pub use linear::{linear_backward, Activation, LeanLinear};
+pub use linear::{lean_linear, linear_backward, Activation, LeanLinear};
 pub use loss::{cross_entropy, cross_entropy_and_grad};
-pub use norm::layer_norm;
+pub use norm::{layer_norm, lean_layer_norm, LeanLayerNorm};

@@ -52,6 +52,13 @@ impl From<&candle_nn::Linear> for LeanLinear {
     }
 }
 
+/// A new [`LeanLinear`] from `in_dim` to `out_dim` features with a bias, its
+/// variables (`weight`, `bias`) made by `vb` as `candle_nn::linear` makes
+/// them: the same names and initialisation.
+pub fn lean_linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<LeanLinear> {
+    Ok(LeanLinear::from(&candle_nn::linear(in_dim, out_dim, vb)?))
+}
+
 impl LeanLinear {
     /// A layer from `weight` `(out, in)` and `bias` `(out,)`, shared (not
     /// copied): pass variables' tensors to train them.

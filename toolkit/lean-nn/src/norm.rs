@@ -1,6 +1,6 @@
 //! Layer normalization as one operation.
 
-use candle_core::{bail, DType, Result, Tensor, D};
+use candle_core::{bail, DType, Module, Result, Tensor, D};
 use candle_custom_grad::{with_backward3, Backward3};
 
 /// Layer normalization over the last dimension, `(x - mean) / sqrt(var +
@@ -44,6 +44,102 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         .to_dtype(dtype)?;
     drop(centred);
     with_backward3(out, x, weight, bias, Norm { mean, rstd })
+}
+
+/// A layer norm module whose forward is [`layer_norm`]: one autograd
+/// operation that keeps the input and two numbers per row.
+///
+/// Use it in place of `candle_nn::LayerNorm` in a model that trains: in
+/// candle 0.11, `candle_nn::LayerNorm::forward` on a contiguous input runs
+/// a fused kernel that has no backward, so its weight and bias silently get
+/// no gradient (`candle_checkpoint::ensure_grads` names them).
+/// [`LeanLayerNorm::try_from`] takes an existing one's variables (shared,
+/// not copied); [`lean_layer_norm`] makes new ones as `candle_nn::layer_norm`
+/// does.
+///
+/// ```
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// let dev = Device::Cpu;
+/// let map = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);
+/// let plain = candle_nn::layer_norm(3, 1e-5, vb.pp("ln"))?;
+/// let lean = candle_lean_nn::LeanLayerNorm::try_from(&plain)?;
+/// let x = Tensor::new(&[[1f32, 2.0, 4.0]], &dev)?;
+/// let y = lean.forward(&x)?;
+/// // Gradients reach both variables of the VarMap.
+/// let grads = y.sqr()?.sum_all()?.backward()?;
+/// assert!(map.all_vars().iter().all(|v| grads.get(v.as_tensor()).is_some()));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct LeanLayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LeanLayerNorm {
+    /// A layer norm over `weight.dims() == [h]` features with `bias` of the
+    /// same shape, shared (not copied): pass variables' tensors to train
+    /// them.
+    pub fn new(weight: Tensor, bias: Tensor, eps: f64) -> Result<Self> {
+        if weight.rank() != 1 || bias.dims() != weight.dims() {
+            bail!(
+                "a layer norm's weight and bias are vectors of one shape: the weight has shape \
+                 {:?}, the bias {:?}",
+                weight.dims(),
+                bias.dims()
+            );
+        }
+        Ok(Self { weight, bias, eps })
+    }
+
+    /// The weight, `(h,)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias, `(h,)`.
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+}
+
+impl TryFrom<&candle_nn::LayerNorm> for LeanLayerNorm {
+    type Error = candle_core::Error;
+
+    /// The same variables and epsilon. A `candle_nn::LayerNorm` without a
+    /// bias is refused: candle-nn does not say whether it is a bias-less
+    /// layer norm or an RMS norm, which compute different things.
+    fn try_from(ln: &candle_nn::LayerNorm) -> Result<Self> {
+        let Some(bias) = ln.bias() else {
+            bail!(
+                "this candle_nn::LayerNorm has no bias, and candle-nn does not say whether it \
+                 subtracts the mean (LayerNorm::new_no_bias) or not (LayerNorm::rms_norm); build \
+                 a LeanLayerNorm with LeanLayerNorm::new(weight, bias, eps)"
+            );
+        };
+        Self::new(ln.weight().clone(), bias.clone(), ln.eps())
+    }
+}
+
+impl Module for LeanLayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+/// A new [`LeanLayerNorm`] over `size` features, its variables made by `vb`
+/// as `candle_nn::layer_norm` makes them (`weight` ones, `bias` zeros).
+pub fn lean_layer_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<LeanLayerNorm> {
+    let ln = candle_nn::layer_norm(size, eps, vb)?;
+    LeanLayerNorm::try_from(&ln)
 }
 
 fn accumulation(dtype: DType) -> DType {

@@ -359,3 +359,35 @@ fn half_precision_bias_gradient_is_within_a_rounding_of_f64() -> Result<()> {
     }
     Ok(())
 }
+
+/// `lean_linear` makes the variables `candle_nn::linear` makes: the same
+/// names and shapes, and the same layer's output.
+#[test]
+fn lean_linear_makes_candle_nns_variables() -> candle_core::Result<()> {
+    use candle_core::{DType, Device, Module, Tensor};
+    use candle_nn::{VarBuilder, VarMap};
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let lean = candle_lean_nn::lean_linear(4, 3, vb.pp("fc"))?;
+    let mut vars: Vec<(String, Vec<usize>)> = map
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+        .collect();
+    vars.sort();
+    assert_eq!(
+        vars,
+        [
+            ("fc.bias".to_string(), vec![3]),
+            ("fc.weight".to_string(), vec![3, 4])
+        ]
+    );
+    // The same variables through candle-nn: the same output.
+    let plain = candle_nn::linear(4, 3, vb.pp("fc"))?;
+    let x = Tensor::randn(0f32, 1.0, (2, 4), &Device::Cpu)?;
+    let (a, b) = (lean.forward(&x)?, plain.forward(&x)?);
+    assert_eq!(a.to_vec2::<f32>()?, b.to_vec2::<f32>()?);
+    Ok(())
+}

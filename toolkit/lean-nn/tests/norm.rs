@@ -83,3 +83,70 @@ fn bad_shapes_are_refused() -> Result<()> {
     );
     Ok(())
 }
+
+/// The module built from a `candle_nn::LayerNorm` shares its variables and
+/// trains them, where candle-nn's own forward on a contiguous input gives
+/// them no gradient; its values equal candle-nn's differentiable layer norm.
+#[test]
+fn the_module_from_candle_nns_layer_norm_trains_its_variables() -> Result<()> {
+    use candle_core::Module;
+    use candle_nn::{VarBuilder, VarMap};
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let plain = candle_nn::layer_norm(16, 1e-5, vb.pp("ln"))?;
+    let lean = candle_lean_nn::LeanLayerNorm::try_from(&plain)?;
+    // Shared, not copied: the same tensors.
+    assert_eq!(lean.weight().id(), plain.weight().id());
+    assert_eq!(lean.bias().id(), plain.bias().unwrap().id());
+    let x = data(&[3, 16], 9)?;
+    let up = data(&[3, 16], 13)?;
+    let y = lean.forward(&x)?;
+    let want = candle_nn::ops::layer_norm_slow(&x, plain.weight(), plain.bias().unwrap(), 1e-5)?;
+    assert!(max_diff(&y, &want)? < 1e-5);
+    let grads = (y * &up)?.sum_all()?.backward()?;
+    let mut names: Vec<String> = map.data().lock().unwrap().keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["ln.bias", "ln.weight"]);
+    for var in map.all_vars() {
+        assert!(grads.get(var.as_tensor()).is_some(), "no gradient");
+    }
+    // candle-nn's own forward: the same values, and no gradient at all.
+    let grads = (plain.forward(&x)? * &up)?.sum_all()?.backward()?;
+    assert!(map
+        .all_vars()
+        .iter()
+        .all(|v| grads.get(v.as_tensor()).is_none()));
+    // And made new, as candle_nn::layer_norm makes it.
+    let made = candle_lean_nn::lean_layer_norm(16, 1e-5, vb.pp("other"))?;
+    assert_eq!(made.weight().to_vec1::<f32>()?, vec![1f32; 16]);
+    assert_eq!(made.bias().to_vec1::<f32>()?, vec![0f32; 16]);
+    Ok(())
+}
+
+#[test]
+fn a_layer_norm_without_a_bias_or_of_bad_shapes_is_refused() -> Result<()> {
+    let w = Tensor::ones(8, DType::F32, &Device::Cpu)?;
+    let rms = candle_nn::LayerNorm::rms_norm(w.clone(), 1e-5);
+    let err = candle_lean_nn::LeanLayerNorm::try_from(&rms)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "this candle_nn::LayerNorm has no bias, and candle-nn does not say whether it \
+             subtracts the mean"
+        ),
+        "{err}"
+    );
+    let b = Tensor::zeros(7, DType::F32, &Device::Cpu)?;
+    let err = candle_lean_nn::LeanLayerNorm::new(w, b, 1e-5)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "a layer norm's weight and bias are vectors of one shape: the weight has shape [8], \
+             the bias [7]"
+        ),
+        "{err}"
+    );
+    Ok(())
+}
