@@ -46,7 +46,14 @@ impl ModelFile {
     /// bytes; errors name the file, line and column.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         use std::io::Read as _;
-        crate::chapter::check_file(path)?;
+        match crate::chapter::check_file(path) {
+            Ok(()) => {}
+            Err(crate::chapter::ChapterError::NotAFile { path, what }) => anyhow::bail!(
+                "{} {what}; a model file is a regular .toml file",
+                path.display()
+            ),
+            Err(other) => return Err(other.into()),
+        }
         let mut text = String::new();
         std::fs::File::open(path)
             .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))

@@ -517,8 +517,14 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
     let large = tmp.path().join("large.toml");
     std::fs::write(&large, format!("# {}\n", "x".repeat(100_000))).unwrap();
     for (file, says) in [
-        (fifo.display().to_string(), "is a FIFO (a named pipe)"),
-        ("/dev/zero".to_string(), "is a device, not a regular file"),
+        (
+            fifo.display().to_string(),
+            "is a FIFO (a named pipe); a model file is a regular .toml file",
+        ),
+        (
+            "/dev/zero".to_string(),
+            "is a device, not a regular file; a model file is a regular .toml file",
+        ),
         (
             large.display().to_string(),
             "is larger than a model file may be (65536 bytes at most)",
@@ -531,6 +537,7 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
         );
         assert_eq!(o.status.code(), Some(2), "{file}: {}", text(&o).1);
         assert!(text(&o).1.contains(says), "{file}: {}", text(&o).1);
+        assert!(!text(&o).1.contains("chapter"), "{file}: {}", text(&o).1);
     }
     let o = workbook(
         &[
