@@ -55,12 +55,7 @@ pub struct Location {
 impl Location {
     /// The place of byte `offset` of `text`, read from `path`.
     pub fn in_text(path: &Path, text: &str, offset: usize) -> Self {
-        let (line, column) = line_col(text, offset);
-        Self {
-            path: path.to_path_buf(),
-            line,
-            column,
-        }
+        LineIndex::new(text).locate(path, text, offset)
     }
 }
 
@@ -313,13 +308,36 @@ impl Cell {
     }
 }
 
-/// Byte offset to 1-based line and column (in characters).
-fn line_col(text: &str, offset: usize) -> (usize, usize) {
-    let offset = offset.min(text.len());
-    let before = &text[..offset];
-    let line = before.matches('\n').count() + 1;
-    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-    (line, col)
+/// Where each line of a text starts: a chapter of n cells is located n
+/// times, each in O(log n) rather than by reading from the file's start.
+struct LineIndex {
+    starts: Vec<usize>,
+}
+
+impl LineIndex {
+    fn new(text: &str) -> Self {
+        Self {
+            starts: std::iter::once(0)
+                .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+                .collect(),
+        }
+    }
+
+    /// Byte `offset` of `text` (the text indexed) as a 1-based line and
+    /// column (in characters).
+    fn locate(&self, path: &Path, text: &str, offset: usize) -> Location {
+        let mut offset = offset.min(text.len());
+        while !text.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let line = self.starts.partition_point(|&s| s <= offset);
+        let start = self.starts[line - 1];
+        Location {
+            path: path.to_path_buf(),
+            line,
+            column: text[start..offset].chars().count() + 1,
+        }
+    }
 }
 
 fn plain(table: &SpannedTable) -> toml::Table {
@@ -332,36 +350,20 @@ fn plain(table: &SpannedTable) -> toml::Table {
 struct Source<'a> {
     path: &'a Path,
     text: &'a str,
-    /// The byte offset each line starts at: a chapter of n cells is
-    /// located n times, each in O(log n) rather than by reading from the
-    /// start of the file.
-    line_starts: Vec<usize>,
+    lines: LineIndex,
 }
 
 impl<'a> Source<'a> {
     fn new(path: &'a Path, text: &'a str) -> Self {
-        let line_starts = std::iter::once(0)
-            .chain(text.match_indices('\n').map(|(i, _)| i + 1))
-            .collect();
         Self {
             path,
             text,
-            line_starts,
+            lines: LineIndex::new(text),
         }
     }
 
     fn at(&self, span: std::ops::Range<usize>) -> Location {
-        let mut offset = span.start.min(self.text.len());
-        while !self.text.is_char_boundary(offset) {
-            offset -= 1;
-        }
-        let line = self.line_starts.partition_point(|&s| s <= offset);
-        let start = self.line_starts[line - 1];
-        Location {
-            path: self.path.to_path_buf(),
-            line,
-            column: self.text[start..offset].chars().count() + 1,
-        }
+        self.lines.locate(self.path, self.text, span.start)
     }
 
     fn error(
@@ -732,45 +734,50 @@ pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterErr
 
 /// That `path` is a regular file (through links), or what it is instead.
 /// Reading a FIFO would wait for a writer forever.
-pub fn check_file(path: &Path) -> Result<(), ChapterError> {
+fn check_file(path: &Path) -> Result<(), ChapterError> {
+    match not_a_regular_file(path) {
+        Ok(None) => Ok(()),
+        Ok(Some(what)) => Err(ChapterError::NotAFile {
+            path: path.to_path_buf(),
+            what,
+        }),
+        Err(cause) => Err(ChapterError::Io {
+            path: path.to_path_buf(),
+            cause,
+        }),
+    }
+}
+
+/// What `path` is when it is not a regular file (through links): `is a
+/// directory`, `is a FIFO (a named pipe)`, a dangling link...; `None` for
+/// a regular file. Any input file is checked so before it is read: reading
+/// a FIFO would wait for a writer forever, a device such as /dev/zero
+/// would never end.
+pub fn not_a_regular_file(path: &Path) -> std::io::Result<Option<String>> {
     use std::os::unix::fs::FileTypeExt;
-    let not_a_file = |what: String| ChapterError::NotAFile {
-        path: path.to_path_buf(),
-        what,
-    };
-    let link = std::fs::symlink_metadata(path).map_err(|cause| ChapterError::Io {
-        path: path.to_path_buf(),
-        cause,
-    })?;
+    let link = std::fs::symlink_metadata(path)?;
     let meta = match std::fs::metadata(path) {
         Ok(m) => m,
         Err(_) if link.file_type().is_symlink() => {
             let target = std::fs::read_link(path)
                 .map(|t| t.display().to_string())
                 .unwrap_or_default();
-            return Err(not_a_file(format!(
-                "is a link to {target}, which does not exist"
-            )));
+            return Ok(Some(format!("is a link to {target}, which does not exist")));
         }
-        Err(cause) => {
-            return Err(ChapterError::Io {
-                path: path.to_path_buf(),
-                cause,
-            })
-        }
+        Err(cause) => return Err(cause),
     };
     let kind = meta.file_type();
-    if kind.is_file() {
-        Ok(())
+    Ok(if kind.is_file() {
+        None
     } else if kind.is_dir() {
-        Err(not_a_file("is a directory".into()))
+        Some("is a directory".into())
     } else if kind.is_fifo() {
-        Err(not_a_file("is a FIFO (a named pipe)".into()))
+        Some("is a FIFO (a named pipe)".into())
     } else if kind.is_socket() {
-        Err(not_a_file("is a socket".into()))
+        Some("is a socket".into())
     } else {
-        Err(not_a_file("is a device, not a regular file".into()))
-    }
+        Some("is a device, not a regular file".into())
+    })
 }
 
 /// Where chapters are looked for, in order: `./chapters`, then the

@@ -91,22 +91,17 @@ impl Group {
     /// whatever is left; then reaps the leader.
     pub fn end(&mut self, grace: Duration) -> std::io::Result<ExitStatus> {
         self.signal(libc::SIGTERM);
-        let until = Instant::now() + grace;
-        while !self.exited() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        self.signal(libc::SIGKILL);
-        self.reap()
+        self.wait(grace)
     }
 
     /// Waits up to `limit` for the leader to exit by itself, then kills
     /// whatever is left of its group (a process it started that still
     /// holds its pipes, or the leader itself past the limit) and reaps it.
     pub fn wait(&mut self, limit: Duration) -> std::io::Result<ExitStatus> {
+        // A worker exits within a millisecond or two of its cell's end: a
+        // coarser poll would add its period to every cell.
         let until = Instant::now() + limit;
         while !self.exited() && Instant::now() < until {
-            // A worker exits within a millisecond or two of its cell's
-            // end: a coarser poll would add its period to every cell.
             std::thread::sleep(Duration::from_millis(1));
         }
         self.signal(libc::SIGKILL);
@@ -151,12 +146,14 @@ pub enum Line {
     TooLong {
         /// The line's number, from 1.
         number: usize,
+        /// The cap it ran past, in bytes.
+        cap: usize,
     },
 }
 
 impl Line {
     /// What is wrong with the line, for a message; `None` for text.
-    pub fn problem(&self, cap: usize) -> Option<String> {
+    pub fn problem(&self) -> Option<String> {
         match self {
             Line::Text(_) => None,
             Line::NotUtf8 {
@@ -166,9 +163,9 @@ impl Line {
             } => Some(format!(
                 "its line {number} is not UTF-8 (an invalid byte at offset {offset}): {excerpt}"
             )),
-            Line::TooLong { number } => Some(format!(
+            Line::TooLong { number, cap } => Some(format!(
                 "its line {number} ran past the protocol's cap of {} without ending",
-                bytesize::ByteSize::b(cap as u64).display().iec()
+                bytesize::ByteSize::b(*cap as u64).display().iec()
             )),
         }
     }
@@ -192,7 +189,7 @@ pub fn read_lines(stream: impl Read, cap: usize, mut each: impl FnMut(Line) -> b
         if buf.last() == Some(&b'\n') {
             buf.pop();
         } else if buf.len() > cap {
-            each(Line::TooLong { number });
+            each(Line::TooLong { number, cap });
             return;
         }
         let line = match String::from_utf8(std::mem::take(&mut buf)) {
@@ -273,7 +270,7 @@ mod tests {
         assert_eq!(lines(b"abcd\n", 4), [Line::Text("abcd".into())]);
         assert_eq!(
             lines(b"ok\nabcde\nnever", 4),
-            [Line::Text("ok".into()), Line::TooLong { number: 2 }]
+            [Line::Text("ok".into()), Line::TooLong { number: 2, cap: 4 }]
         );
         let bad = lines(b"x\nab\xffcd\ny\n", 64);
         assert_eq!(
@@ -289,11 +286,16 @@ mod tests {
             ]
         );
         assert_eq!(
-            bad[1].problem(64).unwrap(),
+            bad[1].problem().unwrap(),
             "its line 2 is not UTF-8 (an invalid byte at offset 2): ab\u{fffd}cd"
         );
         assert_eq!(
-            Line::TooLong { number: 7 }.problem(64 << 20).unwrap(),
+            Line::TooLong {
+                number: 7,
+                cap: 64 << 20
+            }
+            .problem()
+            .unwrap(),
             "its line 7 ran past the protocol's cap of 64.0 MiB without ending"
         );
     }

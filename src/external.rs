@@ -255,7 +255,7 @@ fn ask(program: &Path, request: &Request) -> Result<Message, String> {
                     false
                 }
                 bad => {
-                    let _ = tx.send(Err(bad.problem(MAX_LINE_BYTES).unwrap_or_default()));
+                    let _ = tx.send(Err(bad.problem().unwrap_or_default()));
                     false
                 }
             });

@@ -46,18 +46,18 @@ impl ModelFile {
     /// bytes; errors name the file, line and column.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         use std::io::Read as _;
-        match crate::chapter::check_file(path) {
-            Ok(()) => {}
-            Err(crate::chapter::ChapterError::NotAFile { path, what }) => anyhow::bail!(
+        let cannot_read =
+            |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
+        if let Some(what) = crate::chapter::not_a_regular_file(path).map_err(cannot_read)? {
+            anyhow::bail!(
                 "{} {what}; a model file is a regular .toml file",
                 path.display()
-            ),
-            Err(other) => return Err(other.into()),
+            );
         }
         let mut text = String::new();
         std::fs::File::open(path)
             .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
-            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+            .map_err(cannot_read)?;
         if text.len() as u64 > MAX_MODEL_FILE {
             anyhow::bail!(
                 "{} is larger than a model file may be ({} bytes at most): a model file holds \
@@ -110,25 +110,6 @@ impl ModelFile {
     }
 }
 
-/// The GPT's parameters, counted without overflow: the token and position
-/// tables, 12h² + 13h per block, and the final norm; `None` past `u64`.
-pub fn param_count(c: &GptConfig) -> Option<u64> {
-    let (h, s, v, l) = (
-        c.hidden as u64,
-        c.seq as u64,
-        c.vocab as u64,
-        c.layers as u64,
-    );
-    let block = h
-        .checked_mul(h)?
-        .checked_mul(12)?
-        .checked_add(h.checked_mul(13)?)?;
-    v.checked_mul(h)?
-        .checked_add(s.checked_mul(h)?)?
-        .checked_add(l.checked_mul(block)?)?
-        .checked_add(2 * h)
-}
-
 /// Refuses, before anything is allocated, a model whose calibration cannot
 /// fit in `available` bytes, or whose sizes overflow. The floor is what
 /// every calibrated step holds at least, in the smallest of `dtypes`: the
@@ -139,7 +120,7 @@ pub fn preflight(
     dtypes: &[workbook_sdk::candle::DType],
     available: u64,
 ) -> anyhow::Result<()> {
-    let Some(params) = param_count(config) else {
+    let Some(params) = config.checked_param_count() else {
         anyhow::bail!(
             "this model's parameter count overflows 64 bits (layers {}, hidden {}, seq {}, \
              vocab {}): no machine can hold it",

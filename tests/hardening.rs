@@ -85,6 +85,23 @@ fn toml_string(s: &str) -> String {
     toml::Value::String(s.to_string()).to_string()
 }
 
+/// Runs `chapter` from its folder with the JSON report on stdout and the
+/// HTML report in `out`.
+fn run_with_report(chapter: &Path, out: &Path) -> Output {
+    workbook(
+        &[
+            "run",
+            chapter.to_str().unwrap(),
+            "--format",
+            "json",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        chapter.parent().unwrap(),
+        &[],
+    )
+}
+
 fn report(o: &Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
         panic!(
@@ -108,18 +125,7 @@ fn a_line_past_the_protocols_cap_is_that_cells_error_and_the_run_goes_on() {
     plugin(&plugins, "fine", "");
     let path = chapter(tmp.path(), "t", &["endless", "fine"]);
     let out = tmp.path().join("out");
-    let o = workbook(
-        &[
-            "run",
-            path.to_str().unwrap(),
-            "--format",
-            "json",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        tmp.path(),
-        &[],
-    );
+    let o = run_with_report(&path, &out);
     let r = report(&o);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
     let cell = &r["cells"][0];
@@ -386,18 +392,7 @@ fn figures_with_hostile_ids_or_extreme_values_do_not_cost_the_report() {
     );
     let path = chapter(tmp.path(), "t", &["slash", "dots", "long", "huge"]);
     let out = tmp.path().join("out");
-    let o = workbook(
-        &[
-            "run",
-            path.to_str().unwrap(),
-            "--format",
-            "json",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        tmp.path(),
-        &[],
-    );
+    let o = run_with_report(&path, &out);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
     assert!(out.join("report.html").is_file());
     let plots = out.join("plots");

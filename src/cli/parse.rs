@@ -22,23 +22,24 @@ pub fn parse_steps(s: &str) -> Result<usize, String> {
     }
 }
 
-pub fn parse_ranks(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if (1..=1024).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "`{s}` is not a number of ranks; allowed: 1 to 1024"
-        )),
-    }
-}
-
-pub fn parse_run_ranks(s: &str) -> Result<usize, String> {
-    let most = workbook_distributed::MAX_RANKS;
+/// A number of ranks from 1 to `most`.
+fn ranks_up_to(s: &str, most: usize) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if (1..=most).contains(&n) => Ok(n),
         _ => Err(format!(
             "`{s}` is not a number of ranks; allowed: 1 to {most}"
         )),
     }
+}
+
+/// `plan --ranks`: the planner rehearses one rank of any job.
+pub fn parse_ranks(s: &str) -> Result<usize, String> {
+    ranks_up_to(s, 1024)
+}
+
+/// `run --ranks`: what a data-parallel cell allows.
+pub fn parse_run_ranks(s: &str) -> Result<usize, String> {
+    ranks_up_to(s, workbook_distributed::MAX_RANKS)
 }
 
 pub fn parse_job_seconds(s: &str) -> Result<u64, String> {
@@ -98,9 +99,4 @@ pub fn bytes_above_zero(s: &str, what: &str) -> Result<u64, String> {
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
     bytes_above_zero(s, "the memory limit")
-}
-
-/// The machine's physical memory, the default cap on what a cell may hold.
-pub fn physical_memory() -> Option<u64> {
-    workbook::plan::memory_field("MemTotal:")
 }

@@ -14,7 +14,7 @@ use workbook::terminal::printable;
 use workbook::{DeviceChoice, Isolation, RunOptions, Workbook, WorkerCommand};
 
 use super::output::stdout_failed;
-use super::parse::{parse_device, parse_run_ranks, parse_seconds, parse_size, physical_memory};
+use super::parse::{parse_device, parse_run_ranks, parse_seconds, parse_size};
 use super::progress::{ReportWriter, Spinner, WithSpinner};
 
 /// The arguments of `workbook run`.
@@ -122,7 +122,8 @@ pub fn run(wb: &Workbook, args: &RunArgs) -> anyhow::Result<ExitCode> {
             max_memory: if *in_process {
                 None
             } else {
-                max_memory.or_else(physical_memory)
+                // The machine's physical memory by default.
+                max_memory.or_else(|| workbook::plan::memory_field("MemTotal:"))
             },
             interrupt: (!*in_process).then(workbook::runner::interrupt_flag),
         };

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use workbook_sdk::output::Table;
 
-use super::plot::{cell_plots, Formats, Plot};
+use super::plot::{cell_plots, plot_file, Formats, Plot};
 use super::text::{assertion_values, bytes, format_value};
 use crate::report::{CellReport, ChapterReport, Status};
 
@@ -91,10 +91,9 @@ impl ReportWriter {
     pub fn add_cell(&mut self, cell: &CellReport) -> anyhow::Result<()> {
         let mut drawn = cell_plots(cell, Formats::SvgAndPng);
         let plot_dir = self.dir.join("plots");
-        let cell_id = super::plot::file_id(&cell.id, &[]);
         for p in drawn.iter_mut().filter(|p| p.drawn()) {
             for (ext, data) in [("svg", p.svg.as_bytes()), ("png", p.png.as_slice())] {
-                let path = plot_dir.join(format!("{cell_id}-{}.{ext}", p.id));
+                let path = plot_dir.join(plot_file(&cell.id, &p.id, ext));
                 match write_new(&path, data) {
                     Ok(()) => self.files.push(path),
                     Err(e) => {
@@ -344,9 +343,9 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot], embed: Embed, pro
         let data = base64::engine::general_purpose::STANDARD.encode(&p.png);
         let files = match &p.error {
             None => format!(
-                " · <a href=\"plots/{cell}-{id}.svg\">SVG</a> · <a href=\"plots/{cell}-{id}.png\">PNG</a>",
-                id = escape(&p.id),
-                cell = escape(&c.id),
+                " · <a href=\"plots/{svg}\">SVG</a> · <a href=\"plots/{png}\">PNG</a>",
+                svg = escape(&plot_file(&c.id, &p.id, "svg")),
+                png = escape(&plot_file(&c.id, &p.id, "png")),
             ),
             Some(why) => format!(" · <span class=\"why\">{}</span>", escape(why)),
         };

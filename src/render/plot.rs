@@ -78,6 +78,13 @@ pub fn file_id(id: &str, taken: &[String]) -> String {
     name
 }
 
+/// The file name of the plot `plot` (its id) of the cell `cell`, of
+/// extension `ext`, in a report's `plots` folder: what the report writes
+/// and what its page links to.
+pub fn plot_file(cell: &str, plot: &str, ext: &str) -> String {
+    format!("{}-{}.{ext}", file_id(cell, &[]), file_id(plot, &[]))
+}
+
 /// Plot size in pixels.
 pub const SIZE: (u32, u32) = (960, 540);
 /// The most variants one timeline shows.

@@ -127,12 +127,8 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
                     Ok(m) => Event::Message(Box::new(m)),
                     Err(_) => Event::Garbled(excerpt(text.trim(), 200)),
                 },
-                bad @ Line::NotUtf8 { .. } => {
-                    Event::Garbled(bad.problem(MAX_LINE_BYTES).unwrap_or_default())
-                }
-                long @ Line::TooLong { .. } => {
-                    Event::Overlong(long.problem(MAX_LINE_BYTES).unwrap_or_default())
-                }
+                bad @ Line::NotUtf8 { .. } => Event::Garbled(bad.problem().unwrap_or_default()),
+                long @ Line::TooLong { .. } => Event::Overlong(long.problem().unwrap_or_default()),
             };
             tx.send(event).is_ok()
         });
@@ -229,8 +225,9 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
         && end.is_none()
         && watch.interrupt.is_some_and(|i| i.load(Ordering::SeqCst))
     {
-        // SIGTERM sent to the runner's whole group reaches the worker too,
-        // which may die of it first.
+        // The flag may be set after the loop's last look, while it ended
+        // for another reason (the worker's output closed): the run was
+        // stopped all the same.
         stopped = Some(INTERRUPTED.into());
     }
     // A stopped worker is ended with everything it started; one that ended
@@ -316,11 +313,7 @@ fn died(
     let said = String::from_utf8_lossy(stderr);
     // What the process said of its end: the allocator's or a panic's line
     // where there is one, else its last line that is not a backtrace's.
-    let telling = [
-        "memory allocation of",
-        "panicked at",
-        "has overflowed its stack",
-    ];
+    let telling = workbook_sdk::worker::DYING_WORDS;
     let lines: Vec<&str> = said.lines().collect();
     // A panic's line ends in its location, and its message is the next line.
     let with_next = |i: usize| match (lines[i].trim_end().ends_with(':'), lines.get(i + 1)) {

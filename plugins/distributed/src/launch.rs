@@ -74,18 +74,15 @@ fn rank_executable() -> anyhow::Result<PathBuf> {
 /// allocation, a panic, and which rank mpirun saw fail (MPI's own abort
 /// banner would push these out of a plain tail), else the last lines.
 fn said(log: &str) -> String {
-    let telling = [
-        "memory allocation of",
-        "panicked at",
-        "has overflowed its stack",
-        "mpirun noticed that process rank",
-    ];
+    let telling = |l: &str| {
+        l.trim_start().starts_with("error:")
+            || l.contains("mpirun noticed that process rank")
+            || workbook_sdk::worker::DYING_WORDS
+                .iter()
+                .any(|t| l.contains(t))
+    };
     let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
-    let errors: Vec<&str> = lines
-        .iter()
-        .copied()
-        .filter(|l| l.trim_start().starts_with("error:") || telling.iter().any(|t| l.contains(t)))
-        .collect();
+    let errors: Vec<&str> = lines.iter().copied().filter(|l| telling(l)).collect();
     if errors.is_empty() {
         lines[lines.len().saturating_sub(8)..].join("\n")
     } else {

@@ -159,16 +159,15 @@ fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
 }
 
 /// This rank's share of the batch: its rows, and its loss's weight.
-fn shard(req: &RankRequest, comm: &Comm) -> Shard {
+fn shard_of(req: &RankRequest, comm: &Comm) -> Shard {
     Shard::new(req.batch, comm.size(), comm.rank())
 }
 
-/// This rank's rows of step `step`'s batch, in the dtype it trains in.
-fn batch(req: &RankRequest, comm: &Comm, step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+/// `shard`'s rows of step `step`'s batch, in the dtype it trains in.
+fn batch(req: &RankRequest, shard: Shard, step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     let mut rng = Rng::seeded(req.seed ^ (0x9e37_79b9 + step as u64));
     let x = rng.randn((req.batch, req.width), dev)?;
     let y = rng.randn((req.batch, req.width), dev)?;
-    let shard = shard(req, comm);
     let dtype = req.precision.dtype();
     Ok((
         shard.narrow(&x)?.to_dtype(dtype)?.copy()?,
@@ -212,7 +211,8 @@ fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
 fn layerwise_backward(
     layers: &[Layer<candle_nn::Linear>],
     vars: &[Var],
-    (x, y, shard): (&Tensor, &Tensor, Shard),
+    (x, y): (&Tensor, &Tensor),
+    shard: Shard,
     on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
 ) -> Result<f32> {
     let loss = |h: &Tensor| shard.weigh(&mse(h, y)?);
@@ -323,10 +323,11 @@ fn run_stage(
     let mut held = ModelState::default();
     let mut loss = f32::NAN;
     let traffic_start = comm.traffic();
+    let shard = shard_of(req, comm);
     let start = Instant::now();
     for step in 0..req.steps {
-        let (x, y) = Category::Inputs.scope(|| batch(req, comm, step, &dev))?;
-        let rows = (&x, &y, shard(req, comm));
+        let (x, y) = Category::Inputs.scope(|| batch(req, shard, step, &dev))?;
+        let rows = (&x, &y);
         let grads_now = |region: &workbook_sdk::Region| {
             region.current_above_baseline().get(Category::Gradients)
         };
@@ -335,7 +336,8 @@ fn run_stage(
                 // Gradients averaged a bucket at a time as the layer-wise
                 // backward hands them over, where DDP's hooks launch theirs.
                 let mut buckets = ddp.bucketing();
-                loss = layerwise_backward(layers, vars, rows, |var, g| buckets.push(var, g))?;
+                loss =
+                    layerwise_backward(layers, vars, rows, shard, |var, g| buckets.push(var, g))?;
                 let grads = Category::Gradients.scope(|| buckets.finish())?;
                 held.grads = grads_now(&region);
                 match opt {
@@ -346,7 +348,7 @@ fn run_stage(
             Trainer::Zero1((layers, vars), opt) => {
                 // Every gradient whole until the step reduce-scatters them.
                 let mut grads = GradStore::default();
-                loss = layerwise_backward(layers, vars, rows, |var, g| {
+                loss = layerwise_backward(layers, vars, rows, shard, |var, g| {
                     grads.insert(var.as_tensor(), g);
                     Ok(())
                 })?;
@@ -354,14 +356,15 @@ fn run_stage(
                 opt.step(&grads)?;
             }
             Trainer::Zero2((layers, vars), opt) => {
-                loss =
-                    layerwise_backward(layers, vars, rows, |var, g| opt.reduce_gradient(var, &g))?;
+                loss = layerwise_backward(layers, vars, rows, shard, |var, g| {
+                    opt.reduce_gradient(var, &g)
+                })?;
                 held.grads = grads_now(&region);
                 opt.step_reduced()?;
             }
             Trainer::Zero3(layers, opt) => {
                 let l = Category::Activations
-                    .scope(|| rows.2.weigh(&mse(&forward(layers, &x)?, &y)?))?;
+                    .scope(|| shard.weigh(&mse(&forward(layers, &x)?, &y)?))?;
                 let all = Category::Gradients.scope(|| l.backward())?;
                 loss = scalar(&l)?;
                 drop(l);
@@ -594,7 +597,7 @@ fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
     // buffers): allocate them here, untagged, not in the first stage.
     Category::Other.scope(|| -> anyhow::Result<()> {
         let (layers, vars) = dense(req, &Device::Cpu)?;
-        let (x, y) = batch(req, comm, 0, &Device::Cpu)?;
+        let (x, y) = batch(req, shard_of(req, comm), 0, &Device::Cpu)?;
         let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
         drop((grads, layers, vars));
         Ok(())

@@ -30,6 +30,16 @@ pub struct CellOutcome {
     pub end: CellEnd,
 }
 
+/// What a Rust process writes on standard error as it dies of its own
+/// accord: a failed allocation (and the abort after it), a panic, a stack
+/// overflow. A runner that quotes a dead process looks for these lines
+/// first, before a tail that a backtrace or MPI's banner may fill.
+pub const DYING_WORDS: [&str; 3] = [
+    "memory allocation of",
+    "panicked at",
+    "has overflowed its stack",
+];
+
 /// A panic's payload as an error.
 pub fn panicked(payload: &(dyn std::any::Any + Send)) -> anyhow::Error {
     let message = if let Some(s) = payload.downcast_ref::<&str>() {

@@ -93,13 +93,26 @@ impl GptConfig {
     /// assert_eq!(c.param_count(), 124_439_808);
     /// ```
     pub fn param_count(&self) -> u64 {
+        self.checked_param_count().unwrap_or(u64::MAX)
+    }
+
+    /// [`param_count`](Self::param_count), `None` where it overflows `u64`
+    /// (sizes a planner must refuse rather than wrap).
+    pub fn checked_param_count(&self) -> Option<u64> {
         let (l, h, s, v) = (
             self.layers as u64,
             self.hidden as u64,
             self.seq as u64,
             self.vocab as u64,
         );
-        h * v + s * h + l * (12 * h * h + 13 * h) + 2 * h
+        let block = h
+            .checked_mul(h)?
+            .checked_mul(12)?
+            .checked_add(h.checked_mul(13)?)?;
+        h.checked_mul(v)?
+            .checked_add(s.checked_mul(h)?)?
+            .checked_add(l.checked_mul(block)?)?
+            .checked_add(h.checked_mul(2)?)
     }
 
     /// Elements of each parameter tensor, in [`Gpt::vars`]'s order.
@@ -713,6 +726,13 @@ mod tests {
         let made: Vec<usize> = model.vars().iter().map(|v| v.elem_count()).collect();
         assert_eq!(config.param_sizes(), made);
         assert_eq!(made.iter().sum::<usize>() as u64, config.param_count());
+        // Sizes whose count passes u64 are `None`, never a wrapped count.
+        let huge = GptConfig {
+            layers: usize::MAX,
+            ..config
+        };
+        assert_eq!(huge.checked_param_count(), None);
+        assert_eq!(huge.param_count(), u64::MAX);
         Ok(())
     }
 

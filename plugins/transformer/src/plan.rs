@@ -338,7 +338,7 @@ fn largest_micro(c: &Calibration, batch: usize, fits: impl Fn(u64) -> bool) -> O
             return Some(m);
         }
     }
-    last(1, half, &|m| fits(c.peak(batch, m))).filter(|&m| fits(c.peak(batch, m)))
+    last(1, half, &|m| fits(c.peak(batch, m)))
 }
 
 /// The options from calibrations: for each, the whole batch and the
