@@ -118,8 +118,9 @@ impl ModelFile {
 pub fn preflight(
     config: &GptConfig,
     dtypes: &[workbook_sdk::candle::DType],
-    available: u64,
+    memory: &Memory,
 ) -> anyhow::Result<()> {
+    let Memory { available, place } = memory;
     let Some(params) = config.checked_param_count() else {
         anyhow::bail!(
             "this model's parameter count overflows 64 bits (layers {}, hidden {}, seq {}, \
@@ -136,18 +137,45 @@ pub fn preflight(
     let size = dtype.size_in_bytes() as u128;
     let logits = config.seq as u128 * config.vocab as u128;
     let floor = (u128::from(params) * 2 + logits) * size;
-    if floor > u128::from(available) {
+    if floor > u128::from(*available) {
         anyhow::bail!(
-            "this model cannot be planned on this machine: its {params} parameters, their \
+            "this model cannot be planned {place}: its {params} parameters, their \
              gradients and one sequence's {logits} logits take at least {} in {}, more than \
-             the {} of memory available here (the planner measures steps of the model \
+             the {} of memory available there (the planner measures steps of the model \
              itself, at batch 1, 2 and 4, before it predicts larger ones)",
             bytes(u64::try_from(floor).unwrap_or(u64::MAX)),
             dtype.as_str(),
-            bytes(available)
+            bytes(*available)
         );
     }
     Ok(())
+}
+
+/// The memory a plan's steps may take, and where it is.
+#[derive(Debug, Clone)]
+pub struct Memory {
+    /// Bytes available now.
+    pub available: u64,
+    /// Where, as a phrase: "on this machine", "on cuda:0 (NVIDIA H100)".
+    pub place: String,
+}
+
+impl Memory {
+    /// The memory of `device`: a GPU's free memory, else the host's
+    /// available memory (`u64::MAX` where neither can be read, so that
+    /// nothing is refused on a guess).
+    pub fn of(device: &workbook_sdk::candle::Device) -> Self {
+        match workbook_sdk::device::gpu_free_memory(device) {
+            Some(free) => Memory {
+                available: free,
+                place: format!("on {}", workbook_sdk::device::name(device)),
+            },
+            None => Memory {
+                available: available_memory().unwrap_or(u64::MAX),
+                place: "on this machine".to_string(),
+            },
+        }
+    }
 }
 
 /// A field of `/proc/meminfo` (`MemTotal:`, `MemAvailable:`), in bytes.

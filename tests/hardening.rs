@@ -483,7 +483,7 @@ fn plan_refuses_absurd_models_before_allocating_them() {
             err.starts_with("error: this model cannot be planned on this machine: its "),
             "{case:?}: {err}"
         );
-        assert!(err.contains("of memory available here"), "{case:?}: {err}");
+        assert!(err.contains("of memory available there"), "{case:?}: {err}");
     }
     let o = workbook(
         &[

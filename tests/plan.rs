@@ -243,6 +243,24 @@ fn bad_input_is_named() {
             "`zero9` is not a stage; allowed: ddp, zero1, zero2, zero3",
         ),
     ];
+    refused.push((
+        vec!["--budget", "1GiB", "--device", "gpu"],
+        "`gpu` is not a device; expected one of: auto, cpu, cuda",
+    ));
+    if cfg!(feature = "cuda") {
+        // Refused before any GPU is asked for.
+        refused.push((
+            vec![
+                "--budget", "1GiB", "--device", "cuda", "--ranks", "2", "--verify",
+            ],
+            "--verify with --ranks runs MPI ranks on the CPU, and NCCL needs a GPU per rank",
+        ));
+    } else {
+        refused.push((
+            vec!["--budget", "1GiB", "--device", "cuda"],
+            "workbook was built without CUDA support; rebuild it with `--features cuda`",
+        ));
+    }
     if !cfg!(feature = "mpi") {
         refused.push((
             vec!["--budget", "1GiB", "--ranks", "2", "--verify"],

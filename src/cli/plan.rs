@@ -8,8 +8,8 @@ use std::time::Duration;
 use clap::Args;
 
 use super::parse::{
-    parse_budget, parse_dtype, parse_job_seconds, parse_ranks, parse_recipe, parse_stage,
-    parse_steps,
+    parse_budget, parse_device, parse_dtype, parse_job_seconds, parse_ranks, parse_recipe,
+    parse_stage, parse_steps,
 };
 use super::progress::Spinner;
 use super::say;
@@ -53,6 +53,12 @@ pub struct PlanArgs {
     /// Dtypes to consider, comma-separated: f32, bf16, f16.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = parse_dtype)]
     pub dtypes: Vec<workbook_sdk::candle::DType>,
+    /// Where the steps are measured: auto (a GPU when this build has CUDA
+    /// support and one answers, else the CPU), cpu, or cuda (a build with
+    /// `--features cuda`). The budget and the pre-flight are then that
+    /// device's memory; `--verify` with `--ranks` runs on the CPU.
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: workbook::DeviceChoice,
     /// Ranks sharing the batch (data parallelism): the budget is then
     /// each rank's, and each trains on batch / ranks sequences;
     /// --verify runs them under mpirun (a build with `--features mpi`).
@@ -101,6 +107,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         recipes,
         no_checkpointing,
         dtypes,
+        device,
         ranks,
         stages,
         timeout,
@@ -127,8 +134,17 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     if *batch == 0 {
         anyhow::bail!("`--batch` is 0; allowed: at least 1");
     }
-    let available = view::available_memory().unwrap_or(u64::MAX);
-    view::preflight(&config, dtypes, available)?;
+    // Ranks verify on the CPU: NCCL would need a GPU per rank.
+    let device = match (*verify && *ranks > 1, device) {
+        (true, workbook::DeviceChoice::Cuda) => anyhow::bail!(
+            "--verify with --ranks runs MPI ranks on the CPU, and NCCL needs a GPU per rank: \
+             verify on one rank with --device cuda, or on several with --device cpu"
+        ),
+        (true, _) => workbook_sdk::candle::Device::Cpu,
+        (false, choice) => workbook_sdk::device::select(*choice).map_err(|e| anyhow::anyhow!(e))?,
+    };
+    let memory = view::Memory::of(&device);
+    view::preflight(&config, dtypes, &memory)?;
     let request = PlanRequest {
         model: config,
         batch: *batch,
@@ -155,12 +171,12 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             workbook_distributed::launch::INSTALL
         );
     }
-    let meter = workbook_sdk::device::meter_for(&workbook_sdk::candle::Device::Cpu)?;
+    let meter = workbook_sdk::device::meter_for(&device)?;
     let progress = Spinner::new(0).bar;
     progress.enable_steady_tick(Duration::from_millis(120));
     let mut ctx = {
         let progress = progress.clone();
-        workbook_sdk::Context::new(workbook_sdk::candle::Device::Cpu, meter, false)
+        workbook_sdk::Context::new(device, meter, false)
             .with_progress(move |m| progress.set_message(m.to_string()))
     };
     let plan = weigh(&mut ctx, &request)?;
@@ -168,15 +184,16 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         (Some(chosen), true) => {
             // What the plan holds per rank, and all ranks on this machine.
             let needed = chosen.peak.saturating_mul(*ranks as u64);
-            if needed > available {
+            if needed > memory.available {
                 progress.finish_and_clear();
                 anyhow::bail!(
                     "the chosen plan is predicted to hold {} ({} per rank), more than the {} \
-                     of memory available here: it cannot be verified on this machine (plan \
-                     without --verify, or with a smaller --budget)",
+                     of memory available {}: it cannot be verified there (plan without \
+                     --verify, or with a smaller --budget)",
                     workbook::render::text::bytes(needed),
                     workbook::render::text::bytes(chosen.peak),
-                    workbook::render::text::bytes(available)
+                    workbook::render::text::bytes(memory.available),
+                    memory.place
                 );
             }
             let v = VerifyRequest::new(&request, chosen, *steps)?;

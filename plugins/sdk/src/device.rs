@@ -149,3 +149,19 @@ pub fn name(device: &Device) -> String {
         other => format!("{other:?}").to_lowercase(),
     }
 }
+
+/// The memory a GPU has free now (`cuMemGetInfo`), or `None` for the CPU
+/// and where the driver does not answer: a planner checks a model against
+/// the card it will train on, not against the host's memory.
+pub fn gpu_free_memory(device: &Device) -> Option<u64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .ok()
+            .map(|(free, _total)| free as u64),
+        _ => None,
+    }
+}
