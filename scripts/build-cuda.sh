@@ -3,6 +3,8 @@
 # no GPU, for a GPU machine with NVIDIA driver 580 (CUDA 13.0) and H100/H200s.
 #
 #   scripts/build-cuda.sh          build the release binary, print how to run it
+#   scripts/build-cuda.sh build-dev  the same with the dev profile (optimised
+#                                  dependencies; what CI packs for the dry run)
 #   scripts/build-cuda.sh check    lint the cuda feature and test its meter's interposer
 #                                  against a stand-in driver (what CI does)
 #
@@ -23,9 +25,9 @@ cd "$(dirname "$0")/.."
 
 mode="${1:-build}"
 case "$mode" in
-  build | check) ;;
+  build | build-dev | check) ;;
   *)
-    echo "usage: $0 [build|check]" >&2
+    echo "usage: $0 [build|build-dev|check]" >&2
     exit 2
     ;;
 esac
@@ -137,9 +139,16 @@ if [ "$mode" = check ]; then
   exit 0
 fi
 
-cargo build --release --features cuda
+if [ "$mode" = build ]; then
+  profile=(--release)
+  out_dir=release
+else
+  profile=()
+  out_dir=debug
+fi
+cargo build "${profile[@]}" --features cuda
 # The meter's own test on a GPU (tests/cuda.rs), to run beside it.
-meter_test="$(cargo test --release --features cuda --test cuda --no-run \
+meter_test="$(cargo test "${profile[@]}" --features cuda --test cuda --no-run \
   --message-format=json-render-diagnostics |
   python3 -c 'import json, sys
 for line in sys.stdin:
@@ -147,7 +156,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
         print(m["executable"])')"
 mkdir -p dist
-cp "$CARGO_TARGET_DIR/release/workbook" dist/workbook-cuda
+cp "$CARGO_TARGET_DIR/$out_dir/workbook" dist/workbook-cuda
 cp "$meter_test" dist/cuda-meter-test
 tar czf dist/workbook-cuda.tar.gz -C dist workbook-cuda cuda-meter-test
 cat <<EOF

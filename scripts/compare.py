@@ -81,6 +81,23 @@ def ratio(mine, theirs):
     return "n/a"
 
 
+def rows(ours, theirs):
+    """(cell, metric, workbook, torch, ratio) for every metric PyTorch
+    measured, each followed by the cell's other ways of the same experiment."""
+    out = []
+    for cell in ours["cells"]:
+        torch_metrics = theirs["metrics"].get(cell["id"], {})
+        for name, value in torch_metrics.items():
+            mine = cell["metrics"].get(name)
+            out.append((cell["id"], name, fmt(name, mine), fmt(name, value), ratio(mine, value)))
+            # The same experiment another way, where the cell has it.
+            for other in ALSO.get((cell["id"], name), [f"{name}_candle", f"{name}_lean"]):
+                if other in cell["metrics"]:
+                    mine = cell["metrics"][other]
+                    out.append((cell["id"], other, fmt(name, mine), fmt(name, value), ratio(mine, value)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="*", help="workbook.json torch.json")
@@ -102,19 +119,9 @@ def main():
         sys.exit(f"modes differ: workbook {ours['mode']}, torch {theirs['mode']}")
     print(f"workbook {ours['workbook_version']} on {ours['device']} (meter {ours['meter']})")
     print(f"torch {theirs['torch']} on {theirs['device']}, {ours['mode']} size\n")
-    rows = [("cell", "metric", "workbook", "torch", "workbook / torch")]
-    for cell in ours["cells"]:
-        torch_metrics = theirs["metrics"].get(cell["id"], {})
-        for name, value in torch_metrics.items():
-            mine = cell["metrics"].get(name)
-            rows.append((cell["id"], name, fmt(name, mine), fmt(name, value), ratio(mine, value)))
-            # The same experiment another way, where the cell has it.
-            for other in ALSO.get((cell["id"], name), [f"{name}_candle", f"{name}_lean"]):
-                if other in cell["metrics"]:
-                    mine = cell["metrics"][other]
-                    rows.append((cell["id"], other, fmt(name, mine), fmt(name, value), ratio(mine, value)))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for i, r in enumerate(rows):
+    table = [("cell", "metric", "workbook", "torch", "workbook / torch")] + rows(ours, theirs)
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    for i, r in enumerate(table):
         print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))

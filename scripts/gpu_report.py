@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""The results folder of scripts/gpu-check.sh as Markdown: docs/comparison-gpu.md.
+
+    python3 scripts/gpu_report.py RESULTS > docs/comparison-gpu.md
+
+RESULTS holds what gpu-check.sh wrote: summary.tsv (each step's status and
+seconds), info.out, chapter2.json and torch-chapter2.json (chapter 2 on both
+sides), gpt-f32.json / gpt-bf16.json (`workbook plan --json`: the GPT step's
+peaks and times at batch 1, 2 and 4) and torch-gpt-f32.json /
+torch-gpt-bf16.json (scripts/torch_gpt.py at batch 4). What a step did not
+produce is said, not guessed. Needs only Python's standard library.
+"""
+
+import json
+import pathlib
+import sys
+
+from compare import fmt, ratio, rows
+
+# The workbook's recipes beside PyTorch's attention: the lean recipe keeps
+# the probabilities as PyTorch's composed attention does; the tiled one
+# keeps the log-sum-exp as scaled_dot_product_attention does; candle-nn's
+# layers are the framework-cost baseline.
+GPT_PAIRS = [("candle", "materialized"), ("lean", "materialized"), ("tiled", "sdpa")]
+
+
+def load(folder, name):
+    path = folder / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def steps(folder):
+    """The summary's rows: (step, status, seconds, limit)."""
+    try:
+        lines = (folder / "summary.tsv").read_text().splitlines()
+    except OSError:
+        return []
+    return [tuple(line.split("\t")) for line in lines[1:] if line.count("\t") == 3]
+
+
+def table(header, body):
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(out)
+
+
+def chapter2(folder):
+    ours, theirs = load(folder, "chapter2.json"), load(folder, "torch-chapter2.json")
+    if ours is None or theirs is None:
+        missing = [n for n, v in (("chapter2.json", ours), ("torch-chapter2.json", theirs)) if v is None]
+        return f"Not measured: {', '.join(missing)} missing or unreadable (see summary.tsv)."
+    head = (
+        f"workbook {ours['workbook_version']} on {ours['device']} (meter {ours['meter']}); "
+        f"torch {theirs['torch']} on {theirs['device']}; {ours['mode']} size.\n\n"
+    )
+    return head + table(("cell", "metric", "workbook", "PyTorch", "workbook / PyTorch"), rows(ours, theirs))
+
+
+def chapters(folder):
+    """Each chapter's cells as run on the card, with the assertions that failed."""
+    body = []
+    for name in ("chapter2", "chapter3"):
+        report = load(folder, f"{name}.json")
+        if report is None:
+            body.append((name, "-", "not run or no report (see summary.tsv)", ""))
+            continue
+        for cell in report["cells"]:
+            failed = [a["expr"] for a in cell.get("assertions", []) if not a["passed"] and not a.get("skipped")]
+            why = cell.get("error") or "; ".join(f"`{e}`" for e in failed)
+            body.append((name, cell["id"], cell["status"], " ".join(why.split()).replace("|", "\\|")))
+    return table(("chapter", "cell", "status", "what failed"), body)
+
+
+def gpt(folder, dtype):
+    ours, theirs = load(folder, f"gpt-{dtype}.json"), load(folder, f"torch-gpt-{dtype}.json")
+    if ours is None or theirs is None:
+        return f"Not measured in {dtype}: the workbook's or PyTorch's result is missing (see summary.tsv)."
+    calibrations = {c["recipe"]: c for c in ours["plan"]["calibrations"] if not c["checkpointed"]}
+    batch = theirs["config"]["batch"]
+    if batch not in (1, 2, 4):
+        return f"PyTorch ran batch {batch}; the workbook calibrates batch 1, 2 and 4."
+    i = (1, 2, 4).index(batch)
+    body = []
+    for recipe, attention in GPT_PAIRS:
+        c = calibrations.get(recipe)
+        if c is None:
+            continue
+        peak, seconds = c["peaks"][i], c["seconds"][i]
+        torch_peak = theirs["metrics"][f"peak_{attention}"]
+        torch_time = theirs["metrics"][f"first_time_{attention}"]
+        body.append(
+            (
+                recipe,
+                attention,
+                fmt("peak", peak),
+                fmt("peak", torch_peak),
+                ratio(peak, torch_peak),
+                fmt("time", seconds),
+                fmt("time", torch_time),
+                ratio(seconds, torch_time),
+            )
+        )
+    cfg = theirs["config"]
+    head = (
+        f"{cfg['layers']} blocks, hidden {cfg['hidden']}, {cfg['heads']} heads, {cfg['seq']} tokens, "
+        f"vocabulary {cfg['vocab']}, batch {batch}, {dtype}, AdamW; torch {theirs['torch']} on "
+        f"{theirs['device']}. Peaks from before the model exists to the step's end; times of "
+        "the first step of a fresh model on both sides (the workbook's `plan` calibrations).\n\n"
+    )
+    return head + table(
+        ("workbook recipe", "PyTorch attention", "workbook peak", "PyTorch peak", "ratio",
+         "workbook first step", "PyTorch first step", "ratio"),
+        body,
+    )
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    folder = pathlib.Path(sys.argv[1])
+    info = (folder / "info.out").read_text() if (folder / "info.out").exists() else "(no info.out)\n"
+    parts = [
+        "# The workbook on a GPU, beside PyTorch",
+        "Written by `python3 scripts/gpu_report.py` from one run of `scripts/gpu-check.sh` (see "
+        "the README's GPU section). Memory is the peak above the start of the measured step "
+        "(the workbook's CUDA meter; PyTorch's `max_memory_allocated`); a ratio above 1 means "
+        "the workbook held more or took longer.",
+        "## The machine\n\n```\n" + info.strip() + "\n```",
+        "## The run\n\n" + table(("step", "status", "seconds", "limit"), steps(folder)),
+        "## The chapters' cells\n\n" + chapters(folder),
+        "## Chapter 2's experiments\n\n" + chapter2(folder),
+        "## Chapter 3's GPT step, f32\n\n" + gpt(folder, "f32"),
+        "## Chapter 3's GPT step, bf16\n\n" + gpt(folder, "bf16"),
+    ]
+    print("\n\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()
