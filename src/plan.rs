@@ -4,11 +4,11 @@
 use std::path::Path;
 
 use serde::Deserialize;
-use workbook_distributed::stage::Stage;
+use workbook_models::{AttentionKind, GptConfig};
+use workbook_planner::plan::{Candidate, Plan, Verification};
+use workbook_planner::Stage;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{Figure, Unit};
-use workbook_transformer::plan::{Candidate, Plan, Verification};
-use workbook_transformer::{AttentionKind, GptConfig};
 
 use crate::chapter::Location;
 use crate::render::text::bytes;

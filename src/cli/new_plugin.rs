@@ -16,7 +16,7 @@ pub struct NewPluginArgs {
     /// The folder to create [default: ./workbook-plugin-NAME].
     #[arg(long, value_name = "DIR")]
     pub path: Option<PathBuf>,
-    /// The SDK's folder (plugins/sdk of a workbook source tree)
+    /// The SDK's folder (crates/sdk of a workbook source tree)
     /// [default: the one this binary was built from].
     #[arg(long, value_name = "DIR")]
     pub sdk: Option<PathBuf>,
@@ -33,7 +33,7 @@ pub fn new_plugin(wb: &Workbook, args: &NewPluginArgs) -> anyhow::Result<ExitCod
         None => workbook::new_plugin::built_sdk().ok_or_else(|| {
             anyhow::anyhow!(
                 "the SDK's source is not where this workbook was built from; give its folder \
-                 with --sdk DIR (plugins/sdk of a workbook source tree)"
+                 with --sdk DIR (crates/sdk of a workbook source tree)"
             )
         })?,
     };

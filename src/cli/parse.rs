@@ -9,7 +9,7 @@ pub fn parse_budget(s: &str) -> Result<u64, String> {
 }
 
 pub fn parse_dtype(s: &str) -> Result<workbook_sdk::candle::DType, String> {
-    workbook_transformer::parse_dtype(s)
+    workbook_sdk::parse_dtype(s)
         .map_err(|_| format!("`{s}` is not a dtype; expected one of: f32, bf16, f16"))
 }
 
@@ -51,8 +51,8 @@ pub fn parse_job_seconds(s: &str) -> Result<u64, String> {
     }
 }
 
-pub fn parse_stage(s: &str) -> Result<workbook_distributed::stage::Stage, String> {
-    use workbook_distributed::stage::Stage;
+pub fn parse_stage(s: &str) -> Result<workbook_planner::Stage, String> {
+    use workbook_planner::Stage;
     match Stage::ALL.into_iter().find(|stage| stage.name() == s) {
         Some(stage) => Ok(stage),
         None => Err(format!(
@@ -62,8 +62,8 @@ pub fn parse_stage(s: &str) -> Result<workbook_distributed::stage::Stage, String
     }
 }
 
-pub fn parse_recipe(s: &str) -> Result<workbook_transformer::Recipe, String> {
-    use workbook_transformer::Recipe;
+pub fn parse_recipe(s: &str) -> Result<workbook_models::Recipe, String> {
+    use workbook_models::Recipe;
     [Recipe::Candle, Recipe::Lean, Recipe::Tiled]
         .into_iter()
         .find(|r| r.name() == s)

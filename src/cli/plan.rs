@@ -46,7 +46,7 @@ pub struct PlanArgs {
     /// (candle-nn's layers, naive attention), lean (the toolkit's lean
     /// layers, the probabilities kept), tiled (lean, tiled attention).
     #[arg(long, value_delimiter = ',', default_value = "candle,lean,tiled", value_parser = parse_recipe)]
-    pub recipes: Vec<workbook_transformer::Recipe>,
+    pub recipes: Vec<workbook_models::Recipe>,
     /// Leave checkpointing out of the options.
     #[arg(long)]
     pub no_checkpointing: bool,
@@ -69,7 +69,7 @@ pub struct PlanArgs {
     /// partitioned), zero2 (gradients too), zero3 (parameters too)
     /// [default: all four].
     #[arg(long, value_delimiter = ',', value_parser = parse_stage)]
-    pub stages: Option<Vec<workbook_distributed::stage::Stage>>,
+    pub stages: Option<Vec<workbook_planner::Stage>>,
     /// With --ranks and --verify, the ranks' time limit in seconds (at
     /// least 1).
     #[arg(long, default_value_t = 1800, value_name = "SECONDS", value_parser = parse_job_seconds)]
@@ -117,9 +117,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         json,
     } = args;
     use workbook::plan as view;
-    use workbook_transformer::plan::{
-        plan as weigh, verify as run_plan, PlanRequest, VerifyRequest,
-    };
+    use workbook_planner::plan::{plan as weigh, verify as run_plan, PlanRequest, VerifyRequest};
     let file = match model {
         Some(path) => view::ModelFile::read(path)?,
         None => view::ModelFile {
@@ -156,7 +154,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         seed: 11,
         ranks: *ranks,
         stages: stages.clone().unwrap_or_else(|| {
-            use workbook_distributed::stage::Stage;
+            use workbook_planner::Stage;
             Stage::ALL.to_vec()
         }),
     };
@@ -247,12 +245,12 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
 /// Runs a plan's verification on `ranks` MPI ranks and gathers what each
 /// measured.
 fn verify_on_ranks(
-    mut v: workbook_transformer::plan::VerifyRequest,
+    mut v: workbook_planner::plan::VerifyRequest,
     ranks: usize,
     timeout: Duration,
-) -> anyhow::Result<workbook_transformer::plan::Verification> {
+) -> anyhow::Result<workbook_planner::plan::Verification> {
     use anyhow::Context as _;
-    use workbook_transformer::plan::{of_ranks, Verification};
+    use workbook_planner::plan::{of_ranks, Verification};
     let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
     v.out = Some(dir.path().to_path_buf());
     let args = [

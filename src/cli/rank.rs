@@ -36,7 +36,7 @@ pub fn serve(args: &RankArgs) -> ExitCode {
 /// measured by this rank's counting allocator, written to `verify-R.json`.
 fn verify_rank(request: &str) -> anyhow::Result<ExitCode> {
     use anyhow::Context as _;
-    let request: workbook_transformer::plan::VerifyRequest =
+    let request: workbook_planner::plan::VerifyRequest =
         serde_json::from_str(request).context("reading the rank's request")?;
     let Some(out) = request.out.clone() else {
         anyhow::bail!("a rank's verification needs the folder to report in");
@@ -44,8 +44,8 @@ fn verify_rank(request: &str) -> anyhow::Result<ExitCode> {
     #[cfg(feature = "mpi")]
     {
         use std::sync::Arc;
-        use workbook_transformer::plan::verify;
-        use workbook_transformer::step::Parallel;
+        use workbook_planner::plan::verify;
+        use workbook_planner::step::Parallel;
         let comm = candle_distributed::Comm::mpi()?;
         workbook_distributed::rank::serve(comm, &out, |comm| {
             let stage = request
@@ -59,7 +59,7 @@ fn verify_rank(request: &str) -> anyhow::Result<ExitCode> {
             // buffers) is not a step's, as in the calibration.
             verify(
                 &mut ctx,
-                &workbook_transformer::plan::VerifyRequest {
+                &workbook_planner::plan::VerifyRequest {
                     steps: 1,
                     ..request.clone()
                 },

@@ -13,7 +13,7 @@ const CHAPTER: &str = include_str!("chapter.toml.in");
 /// The SDK's source in the tree this binary was built from, if it is still
 /// there.
 pub fn built_sdk() -> Option<PathBuf> {
-    let sdk = Path::new(env!("CARGO_MANIFEST_DIR")).join("plugins/sdk");
+    let sdk = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/sdk");
     sdk.join("Cargo.toml").is_file().then_some(sdk)
 }
 

@@ -21,7 +21,7 @@ use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{VarBuilder, VarMap};
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
-use workbook_sdk::{Category, Context, Figure, Table};
+use workbook_sdk::{median, Category, Context, Figure, Table};
 
 // notebook cell
 /// Runs `layers` one after the other: a stack as one segment.
@@ -97,19 +97,6 @@ pub fn measure_backprop(
         time: median(times),
         ..first
     })
-}
-
-/// The median of `xs` (NaN when empty).
-pub fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
-    }
 }
 
 // notebook cell

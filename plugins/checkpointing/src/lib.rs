@@ -13,8 +13,8 @@ extern crate self as workbook_checkpointing;
 mod experiment;
 
 pub use experiment::{
-    checkpointing_experiment, heavy, measure_backprop, median, policies, policy_list, run_segment,
-    sweep, Backprop, Heavy,
+    checkpointing_experiment, heavy, measure_backprop, policies, policy_list, run_segment, sweep,
+    Backprop, Heavy,
 };
 
 use serde::{Deserialize, Serialize};

@@ -25,7 +25,7 @@ pub struct Job {
     /// Seed.
     pub seed: u64,
     /// The dtype the model trains in.
-    pub precision: crate::stage::Precision,
+    pub precision: workbook_planner::stage::Precision,
     /// The job's time limit.
     pub timeout: Duration,
     /// The most each rank may hold at once (the cell's cap), if any.

@@ -13,7 +13,6 @@
 
 pub mod launch;
 pub mod rank;
-pub mod stage;
 
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
@@ -23,7 +22,7 @@ use workbook_sdk::{Context, Figure, Plugin, Rules, Table, Violation};
 
 use crate::launch::{launch, Job};
 use crate::rank::{RankReport, StageReport};
-use crate::stage::{ModelState, Precision, Stage};
+use workbook_planner::stage::{ModelState, Precision, Stage};
 
 /// Parameters of the data-parallel cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]

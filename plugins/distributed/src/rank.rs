@@ -20,7 +20,7 @@ use workbook_sdk::meter::CpuMeter;
 use workbook_sdk::observe::Tags;
 use workbook_sdk::{Category, Context};
 
-use crate::stage::{ModelState, Precision, Stage};
+use workbook_planner::stage::{ModelState, Precision, Stage};
 
 /// What the cell asks of every rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -82,7 +82,7 @@ fn without_mpi_a_job_says_what_to_install() {
         batch: 4,
         steps: 1,
         seed: 1,
-        precision: workbook_distributed::stage::Precision::F32,
+        precision: workbook_planner::stage::Precision::F32,
         timeout: std::time::Duration::from_secs(5),
         max_memory: None,
     };

@@ -3,12 +3,13 @@
 //! `workbook_sdk::notebook`). Crates are named by their names, this one's
 //! included, so that the same text compiles in a notebook cell.
 
-use workbook_footprint::{parse_dtype, Params as FootprintParams, TrainingState};
+use workbook_footprint::{Params as FootprintParams, TrainingState};
 use workbook_models::{cross_entropy, param_grads, Activation, Mlp, Rng};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::{DType, Module};
 use workbook_sdk::candle_nn::AdamW;
 use workbook_sdk::output::Unit;
+use workbook_sdk::parse_dtype;
 use workbook_sdk::{Category, Context, Table};
 
 // notebook cell

@@ -91,16 +91,6 @@ impl Default for Params {
     }
 }
 
-/// The dtype a chapter names (`f32`, `f16`, `bf16`).
-pub fn parse_dtype(name: &str) -> anyhow::Result<DType> {
-    match name {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        other => anyhow::bail!("unknown dtype `{other}`, expected one of `f32`, `f16`, `bf16`"),
-    }
-}
-
 /// The footprint plugin.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Footprint;
@@ -148,7 +138,7 @@ impl Plugin for Footprint {
         let bytes = p
             .dtypes
             .iter()
-            .filter_map(|d| parse_dtype(d).ok())
+            .filter_map(|d| workbook_sdk::parse_dtype(d).ok())
             .map(|d| d.size_in_bytes() as u64)
             .min()?;
         Some((

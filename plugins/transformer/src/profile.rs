@@ -5,9 +5,8 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::gpt::GptConfig;
-use crate::saved::Recipe;
 use crate::training::check_run;
+use workbook_models::{GptConfig, Recipe};
 
 /// Parameters of the `layer_profile` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]

@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::gpt::GptConfig;
 use crate::training::check_run;
+use workbook_models::GptConfig;
 
 /// Parameters of the `gpt_checkpointing` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]

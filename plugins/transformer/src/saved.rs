@@ -5,47 +5,8 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::gpt::{AttentionKind, GptConfig};
 use crate::training::check_run;
-
-/// How the layers are computed: candle-nn's, or the toolkit's lean layers
-/// with the attention kept as PyTorch keeps it, or tiled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Recipe {
-    /// candle-nn's Linear, GELU and cross-entropy; the naive attention.
-    Candle,
-    /// The toolkit's lean layers and cross-entropy; the attention's
-    /// probabilities kept as one tensor.
-    Lean,
-    /// The lean layers with tiled attention.
-    Tiled,
-}
-
-impl Recipe {
-    /// The name used in metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recipe::Candle => "candle",
-            Recipe::Lean => "lean",
-            Recipe::Tiled => "tiled",
-        }
-    }
-
-    /// `model` computed this way.
-    pub fn apply(self, model: GptConfig) -> GptConfig {
-        let (attention, lean) = match self {
-            Recipe::Candle => (AttentionKind::Naive, false),
-            Recipe::Lean => (AttentionKind::Materialized, true),
-            Recipe::Tiled => (AttentionKind::Tiled, true),
-        };
-        GptConfig {
-            attention,
-            lean,
-            ..model
-        }
-    }
-}
+use workbook_models::{GptConfig, Recipe};
 
 /// Parameters of the `saved_tensors` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]

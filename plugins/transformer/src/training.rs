@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::gpt::{AttentionKind, GptConfig};
+use workbook_models::{AttentionKind, GptConfig};
 
 /// Parameters of the `gpt_training` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -50,7 +50,7 @@ impl Default for Params {
 pub(crate) fn check_run(r: &mut Rules, model: &GptConfig, batch: usize, least: usize, dtype: &str) {
     check_model(r, "model", model);
     r.at_least("batch", batch, least);
-    r.one_of("dtype", dtype, &crate::DTYPES);
+    r.one_of("dtype", dtype, &workbook_sdk::DTYPES);
 }
 
 /// Checks a model configuration's fields.

@@ -5,10 +5,10 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::gpt::GptConfig;
 use crate::predict::Predictor;
-use crate::saved::Recipe;
 use crate::training::{check_model, check_run};
+use workbook_models::GptConfig;
+use workbook_models::Recipe;
 
 /// One training run of the sweep: the base model with some sizes changed.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
@@ -94,7 +94,7 @@ impl Plugin for Predictors {
                 r.at_least(&format!("variants[{i}].batch"), b, 3);
             }
             if let Some(d) = &v.dtype {
-                r.one_of(&format!("variants[{i}].dtype"), d, &crate::DTYPES);
+                r.one_of(&format!("variants[{i}].dtype"), d, &workbook_sdk::DTYPES);
             }
         }
         r.into_violations()

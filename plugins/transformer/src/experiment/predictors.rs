@@ -3,13 +3,14 @@
 //! `workbook_sdk::notebook`). Crates are named by their names, this one's
 //! included, so that the same text compiles in a notebook cell.
 
+use workbook_models::GptConfig;
+use workbook_planner::step::{calibrate, measured_step, StepShape};
 use workbook_sdk::anyhow;
 use workbook_sdk::output::{Axis, Series};
+use workbook_sdk::parse_dtype;
 use workbook_sdk::{Category, Context, Figure, Table, Unit};
 use workbook_transformer::predict::{Measured, Predictor, Run};
-use workbook_transformer::step::{calibrate, measured_step, StepShape};
 use workbook_transformer::trial::{Params as PredictorsParams, Variant};
-use workbook_transformer::{parse_dtype, GptConfig};
 
 // notebook cell
 /// A run's name: the sizes it changes from the base (`L=4, b=8`), or

@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
+use workbook_models::{corpus, Gpt};
 use workbook_sdk::anyhow;
 use workbook_sdk::output::{Axis, Series};
+use workbook_sdk::{median, parse_dtype};
 use workbook_sdk::{Context, Figure, Table, Unit};
 use workbook_transformer::profile::{metric_name, Params as LayerProfileParams, PARTS};
-use workbook_transformer::{corpus, median, parse_dtype, Gpt};
 
 // notebook cell
 /// What a (layer, part), a part or a layer adds up to.

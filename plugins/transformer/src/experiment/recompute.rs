@@ -8,14 +8,15 @@ use std::time::Instant;
 use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape};
 use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
+use workbook_models::{corpus, Gpt};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{Module, Tensor};
 use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{Axis, Series};
+use workbook_sdk::{median, parse_dtype};
 use workbook_sdk::{Category, Context, Figure, Table, Unit};
 use workbook_transformer::recompute::Params as GptCheckpointingParams;
-use workbook_transformer::{corpus, median, parse_dtype, Gpt};
 
 // notebook cell
 /// The products a block computes through its tape, with the part of the

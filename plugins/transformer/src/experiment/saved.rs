@@ -5,11 +5,12 @@
 
 use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
+use workbook_models::{corpus, Gpt};
 use workbook_sdk::anyhow;
+use workbook_sdk::parse_dtype;
 use workbook_sdk::{Category, Context, Table, Unit};
 use workbook_transformer::predict::Run;
 use workbook_transformer::saved::Params as SavedTensorsParams;
-use workbook_transformer::{corpus, parse_dtype, Gpt};
 
 // notebook cell
 /// Whether a held tensor is one of the attention's `(b, a, s, s)` matrices.

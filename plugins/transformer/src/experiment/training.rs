@@ -6,13 +6,14 @@
 use candle_lean_optim::LeanAdamW;
 use candle_ledger::Labeller;
 use workbook_models::Rng;
+use workbook_models::{corpus, Gpt};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::DType;
 use workbook_sdk::candle_nn::{Optimizer, ParamsAdamW};
 use workbook_sdk::output::{Axis, Series};
+use workbook_sdk::{median, parse_dtype};
 use workbook_sdk::{Context, Figure, Unit};
 use workbook_transformer::training::Params as GptTrainingParams;
-use workbook_transformer::{corpus, median, parse_dtype, Gpt};
 
 // notebook cell
 /// The experiment: a GPT's parameters counted against the formula, then

@@ -3,9 +3,9 @@
 
 use candle_core::{DType, Device, Result};
 use candle_ledger::Labeller;
+use workbook_models::corpus::batch;
 use workbook_models::Rng;
-use workbook_transformer::corpus::batch;
-use workbook_transformer::{AttentionKind, Gpt, GptConfig};
+use workbook_models::{AttentionKind, Gpt, GptConfig};
 
 fn config(attention: AttentionKind, lean: bool) -> GptConfig {
     GptConfig {

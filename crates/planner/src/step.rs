@@ -12,14 +12,15 @@ use candle_distributed::{Comm, DataParallel, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use candle_ledger::{Labeller, Ledger};
 use candle_nn::{Optimizer, ParamsAdamW};
-use workbook_distributed::stage::Stage;
 use workbook_models::{param_grads, Rng};
 use workbook_sdk::meter::ByCategory;
 use workbook_sdk::observe::Tags;
 use workbook_sdk::{anyhow, Category, Context, RegionReport};
 
-use crate::corpus;
-use crate::gpt::{Gpt, GptConfig};
+use workbook_models::corpus;
+use workbook_models::{Gpt, GptConfig};
+
+use crate::stage::Stage;
 
 /// What one measured training step gave.
 #[derive(Debug, Clone)]
@@ -418,7 +419,7 @@ mod tests {
     use candle_ledger::Labeller;
 
     use super::*;
-    use crate::gpt::testing::{assert_close, flat, gradients, SMALL as CONFIG};
+    use workbook_models::gpt::testing::{assert_close, flat, gradients, SMALL as CONFIG};
     const BATCH: usize = 8;
 
     /// The gradients of one process on the whole batch, in `vars` order.

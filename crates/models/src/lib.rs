@@ -8,6 +8,11 @@
 //! every run and every device.
 #![warn(missing_docs)]
 
+pub mod corpus;
+pub mod gpt;
+
+pub use gpt::{AttentionKind, Gpt, GptConfig, GptLayer, Recipe};
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::Rng;
 use candle_checkpoint::{Tape, TapeModule};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
@@ -14,7 +15,6 @@ use candle_tiled_attention::{
     flash_attention, materialized_attention, naive_attention, FlashConfig,
 };
 use serde::{Deserialize, Serialize};
-use workbook_models::Rng;
 use workbook_sdk::Category;
 
 /// How the attention's core `softmax(Q K^T / sqrt(d)) V` is computed.
@@ -86,7 +86,7 @@ impl GptConfig {
     /// head is tied to the token embedding).
     ///
     /// ```
-    /// use workbook_transformer::{AttentionKind, GptConfig};
+    /// use workbook_models::{AttentionKind, GptConfig};
     /// // GPT-2 small: 124,439,808 parameters with its 1024 positions.
     /// let c = GptConfig { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257,
     ///                     attention: AttentionKind::Naive, lean: false };
@@ -632,6 +632,45 @@ impl Gpt {
     }
 }
 
+/// How the layers are computed: candle-nn's, or the toolkit's lean layers
+/// with the attention kept as PyTorch keeps it, or tiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Recipe {
+    /// candle-nn's Linear, GELU and cross-entropy; the naive attention.
+    Candle,
+    /// The toolkit's lean layers and cross-entropy; the attention's
+    /// probabilities kept as one tensor.
+    Lean,
+    /// The lean layers with tiled attention.
+    Tiled,
+}
+
+impl Recipe {
+    /// The name used in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recipe::Candle => "candle",
+            Recipe::Lean => "lean",
+            Recipe::Tiled => "tiled",
+        }
+    }
+
+    /// `model` computed this way.
+    pub fn apply(self, model: GptConfig) -> GptConfig {
+        let (attention, lean) = match self {
+            Recipe::Candle => (AttentionKind::Naive, false),
+            Recipe::Lean => (AttentionKind::Materialized, true),
+            Recipe::Tiled => (AttentionKind::Tiled, true),
+        };
+        GptConfig {
+            attention,
+            lean,
+            ..model
+        }
+    }
+}
+
 /// One layer of a [`Gpt`] as a stack (see [`Gpt::stack`]).
 #[derive(Debug, Clone, Copy)]
 pub enum GptLayer<'a> {
@@ -658,13 +697,13 @@ impl Module for GptLayer<'_> {
     }
 }
 
-/// What the crate's unit tests of the model share.
-#[cfg(test)]
-pub(crate) mod testing {
+/// What tests of the model and of the steps that train it share (this
+/// crate's, and the planner's).
+pub mod testing {
     use super::*;
 
     /// A model small enough for a unit test's every step.
-    pub(crate) const SMALL: GptConfig = GptConfig {
+    pub const SMALL: GptConfig = GptConfig {
         layers: 2,
         hidden: 16,
         heads: 2,
@@ -675,13 +714,13 @@ pub(crate) mod testing {
     };
 
     /// `t`'s values in f32.
-    pub(crate) fn flat(t: &Tensor) -> Result<Vec<f32>> {
+    pub fn flat(t: &Tensor) -> Result<Vec<f32>> {
         t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
     }
 
     /// Every parameter's gradient: `store`'s, and under stage 3 the linear
     /// layers' blocks beside it; flattened, in [`Gpt::vars`]'s order.
-    pub(crate) fn gradients(model: &Gpt, mut store: GradStore) -> Result<Vec<Vec<f32>>> {
+    pub fn gradients(model: &Gpt, mut store: GradStore) -> Result<Vec<Vec<f32>>> {
         model.take_grads_into(&mut store);
         model
             .vars()
@@ -696,7 +735,7 @@ pub(crate) mod testing {
     }
 
     /// Each parameter's values within 1e-6 of `want`'s.
-    pub(crate) fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+    pub fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
         assert_eq!(got.len(), want.len(), "{what}: parameters");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert_eq!(g.len(), w.len(), "{what}: parameter {i}");

@@ -1,7 +1,7 @@
 //! A corpus generated in code: arithmetic sequences modulo the vocabulary.
 
+use crate::Rng;
 use candle_core::{Device, Result, Tensor};
-use workbook_models::Rng;
 
 /// A batch of `b` sequences of `s` tokens and their next tokens. Each row
 /// counts from a random start by a random step of 1 to 4, modulo `vocab`:
@@ -10,7 +10,7 @@ use workbook_models::Rng;
 ///
 /// ```
 /// use workbook_models::Rng;
-/// use workbook_transformer::corpus::batch;
+/// use workbook_models::corpus::batch;
 /// let (x, y) = batch(&mut Rng::seeded(1), 2, 5, 7, &candle_core::Device::Cpu)?;
 /// let (x, y) = (x.to_vec2::<u32>()?, y.to_vec2::<u32>()?);
 /// for (xr, yr) in x.iter().zip(&y) {

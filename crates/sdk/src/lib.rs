@@ -48,6 +48,8 @@ pub mod protocol;
 pub mod rules;
 pub mod timing;
 #[cfg(feature = "candle")]
+pub mod values;
+#[cfg(feature = "candle")]
 pub mod worker;
 
 pub use anyhow;
@@ -70,3 +72,5 @@ pub use output::{CellOutput, Figure, PoolUse, RegionReport, Table, Unit};
 pub use plugin::{Context, DynPlugin, Plugin, Region};
 pub use protocol::{ParamError, PluginInfo};
 pub use rules::{Rules, Violation};
+#[cfg(feature = "candle")]
+pub use values::{median, parse_dtype, DTYPES};

@@ -32,12 +32,12 @@ use std::sync::Arc;
 use candle_core::DType;
 use candle_distributed::{Comm, Rehearsal, Split};
 use serde::{Deserialize, Serialize};
-use workbook_distributed::stage::Stage;
 use workbook_sdk::observe::Tags;
 use workbook_sdk::{anyhow, Context};
 
-use crate::gpt::GptConfig;
-use crate::saved::Recipe;
+use workbook_models::{GptConfig, Recipe};
+
+use crate::stage::Stage;
 use crate::step::{calibrate, measured_step, Parallel, StepShape};
 
 /// What to plan for.
@@ -482,7 +482,7 @@ pub fn verify(
     parallel: Option<&Parallel>,
 ) -> anyhow::Result<Verification> {
     let config = req.recipe.apply(req.model);
-    let dtype = crate::parse_dtype(&req.dtype)?;
+    let dtype = workbook_sdk::parse_dtype(&req.dtype)?;
     let mut peak = 0;
     let mut times = Vec::new();
     for i in 0..req.steps.max(1) {
@@ -507,7 +507,7 @@ pub fn verify(
         peak,
         predicted: req.predicted,
         budget: req.budget,
-        seconds: crate::median(times),
+        seconds: workbook_sdk::median(times),
         ranks: parallel.map_or(1, |p| p.comm.size()),
     })
 }

@@ -1,0 +1,12 @@
+//! What the CLI's `plan` and the chapters' cells share: a GPT's training
+//! step measured by category (whole, in micro-batches, checkpointed, or one
+//! rank's share under DDP or a ZeRO stage), what ZeRO's analysis says each
+//! stage holds, and the planner that calibrates steps and fits one into a
+//! memory budget.
+#![warn(missing_docs)]
+
+pub mod plan;
+pub mod stage;
+pub mod step;
+
+pub use stage::{ModelState, Precision, Stage};
