@@ -799,15 +799,10 @@ mod tests {
             let checkpointed = |m: &Gpt| -> Result<Vec<Vec<f32>>> {
                 let stack = m.stack();
                 let head = |h: &Tensor| m.head_loss(h, &y);
-                let out = candle_checkpoint::checkpoint_sequential_with(
-                    &stack,
-                    stack.len(),
-                    &x,
-                    &m.vars(),
-                    head,
-                    &candle_checkpoint::Policy::Nothing,
-                    &workbook_sdk::observe::Tags,
-                )?;
+                let out = candle_checkpoint::Sequential::taped(&stack)
+                    .segments(stack.len())
+                    .observer(&workbook_sdk::observe::Tags)
+                    .backward(&x, &m.vars(), head)?;
                 gradients(m, out.grads)
             };
             assert_close(

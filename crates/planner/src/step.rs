@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_accumulate::GradAccumulator;
-use candle_checkpoint::{add_grad, checkpoint_sequential_with, Policy};
+use candle_checkpoint::{add_grad, Sequential};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::{Comm, DataParallel, ZeroAdamW};
@@ -271,15 +271,10 @@ pub fn measured_step(
             };
             let head = |h: &Tensor| model.head_loss(h, &ym)? * weight;
             let out = Category::Activations.scope(|| {
-                checkpoint_sequential_with(
-                    &stack,
-                    stack.len(),
-                    &xm,
-                    &vars,
-                    head,
-                    &Policy::Nothing,
-                    &Tags,
-                )
+                Sequential::taped(&stack)
+                    .segments(stack.len())
+                    .observer(&Tags)
+                    .backward(&xm, &vars, head)
             })?;
             loss_value =
                 (out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 / weight) as f32;

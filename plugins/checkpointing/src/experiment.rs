@@ -7,8 +7,7 @@
 use std::time::Instant;
 
 use candle_checkpoint::{
-    checkpoint_direct, checkpoint_sequential, checkpoint_sequential_with, direct_backward,
-    lean_backward, Policy,
+    checkpoint_direct, checkpoint_sequential, direct_backward, lean_backward, Policy, Sequential,
 };
 use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
 use workbook_checkpointing::Params as CheckpointingParams;
@@ -492,16 +491,12 @@ pub fn policies(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()
                     Ok(param_grads(&loss.backward()?, &vars))
                 })?,
                 Some(policy) => {
-                    checkpoint_sequential_with(
-                        model.layers(),
-                        segments,
-                        &ids,
-                        &vars,
-                        head,
-                        policy,
-                        &Marks::new(&mut region),
-                    )?
-                    .grads
+                    Sequential::taped(model.layers())
+                        .segments(segments)
+                        .policy(policy)
+                        .observer(&Marks::new(&mut region))
+                        .backward(&ids, &vars, head)?
+                        .grads
                 }
             };
             region.mark("after backward");

@@ -4,7 +4,7 @@
 //! (see `workbook_sdk::notebook`). Crates are named by their names, this
 //! one's included, so that the same text compiles in a notebook cell.
 
-use candle_checkpoint::{checkpoint_sequential_with, Policy};
+use candle_checkpoint::{Policy, Sequential};
 use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
 use workbook_exercises::{fewest_recomputed, PolicyParams as PolicyExerciseParams};
 use workbook_models::{grads_max_abs_diff, param_grads};
@@ -228,16 +228,12 @@ pub fn grade_choice(
         ("keep every product", "dots", Policy::Dots),
     ] {
         region = ctx.region(format!("policy: {label}"));
-        let grads = checkpoint_sequential_with(
-            model.layers(),
-            model.layers().len(),
-            &ids,
-            &vars,
-            head,
-            &policy,
-            &Marks::new(&mut region),
-        )?
-        .grads;
+        let grads = Sequential::taped(model.layers())
+            .segments(model.layers().len())
+            .policy(&policy)
+            .observer(&Marks::new(&mut region))
+            .backward(&ids, &vars, head)?
+            .grads;
         let diff = grads_max_abs_diff(&plain, &grads, &vars)?;
         drop(grads);
         let report = ctx.end_region(region);

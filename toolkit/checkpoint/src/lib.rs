@@ -15,9 +15,10 @@
 //!   PyTorch's `checkpoint_sequential`;
 //! * [`layerwise_backward`]: one layer at a time, each parameter gradient
 //!   handed over as soon as it exists (to move it off the device);
-//! * [`checkpoint_sequential_with`] and a [`Policy`]: selective
-//!   checkpointing, keeping the outputs of matrix products (or of named
-//!   ones) so that only the element-wise operations are recomputed;
+//! * [`Sequential`]: the same configured by name (segments, observer), and
+//!   on [`TapeModule`] layers with a [`Policy`]: selective checkpointing,
+//!   keeping the outputs of matrix products (or of named ones) so that only
+//!   the element-wise operations are recomputed;
 //! * [`lean_backward`]: no recomputation, but one layer's graph at a time,
 //!   each freed once the backward has passed it (as PyTorch's autograd
 //!   frees what it saved), where candle's `backward` keeps them all;
@@ -33,6 +34,7 @@
 //! [`Observer`] (pass `&NoObserver` when none; both are re-exported here).
 #![warn(missing_docs)]
 
+mod builder;
 mod direct;
 mod grads;
 mod lean;
@@ -40,6 +42,7 @@ mod policy;
 mod sequential;
 mod vjp;
 
+pub use builder::{Plain, Sequential, Taped};
 /// The measurement hook that calls here accept, and the one that does
 /// nothing (`&NoObserver`): re-exported, so that a caller needs no
 /// `candle-observe` of its own for them.
@@ -48,8 +51,5 @@ pub use direct::{autograd_head, checkpoint_direct, direct_backward, direct_backw
 pub use grads::{accumulate, add_grad, ensure_grads, missing_grads, named_vars};
 pub use lean::{lean_backward, lean_backward_with};
 pub use policy::{Policy, Tape, TapeModule};
-pub use sequential::{
-    checkpoint_sequential, checkpoint_sequential_with, layerwise_backward, segment_bounds,
-    Checkpointed,
-};
+pub use sequential::{checkpoint_sequential, layerwise_backward, segment_bounds, Checkpointed};
 pub use vjp::{pull_back, recompute, Arg, Seed, Vjp};

@@ -73,11 +73,11 @@ pub fn segment_bounds(n: usize, segments: usize) -> Result<Vec<Range<usize>>> {
 
 /// How a segment of layers runs: on modules (the tape unused), or on tape
 /// modules under a policy.
-trait Segment {
+pub(crate) trait Segment {
     fn run(&self, range: Range<usize>, x: &Tensor, tape: &Tape) -> Result<Tensor>;
 }
 
-struct Modules<'a, M>(&'a [M]);
+pub(crate) struct Modules<'a, M>(pub(crate) &'a [M]);
 
 impl<M: Module> Segment for Modules<'_, M> {
     fn run(&self, range: Range<usize>, x: &Tensor, _: &Tape) -> Result<Tensor> {
@@ -87,7 +87,7 @@ impl<M: Module> Segment for Modules<'_, M> {
     }
 }
 
-struct TapeModules<'a, L>(&'a [L]);
+pub(crate) struct TapeModules<'a, L>(pub(crate) &'a [L]);
 
 impl<L: TapeModule> Segment for TapeModules<'_, L> {
     fn run(&self, range: Range<usize>, x: &Tensor, tape: &Tape) -> Result<Tensor> {
@@ -191,7 +191,9 @@ fn backward_by_segments(
 ///
 /// `vars` are the variables whose gradients are wanted (`VarMap::all_vars`,
 /// say). `layers` may be any [`Module`]s, closures included; the input may
-/// be token ids for a first embedding layer.
+/// be token ids for a first embedding layer. PyTorch's name and arguments;
+/// [`crate::Sequential`] sets the same by name, with a selective policy and
+/// without an observer.
 ///
 /// ```
 /// use candle_checkpoint::checkpoint_sequential;
@@ -236,9 +238,10 @@ pub fn checkpoint_sequential<M: Module>(
     )
 }
 
-/// Both `checkpoint_sequential`s: gradients summed over the segments.
+/// [`checkpoint_sequential`] and [`crate::Sequential`]: gradients summed
+/// over the segments.
 #[allow(clippy::too_many_arguments)]
-fn checkpointed(
+pub(crate) fn checkpointed(
     layers: &dyn Segment,
     count: usize,
     segments: usize,
@@ -303,55 +306,4 @@ pub fn layerwise_backward<M: Module>(
         observer,
     )?;
     Ok(loss)
-}
-
-/// [`checkpoint_sequential`] for layers written against a [`Tape`], keeping
-/// what `policy` says from the first forward so that the recomputation
-/// skips it: [`Policy::Dots`] keeps the products and recomputes only the
-/// element-wise operations between them.
-///
-/// ```
-/// use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape, TapeModule};
-/// use candle_core::{Device, Result, Tensor, Var};
-/// use candle_observe::NoObserver;
-/// struct Dense(Var);
-/// impl TapeModule for Dense {
-///     fn forward_t(&self, x: &Tensor, tape: &Tape) -> Result<Tensor> {
-///         tape.linear(x, self.0.as_tensor(), None)?.gelu()
-///     }
-/// }
-/// let dev = Device::Cpu;
-/// let layers: Vec<Dense> = (0..4)
-///     .map(|_| Ok(Dense(Var::randn(0f32, 0.5, (6, 6), &dev)?)))
-///     .collect::<Result<_>>()?;
-/// let vars: Vec<Var> = layers.iter().map(|l| l.0.clone()).collect();
-/// let x = Tensor::randn(0f32, 1.0, (3, 6), &dev)?;
-/// let head = |h: &Tensor| h.sqr()?.sum_all();
-/// let plain = checkpoint_sequential_with(&layers, 2, &x, &vars, head, &Policy::Nothing, &NoObserver)?;
-/// let dots = checkpoint_sequential_with(&layers, 2, &x, &vars, head, &Policy::Dots, &NoObserver)?;
-/// for v in &vars {
-///     let d = (plain.grads.get(v).unwrap() - dots.grads.get(v).unwrap())?.abs()?.max_all()?;
-///     assert!(d.to_scalar::<f32>()? < 1e-5);
-/// }
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn checkpoint_sequential_with<L: TapeModule>(
-    layers: &[L],
-    segments: usize,
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-    policy: &Policy,
-    observer: &dyn Observer,
-) -> Result<Checkpointed> {
-    checkpointed(
-        &TapeModules(layers),
-        layers.len(),
-        segments,
-        policy,
-        input,
-        vars,
-        head,
-        observer,
-    )
 }

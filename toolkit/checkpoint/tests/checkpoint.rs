@@ -2,7 +2,8 @@
 //! and every misuse with its message.
 
 use candle_checkpoint::{
-    checkpoint_sequential, layerwise_backward, recompute, segment_bounds, Arg, Seed,
+    checkpoint_sequential, layerwise_backward, recompute, segment_bounds, Arg, Policy, Seed,
+    Sequential,
 };
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
@@ -14,6 +15,12 @@ use common::{max_diff, worst};
 
 fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
     r.expect_err("must fail").to_string()
+}
+
+/// The error's message, without the backtrace candle appends to it when
+/// `RUST_BACKTRACE` is set.
+fn said<T: std::fmt::Debug>(r: Result<T>) -> String {
+    err(r).lines().next().unwrap_or_default().to_string()
 }
 
 /// Layers of Linear and GELU in candle-nn, GELU first: the old layer-wise
@@ -230,7 +237,7 @@ fn the_observer_sees_each_segment() -> Result<()> {
 /// what its first forward kept: an error, not a wrong gradient.
 #[test]
 fn a_function_that_changes_between_runs_is_an_error() -> Result<()> {
-    use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape, TapeModule};
+    use candle_checkpoint::{Tape, TapeModule};
     use std::cell::Cell;
     struct Fickle {
         w: Var,
@@ -259,15 +266,10 @@ fn a_function_that_changes_between_runs_is_an_error() -> Result<()> {
         },
     ];
     let x = Tensor::ones((1, 2), DType::F32, &dev)?;
-    let e = err(checkpoint_sequential_with(
-        &layers,
-        2,
-        &x,
-        &[w],
-        |h| h.sum_all(),
-        &Policy::Dots,
-        &NoObserver,
-    ));
+    let e = err(Sequential::taped(&layers)
+        .segments(2)
+        .policy(&Policy::Dots)
+        .backward(&x, &[w], |h| h.sum_all()));
     assert!(
         e.starts_with("the recomputation used 1 fewer saved products"),
         "{e}"
@@ -312,5 +314,59 @@ fn every_dtype_and_an_empty_batch() -> Result<()> {
             assert_eq!(out.input_grad.expect("float input").dims(), [rows, 6]);
         }
     }
+    Ok(())
+}
+
+/// The builder's defaults: ⌈√n⌉ segments and no policy, the gradients of
+/// `checkpoint_sequential` with that count, to the bit.
+#[test]
+fn the_builder_defaults_to_the_square_root_of_the_layers_in_segments() -> Result<()> {
+    let map = VarMap::new();
+    let layers = stack(&map, 5)?;
+    let vars = map.all_vars();
+    let x = Tensor::randn(0f32, 1.0, (3, 6), &Device::Cpu)?;
+    let head = |h: &Tensor| h.sqr()?.mean_all();
+    let log = Log::default();
+    let built = Sequential::new(&layers)
+        .observer(&log)
+        .backward(&x, &vars, head)?;
+    let backwards = log
+        .0
+        .into_inner()
+        .iter()
+        .filter(|l| *l == "segment backward")
+        .count();
+    assert_eq!(backwards, 3, "⌈√5⌉ segments");
+    let three = checkpoint_sequential(&layers, 3, &x, &vars, head, &NoObserver)?;
+    assert_eq!(worst(&three.grads, &built.grads, &vars)?, 0.0);
+    assert_eq!(
+        built.loss.to_scalar::<f32>()?,
+        three.loss.to_scalar::<f32>()?
+    );
+    Ok(())
+}
+
+#[test]
+fn the_builder_refuses_a_bad_segment_count() -> Result<()> {
+    let map = VarMap::new();
+    let layers = stack(&map, 5)?;
+    let vars = map.all_vars();
+    let x = Tensor::randn(0f32, 1.0, (3, 6), &Device::Cpu)?;
+    let head = |h: &Tensor| h.sum_all();
+    for segments in [0, 6] {
+        assert_eq!(
+            said(
+                Sequential::new(&layers)
+                    .segments(segments)
+                    .backward(&x, &vars, head)
+            ),
+            format!("segments is {segments}: it must be between 1 and the number of layers, 5")
+        );
+    }
+    let none: [GeluLinear; 0] = [];
+    assert_eq!(
+        said(Sequential::new(&none).backward(&x, &vars, head)),
+        "there are no layers to checkpoint"
+    );
     Ok(())
 }

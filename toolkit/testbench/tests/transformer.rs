@@ -191,7 +191,7 @@ fn uneven_accumulation_equals_the_full_batch() -> Result<()> {
 /// the gradients are plain backprop's.
 #[test]
 fn every_policy_gives_plain_gradients() -> Result<()> {
-    use candle_checkpoint::{checkpoint_sequential_with, Policy};
+    use candle_checkpoint::{Policy, Sequential};
     let cfg = Config::tiny();
     let (map, m) = model(&cfg)?;
     let vars = map.all_vars();
@@ -204,15 +204,10 @@ fn every_policy_gives_plain_gradients() -> Result<()> {
     ];
     for policy in &policies {
         for segments in [2, m.layers().len()] {
-            let out = checkpoint_sequential_with(
-                m.layers(),
-                segments,
-                &ids,
-                &vars,
-                |h| m.loss(h, &targets),
-                policy,
-                &NoObserver,
-            )?;
+            let out = Sequential::taped(m.layers())
+                .segments(segments)
+                .policy(policy)
+                .backward(&ids, &vars, |h| m.loss(h, &targets))?;
             ensure_grads(&map, &out.grads)?;
             let d = worst(&plain, &out.grads, &vars)?;
             assert!(d < 1e-5, "{policy:?}, {segments} segments: {d}");

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::{checkpoint_sequential_with, Policy, Tape};
+use candle_checkpoint::{Policy, Sequential, Tape};
 use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
 use workbook_models::{corpus, Gpt};
@@ -192,10 +192,12 @@ pub fn gpt_checkpointing_experiment(
                         workbook_models::param_grads(&store, &vars)
                     }
                     Strategy::Segments { segments, policy } => {
-                        checkpoint_sequential_with(
-                            &stack, *segments, &x, &vars, head, policy, &Tags,
-                        )?
-                        .grads
+                        Sequential::taped(&stack)
+                            .segments(*segments)
+                            .policy(policy)
+                            .observer(&Tags)
+                            .backward(&x, &vars, head)?
+                            .grads
                     }
                 })
             })?;
