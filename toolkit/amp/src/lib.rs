@@ -21,3 +21,8 @@ mod scaler;
 pub use clip::clip_grad_norm;
 pub use master::MasterWeights;
 pub use scaler::{GradScaler, ScaleChange, ScalerConfig, ScalerState, StepOutcome};
+
+// The README's whole training loop, run by `cargo test --doc`.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
