@@ -38,4 +38,6 @@ mod product;
 pub use layer::LeanLayer;
 pub use linear::{lean_linear, linear_backward, Activation, LeanLinear};
 pub use loss::{cross_entropy, cross_entropy_and_grad};
-pub use norm::{layer_norm, lean_layer_norm, LeanLayerNorm};
+pub use norm::{
+    layer_norm, layer_norm_backward, layer_norm_saved, lean_layer_norm, LeanLayerNorm, NormStats,
+};

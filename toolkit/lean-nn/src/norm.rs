@@ -1,7 +1,7 @@
 //! Layer normalization as one operation.
 
 use candle_core::{bail, DType, Module, Result, Tensor, D};
-use candle_custom_grad::{with_backward3, Backward3};
+use candle_custom_grad::{with_backward3, Backward3, DirectBackward, DirectGrads};
 
 /// Layer normalization over the last dimension, `(x - mean) / sqrt(var +
 /// eps) * weight + bias`, as one autograd operation. Its graph keeps the
@@ -22,6 +22,26 @@ use candle_custom_grad::{with_backward3, Backward3};
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let (out, stats) = layer_norm_saved(x, weight, bias, eps)?;
+    with_backward3(out, x, weight, bias, Norm(stats))
+}
+
+/// Each row's mean and reciprocal deviation (`(..., 1)`, in f32, or f64
+/// for f64 input): what a layer norm's backward needs beside its input.
+#[derive(Debug, Clone)]
+pub struct NormStats {
+    mean: Tensor,
+    rstd: Tensor,
+}
+
+/// [`layer_norm`]'s forward with no graph: the output and the statistics
+/// its backward ([`layer_norm_backward`]) needs beside the input.
+pub fn layer_norm_saved(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, NormStats)> {
     let h = x.dim(D::Minus1)?;
     if weight.dims() != [h] || bias.dims() != [h] {
         bail!(
@@ -35,6 +55,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     let xf = x.detach().to_dtype(acc)?;
     let mean = xf.mean_keepdim(D::Minus1)?;
     let centred = xf.broadcast_sub(&mean)?;
+    drop(xf);
     let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
     let rstd = (var + eps)?.sqrt()?.recip()?;
     let out = centred
@@ -42,8 +63,45 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         .broadcast_mul(&weight.detach().to_dtype(acc)?)?
         .broadcast_add(&bias.detach().to_dtype(acc)?)?
         .to_dtype(dtype)?;
-    drop(centred);
-    with_backward3(out, x, weight, bias, Norm { mean, rstd })
+    Ok((out, NormStats { mean, rstd }))
+}
+
+/// The gradients of a layer norm's input, weight and bias from its input
+/// `x`, its weight, the statistics [`layer_norm_saved`] returned and the
+/// output's gradient.
+pub fn layer_norm_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    stats: &NormStats,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dtype = x.dtype();
+    let acc = stats.rstd.dtype();
+    let h = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / h.max(1);
+    let xhat = x
+        .detach()
+        .to_dtype(acc)?
+        .broadcast_sub(&stats.mean)?
+        .broadcast_mul(&stats.rstd)?;
+    let g = grad.to_dtype(acc)?;
+    let g2 = g.reshape((rows, h))?;
+    let dw = (&g2 * xhat.reshape((rows, h))?)?.sum(0)?;
+    let db = g2.sum(0)?;
+    drop(g2);
+    let dxhat = g.broadcast_mul(&weight.detach().to_dtype(acc)?)?;
+    drop(g);
+    let mean_d = dxhat.mean_keepdim(D::Minus1)?;
+    let mean_dx = (&dxhat * &xhat)?.mean_keepdim(D::Minus1)?;
+    let dx = dxhat
+        .broadcast_sub(&mean_d)?
+        .sub(&xhat.broadcast_mul(&mean_dx)?)?
+        .broadcast_mul(&stats.rstd)?;
+    Ok((
+        dx.to_dtype(dtype)?,
+        dw.to_dtype(weight.dtype())?,
+        db.to_dtype(weight.dtype())?,
+    ))
 }
 
 /// A layer norm module whose forward is [`layer_norm`]: one autograd
@@ -150,16 +208,12 @@ fn accumulation(dtype: DType) -> DType {
     }
 }
 
-/// The backward, from the input and each row's mean and reciprocal
-/// deviation (`(..., 1)`, in the accumulation type).
-struct Norm {
-    mean: Tensor,
-    rstd: Tensor,
-}
+/// The backward of [`layer_norm`]'s graph operation.
+struct Norm(NormStats);
 
 impl Backward3 for Norm {
     fn kept(&self) -> Vec<Tensor> {
-        vec![self.mean.clone(), self.rstd.clone()]
+        vec![self.0.mean.clone(), self.0.rstd.clone()]
     }
 
     fn backward(
@@ -170,29 +224,30 @@ impl Backward3 for Norm {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dtype = x.dtype();
-        let acc = self.rstd.dtype();
-        let h = x.dim(D::Minus1)?;
-        let rows = x.elem_count() / h.max(1);
-        let xhat = x
-            .to_dtype(acc)?
-            .broadcast_sub(&self.mean)?
-            .broadcast_mul(&self.rstd)?;
-        let g = grad.to_dtype(acc)?;
-        let g2 = g.reshape((rows, h))?;
-        let dw = (&g2 * xhat.reshape((rows, h))?)?.sum(0)?;
-        let db = g2.sum(0)?;
-        let dxhat = g.broadcast_mul(&w.to_dtype(acc)?)?;
-        let mean_d = dxhat.mean_keepdim(D::Minus1)?;
-        let mean_dx = (&dxhat * &xhat)?.mean_keepdim(D::Minus1)?;
-        let dx = dxhat
-            .broadcast_sub(&mean_d)?
-            .sub(&xhat.broadcast_mul(&mean_dx)?)?
-            .broadcast_mul(&self.rstd)?;
-        Ok((
-            Some(dx.to_dtype(dtype)?),
-            Some(dw.to_dtype(w.dtype())?),
-            Some(db.to_dtype(w.dtype())?),
-        ))
+        let (dx, dw, db) = layer_norm_backward(x, w, &self.0, grad)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl DirectBackward for LeanLayerNorm {
+    type Saved = NormStats;
+
+    fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, NormStats)> {
+        layer_norm_saved(x, &self.weight, &self.bias, self.eps)
+    }
+
+    fn backward_saved(
+        &self,
+        x: &Tensor,
+        _out: &Tensor,
+        stats: NormStats,
+        grad: Tensor,
+        want_input: bool,
+    ) -> Result<DirectGrads> {
+        let (dx, dw, db) = layer_norm_backward(x, &self.weight, &stats, &grad)?;
+        Ok(DirectGrads {
+            input: want_input.then_some(dx),
+            params: vec![(self.weight.clone(), dw), (self.bias.clone(), db)],
+        })
     }
 }

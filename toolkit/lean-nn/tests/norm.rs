@@ -150,3 +150,44 @@ fn a_layer_norm_without_a_bias_or_of_bad_shapes_is_refused() -> Result<()> {
     );
     Ok(())
 }
+
+/// The direct halves (`LeanLayerNorm` as a `DirectBackward`) give the
+/// graph operation's values and gradients to the bit, in every dtype: the
+/// same arithmetic with no graph.
+#[test]
+fn the_direct_backward_equals_the_graphs_to_the_bit_in_every_dtype() -> Result<()> {
+    use candle_core::Module;
+    use candle_custom_grad::DirectBackward;
+    use candle_lean_nn::LeanLayerNorm;
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        let x = Var::from_tensor(&data(&[3, 5, 16], 7)?.to_dtype(dtype)?)?;
+        let w = Var::from_tensor(&data(&[16], 11)?.to_dtype(dtype)?)?;
+        let b = Var::from_tensor(&data(&[16], 13)?.to_dtype(dtype)?)?;
+        let g = data(&[3, 5, 16], 17)?.to_dtype(dtype)?;
+        let ln = LeanLayerNorm::new(w.as_tensor().clone(), b.as_tensor().clone(), 1e-5)?;
+        let graph = ln.forward(x.as_tensor())?;
+        let grads = (&graph * &g)?.sum_all()?.backward()?;
+        let (out, stats) = ln.forward_saved(x.as_tensor())?;
+        assert_eq!(max_diff(&out, &graph)?, 0.0, "{dtype:?}: values");
+        let direct = ln.backward_saved(x.as_tensor(), &out, stats, g, true)?;
+        let dx = direct.input.expect("asked for");
+        assert_eq!(
+            max_diff(&dx, grads.get(&x).unwrap())?,
+            0.0,
+            "{dtype:?}: input"
+        );
+        assert_eq!(direct.params.len(), 2);
+        for ((param, grad), var) in direct.params.iter().zip([&w, &b]) {
+            assert_eq!(
+                param.id(),
+                var.as_tensor().id(),
+                "{dtype:?}: the variable itself"
+            );
+            assert_eq!(max_diff(grad, grads.get(var).unwrap())?, 0.0, "{dtype:?}");
+        }
+        let (out, stats) = ln.forward_saved(x.as_tensor())?;
+        let none = ln.backward_saved(x.as_tensor(), &out, stats, out.ones_like()?, false)?;
+        assert!(none.input.is_none(), "{dtype:?}: no input gradient unasked");
+    }
+    Ok(())
+}
