@@ -202,7 +202,8 @@ info() {
 }
 # The GPT step's peaks on the workbook's side, as `plan` calibrates them.
 gpt_plan() {
-  "$bin" plan --device "$device" --budget 64GiB --batch 4 --dtypes "$1" --no-checkpointing --json
+  "$bin" plan --device "$device" --budget 64GiB --batch 4 --dtypes "$1" --no-checkpointing \
+    --recipes candle,lean,tiled,direct,direct_tiled --json
 }
 gpt_both() {
   gpt_plan f32 >"$results/gpt-f32.json" && gpt_plan bf16 >"$results/gpt-bf16.json"

@@ -17,11 +17,18 @@ import sys
 
 from compare import fmt, ratio, rows
 
-# The workbook's recipes beside PyTorch's attention: the lean recipe keeps
-# the probabilities as PyTorch's composed attention does; the tiled one
-# keeps the log-sum-exp as scaled_dot_product_attention does; candle-nn's
-# layers are the framework-cost baseline.
-GPT_PAIRS = [("candle", "materialized"), ("lean", "materialized"), ("tiled", "sdpa")]
+# The workbook's recipes beside PyTorch's attention: the lean and direct
+# recipes keep the probabilities as PyTorch's composed attention does; the
+# tiled ones keep the log-sum-exp as scaled_dot_product_attention does;
+# candle-nn's layers are the framework-cost baseline. The direct recipes
+# run the same layers with no graph (each stage's backward called directly).
+GPT_PAIRS = [
+    ("candle", "materialized"),
+    ("lean", "materialized"),
+    ("direct", "materialized"),
+    ("tiled", "sdpa"),
+    ("direct_tiled", "sdpa"),
+]
 
 
 def load(folder, name):

@@ -219,7 +219,7 @@ fn bad_input_is_named() {
         ),
         (
             vec!["--budget", "1GiB", "--recipes", "fast"],
-            "`fast` is not a recipe; expected one of: candle, lean, tiled",
+            "`fast` is not a recipe; expected one of: candle, lean, tiled, direct, direct_tiled",
         ),
         (
             vec!["--budget", "1GiB", "--dtypes", "f8"],
@@ -286,4 +286,76 @@ fn bad_input_is_named() {
         err.contains(&format!("{}:6:1: unknown field `width`", model.display())),
         "{err}"
     );
+}
+
+/// The direct recipes (no graph: each stage's backward called directly)
+/// hold less than the lean ones they are built from, are weighed at the
+/// whole batch only, and keep their plans, checkpointed or not.
+#[test]
+fn the_direct_recipes_hold_less_and_keep_their_plans() {
+    let o = plan(&[
+        "--budget",
+        "1GiB",
+        "--recipes",
+        "lean,tiled,direct,direct_tiled",
+        "--dtypes",
+        "f32",
+        "--json",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v = json(&o);
+    let peak = |recipe: &str, checkpointed: bool| -> u64 {
+        let c = v["plan"]["calibrations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["recipe"] == recipe && c["checkpointed"] == checkpointed)
+            .unwrap_or_else(|| panic!("no calibration of {recipe}"));
+        c["peaks"][2].as_u64().unwrap()
+    };
+    assert!(peak("direct", false) < peak("lean", false));
+    assert!(peak("direct_tiled", false) < peak("tiled", false));
+    for c in v["plan"]["candidates"].as_array().unwrap() {
+        if c["recipe"].as_str().unwrap().starts_with("direct") {
+            assert_eq!(c["micro_batch"], 8, "the whole batch only: {c}");
+        }
+    }
+    // A budget only checkpointing meets, then one the plain step meets.
+    for (budget, checkpointed) in [
+        (peak("direct_tiled", true), true),
+        (peak("direct", false), false),
+    ] {
+        let budget = (budget as f64 * 2.0 * 1.06) as u64; // batch 8 from batch 4's peak
+        let o = plan(&[
+            "--budget",
+            &budget.to_string(),
+            "--recipes",
+            "direct,direct_tiled",
+            "--dtypes",
+            "f32",
+            "--verify",
+            "--json",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{budget}: {err}");
+        let v = json(&o);
+        let predicted = v["plan"]["chosen"]["peak"].as_u64().unwrap();
+        let measured = v["verification"]["peak"].as_u64().unwrap();
+        let error = measured as f64 / predicted as f64 - 1.0;
+        assert!(
+            error.abs() <= 0.05,
+            "{budget}: {measured} against {predicted}"
+        );
+        let _ = checkpointed;
+    }
+    let refused = plan(&["--budget", "1GiB", "--ranks", "2", "--recipes", "direct"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains(
+        "the direct recipe trains on one rank; with --ranks, allowed: candle, lean, tiled"
+    ));
 }

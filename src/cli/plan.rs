@@ -44,7 +44,9 @@ pub struct PlanArgs {
     pub vocab: usize,
     /// Ways of computing the layers to consider, comma-separated: candle
     /// (candle-nn's layers, naive attention), lean (the toolkit's lean
-    /// layers, the probabilities kept), tiled (lean, tiled attention).
+    /// layers, the probabilities kept), tiled (lean, tiled attention),
+    /// direct and direct_tiled (lean or tiled with no graph: each stage's
+    /// backward called directly; one rank).
     #[arg(long, value_delimiter = ',', default_value = "candle,lean,tiled", value_parser = parse_recipe)]
     pub recipes: Vec<workbook_models::Recipe>,
     /// Leave checkpointing out of the options.

@@ -11,7 +11,7 @@
 pub mod corpus;
 pub mod gpt;
 
-pub use gpt::{AttentionKind, Gpt, GptConfig, GptLayer, Recipe};
+pub use gpt::{AttentionKind, DirectStage, Gpt, GptConfig, GptLayer, Recipe};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};

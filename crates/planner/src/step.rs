@@ -65,6 +65,10 @@ pub struct StepShape {
     /// backward recomputes one layer at a time (its products through a
     /// tape, the bias and GELU as candle's operations).
     pub checkpointed: bool,
+    /// The backward with no graph: each stage's backward called directly
+    /// ([`Gpt::direct_loss_with`]; checkpointed,
+    /// [`Gpt::direct_checkpointed`]). The lean layers, one rank.
+    pub direct: bool,
 }
 
 impl StepShape {
@@ -74,6 +78,7 @@ impl StepShape {
             batch,
             micro_batch: batch,
             checkpointed: false,
+            direct: false,
         }
     }
 
@@ -261,6 +266,48 @@ pub fn measured_step(
     for start_row in (0..shape.batch).step_by(micro) {
         let rows = micro.min(shape.batch - start_row);
         let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
+        if shape.direct {
+            if parallel.is_some() {
+                anyhow::bail!(
+                    "the direct recipes train on one rank: ranks share their gradients through \
+                     the graph's backward"
+                );
+            }
+            let weight = if micro < shape.batch {
+                rows as f64 / shape.batch as f64
+            } else {
+                1.0
+            };
+            let loss = match (shape.checkpointed, accumulator.as_mut()) {
+                (true, acc) => {
+                    let out = model.direct_checkpointed(&xm, &ym, weight, &Tags)?;
+                    match acc {
+                        Some(acc) => {
+                            Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?
+                        }
+                        None => grads = Some(out.grads),
+                    }
+                    out.loss
+                }
+                (false, Some(acc)) => acc.add_weighted_with(rows, |add| {
+                    model.direct_loss_with(&xm, &ym, weight, add, &Tags)
+                })?,
+                (false, None) => {
+                    let mut store = GradStore::default();
+                    let loss = model.direct_loss_with(
+                        &xm,
+                        &ym,
+                        weight,
+                        |var, g| add_grad(&mut store, var, g),
+                        &Tags,
+                    )?;
+                    grads = Some(store);
+                    loss
+                }
+            };
+            loss_value = (loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 / weight) as f32;
+            continue;
+        }
         if shape.checkpointed {
             // The accumulator (or stage 2's or 3's sum) takes gradients already
             // weighted by the micro-batch's share of the rows.

@@ -81,6 +81,14 @@ impl Plugin for LayerProfile {
         let mut r = Rules::new();
         check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
         r.at_least("repeats", p.repeats, 1);
+        if p.recipe.direct() {
+            r.violation(
+                "recipe",
+                format!("{:?}", p.recipe.name()),
+                "allowed: candle, lean, tiled (this cell walks the graph a backward keeps; the \
+                 direct recipes keep none)",
+            );
+        }
         r.into_violations()
     }
 

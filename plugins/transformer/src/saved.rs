@@ -61,6 +61,16 @@ impl Plugin for SavedTensors {
                 "allowed: a list of at least 1 of candle, lean, tiled",
             );
         }
+        for (i, recipe) in p.recipes.iter().enumerate() {
+            if recipe.direct() {
+                r.violation(
+                    format!("recipes[{i}]"),
+                    format!("{:?}", recipe.name()),
+                    "allowed: candle, lean, tiled (this cell walks the graph a backward keeps; \
+                     the direct recipes keep none)",
+                );
+            }
+        }
         r.into_violations()
     }
 

@@ -82,6 +82,14 @@ impl Plugin for Predictors {
         // The calibrated predictor measures batches 1 and 2: from 3 on, its
         // figure is an extrapolation, not one of its own measurements.
         check_run(&mut r, &p.model, p.batch, 3, &p.dtype);
+        if p.recipe.direct() {
+            r.violation(
+                "recipe",
+                format!("{:?}", p.recipe.name()),
+                "allowed: candle, lean, tiled (the ledger's predictor reads the graph a backward \
+                     keeps; the direct recipes keep none)",
+            );
+        }
         for (i, v) in p.variants.iter().enumerate() {
             let c = GptConfig {
                 layers: v.layers.unwrap_or(p.model.layers),

@@ -86,3 +86,45 @@ fn a_checkpoint_interval_beyond_the_stack_is_refused() {
         ])
     );
 }
+
+#[test]
+fn the_cells_that_walk_the_graph_refuse_the_direct_recipes() {
+    use workbook_models::Recipe;
+    use workbook_transformer::LayerProfile;
+    let p = workbook_transformer::saved::Params {
+        recipes: vec![Recipe::Lean, Recipe::DirectTiled],
+        ..Default::default()
+    };
+    assert_eq!(
+        said(&SavedTensors.validate(&p)),
+        pairs(&[(
+            "recipes[1]",
+            "is \"direct_tiled\"; allowed: candle, lean, tiled (this cell walks the graph a \
+             backward keeps; the direct recipes keep none)"
+        )])
+    );
+    let p = workbook_transformer::profile::Params {
+        recipe: Recipe::Direct,
+        ..Default::default()
+    };
+    assert_eq!(
+        said(&LayerProfile.validate(&p)),
+        pairs(&[(
+            "recipe",
+            "is \"direct\"; allowed: candle, lean, tiled (this cell walks the graph a backward \
+             keeps; the direct recipes keep none)"
+        )])
+    );
+    let p = workbook_transformer::trial::Params {
+        recipe: Recipe::Direct,
+        ..Default::default()
+    };
+    assert_eq!(
+        said(&Predictors.validate(&p)),
+        pairs(&[(
+            "recipe",
+            "is \"direct\"; allowed: candle, lean, tiled (the ledger's predictor reads the graph \
+             a backward keeps; the direct recipes keep none)"
+        )])
+    );
+}

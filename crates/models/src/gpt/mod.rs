@@ -4,6 +4,9 @@
 
 use std::sync::Arc;
 
+mod direct;
+pub use direct::{BlockSaved, DirectSaved, DirectStage};
+
 use crate::Rng;
 use candle_checkpoint::{Tape, TapeModule};
 use candle_core::backprop::GradStore;
@@ -644,6 +647,11 @@ pub enum Recipe {
     Lean,
     /// The lean layers with tiled attention.
     Tiled,
+    /// The lean layers and materialized attention with no graph: each
+    /// stage's backward called directly ([`Gpt::direct_loss_with`]).
+    Direct,
+    /// The direct backward with tiled attention.
+    DirectTiled,
 }
 
 impl Recipe {
@@ -653,7 +661,23 @@ impl Recipe {
             Recipe::Candle => "candle",
             Recipe::Lean => "lean",
             Recipe::Tiled => "tiled",
+            Recipe::Direct => "direct",
+            Recipe::DirectTiled => "direct_tiled",
         }
+    }
+
+    /// Every recipe, in the order the command line lists them.
+    pub const ALL: [Recipe; 5] = [
+        Recipe::Candle,
+        Recipe::Lean,
+        Recipe::Tiled,
+        Recipe::Direct,
+        Recipe::DirectTiled,
+    ];
+
+    /// Whether the backward is the direct one, with no graph.
+    pub fn direct(self) -> bool {
+        matches!(self, Recipe::Direct | Recipe::DirectTiled)
     }
 
     /// `model` computed this way.
@@ -661,7 +685,8 @@ impl Recipe {
         let (attention, lean) = match self {
             Recipe::Candle => (AttentionKind::Naive, false),
             Recipe::Lean => (AttentionKind::Materialized, true),
-            Recipe::Tiled => (AttentionKind::Tiled, true),
+            Recipe::Tiled | Recipe::DirectTiled => (AttentionKind::Tiled, true),
+            Recipe::Direct => (AttentionKind::Materialized, true),
         };
         GptConfig {
             attention,

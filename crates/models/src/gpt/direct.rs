@@ -1,0 +1,418 @@
+//! The GPT's backward without candle's graph: each stage's forward keeps
+//! what its backward needs and the backward runs stage by stage from the
+//! loss down (`candle_checkpoint::direct_backward_with`), freeing each
+//! saved tensor once it is used and handing each parameter's gradient over
+//! as soon as it exists.
+//!
+//! A block keeps its layer norms' input statistics (two numbers per row),
+//! the inputs of its four products, the attention's `q`, `k`, `v` with its
+//! probabilities (materialized) or its output and log-sum-exp (tiled), and
+//! GELU's input: what PyTorch's autograd keeps for the same block, where
+//! candle's graph also sums every gradient into a zeros tensor of its own.
+
+use candle_checkpoint::{checkpoint_direct, direct_backward_with, Checkpointed, Observer};
+use candle_core::{bail, Result, Tensor, Var};
+use candle_custom_grad::{DirectBackward, DirectGrads};
+use candle_lean_nn::{
+    cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, Activation, LeanLinear,
+    NormStats,
+};
+use candle_tiled_attention::{
+    flash_backward, flash_forward, materialized_backward, materialized_forward, FlashConfig,
+    Forward, Materialized,
+};
+
+use super::{AttentionKind, Dense, Gpt, Norm, Param};
+
+/// One stage of a [`Gpt`] for the direct backward: the embeddings (token
+/// ids in), a block, or the final norm with the tied head (logits out).
+#[derive(Debug, Clone, Copy)]
+pub enum DirectStage<'a> {
+    /// Token and position embeddings.
+    Embedding(&'a Gpt),
+    /// Block `i`.
+    Block(&'a Gpt, usize),
+    /// The final layer norm and the head tied to the token table.
+    Head(&'a Gpt),
+}
+
+/// What a stage's forward keeps for its backward.
+#[derive(Debug)]
+pub enum DirectSaved {
+    /// The embeddings need only the token ids, their input.
+    Embedding,
+    /// A block's saved tensors.
+    Block(Box<BlockSaved>),
+    /// The final norm's statistics and output (the head's input).
+    Head {
+        /// The final norm's statistics.
+        stats: NormStats,
+        /// Its output, `(b·s, h)`.
+        normed: Tensor,
+    },
+}
+
+/// What a block's forward keeps.
+#[derive(Debug)]
+pub struct BlockSaved {
+    ln1: NormStats,
+    n1: Tensor,
+    /// `(3, b, a, s, d)`: q, k and v, contiguous.
+    qkv: Tensor,
+    attention: Attention,
+    /// The attention's output as the projection's input, `(b, s, h)`.
+    y: Tensor,
+    /// The residual stream after the attention.
+    x2: Tensor,
+    ln2: NormStats,
+    n2: Tensor,
+    /// GELU's input.
+    gelu_in: Option<Tensor>,
+    /// The MLP's hidden activations, `fc2`'s input.
+    m: Tensor,
+}
+
+/// What an attention's backward needs besides q, k and v.
+#[derive(Debug)]
+enum Attention {
+    Materialized(Materialized),
+    Tiled(Forward),
+}
+
+/// A linear layer on its variables, for the direct halves.
+fn lean(dense: &Dense) -> Result<LeanLinear> {
+    match dense {
+        Dense::Whole { weight, bias } => {
+            LeanLinear::new(weight.as_tensor().clone(), Some(bias.as_tensor().clone()))
+        }
+        Dense::Sharded(_) => {
+            bail!("the direct backward trains a whole model; under ZeRO stage 3 use the graph's")
+        }
+    }
+}
+
+fn whole(p: &Param) -> Result<Tensor> {
+    match p {
+        Param::Whole(v) => Ok(v.as_tensor().clone()),
+        Param::Sharded(_) => {
+            bail!("the direct backward trains a whole model; under ZeRO stage 3 use the graph's")
+        }
+    }
+}
+
+fn norm_saved(n: &Norm, x: &Tensor) -> Result<(Tensor, NormStats)> {
+    layer_norm_saved(x, &whole(&n.weight)?, &whole(&n.bias)?, 1e-5)
+}
+
+/// A layer norm's backward: the input's gradient, the weight's and bias's
+/// pushed to `params`.
+fn norm_backward(
+    n: &Norm,
+    x: &Tensor,
+    stats: &NormStats,
+    grad: &Tensor,
+    params: &mut Vec<(Tensor, Tensor)>,
+) -> Result<Tensor> {
+    let (w, b) = (whole(&n.weight)?, whole(&n.bias)?);
+    let (dx, dw, db) = layer_norm_backward(x, &w, stats, grad)?;
+    params.extend([(w, dw), (b, db)]);
+    Ok(dx)
+}
+
+/// A linear layer's backward (identity, or GELU from its kept input): the
+/// input's gradient, the weight's and bias's pushed to `params`.
+fn dense_backward(
+    dense: &Dense,
+    act: Activation,
+    kept: Option<Tensor>,
+    x: &Tensor,
+    grad: Tensor,
+    params: &mut Vec<(Tensor, Tensor)>,
+) -> Result<Tensor> {
+    if act == Activation::Relu {
+        bail!("internal: a ReLU's backward reads its output, which a GPT block does not keep");
+    }
+    let layer = lean(dense)?;
+    // Only a ReLU's backward reads the layer's output: `x` stands in.
+    let (dx, dw, db) = layer.backward_saved(act, kept, x, x, grad, true)?;
+    params.push((layer.weight().clone(), dw));
+    if let (Some(b), Some(db)) = (layer.bias(), db) {
+        params.push((b.clone(), db));
+    }
+    dx.ok_or_else(|| {
+        candle_core::Error::Msg("internal: a linear layer gave no input gradient".into())
+    })
+}
+
+impl Gpt {
+    /// The model as stages for [`candle_checkpoint::direct_backward`]: the
+    /// embeddings, each block, the final norm and head.
+    pub fn direct_stages(&self) -> Vec<DirectStage<'_>> {
+        std::iter::once(DirectStage::Embedding(self))
+            .chain((0..self.blocks.len()).map(|i| DirectStage::Block(self, i)))
+            .chain(std::iter::once(DirectStage::Head(self)))
+            .collect()
+    }
+
+    /// The mean next-token cross-entropy of `tokens` against `targets`
+    /// (both `(b, s)`) times `scale`, and its gradients, through the
+    /// direct backward: each parameter's gradient is handed to `on_grad`
+    /// as soon as its stage's backward has made it (the token table's
+    /// twice, once from the head and once from the embedding: sum them).
+    /// Needs the lean layers and a whole model (not ZeRO stage 3), with
+    /// materialized or tiled attention. `observer` is told what each
+    /// allocation is for (activations in the forward, gradients in the
+    /// backward).
+    pub fn direct_loss_with(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+        observer: &dyn Observer,
+    ) -> Result<Tensor> {
+        self.check_direct()?;
+        let targets = targets.flatten_all()?;
+        let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
+        let stages = self.direct_stages();
+        let (loss, _) =
+            direct_backward_with(&stages, tokens, &self.vars(), head, on_grad, observer)?;
+        Ok(loss)
+    }
+
+    /// [`Gpt::direct_loss_with`] with every stage checkpointed
+    /// (`candle_checkpoint::checkpoint_direct`): the forward keeps each
+    /// stage's input only, the backward runs each stage again and calls
+    /// its backward directly. The loss and the gradients, summed.
+    pub fn direct_checkpointed(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        observer: &dyn Observer,
+    ) -> Result<Checkpointed> {
+        self.check_direct()?;
+        let targets = targets.flatten_all()?;
+        let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
+        let stages = self.direct_stages();
+        checkpoint_direct(&stages, stages.len(), tokens, &self.vars(), head, observer)
+    }
+
+    fn check_direct(&self) -> Result<()> {
+        if !self.config.lean || self.config.attention == AttentionKind::Naive {
+            bail!(
+                "the direct backward runs the lean layers with materialized or tiled attention; \
+                 this model has lean {} and {:?} attention",
+                self.config.lean,
+                self.config.attention
+            );
+        }
+        Ok(())
+    }
+
+    fn block_forward_saved(&self, i: usize, x: &Tensor) -> Result<(Tensor, BlockSaved)> {
+        let (b, s, h) = x.dims3()?;
+        let a = self.config.heads;
+        let d = h / a;
+        let blk = &self.blocks[i];
+        let (n1, ln1) = norm_saved(&blk.ln1, x)?;
+        let (qkv, _) = lean(&blk.qkv)?.forward_saved(&n1, Activation::Identity)?;
+        let qkv = qkv
+            .reshape((b, s, 3, a, d))?
+            .permute((2, 0, 3, 1, 4))?
+            .contiguous()?;
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+        let cfg = FlashConfig::for_length(true, s);
+        let (out, attention) = match self.config.attention {
+            AttentionKind::Tiled => {
+                let fwd = flash_forward(&q, &k, &v, &cfg)?;
+                (fwd.out.clone(), Attention::Tiled(fwd))
+            }
+            _ => {
+                let mut fwd = materialized_forward(&q, &k, &v, &cfg)?;
+                // The backward reads only the output's shape: a broadcast
+                // scalar of that shape stands in, so the output itself goes
+                // once the projection's input is made from it.
+                let shape = fwd.out.shape().clone();
+                let stand_in = Tensor::zeros((), fwd.out.dtype(), fwd.out.device())?;
+                let out = std::mem::replace(&mut fwd.out, stand_in.broadcast_as(shape)?);
+                (out, Attention::Materialized(fwd))
+            }
+        };
+        let y = out.transpose(1, 2)?.reshape((b, s, h))?;
+        drop(out);
+        let (p, _) = lean(&blk.proj)?.forward_saved(&y, Activation::Identity)?;
+        let x2 = (x + p)?;
+        let (n2, ln2) = norm_saved(&blk.ln2, &x2)?;
+        let (m, gelu_in) = lean(&blk.fc)?.forward_saved(&n2, Activation::Gelu)?;
+        let (m2, _) = lean(&blk.fc2)?.forward_saved(&m, Activation::Identity)?;
+        let out = (&x2 + m2)?;
+        let saved = BlockSaved {
+            ln1,
+            n1,
+            qkv,
+            attention,
+            y,
+            x2,
+            ln2,
+            n2,
+            gelu_in,
+            m,
+        };
+        Ok((out, saved))
+    }
+
+    fn block_backward(
+        &self,
+        i: usize,
+        x: &Tensor,
+        s: BlockSaved,
+        grad: Tensor,
+    ) -> Result<DirectGrads> {
+        let (b, sq, h) = x.dims3()?;
+        let a = self.config.heads;
+        let d = h / a;
+        let blk = &self.blocks[i];
+        let mut params = Vec::with_capacity(12);
+        let BlockSaved {
+            ln1,
+            n1,
+            qkv,
+            attention,
+            y,
+            x2,
+            ln2,
+            n2,
+            gelu_in,
+            m,
+        } = s;
+        // The MLP: fc2, then fc with GELU, then the second norm.
+        let dm = dense_backward(
+            &blk.fc2,
+            Activation::Identity,
+            None,
+            &m,
+            grad.clone(),
+            &mut params,
+        )?;
+        drop(m);
+        let dn2 = dense_backward(&blk.fc, Activation::Gelu, gelu_in, &n2, dm, &mut params)?;
+        drop(n2);
+        let dx2 = (grad + norm_backward(&blk.ln2, &x2, &ln2, &dn2, &mut params)?)?;
+        drop((dn2, x2));
+        // The attention: the projection, the attention's own backward, qkv.
+        let dy = dense_backward(
+            &blk.proj,
+            Activation::Identity,
+            None,
+            &y,
+            dx2.clone(),
+            &mut params,
+        )?;
+        drop(y);
+        let d_out = dy.reshape((b, sq, a, d))?.transpose(1, 2)?.contiguous()?;
+        drop(dy);
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+        let cfg = FlashConfig::for_length(true, sq);
+        let (dq, dk, dv) = match attention {
+            Attention::Materialized(fwd) => materialized_backward(&q, &k, &v, fwd, &d_out, &cfg)?,
+            Attention::Tiled(fwd) => flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?,
+        };
+        drop((q, k, v, qkv, d_out));
+        let dqkv = Tensor::stack(&[dq, dk, dv], 0)?
+            .permute((1, 3, 0, 2, 4))?
+            .reshape((b, sq, 3 * h))?;
+        let dn1 = dense_backward(&blk.qkv, Activation::Identity, None, &n1, dqkv, &mut params)?;
+        drop(n1);
+        let dx = (dx2 + norm_backward(&blk.ln1, x, &ln1, &dn1, &mut params)?)?;
+        Ok(DirectGrads {
+            input: Some(dx),
+            params,
+        })
+    }
+}
+
+impl DirectBackward for DirectStage<'_> {
+    type Saved = DirectSaved;
+
+    fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, DirectSaved)> {
+        match *self {
+            DirectStage::Embedding(m) => {
+                let (b, s) = x.dims2()?;
+                let c = &m.config;
+                if s > c.seq {
+                    bail!("{s} tokens, the model's positions stop at {}", c.seq);
+                }
+                let positions = whole(&m.wpe)?.narrow(0, 0, s)?;
+                let out = whole(&m.wte)?
+                    .embedding(&x.flatten_all()?)?
+                    .reshape((b, s, c.hidden))?
+                    .broadcast_add(&positions)?;
+                Ok((out, DirectSaved::Embedding))
+            }
+            DirectStage::Block(m, i) => {
+                let (out, saved) = m.block_forward_saved(i, x)?;
+                Ok((out, DirectSaved::Block(Box::new(saved))))
+            }
+            DirectStage::Head(m) => {
+                let (b, s, h) = x.dims3()?;
+                let (normed, stats) = norm_saved(&m.ln_f, x)?;
+                let normed = normed.reshape((b * s, h))?;
+                let logits = normed.matmul(&whole(&m.wte)?.t()?)?;
+                Ok((logits, DirectSaved::Head { stats, normed }))
+            }
+        }
+    }
+
+    fn backward_saved(
+        &self,
+        x: &Tensor,
+        _out: &Tensor,
+        saved: DirectSaved,
+        grad: Tensor,
+        want_input: bool,
+    ) -> Result<DirectGrads> {
+        match (*self, saved) {
+            (DirectStage::Embedding(m), DirectSaved::Embedding) => {
+                let (b, s) = x.dims2()?;
+                let (wte, wpe) = (whole(&m.wte)?, whole(&m.wpe)?);
+                let h = m.config.hidden;
+                let g = grad.reshape((b * s, h))?;
+                let dwte = wte.zeros_like()?.index_add(&x.flatten_all()?, &g, 0)?;
+                let dpos = grad.sum(0)?;
+                let dwpe = if s == m.config.seq {
+                    dpos
+                } else {
+                    let rest = Tensor::zeros((m.config.seq - s, h), dpos.dtype(), dpos.device())?;
+                    Tensor::cat(&[&dpos, &rest], 0)?
+                };
+                Ok(DirectGrads {
+                    input: None,
+                    params: vec![(wte, dwte), (wpe, dwpe)],
+                })
+            }
+            (DirectStage::Block(m, i), DirectSaved::Block(saved)) => {
+                let mut g = m.block_backward(i, x, *saved, grad)?;
+                if !want_input {
+                    g.input = None;
+                }
+                Ok(g)
+            }
+            (DirectStage::Head(m), DirectSaved::Head { stats, normed }) => {
+                let (b, s, h) = x.dims3()?;
+                let wte = whole(&m.wte)?;
+                let dwte = grad.t()?.matmul(&normed)?;
+                drop(normed);
+                let dnormed = grad.matmul(&wte)?.reshape((b, s, h))?;
+                drop(grad);
+                let mut params = vec![(wte, dwte)];
+                let dx = norm_backward(&m.ln_f, x, &stats, &dnormed, &mut params)?;
+                Ok(DirectGrads {
+                    input: want_input.then_some(dx),
+                    params,
+                })
+            }
+            _ => bail!("internal: a stage's saved tensors belong to another stage"),
+        }
+    }
+}
