@@ -146,9 +146,9 @@ else
   profile=()
   out_dir=debug
 fi
-cargo build "${profile[@]}" --features cuda
+cargo build ${profile[@]+"${profile[@]}"} --features cuda
 # The meter's own test on a GPU (tests/cuda.rs), to run beside it.
-meter_test="$(cargo test "${profile[@]}" --features cuda --test cuda --no-run \
+meter_test="$(cargo test ${profile[@]+"${profile[@]}"} --features cuda --test cuda --no-run \
   --message-format=json-render-diagnostics |
   python3 -c 'import json, sys
 for line in sys.stdin:

@@ -75,7 +75,7 @@ bin="$work/bin/workbook-cuda"
 meter_test="$work/bin/cuda-meter-test"
 python="${WORKBOOK_TORCH_PYTHON:-python3}"
 # What the steps' functions read, in the shells they run in.
-export bin meter_test pack python results
+export bin meter_test pack python results cuda_lib
 
 # The CUDA libraries: PyTorch's on the GPU machine; for the dry run, the
 # wheels scripts/build-cuda.sh installed and its stand-in driver.
@@ -93,7 +93,11 @@ if [ "$dry" -eq 1 ]; then
   scale=3 # the CPU at check size is slower than the card at full size
 else
   cuda_lib="$("$python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)" || cuda_lib=""
-  [ -n "$cuda_lib" ] && export LD_LIBRARY_PATH="$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ -n "$cuda_lib" ] && [ -d "$cuda_lib" ]; then
+    export LD_LIBRARY_PATH="$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  else
+    echo "warning: no CUDA 13 libraries under PyTorch's nvidia package (${cuda_lib:-none found}); the workbook's steps need libcublas.so.13 and libcurand.so.10 on LD_LIBRARY_PATH" | tee -a "$log"
+  fi
   export WORKBOOK_REQUIRE_GPU=1
   device=cuda
   size=()
@@ -178,6 +182,8 @@ step() {
     failed=1
   fi
   echo "-- $name: $(tail -n 1 "$results/summary.tsv" | cut -f2) in $seconds s" | tee -a "$log"
+  # What is measured so far, kept even if the machine is taken away later.
+  tar czf "$out/results.tar.gz" -C "$work" results
 }
 skip() {
   record "$1" "skipped: $2" 0 "$(limit_of "$1")"
@@ -189,6 +195,7 @@ info() {
   date -u
   uname -srm
   echo "workbook: $("$bin" --version) ($(cat "$pack/MANIFEST" 2>/dev/null | tr '\n' ' '))"
+  echo "CUDA libraries: ${cuda_lib:-none} (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   else
@@ -216,15 +223,15 @@ torch_gpt_both() {
 step info info
 step meter "$meter_test"
 # A per-cell limit inside the step's own, so one hung cell loses only itself.
-chapter=1 step chapter2 "$bin" run chapter2 "${size[@]}" --device "$device" --format json --timeout 40
+chapter=1 step chapter2 "$bin" run chapter2 ${size[@]+"${size[@]}"} --device "$device" --format json --timeout 40
 cp "$results/chapter2.out" "$results/chapter2.json"
 if [ "$have_torch" -eq 1 ]; then
-  step torch-chapter2 "$python" scripts/torch_chapter2.py "${size[@]}" --device "$device"
+  step torch-chapter2 "$python" scripts/torch_chapter2.py ${size[@]+"${size[@]}"} --device "$device"
   cp "$results/torch-chapter2.out" "$results/torch-chapter2.json"
 else
   skip torch-chapter2 "no PyTorch ($torch_missing)"
 fi
-chapter=1 step chapter3 "$bin" run chapter3 "${size[@]}" --device "$device" --format json --timeout 40
+chapter=1 step chapter3 "$bin" run chapter3 ${size[@]+"${size[@]}"} --device "$device" --format json --timeout 40
 cp "$results/chapter3.out" "$results/chapter3.json"
 step gpt gpt_both
 if [ "$have_torch" -eq 1 ]; then

@@ -51,7 +51,7 @@ def main():
         return 2
     os.environ["JUPYTER_PATH"] = data
 
-    sdk = os.path.join(REPO, "plugins", "sdk")
+    sdk = os.path.join(REPO, "crates", "sdk")
     cells = [
         # Compiled crates kept between kernel sessions (up to 500 MiB); the
         # meter without candle, candle for the tensor.

@@ -246,9 +246,17 @@ pub fn text(plan: &Plan, batch: usize) -> String {
             bytes(plan.budget)
         ));
     }
+    // The recipes' column as wide as its longest name (`direct_tiled`).
+    let width = plan
+        .calibrations
+        .iter()
+        .map(|c| c.recipe.name().len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
     for c in &plan.calibrations {
         out.push_str(&format!(
-            "  {}{:<6} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}: fixed {:>9}, per sequence {:>9}\n",
+            "  {}{:<width$} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}: fixed {:>9}, per sequence {:>9}\n",
             c.stage
                 .map(|s| format!("{:<6}", s.name()))
                 .unwrap_or_default(),

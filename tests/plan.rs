@@ -325,12 +325,29 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
             assert_eq!(c["micro_batch"], 8, "the whole batch only: {c}");
         }
     }
-    // A budget only checkpointing meets, then one the plain step meets.
-    for (budget, checkpointed) in [
-        (peak("direct_tiled", true), true),
-        (peak("direct", false), false),
+    // A budget only the checkpointed step meets, then one everything meets
+    // (the plain step, faster, is chosen): each plan is run and measured.
+    let predicted = |recipe: &str, checkpointed: bool| -> u64 {
+        v["plan"]["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["recipe"] == recipe && c["checkpointed"] == checkpointed)
+            .unwrap_or_else(|| panic!("no option of {recipe}"))["peak"]
+            .as_u64()
+            .unwrap()
+    };
+    let checkpointed = predicted("direct_tiled", true);
+    let plain = predicted("direct", false).min(predicted("direct_tiled", false));
+    // Only the checkpointed options fit the first budget.
+    assert!(
+        checkpointed as f64 * 1.06 < plain as f64 * 1.05,
+        "{checkpointed} against {plain}"
+    );
+    for (budget, want_checkpointed) in [
+        ((checkpointed as f64 * 1.06) as u64, true),
+        (1 << 30, false),
     ] {
-        let budget = (budget as f64 * 2.0 * 1.06) as u64; // batch 8 from batch 4's peak
         let o = plan(&[
             "--budget",
             &budget.to_string(),
@@ -344,14 +361,19 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(0), "{budget}: {err}");
         let v = json(&o);
-        let predicted = v["plan"]["chosen"]["peak"].as_u64().unwrap();
+        let chosen = &v["plan"]["chosen"];
+        assert_eq!(
+            chosen["checkpointed"], want_checkpointed,
+            "{budget}: {chosen}"
+        );
+        let predicted = chosen["peak"].as_u64().unwrap();
         let measured = v["verification"]["peak"].as_u64().unwrap();
         let error = measured as f64 / predicted as f64 - 1.0;
         assert!(
             error.abs() <= 0.05,
             "{budget}: {measured} against {predicted}"
         );
-        let _ = checkpointed;
+        assert!(measured <= budget, "{budget}: measured {measured}");
     }
     let refused = plan(&["--budget", "1GiB", "--ranks", "2", "--recipes", "direct"]);
     assert_eq!(refused.status.code(), Some(2));

@@ -1,5 +1,7 @@
 //! The models and helpers the built-in cells experiment on: seeded tensors,
-//! layers that initialise like PyTorch's, an MLP, and gradient utilities.
+//! layers that initialise like PyTorch's, an MLP, gradient utilities, and
+//! chapter 3's GPT ([`gpt`], with its direct backward) and the sequences it
+//! learns ([`corpus`]).
 //! (The techniques themselves are the toolkit's crates, which take any
 //! candle model.)
 //!

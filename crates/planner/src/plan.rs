@@ -224,7 +224,8 @@ pub struct Plan {
     pub calibrations: Vec<Calibration>,
     /// Every option weighed: for each recipe and dtype, the whole batch and,
     /// when it does not fit, the largest micro-batch that does (or one
-    /// sequence at a time, when none does).
+    /// sequence at a time, when none does); the direct recipes, the whole
+    /// batch only.
     pub candidates: Vec<Candidate>,
     /// The fastest option that fits, if one does.
     pub chosen: Option<Candidate>,
@@ -356,7 +357,8 @@ fn largest_micro(c: &Calibration, batch: usize, fits: impl Fn(u64) -> bool) -> O
 }
 
 /// The options from calibrations: for each, the whole batch and the
-/// largest micro-batch that fits; the fastest that fits is chosen.
+/// largest micro-batch that fits (the direct recipes: the whole batch
+/// only); the fastest that fits is chosen.
 /// `req`'s batch must split evenly over its ranks ([`plan`] checks it).
 pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     let mut candidates = Vec::new();

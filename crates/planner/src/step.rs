@@ -28,10 +28,12 @@ pub struct StepReport {
     /// The region: peak, its split by category, the timeline.
     pub region: RegionReport,
     /// Bytes live at the end of the (first micro-batch's) forward, above
-    /// the region's start, by category.
+    /// the region's start, by category (none for a direct step, whose
+    /// forward and backward are one call).
     pub after_forward: ByCategory,
     /// Bytes the graph held at the end of that forward, from the ledger (0
-    /// when checkpointed: no whole graph is ever held).
+    /// when checkpointed: no whole graph is ever held; 0 for a direct step,
+    /// which has no graph).
     pub ledger_bytes: u64,
     /// The largest tensor the graph held, in bytes.
     pub largest_held: u64,

@@ -192,8 +192,8 @@ fn backward_by_segments(
 /// `vars` are the variables whose gradients are wanted (`VarMap::all_vars`,
 /// say). `layers` may be any [`Module`]s, closures included; the input may
 /// be token ids for a first embedding layer. PyTorch's name and arguments;
-/// [`crate::Sequential`] sets the same by name, with a selective policy and
-/// without an observer.
+/// [`crate::Sequential`] sets the same by name, with a selective policy on
+/// taped layers and the observer optional.
 ///
 /// ```
 /// use candle_checkpoint::checkpoint_sequential;

@@ -4,11 +4,13 @@
 //! saved tensor once it is used and handing each parameter's gradient over
 //! as soon as it exists.
 //!
-//! A block keeps its layer norms' input statistics (two numbers per row),
-//! the inputs of its four products, the attention's `q`, `k`, `v` with its
-//! probabilities (materialized) or its output and log-sum-exp (tiled), and
-//! GELU's input: what PyTorch's autograd keeps for the same block, where
-//! candle's graph also sums every gradient into a zeros tensor of its own.
+//! A block keeps its layer norms' statistics (two numbers per row) and the
+//! second norm's input (the residual stream after the attention; the first
+//! norm's is the block's input, which the driver keeps), the inputs of its
+//! four products, the attention's `q`, `k`, `v` with its probabilities
+//! (materialized) or its output and log-sum-exp (tiled), and GELU's input:
+//! what PyTorch's autograd keeps for the same block, where candle's graph
+//! also sums every gradient into a zeros tensor of its own.
 
 use candle_checkpoint::{checkpoint_direct, direct_backward_with, Checkpointed, Observer};
 use candle_core::{bail, Result, Tensor, Var};
@@ -319,9 +321,11 @@ impl Gpt {
             Attention::Tiled(fwd) => flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?,
         };
         drop((q, k, v, qkv, d_out));
-        let dqkv = Tensor::stack(&[dq, dk, dv], 0)?
-            .permute((1, 3, 0, 2, 4))?
-            .reshape((b, sq, 3 * h))?;
+        // One at a time: the stack, then its copy in the product's layout,
+        // each freed once the next exists.
+        let stacked = Tensor::stack(&[dq, dk, dv], 0)?;
+        let dqkv = stacked.permute((1, 3, 0, 2, 4))?.reshape((b, sq, 3 * h))?;
+        drop(stacked);
         let dn1 = dense_backward(&blk.qkv, Activation::Identity, None, &n1, dqkv, &mut params)?;
         drop(n1);
         let dx = (dx2 + norm_backward(&blk.ln1, x, &ln1, &dn1, &mut params)?)?;

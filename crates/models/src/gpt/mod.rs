@@ -723,7 +723,8 @@ impl Module for GptLayer<'_> {
 }
 
 /// What tests of the model and of the steps that train it share (this
-/// crate's, and the planner's).
+/// crate's, and the planner's): helpers that panic, not API.
+#[doc(hidden)]
 pub mod testing {
     use super::*;
 
