@@ -20,24 +20,47 @@
 //! variables or new ones ([`lean_layer_norm`]), and [`lean_linear`] makes a
 //! [`LeanLinear`] as `candle_nn::linear` makes its layer.
 //!
+//! For Llama-family decoders, [`rms_norm`], [`rope`] and [`swiglu`] are
+//! one operation each, keeping only what their backward needs, and
+//! [`LinearCrossEntropy`] is the head and the loss over row chunks, never
+//! holding the whole logits.
+//!
 //! Built from a `candle_nn::Linear`, a [`LeanLinear`] shares its variables,
 //! so any optimizer steps it unchanged. Its gradients equal candle-nn's,
 //! but where a ReLU's input is exactly 0: there the gradient is 0, as in
 //! PyTorch (candle passes it), since the output cannot tell 0 from below.
 #![warn(missing_docs)]
 
+mod add;
 mod bias;
 mod cpu;
 mod cpu_half;
 mod layer;
 mod linear;
+mod linear_loss;
 mod loss;
 mod norm;
 mod product;
+mod rms_norm;
+mod rope;
+mod swiglu;
 
 pub use layer::LeanLayer;
 pub use linear::{lean_linear, linear_backward, Activation, LeanLinear};
+pub use linear_loss::{linear_cross_entropy, LinearCrossEntropy, LossGrads};
 pub use loss::{cross_entropy, cross_entropy_and_grad};
 pub use norm::{
     layer_norm, layer_norm_backward, layer_norm_saved, lean_layer_norm, LeanLayerNorm, NormStats,
 };
+pub use rms_norm::{lean_rms_norm, rms_norm, rms_norm_backward, rms_norm_saved, LeanRmsNorm};
+pub use rope::{rope, rope_backward, rope_tables};
+pub use swiglu::{swiglu, swiglu_backward};
+
+/// The dtype a layer sums and normalizes in: f64 for f64, f32 otherwise.
+fn accumulation(dtype: candle_core::DType) -> candle_core::DType {
+    if dtype == candle_core::DType::F64 {
+        candle_core::DType::F64
+    } else {
+        candle_core::DType::F32
+    }
+}

@@ -1,5 +1,6 @@
 //! Cross-entropy as one operation.
 
+use crate::accumulation;
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_custom_grad::{with_backward2, Backward2};
 
@@ -132,14 +133,6 @@ fn class_indices(targets: &Tensor, classes: usize) -> Result<Vec<u32>> {
     let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     crate::cpu::check_targets(&t, classes)?;
     Ok(t)
-}
-
-fn accumulation(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 struct CrossEntropy;

@@ -1,6 +1,7 @@
 //! Layer normalization as one operation.
 
-use candle_core::{bail, DType, Module, Result, Tensor, D};
+use crate::accumulation;
+use candle_core::{bail, Module, Result, Tensor, D};
 use candle_custom_grad::{with_backward3, Backward3, DirectBackward, DirectGrads};
 
 /// Layer normalization over the last dimension, `(x - mean) / sqrt(var +
@@ -198,14 +199,6 @@ impl Module for LeanLayerNorm {
 pub fn lean_layer_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<LeanLayerNorm> {
     let ln = candle_nn::layer_norm(size, eps, vb)?;
     LeanLayerNorm::try_from(&ln)
-}
-
-fn accumulation(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// The backward of [`layer_norm`]'s graph operation.

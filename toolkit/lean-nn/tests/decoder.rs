@@ -1,0 +1,352 @@
+//! The Llama-family layers (RMS norm, rotary embeddings, SwiGLU) and the
+//! fused linear cross-entropy against plain compositions of candle's
+//! operations: values and gradients in every float dtype, bad inputs, and
+//! the memory the fused loss holds, counted by an allocator.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_lean_nn::LinearCrossEntropy;
+use candle_toolkit_alloc_count::{measure, Counting};
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// The memory test counts a global allocator: it runs alone.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+/// The largest magnitude of `t`, to make a difference relative.
+fn max_abs(t: &Tensor) -> Result<f64> {
+    t.to_dtype(DType::F64)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+/// Deterministic values in about [-scale, scale].
+fn data(shape: &[usize], scale: f32, seed: u64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let k = (i + 1).wrapping_mul(seed.wrapping_mul(2654435761) | 1) % 1_000_003;
+            ((k as f32 / 1_000_003.0) * 2.0 - 1.0) * scale
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+fn var(shape: &[usize], scale: f32, seed: u64, dtype: DType) -> Result<Var> {
+    Var::from_tensor(&data(shape, scale, seed)?.to_dtype(dtype)?)
+}
+
+/// Tolerances relative to the largest magnitude: f32 and f64 sum in
+/// different orders; the half types differ by their rounding.
+const DTYPES: [(DType, f64); 4] = [
+    (DType::F64, 1e-12),
+    (DType::F32, 2e-6),
+    (DType::F16, 4e-3),
+    (DType::BF16, 3e-2),
+];
+
+#[test]
+fn rms_norm_equals_the_plain_composition_in_every_dtype() -> Result<()> {
+    for (dtype, tol) in DTYPES {
+        let x = var(&[2, 12, 16], 2.0, 3, dtype)?;
+        let w = var(&[16], 1.5, 5, dtype)?;
+        let up = data(&[2, 12, 16], 1.0, 11)?.to_dtype(dtype)?;
+        let lean = candle_lean_nn::rms_norm(&x, &w, 1e-5)?;
+        let plain = candle_nn::ops::rms_norm_slow(&x, &w, 1e-5)?;
+        let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
+        assert!(d <= tol, "{dtype:?} values: {d}");
+        let gl = (lean * &up)?.sum_all()?.backward()?;
+        let gp = (plain * &up)?.sum_all()?.backward()?;
+        for (name, v) in [("x", &x), ("weight", &w)] {
+            let (a, p) = (gl.get(v).unwrap(), gp.get(v).unwrap());
+            let d = max_diff(a, p)? / max_abs(p)?;
+            assert!(d <= tol * 4.0, "{dtype:?} gradient of {name}: {d}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rope_equals_the_plain_composition_in_every_dtype() -> Result<()> {
+    for (dtype, tol) in DTYPES {
+        let (cos, sin) = candle_lean_nn::rope_tables(6, 8, 10_000.0, dtype, &Device::Cpu)?;
+        let x = var(&[2, 3, 6, 8], 2.0, 7, dtype)?;
+        let up = data(&[2, 3, 6, 8], 1.0, 13)?.to_dtype(dtype)?;
+        let lean = candle_lean_nn::rope(&x, &cos, &sin)?;
+        let plain = candle_nn::rotary_emb::rope_slow(&x, &cos, &sin)?;
+        let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
+        assert!(d <= tol, "{dtype:?} values: {d}");
+        let gl = (lean * &up)?.sum_all()?.backward()?;
+        let gp = (plain * &up)?.sum_all()?.backward()?;
+        let (a, p) = (gl.get(&x).unwrap(), gp.get(&x).unwrap());
+        let d = max_diff(a, p)? / max_abs(p)?;
+        assert!(d <= tol * 2.0, "{dtype:?} gradient: {d}");
+    }
+    Ok(())
+}
+
+#[test]
+fn swiglu_equals_the_plain_composition_in_every_dtype() -> Result<()> {
+    for (dtype, tol) in DTYPES {
+        let g = var(&[4, 24], 4.0, 17, dtype)?;
+        let u = var(&[4, 24], 2.0, 19, dtype)?;
+        let up = data(&[4, 24], 1.0, 23)?.to_dtype(dtype)?;
+        let lean = candle_lean_nn::swiglu(&g, &u)?;
+        let plain = (candle_nn::ops::silu(&g)? * u.as_tensor())?;
+        let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
+        assert!(d <= tol, "{dtype:?} values: {d}");
+        let gl = (lean * &up)?.sum_all()?.backward()?;
+        let gp = (plain * &up)?.sum_all()?.backward()?;
+        for (name, v) in [("gate", &g), ("up", &u)] {
+            let (a, p) = (gl.get(v).unwrap(), gp.get(v).unwrap());
+            let d = max_diff(a, p)? / max_abs(p)?;
+            assert!(d <= tol * 4.0, "{dtype:?} gradient of {name}: {d}");
+        }
+    }
+    Ok(())
+}
+
+/// The plain head and loss: the whole logits, then candle-nn's
+/// cross-entropy (computed in f32 for the half types, as the fused loss
+/// does).
+fn plain_loss(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits = hidden.matmul(&weight.t()?)?;
+    let acc = if hidden.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    candle_nn::loss::cross_entropy(&logits.to_dtype(acc)?, targets)?.to_dtype(hidden.dtype())
+}
+
+fn targets(rows: usize, classes: usize) -> Result<Tensor> {
+    let t: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 7919 + 3) % classes as u32)
+        .collect();
+    Tensor::new(t, &Device::Cpu)
+}
+
+#[test]
+fn the_fused_loss_equals_the_plain_head_and_loss_in_every_dtype_and_chunking() -> Result<()> {
+    let (rows, h, classes) = (13, 16, 40);
+    let t = targets(rows, classes)?;
+    for (dtype, tol) in DTYPES {
+        let hidden = var(&[rows, h], 1.0, 29, dtype)?;
+        let weight = var(&[classes, h], 1.0, 31, dtype)?;
+        let plain = plain_loss(&hidden, &weight, &t)?;
+        let gp = plain.backward()?;
+        for chunk in [None, Some(1), Some(4), Some(13), Some(100)] {
+            let fused = match chunk {
+                Some(n) => LinearCrossEntropy::new().chunk_rows(n),
+                None => LinearCrossEntropy::new(),
+            };
+            let loss = fused.loss(&hidden, &weight, &t)?;
+            assert_eq!(loss.dtype(), dtype);
+            let d = max_diff(&loss, &plain)? / max_abs(&plain)?;
+            assert!(d <= tol, "{dtype:?} {chunk:?} loss: {d}");
+            let gf = loss.backward()?;
+            for (name, v) in [("hidden", &hidden), ("weight", &weight)] {
+                let (a, p) = (gf.get(v).unwrap(), gp.get(v).unwrap());
+                assert_eq!(a.dtype(), dtype);
+                let d = max_diff(a, p)? / max_abs(p)?;
+                assert!(
+                    d <= tol * 4.0,
+                    "{dtype:?} {chunk:?} gradient of {name}: {d}"
+                );
+            }
+            // The one-pass form: the loss and gradients scaled by 0.25.
+            let direct = fused.loss_and_grads(&hidden, &weight, &t, 0.25)?;
+            let d = max_diff(&direct.loss, &(&plain * 0.25)?)? / max_abs(&plain)?;
+            assert!(d <= tol, "{dtype:?} {chunk:?} direct loss: {d}");
+            for (name, g, v) in [
+                ("hidden", &direct.hidden, &hidden),
+                ("weight", &direct.weight, &weight),
+            ] {
+                let p = (gp.get(v).unwrap() * 0.25)?;
+                let d = max_diff(g, &p)? / max_abs(&p)?;
+                assert!(d <= tol * 4.0, "{dtype:?} {chunk:?} direct {name}: {d}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_chunk_rule_makes_a_chunks_logits_about_the_hidden_states_size() {
+    let fused = LinearCrossEntropy::new();
+    // SmolLM2-135M at batch 4, 512 tokens: 49,152 / 576 -> 86; 2048 / 86
+    // -> 24 -> 32 rows.
+    assert_eq!(fused.rows_per_chunk(2048, 576, 49_152), 32);
+    // Fewer classes than features: every row at once.
+    assert_eq!(fused.rows_per_chunk(10, 64, 8), 10);
+    assert_eq!(fused.chunk_rows(0).rows_per_chunk(10, 64, 8), 1);
+    assert_eq!(
+        LinearCrossEntropy::new()
+            .chunk_rows(50)
+            .rows_per_chunk(10, 64, 8),
+        10
+    );
+}
+
+fn first_line(e: candle_core::Error) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+#[test]
+fn bad_inputs_are_refused_with_what_was_given() -> Result<()> {
+    let dev = Device::Cpu;
+    let h = Tensor::zeros((3, 4), DType::F32, &dev)?;
+    let w = Tensor::zeros((5, 4), DType::F32, &dev)?;
+    let t = Tensor::new(&[0u32, 1, 2], &dev)?;
+    let fused = LinearCrossEntropy::new();
+    let cases = [
+        (
+            fused.loss(&h, &Tensor::zeros((5, 3), DType::F32, &dev)?, &t),
+            "the head's weight has shape [5, 3] for hidden states [3, 4]: it must be (classes, 4)",
+        ),
+        (
+            fused.loss(&h, &w.to_dtype(DType::BF16)?, &t),
+            "the hidden states are F32 and the head's weight BF16: give both one dtype",
+        ),
+        (
+            fused.loss(&h, &w, &Tensor::new(&[0u32, 1], &dev)?),
+            "targets have shape [2], the hidden states [3, 4]: one class index per row",
+        ),
+        (
+            fused.loss(&h, &w, &Tensor::new(&[0f32, 1.0, 2.0], &dev)?),
+            "targets must be class indices (u8, u32 or i64), got F32",
+        ),
+        (
+            fused.loss(&h, &w, &Tensor::new(&[0u32, 5, 2], &dev)?),
+            "target 5 of row 1 is not a class index: the logits have 5 classes",
+        ),
+        (
+            fused.loss(
+                &Tensor::zeros((0, 4), DType::F32, &dev)?,
+                &w,
+                &Tensor::zeros(0, DType::U32, &dev)?,
+            ),
+            "cross-entropy of 0 rows of 5 classes has no mean",
+        ),
+    ];
+    for (result, message) in cases {
+        assert_eq!(first_line(result.unwrap_err()), message);
+    }
+    let x = Tensor::zeros((2, 4), DType::F32, &dev)?;
+    let cases = [
+        (
+            candle_lean_nn::rms_norm(&x, &Tensor::ones(3, DType::F32, &dev)?, 1e-5),
+            "RMS norm over 4 features: the weight has shape [3], it must be (4,)",
+        ),
+        (
+            candle_lean_nn::rms_norm(&x, &Tensor::ones(4, DType::F16, &dev)?, 1e-5),
+            "RMS norm of F32 input with a F16 weight: give both one dtype",
+        ),
+        (
+            candle_lean_nn::swiglu(&x, &Tensor::zeros((2, 3), DType::F32, &dev)?),
+            "SwiGLU multiplies gate and up element by element: gate is F32 [2, 4], up F32 [2, 3]",
+        ),
+    ];
+    for (result, message) in cases {
+        assert_eq!(first_line(result.unwrap_err()), message);
+    }
+    let q = Tensor::zeros((1, 2, 6, 8), DType::F32, &dev)?;
+    let (cos, sin) = candle_lean_nn::rope_tables(4, 8, 1e4, DType::F32, &dev)?;
+    assert_eq!(
+        first_line(candle_lean_nn::rope(&q, &cos, &sin).unwrap_err()),
+        "rotary embeddings of input [1, 2, 6, 8] (batch, heads, seq, head_dim) need tables of \
+         (6.., 4), got cos [4, 4] and sin [4, 4]"
+    );
+    assert_eq!(
+        first_line(candle_lean_nn::rope_tables(4, 7, 1e4, DType::F32, &dev).unwrap_err()),
+        "rotary embeddings rotate pairs: head_dim 7 must be even and positive"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_fused_loss_never_holds_the_logits() -> Result<()> {
+    let _turn = turn();
+    // A real vocabulary (SmolLM2's) over 256 rows of a narrow model.
+    let (rows, h, classes) = (256, 64, 49_152);
+    let logits_bytes = (rows * classes * 4) as isize;
+    let hidden = var(&[rows, h], 1.0, 37, DType::F32)?;
+    let weight = var(&[classes, h], 0.1, 41, DType::F32)?;
+    let t = targets(rows, classes)?;
+    let weight_bytes = (classes * h * 4) as isize;
+    let fused = LinearCrossEntropy::new();
+    let chunk = fused.rows_per_chunk(rows, h, classes);
+    assert_eq!(chunk, 1);
+    let chunk_bytes = (chunk * classes * 4) as isize;
+
+    // Plain: the logits live until the backward, and their gradient beside
+    // them.
+    let (grads, plain) = measure(|| -> Result<_> {
+        let loss = candle_lean_nn::cross_entropy(&hidden.matmul(&weight.t()?)?, &t)?;
+        loss.backward()
+    });
+    drop(grads?);
+    assert!(plain.peak >= 2 * logits_bytes, "plain peak {}", plain.peak);
+
+    // Fused, forward: the graph holds no tensor beyond a scalar.
+    let (loss, forward) = measure(|| fused.loss(&hidden, &weight, &t));
+    let loss = loss?;
+    assert!(
+        forward.held < 1024,
+        "the forward holds {} bytes",
+        forward.held
+    );
+    assert!(
+        forward.peak < 4 * chunk_bytes,
+        "the forward peaked at {} bytes, a chunk's logits are {chunk_bytes}",
+        forward.peak
+    );
+    // Backward: the hidden states' gradient in parts before they are
+    // joined, a chunk's logits and their gradient, and the weight's
+    // gradient twice (the running sum and a chunk's part, added in place);
+    // candle's backward then adds each gradient into a zeros tensor of its
+    // size, a third weight-sized tensor.
+    let (grads, backward) = measure(|| loss.backward());
+    let grads = grads?;
+    let dh_bytes = (rows * h * 4) as isize;
+    let bound = 3 * weight_bytes + 2 * dh_bytes + 4 * chunk_bytes;
+    assert!(
+        backward.peak <= bound,
+        "the backward peaked at {} bytes, bound {bound}",
+        backward.peak
+    );
+    assert!(
+        backward.peak * 5 < plain.peak,
+        "fused {} plain {}",
+        backward.peak,
+        plain.peak
+    );
+    drop(grads);
+    // The one-pass form, with no graph: no zeros tensor.
+    let (direct, one_pass) = measure(|| fused.loss_and_grads(&hidden, &weight, &t, 1.0));
+    let bound = 2 * weight_bytes + 2 * dh_bytes + 4 * chunk_bytes;
+    assert!(
+        one_pass.peak <= bound,
+        "the one-pass form peaked at {} bytes, bound {bound}",
+        one_pass.peak
+    );
+    // What it hands back: the two gradients (and tensor headers).
+    let kept = one_pass.held - weight_bytes - dh_bytes;
+    assert!((0..4096).contains(&kept), "held {} bytes", one_pass.held);
+    drop(direct?);
+    Ok(())
+}
