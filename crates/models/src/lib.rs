@@ -12,6 +12,7 @@
 
 pub mod corpus;
 pub mod gpt;
+pub mod llama;
 
 pub use gpt::{AttentionKind, DirectStage, Gpt, GptConfig, GptLayer, Recipe};
 

@@ -1,0 +1,330 @@
+//! A Llama-family decoder's shape, read from a Hugging Face `config.json`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// The families whose `config.json` this reads: the same decoder
+/// (pre-norm RMSNorm, rotary positions, grouped-query attention, SwiGLU)
+/// with different biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// Llama 2 and 3, SmolLM: biases only with `attention_bias`.
+    Llama,
+    /// Qwen2 and Qwen2.5: biases on the q, k and v projections.
+    Qwen2,
+    /// Mistral: no biases; a sliding attention window.
+    Mistral,
+}
+
+impl Family {
+    /// The `model_type` of the family's `config.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Mistral => "mistral",
+        }
+    }
+}
+
+/// A decoder's shape: every number that sets its parameters' and
+/// activations' sizes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct LlamaConfig {
+    /// The family (`model_type`).
+    pub family: Family,
+    /// Width of the residual stream, h (`hidden_size`).
+    pub hidden: usize,
+    /// Width of the SwiGLU MLP, i (`intermediate_size`).
+    pub intermediate: usize,
+    /// Decoder blocks, L (`num_hidden_layers`).
+    pub layers: usize,
+    /// Query heads, a (`num_attention_heads`).
+    pub heads: usize,
+    /// Key/value heads, kv (`num_key_value_heads`; `heads` when absent).
+    pub kv_heads: usize,
+    /// Width of one head (`head_dim`; `hidden / heads` when absent).
+    pub head_dim: usize,
+    /// Vocabulary, v (`vocab_size`).
+    pub vocab: usize,
+    /// The rotary base (`rope_theta`; 10,000 when absent).
+    pub rope_theta: f64,
+    /// The RMS norms' epsilon (`rms_norm_eps`).
+    pub rms_norm_eps: f64,
+    /// Whether the head is the embedding's transpose (`tie_word_embeddings`).
+    pub tied: bool,
+    /// Whether q, k and v carry biases (qwen2, or `attention_bias`).
+    pub qkv_bias: bool,
+    /// Whether the attention's output projection carries a bias
+    /// (`attention_bias`).
+    pub o_bias: bool,
+    /// The longest sequence the model was trained for
+    /// (`max_position_embeddings`).
+    pub max_positions: usize,
+    /// Mistral's attention window (`sliding_window`), if any.
+    pub sliding_window: Option<usize>,
+}
+
+/// A `config.json` that cannot be a decoder's: where, and what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not JSON, or a field of the wrong type.
+    #[error("{origin}:{line}:{column}: {message}")]
+    Syntax {
+        /// The file, or what the text came from.
+        origin: String,
+        /// Line of the error, from 1.
+        line: usize,
+        /// Column of the error, from 1.
+        column: usize,
+        /// serde_json's description.
+        message: String,
+    },
+    /// A field whose value this cannot build.
+    #[error("{origin}: `{field}` is {given}: {allowed}")]
+    Field {
+        /// The file, or what the text came from.
+        origin: String,
+        /// The field of `config.json`.
+        field: &'static str,
+        /// The value given.
+        given: String,
+        /// What is allowed.
+        allowed: String,
+    },
+}
+
+/// The fields of a Hugging Face `config.json` that set a decoder's shape;
+/// the others (tokens, generation, dtype) are ignored.
+#[derive(Debug, Deserialize)]
+struct Raw {
+    model_type: String,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rope_theta: Option<f64>,
+    rms_norm_eps: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    max_position_embeddings: Option<usize>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+}
+
+impl LlamaConfig {
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parses the text of a Hugging Face `config.json`; `origin` names it
+    /// in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let raw: Raw = serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
+            origin: origin.to_string(),
+            line: e.line(),
+            column: e.column(),
+            message: e
+                .to_string()
+                .split(" at line ")
+                .next()
+                .unwrap_or("")
+                .to_string(),
+        })?;
+        let field = |field: &'static str, given: String, allowed: &str| ConfigError::Field {
+            origin: origin.to_string(),
+            field,
+            given,
+            allowed: allowed.to_string(),
+        };
+        let family = match raw.model_type.as_str() {
+            "llama" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "mistral" => Family::Mistral,
+            other => {
+                return Err(field(
+                    "model_type",
+                    format!("{other:?}"),
+                    "this builds \"llama\", \"qwen2\" and \"mistral\" decoders",
+                ))
+            }
+        };
+        if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(field(
+                "hidden_act",
+                format!("{act:?}"),
+                "a Llama-family MLP is SwiGLU: \"silu\"",
+            ));
+        }
+        if raw.mlp_bias == Some(true) {
+            return Err(field(
+                "mlp_bias",
+                "true".into(),
+                "the MLP's projections are built without biases (false)",
+            ));
+        }
+        for (name, value) in [
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size),
+            ("num_hidden_layers", raw.num_hidden_layers),
+            ("num_attention_heads", raw.num_attention_heads),
+            ("vocab_size", raw.vocab_size),
+        ] {
+            if value == 0 {
+                return Err(field(name, "0".into(), "at least 1"));
+            }
+        }
+        let heads = raw.num_attention_heads;
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(field(
+                "num_key_value_heads",
+                kv_heads.to_string(),
+                &format!("a divisor of num_attention_heads ({heads}): query heads share key/value heads in equal groups"),
+            ));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.hidden_size.is_multiple_of(heads) => raw.hidden_size / heads,
+            None => {
+                return Err(field(
+                    "head_dim",
+                    "absent".into(),
+                    &format!(
+                        "given, or hidden_size ({}) a multiple of num_attention_heads ({heads})",
+                        raw.hidden_size
+                    ),
+                ))
+            }
+        };
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(field(
+                "head_dim",
+                head_dim.to_string(),
+                "even and at least 2: rotary embeddings rotate pairs",
+            ));
+        }
+        let rope_theta = raw.rope_theta.unwrap_or(10_000.0);
+        if !(rope_theta.is_finite() && rope_theta > 1.0) {
+            return Err(field(
+                "rope_theta",
+                rope_theta.to_string(),
+                "a finite base above 1",
+            ));
+        }
+        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(field(
+                "rms_norm_eps",
+                rms_norm_eps.to_string(),
+                "a small positive number",
+            ));
+        }
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let sliding_window = match family {
+            Family::Mistral => raw.sliding_window,
+            Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
+            _ => None,
+        };
+        Ok(Self {
+            family,
+            hidden: raw.hidden_size,
+            intermediate: raw.intermediate_size,
+            layers: raw.num_hidden_layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab: raw.vocab_size,
+            rope_theta,
+            rms_norm_eps,
+            // Hugging Face's default for these families.
+            tied: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: family == Family::Qwen2 || attention_bias,
+            o_bias: attention_bias,
+            max_positions: raw.max_position_embeddings.unwrap_or(usize::MAX),
+            sliding_window,
+        })
+    }
+
+    /// Every parameter's name (as in the family's checkpoints) and shape, in
+    /// the order the model makes them.
+    pub fn parameters(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, d) = (self.hidden, self.head_dim);
+        let (q, kv) = (self.heads * d, self.kv_heads * d);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
+        for l in 0..self.layers {
+            let p = |name: &str| format!("model.layers.{l}.{name}");
+            out.push((p("input_layernorm.weight"), vec![h]));
+            for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                out.push((p(&format!("self_attn.{name}.weight")), vec![rows, h]));
+                if self.qkv_bias {
+                    out.push((p(&format!("self_attn.{name}.bias")), vec![rows]));
+                }
+            }
+            out.push((p("self_attn.o_proj.weight"), vec![h, q]));
+            if self.o_bias {
+                out.push((p("self_attn.o_proj.bias"), vec![h]));
+            }
+            out.push((p("post_attention_layernorm.weight"), vec![h]));
+            out.push((p("mlp.gate_proj.weight"), vec![self.intermediate, h]));
+            out.push((p("mlp.up_proj.weight"), vec![self.intermediate, h]));
+            out.push((p("mlp.down_proj.weight"), vec![h, self.intermediate]));
+        }
+        out.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tied {
+            out.push(("lm_head.weight".to_string(), vec![self.vocab, h]));
+        }
+        out
+    }
+
+    /// Parameters in all, counted from [`LlamaConfig::parameters`].
+    pub fn parameter_count(&self) -> u64 {
+        self.parameters()
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    /// The same architecture at a size this machine trains in seconds:
+    /// `layers` blocks, the widths divided by `divisor` (heads and key/value
+    /// heads kept, so the grouping is the same; the head width at least 8),
+    /// and the vocabulary divided too.
+    pub fn scaled(&self, layers: usize, divisor: usize) -> Self {
+        let divisor = divisor.max(1);
+        let head_dim = (self.head_dim / divisor).max(8) & !1;
+        let hidden = if self.hidden == self.heads * self.head_dim {
+            self.heads * head_dim
+        } else {
+            (self.hidden / divisor).max(8)
+        };
+        Self {
+            hidden,
+            intermediate: (self.intermediate / divisor).max(8),
+            layers: layers.max(1),
+            head_dim,
+            vocab: (self.vocab / divisor).max(16),
+            ..self.clone()
+        }
+    }
+}

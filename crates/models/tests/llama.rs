@@ -1,0 +1,245 @@
+//! Chapter 5's decoders: the six published shapes parsed and counted, every
+//! bad field refused with its name, the built variables matching the
+//! shapes, and the lean layers' loss and gradients equal to the plain
+//! candle composition's.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Result, Tensor};
+use workbook_models::llama::{Attention, Layers, Llama, LlamaConfig, Loss, StepOptions};
+use workbook_models::Rng;
+
+fn models_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models")
+}
+
+/// The six files and their published parameter counts.
+const PUBLISHED: [(&str, u64); 6] = [
+    ("smollm2-135m", 134_515_008),
+    ("qwen2.5-0.5b", 494_032_768),
+    ("llama-3.2-1b", 1_235_814_400),
+    ("mistral-7b-v0.1", 7_241_732_096),
+    ("qwen2.5-7b", 7_615_616_512),
+    ("llama-3.1-8b", 8_030_261_248),
+];
+
+fn config(name: &str) -> LlamaConfig {
+    let path = models_dir().join(format!("{name}.config.json"));
+    LlamaConfig::from_file(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn the_six_published_shapes_count_their_published_parameters() {
+    for (name, published) in PUBLISHED {
+        assert_eq!(config(name).parameter_count(), published, "{name}");
+    }
+}
+
+#[test]
+fn smollm2_built_at_its_real_size_has_its_published_parameters() -> Result<()> {
+    let cfg = config("smollm2-135m");
+    let model = Llama::new(&cfg, DType::BF16, &mut Rng::seeded(1), &Device::Cpu)?;
+    assert_eq!(model.param_count(), 134_515_008);
+    Ok(())
+}
+
+#[test]
+fn every_family_builds_the_variables_its_shape_lists() -> Result<()> {
+    for (name, _) in PUBLISHED {
+        let cfg = config(name).scaled(2, 16);
+        let model = Llama::new(&cfg, DType::F32, &mut Rng::seeded(2), &Device::Cpu)?;
+        let built: Vec<Vec<usize>> = model.vars().iter().map(|v| v.dims().to_vec()).collect();
+        let listed: Vec<Vec<usize>> = cfg.parameters().into_iter().map(|(_, s)| s).collect();
+        assert_eq!(built, listed, "{name}");
+        assert_eq!(model.param_count(), cfg.parameter_count(), "{name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_families_differ_where_their_configs_say() {
+    let names = |cfg: &LlamaConfig| -> Vec<String> {
+        cfg.parameters().into_iter().map(|(n, _)| n).collect()
+    };
+    let qwen = names(&config("qwen2.5-0.5b"));
+    assert!(qwen.contains(&"model.layers.0.self_attn.q_proj.bias".to_string()));
+    assert!(!qwen.contains(&"model.layers.0.self_attn.o_proj.bias".to_string()));
+    assert!(!qwen.contains(&"lm_head.weight".to_string()));
+    let llama = names(&config("llama-3.1-8b"));
+    assert!(!llama.iter().any(|n| n.ends_with(".bias")));
+    assert!(llama.contains(&"lm_head.weight".to_string()));
+    let mistral = config("mistral-7b-v0.1");
+    assert_eq!(mistral.sliding_window, Some(4096));
+    assert_eq!(mistral.head_dim, 128);
+    assert_eq!(config("smollm2-135m").kv_heads, 3);
+}
+
+fn error(text: &str) -> String {
+    LlamaConfig::from_json(text, "my.json")
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
+    let good = std::fs::read_to_string(models_dir().join("smollm2-135m.config.json")).unwrap();
+    let with = |field: &str, value: &str| -> String {
+        let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+        v[field] = serde_json::from_str(value).unwrap();
+        v.to_string()
+    };
+    let cases = [
+        (
+            with("model_type", "\"gpt2\""),
+            "my.json: `model_type` is \"gpt2\": this builds \"llama\", \"qwen2\" and \"mistral\" decoders",
+        ),
+        (
+            with("num_key_value_heads", "4"),
+            "my.json: `num_key_value_heads` is 4: a divisor of num_attention_heads (9): query heads share key/value heads in equal groups",
+        ),
+        (
+            with("head_dim", "63"),
+            "my.json: `head_dim` is 63: even and at least 2: rotary embeddings rotate pairs",
+        ),
+        (
+            with("hidden_act", "\"gelu\""),
+            "my.json: `hidden_act` is \"gelu\": a Llama-family MLP is SwiGLU: \"silu\"",
+        ),
+        (
+            with("mlp_bias", "true"),
+            "my.json: `mlp_bias` is true: the MLP's projections are built without biases (false)",
+        ),
+        (
+            with("vocab_size", "0"),
+            "my.json: `vocab_size` is 0: at least 1",
+        ),
+        (
+            with("rms_norm_eps", "-1.0"),
+            "my.json: `rms_norm_eps` is -1: a small positive number",
+        ),
+        (
+            with("hidden_size", "\"576\""),
+            "my.json:1:",
+        ),
+    ];
+    for (text, message) in cases {
+        let got = error(&text);
+        assert!(got.starts_with(message), "{got}\n  wanted {message}");
+    }
+    assert_eq!(
+        error("{\n  \"model_type\": \"llama\",\n  \"hidden_size\": 8,\n}"),
+        "my.json:4:1: trailing comma"
+    );
+    let mut no_head_dim: serde_json::Value = serde_json::from_str(&good).unwrap();
+    no_head_dim.as_object_mut().unwrap().remove("head_dim");
+    no_head_dim["hidden_size"] = 100.into();
+    assert_eq!(
+        error(&no_head_dim.to_string()),
+        "my.json: `head_dim` is absent: given, or hidden_size (100) a multiple of num_attention_heads (9)"
+    );
+    let missing = LlamaConfig::from_file("no/such/config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(missing.starts_with("no/such/config.json: "), "{missing}");
+}
+
+fn max_rel(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_dtype(DType::F64)?;
+    let b = b.to_dtype(DType::F64)?;
+    let scale = b.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-30);
+    Ok((a - b)?.abs()?.max_all()?.to_scalar::<f64>()? / scale)
+}
+
+fn tokens(rng: &mut Rng, vocab: usize) -> Result<(Tensor, Tensor)> {
+    let t = rng
+        .labels(2 * 12, vocab as u32, &Device::Cpu)?
+        .reshape((2, 12))?;
+    let y = rng
+        .labels(2 * 12, vocab as u32, &Device::Cpu)?
+        .reshape((2, 12))?;
+    Ok((t, y))
+}
+
+#[test]
+fn the_lean_step_equals_the_candle_composition_for_every_family() -> Result<()> {
+    for (name, _) in PUBLISHED {
+        let cfg = config(name).scaled(2, 32);
+        let model = Llama::new(&cfg, DType::F32, &mut Rng::seeded(3), &Device::Cpu)?;
+        let (x, y) = tokens(&mut Rng::seeded(4), cfg.vocab)?;
+        let plain = StepOptions {
+            layers: Layers::Candle,
+            compute: DType::F32,
+            attention: Attention::Materialized,
+            loss: Loss::Plain,
+        };
+        let reference = model.loss(&x, &y, &plain)?;
+        let want = reference.backward()?;
+        for attention in [Attention::Tiled, Attention::Materialized] {
+            for loss in [Loss::Plain, Loss::Fused] {
+                let options = StepOptions {
+                    layers: Layers::Lean,
+                    attention,
+                    loss,
+                    ..plain
+                };
+                let got = model.loss(&x, &y, &options)?;
+                let what = format!("{name} {attention:?} {loss:?}");
+                assert!(max_rel(&got, &reference)? < 1e-6, "{what}: loss");
+                let grads = got.backward()?;
+                for (i, v) in model.vars().iter().enumerate() {
+                    let d = max_rel(grads.get(v).unwrap(), want.get(v).unwrap())?;
+                    assert!(d < 1e-4, "{what}: gradient of variable {i}: {d}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_compute_from_f32_masters_gives_f32_gradients_close_to_f32s() -> Result<()> {
+    let cfg = config("qwen2.5-0.5b").scaled(2, 32);
+    let model = Llama::new(&cfg, DType::F32, &mut Rng::seeded(5), &Device::Cpu)?;
+    let (x, y) = tokens(&mut Rng::seeded(6), cfg.vocab)?;
+    let f32 = StepOptions {
+        layers: Layers::Lean,
+        compute: DType::F32,
+        attention: Attention::Tiled,
+        loss: Loss::Fused,
+    };
+    let bf16 = StepOptions {
+        compute: DType::BF16,
+        ..f32
+    };
+    let (a, b) = (model.loss(&x, &y, &f32)?, model.loss(&x, &y, &bf16)?);
+    assert_eq!(b.dtype(), DType::F32);
+    assert!(max_rel(&b, &a)? < 1e-2);
+    let (ga, gb) = (a.backward()?, b.backward()?);
+    for v in model.vars() {
+        let g = gb.get(&v).unwrap();
+        assert_eq!(g.dtype(), DType::F32);
+        assert!(max_rel(g, ga.get(&v).unwrap())? < 0.1);
+    }
+    Ok(())
+}
+
+#[test]
+fn a_sequence_past_mistrals_window_is_refused() -> Result<()> {
+    let mut cfg = config("mistral-7b-v0.1").scaled(1, 64);
+    cfg.sliding_window = Some(8);
+    let model = Llama::new(&cfg, DType::F32, &mut Rng::seeded(7), &Device::Cpu)?;
+    let (x, y) = tokens(&mut Rng::seeded(8), cfg.vocab)?;
+    let options = StepOptions {
+        layers: Layers::Lean,
+        compute: DType::F32,
+        attention: Attention::Tiled,
+        loss: Loss::Fused,
+    };
+    let e = model.loss(&x, &y, &options).unwrap_err().to_string();
+    assert_eq!(
+        e.lines().next().unwrap(),
+        "sequences of 12 tokens are longer than the attention window (8), which this model does \
+         not apply: use at most 8"
+    );
+    Ok(())
+}
