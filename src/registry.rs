@@ -217,5 +217,7 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_distributed::ZeroStages),
         Box::new(workbook_exercises::PolicyExercise),
         Box::new(workbook_exercises::FitExercise),
+        Box::new(workbook_decoder::DecoderShapes),
+        Box::new(workbook_decoder::DecoderStep),
     ]
 }

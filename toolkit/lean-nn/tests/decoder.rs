@@ -188,9 +188,12 @@ fn the_fused_loss_equals_the_plain_head_and_loss_in_every_dtype_and_chunking() -
 #[test]
 fn the_chunk_rule_makes_a_chunks_logits_about_the_hidden_states_size() {
     let fused = LinearCrossEntropy::new();
+    // Llama-3.1-8B at batch 8, 4,096 tokens: 128,256 / 4,096 -> 32;
+    // 32,768 / 32 -> 1,024 rows.
+    assert_eq!(fused.rows_per_chunk(32_768, 4096, 128_256), 1024);
     // SmolLM2-135M at batch 4, 512 tokens: 49,152 / 576 -> 86; 2048 / 86
-    // -> 24 -> 32 rows.
-    assert_eq!(fused.rows_per_chunk(2048, 576, 49_152), 32);
+    // -> 24 -> 32 rows, raised to the least, 128.
+    assert_eq!(fused.rows_per_chunk(2048, 576, 49_152), 128);
     // Fewer classes than features: every row at once.
     assert_eq!(fused.rows_per_chunk(10, 64, 8), 10);
     assert_eq!(fused.chunk_rows(0).rows_per_chunk(10, 64, 8), 1);
@@ -288,9 +291,9 @@ fn the_fused_loss_never_holds_the_logits() -> Result<()> {
     let weight = var(&[classes, h], 0.1, 41, DType::F32)?;
     let t = targets(rows, classes)?;
     let weight_bytes = (classes * h * 4) as isize;
-    let fused = LinearCrossEntropy::new();
+    let fused = LinearCrossEntropy::new().chunk_rows(4);
     let chunk = fused.rows_per_chunk(rows, h, classes);
-    assert_eq!(chunk, 1);
+    assert_eq!(chunk, 4);
     let chunk_bytes = (chunk * classes * 4) as isize;
 
     // Plain: the logits live until the backward, and their gradient beside

@@ -1,0 +1,255 @@
+//! Chapter 5's cells: today's decoders (Llama, Qwen2, Mistral) built from
+//! their Hugging Face `config.json`. `decoder_shapes` counts the published
+//! models' parameters from their shapes and what training them holds;
+//! `decoder_step` trains one at its real size (or scaled down) and measures
+//! the step's peak by category, with the logits' share and what the fused
+//! loss saves, beside the closed-form prediction and the public estimators'
+//! figure.
+#![warn(missing_docs)]
+
+// The experiments name this crate by its name, as a notebook cell does.
+extern crate self as workbook_decoder;
+
+mod params;
+mod predict;
+mod shapes;
+mod step;
+
+pub use params::{Published, ShapesParams, StepParams};
+pub use predict::{predict_peak, saved_per_block, Prediction};
+pub use shapes::decoder_shapes_experiment;
+pub use step::decoder_step_experiment;
+
+use std::path::PathBuf;
+
+use workbook_models::llama::LlamaConfig;
+use workbook_sdk::metric::MetricSpec;
+use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
+
+/// Where a model's `config.json` is: an absolute path, a path from the
+/// working directory, or one from the repository's root (where `models/`
+/// holds the published shapes), in that order.
+pub fn resolve(path: &str) -> PathBuf {
+    let given = PathBuf::from(path);
+    if given.is_absolute() || given.exists() {
+        return given;
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let from_root = root.join(&given);
+    if from_root.exists() {
+        from_root
+    } else {
+        given
+    }
+}
+
+/// Reads the `config.json` at `path` (see [`resolve`]).
+pub fn load(path: &str) -> anyhow::Result<LlamaConfig> {
+    Ok(LlamaConfig::from_file(resolve(path))?)
+}
+
+/// A short name for a model from its file: `smollm2_135m` for
+/// `models/smollm2-135m.config.json`.
+pub fn short_name(path: &str) -> String {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let stem = file.trim_end_matches(".json").trim_end_matches(".config");
+    stem.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+/// The model a `decoder_step` cell trains: its config, scaled down when
+/// `layers` or `divisor` say so.
+pub fn model_config(p: &StepParams) -> anyhow::Result<LlamaConfig> {
+    let cfg = load(&p.config)?;
+    Ok(if p.layers.is_some() || p.divisor > 1 {
+        cfg.scaled(p.layers.unwrap_or(cfg.layers), p.divisor)
+    } else {
+        cfg
+    })
+}
+
+fn check_config(r: &mut Rules, field: &str, path: &str) {
+    if let Err(e) = load(path) {
+        r.violation(field, path, &format!("a Llama-family config.json: {e}"));
+    }
+}
+
+/// The `decoder_shapes` cell.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DecoderShapes;
+
+impl Plugin for DecoderShapes {
+    type Params = ShapesParams;
+
+    fn name(&self) -> &str {
+        "decoder_shapes"
+    }
+
+    fn description(&self) -> &str {
+        "published decoders' parameters counted from their config.json, and what training them holds"
+    }
+
+    fn validate(&self, p: &ShapesParams) -> Vec<Violation> {
+        let mut r = Rules::new();
+        if p.models.is_empty() {
+            r.violation("models", "[]", "allowed: a list of at least 1 model");
+        }
+        for (i, m) in p.models.iter().enumerate() {
+            check_config(&mut r, &format!("models[{i}].config"), &m.config);
+        }
+        r.positive("device_gib", p.device_gib);
+        r.into_violations()
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::count(
+                "params_{model}",
+                "parameters counted from the shapes of a model of `models` (its file's name)",
+            ),
+            MetricSpec::count("published_{model}", "the model's published parameter count"),
+            MetricSpec::count(
+                "built_{model}",
+                "parameters counted from the variables of the model built, for models of at most \
+                 `build_limit` parameters",
+            ),
+            MetricSpec::bytes(
+                "state_{model}",
+                "parameters, gradients and AdamW's moments in f32 (16 bytes a parameter)",
+            ),
+            MetricSpec::ratio(
+                "state_share_{model}",
+                "that training state over `device_gib` GiB",
+            ),
+        ]
+    }
+
+    fn notebook(&self) -> Option<NotebookSource> {
+        Some(NotebookSource {
+            package: env!("CARGO_PKG_NAME"),
+            dir: env!("CARGO_MANIFEST_DIR"),
+            plugin: "workbook_decoder::DecoderShapes",
+            entry: "decoder_shapes_experiment",
+            params: "ShapesParams",
+            source: include_str!("shapes.rs"),
+        })
+    }
+
+    fn run(&self, ctx: &mut Context, p: ShapesParams) -> anyhow::Result<()> {
+        shapes::decoder_shapes_experiment(ctx, p)
+    }
+}
+
+/// The `decoder_step` cell.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DecoderStep;
+
+impl Plugin for DecoderStep {
+    type Params = StepParams;
+
+    fn name(&self) -> &str {
+        "decoder_step"
+    }
+
+    fn description(&self) -> &str {
+        "a decoder from its config.json trained a few steps: the peak by category, the logits' \
+         share, the fused loss, the closed-form prediction and the public estimators"
+    }
+
+    fn validate(&self, p: &StepParams) -> Vec<Violation> {
+        let mut r = Rules::new();
+        check_config(&mut r, "config", &p.config);
+        r.at_least("batch", p.batch, 1)
+            .between("seq", p.seq, 2, 1 << 16)
+            .at_least("steps", p.steps, 2)
+            .at_least("divisor", p.divisor, 1)
+            .positive("lr", p.lr);
+        if let Some(layers) = p.layers {
+            r.at_least("layers", layers, 1);
+        }
+        for (field, list, allowed) in [
+            ("dtypes", &p.dtypes, &["f32", "bf16"][..]),
+            ("losses", &p.losses, &["plain", "fused"][..]),
+        ] {
+            if list.is_empty() {
+                r.violation(field, "[]", "allowed: a list of at least 1 entry");
+            }
+            for (i, v) in list.iter().enumerate() {
+                r.one_of(&format!("{field}[{i}]"), v, allowed);
+            }
+        }
+        r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &StepParams) -> Option<(u64, String)> {
+        let cfg = model_config(p).ok()?;
+        let params = cfg.parameter_count();
+        Some((
+            params.checked_mul(16)?,
+            format!("{params} parameters in f32 with their gradients and AdamW's two moments"),
+        ))
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::count("params", "parameters of the model trained"),
+            MetricSpec::bytes(
+                "state_bytes",
+                "its f32 parameters, gradients and AdamW moments, analytic (16 bytes a parameter)",
+            ),
+            MetricSpec::bytes(
+                "logits_bytes",
+                "the logits of one step in f32, batch x seq x vocab x 4, analytic",
+            ),
+            MetricSpec::bytes(
+                "peak_{dtype}_{loss}",
+                "the step's measured peak, per compute dtype of `dtypes` and loss of `losses`",
+            ),
+            MetricSpec::bytes(
+                "activations_{dtype}_{loss}",
+                "at that peak, the bytes the forward made (what the graph keeps for the backward)",
+            ),
+            MetricSpec::bytes(
+                "predicted_{dtype}_{loss}",
+                "the closed-form prediction of that peak",
+            ),
+            MetricSpec::ratio(
+                "prediction_error_{dtype}_{loss}",
+                "|predicted - measured| / measured",
+            ),
+            MetricSpec::ratio(
+                "estimator_error_{dtype}_{loss}",
+                "(16 bytes a parameter - measured) / measured: the model-state formula of \
+                 accelerate's estimate-memory and DeepSpeed, which leaves out activations",
+            ),
+            MetricSpec::bytes(
+                "fused_saves_{dtype}",
+                "the plain loss's peak minus the fused loss's, per compute dtype",
+            ),
+            MetricSpec::ratio(
+                "logits_share_{dtype}",
+                "that saving over the plain loss's peak",
+            ),
+            MetricSpec::number("loss_first_{dtype}_{loss}", "the first step's loss"),
+            MetricSpec::number("loss_last_{dtype}_{loss}", "the last step's loss"),
+            MetricSpec::number("loss_uniform", "ln(vocab): a uniform guess's loss"),
+            MetricSpec::seconds("step_seconds_{dtype}_{loss}", "median seconds per step"),
+        ]
+    }
+
+    fn notebook(&self) -> Option<NotebookSource> {
+        Some(NotebookSource {
+            package: env!("CARGO_PKG_NAME"),
+            dir: env!("CARGO_MANIFEST_DIR"),
+            plugin: "workbook_decoder::DecoderStep",
+            entry: "decoder_step_experiment",
+            params: "StepParams",
+            source: include_str!("step.rs"),
+        })
+    }
+
+    fn run(&self, ctx: &mut Context, p: StepParams) -> anyhow::Result<()> {
+        step::decoder_step_experiment(ctx, p)
+    }
+}
