@@ -34,7 +34,10 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::assertion::Assertion;
-use crate::excerpt::quote;
+use crate::excerpt::{excerpt, quote};
+
+/// How many characters of a plugin's "allowed" a message quotes.
+const ALLOWED: usize = 400;
 use crate::registry::{Registry, Unusable};
 use crate::suggest;
 
@@ -662,7 +665,14 @@ impl CellSource<'_> {
                         errors.push(self.src.error(
                             span,
                             Some(self.id),
-                            format!("{what} {}", quote(&v.to_string())),
+                            // The value is the user's, quoted short; what is
+                            // allowed is the plugin's, and may name a file's
+                            // own error at length.
+                            format!(
+                                "{what} is {}; {}",
+                                quote(&v.given),
+                                excerpt(&v.allowed, ALLOWED)
+                            ),
                         ));
                     }
                 }

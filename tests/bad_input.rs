@@ -175,3 +175,38 @@ fn every_bad_parameter_value_of_a_chapter_is_reported_before_anything_runs() {
         refused(&[command, f], root);
     }
 }
+
+#[test]
+fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let f = "tests/fixtures/bad_decoder.toml";
+    let gpt2 = "tests/fixtures/gpt2.config.json";
+    let not_llama = format!(
+        "allowed: a Llama-family config.json ({gpt2}: `model_type` is \"gpt2\": this builds \
+         \"llama\", \"qwen2\" and \"mistral\" decoders)"
+    );
+    let expected = [
+        "error: 8 problems:".to_string(),
+        format!("{f}:10:1: cell `step`: parameter `config` is {gpt2}; {not_llama}"),
+        format!("{f}:11:1: cell `step`: parameter `batch` is 0; allowed: at least 1"),
+        format!("{f}:12:1: cell `step`: parameter `steps` is 1; allowed: at least 2"),
+        format!(
+            "{f}:13:1: cell `step`: parameter `dtypes[0]` is \"f16\"; allowed: one of f32, bf16"
+        ),
+        format!(
+            "{f}:14:1: cell `step`: parameter `losses` is []; allowed: a list of at least 1 entry"
+        ),
+        format!(
+            "{f}:16:1: cell `step`: check parameter `config` is models/no-such.config.json; \
+             allowed: a Llama-family config.json (models/no-such.config.json: No such file or \
+             directory (os error 2))"
+        ),
+        format!(
+            "{f}:23:1: cell `shapes`: parameter `device_gib` is 0; allowed: a finite number above 0"
+        ),
+        format!("{f}:24:1: cell `shapes`: parameter `models[0].config` is {gpt2}; {not_llama}"),
+    ];
+    let (_, err) = text(&workbook(&["validate", f], root));
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines, expected, "{err}");
+}

@@ -71,7 +71,11 @@ pub fn model_config(p: &StepParams) -> anyhow::Result<LlamaConfig> {
 
 fn check_config(r: &mut Rules, field: &str, path: &str) {
     if let Err(e) = load(path) {
-        r.violation(field, path, &format!("a Llama-family config.json: {e}"));
+        r.violation(
+            field,
+            path,
+            format!("allowed: a Llama-family config.json ({e})"),
+        );
     }
 }
 
@@ -251,5 +255,27 @@ impl Plugin for DecoderStep {
 
     fn run(&self, ctx: &mut Context, p: StepParams) -> anyhow::Result<()> {
         step::decoder_step_experiment(ctx, p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_names_are_the_files_stem_in_metric_characters() {
+        assert_eq!(
+            short_name("models/smollm2-135m.config.json"),
+            "smollm2_135m"
+        );
+        assert_eq!(short_name("qwen2.5-0.5b.config.json"), "qwen2_5_0_5b");
+        assert_eq!(short_name("/abs/my model.json"), "my_model");
+    }
+
+    #[test]
+    fn the_published_shapes_resolve_from_any_working_directory() {
+        let resolved = resolve("models/smollm2-135m.config.json");
+        assert!(resolved.exists(), "{}", resolved.display());
+        assert_eq!(resolve("no/such.json"), PathBuf::from("no/such.json"));
     }
 }
