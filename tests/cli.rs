@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 14] = [
+const PLUGINS: [&str; 16] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -22,6 +22,8 @@ const PLUGINS: [&str; 14] = [
     "zero_stages",
     "policy_exercise",
     "fit_exercise",
+    "decoder_shapes",
+    "decoder_step",
 ];
 
 fn workbook(args: &[&str]) -> Output {
