@@ -361,3 +361,94 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
         "the direct recipe trains on one rank; with --ranks, allowed: candle, lean, tiled"
     ));
 }
+
+/// `workbook plan --model config.json`: no model flags, no measurement.
+fn plan_decoder(extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .arg("plan")
+        .args(extra)
+        .output()
+        .expect("the binary runs")
+}
+
+#[test]
+fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
+    let smollm2 = "models/smollm2-135m.config.json";
+    let o = plan_decoder(&[
+        "--model", smollm2, "--device", "rtx4090", "--batch", "8", "--seq", "1024", "--json",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v = json(&o);
+    assert_eq!(v["device"]["bytes"].as_u64(), Some(24_564 << 20));
+    let plan = &v["plan"];
+    assert_eq!(plan["params"].as_u64(), Some(134_515_008));
+    let options = plan["options"].as_array().unwrap();
+    let names: Vec<String> = options
+        .iter()
+        .map(|o| format!("{} {}", o["compute"], o["loss"]).replace('"', ""))
+        .collect();
+    // On a GPU bf16 first, the plain loss before the fused one.
+    assert_eq!(
+        names,
+        ["bf16 plain", "bf16 fused", "f32 plain", "f32 fused"]
+    );
+    assert_eq!(plan["chosen"].as_u64(), Some(0));
+    // The fused loss never predicts more than the plain one.
+    let peak = |i: usize| {
+        let p = &options[i]["prediction"];
+        ["state", "saved", "working"]
+            .iter()
+            .map(|k| p[k].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert!(peak(1) < peak(0) && peak(3) < peak(2));
+
+    // On the CPU, f32 first; a budget below every option: refused with the
+    // smallest and what it lacks.
+    let o = plan_decoder(&["--model", smollm2, "--device", "cpu", "--budget", "1GiB"]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("  f32      plain "), "{out}");
+    assert!(
+        out.contains("Nothing fits: the smallest, bf16 compute with the fused loss, needs"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_config_json_plan_refuses_what_it_cannot_plan() {
+    let smollm2 = "models/smollm2-135m.config.json";
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--model", smollm2, "--device", "h200"],
+            "error: `--device` is `h200`; allowed for a config.json: cpu, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090",
+        ),
+        (
+            &["--model", smollm2, "--dtypes", "f16"],
+            "error: `--dtypes` has F16; allowed for a decoder: f32, bf16 (computed from f32 master weights)",
+        ),
+        (
+            &["--model", smollm2, "--seq", "0"],
+            "error: `--batch` is 16 and `--seq` 0; allowed: at least 1 each",
+        ),
+        (
+            &["--model", "tests/fixtures/gpt2.config.json"],
+            "error: tests/fixtures/gpt2.config.json: `model_type` is \"gpt2\": this builds \"llama\", \"qwen2\" and \"mistral\" decoders",
+        ),
+    ];
+    for (args, message) in cases {
+        let o = plan_decoder(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.lines().next(), Some(message), "{err}");
+    }
+    // The GPT's planner still needs its budget.
+    let o = plan(&[]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`--budget` is missing"));
+}

@@ -18,14 +18,18 @@ use super::say;
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// The most memory a training step may hold: 2GiB, 500MB, or bytes.
+    /// For a `config.json`, the card `--device` names is the budget when
+    /// this is not given.
     #[arg(long, value_parser = parse_budget)]
-    pub budget: u64,
+    pub budget: Option<u64>,
     /// Sequences per optimizer step.
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
     /// A TOML file with the model's `layers`, `hidden`, `heads`, `seq`
-    /// and `vocab` (the flags below then are not used).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "seq", "vocab"])]
+    /// and `vocab` (the flags below then are not used), or a Hugging Face
+    /// `config.json` of a Llama, Qwen2 or Mistral decoder (chapter 5's),
+    /// whose step's peak is predicted in closed form for `--seq` tokens.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "vocab"])]
     pub model: Option<PathBuf>,
     /// Transformer blocks.
     #[arg(long, default_value_t = 4)]
@@ -58,9 +62,11 @@ pub struct PlanArgs {
     /// Where the steps are measured: auto (a GPU when this build has CUDA
     /// support and one answers, else the CPU), cpu, or cuda (a build with
     /// `--features cuda`). The budget and the pre-flight are then that
-    /// device's memory; `--verify` with `--ranks` runs on the CPU.
-    #[arg(long, default_value = "auto", value_parser = parse_device)]
-    pub device: workbook::DeviceChoice,
+    /// device's memory; `--verify` with `--ranks` runs on the CPU. For a
+    /// `config.json`, the card the plan is for: h100-80gb, a100-80gb,
+    /// a100-40gb, l4, rtx4090, or cpu (this machine's available memory).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
     /// Ranks sharing the batch (data parallelism): the budget is then
     /// each rank's, and each trains on batch / ranks sequences;
     /// --verify runs them under mpirun (a build with `--features mpi`).
@@ -120,6 +126,19 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     } = args;
     use workbook::plan as view;
     use workbook_planner::plan::{plan as weigh, verify as run_plan, PlanRequest, VerifyRequest};
+    if let Some(path) = model
+        .as_ref()
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+    {
+        return plan_decoder(args, path);
+    }
+    let Some(budget) = budget else {
+        anyhow::bail!(
+            "`--budget` is missing: give the most memory a step may hold (2GiB, 500MB, bytes)"
+        );
+    };
+    let device = parse_device(device).map_err(|e| anyhow::anyhow!("`--device`: {e}"))?;
+    let device = &device;
     let file = match model {
         Some(path) => view::ModelFile::read(path)?,
         None => view::ModelFile {
@@ -241,6 +260,56 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     Ok(match verification {
         Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
+    })
+}
+
+/// `workbook plan --model config.json`: a decoder's step predicted in
+/// closed form for each compute dtype and loss, against a card's memory or
+/// the budget.
+fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
+    use workbook_planner::decoder::{plan_decoder as weigh, Card, CARDS};
+    let cfg = workbook_models::llama::LlamaConfig::from_file(path)?;
+    if args.batch == 0 || args.seq == 0 {
+        anyhow::bail!(
+            "`--batch` is {} and `--seq` {}; allowed: at least 1 each",
+            args.batch,
+            args.seq
+        );
+    }
+    if let Some(d) = args.dtypes.iter().find(|d| {
+        !matches!(
+            d,
+            workbook_sdk::candle::DType::F32 | workbook_sdk::candle::DType::BF16
+        )
+    }) {
+        anyhow::bail!(
+            "`--dtypes` has {d:?}; allowed for a decoder: f32, bf16 (computed from f32 master weights)"
+        );
+    }
+    let card = match args.device.as_str() {
+        "cpu" | "auto" => {
+            Card::cpu(workbook::plan::Memory::of(&workbook_sdk::candle::Device::Cpu).available)
+        }
+        name => Card::named(name).ok_or_else(|| {
+            let names: Vec<&str> = CARDS.iter().map(|(n, _)| *n).collect();
+            anyhow::anyhow!(
+                "`--device` is `{name}`; allowed for a config.json: cpu, {}",
+                names.join(", ")
+            )
+        })?,
+    };
+    let budget = args.budget.unwrap_or(card.bytes).min(card.bytes);
+    let plan = weigh(&cfg, args.batch, args.seq, &args.dtypes, budget, &card);
+    if args.json {
+        let value = serde_json::json!({ "model": cfg, "device": card, "plan": plan });
+        say(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;
+    } else {
+        say(&workbook::plan::decoder_text(&cfg, &card, &plan))?;
+    }
+    Ok(if plan.chosen.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
     })
 }
 

@@ -111,7 +111,11 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
         ),
         (
             with("vocab_size", "0"),
-            "my.json: `vocab_size` is 0: at least 1",
+            "my.json: `vocab_size` is 0: from 1 to 16777216",
+        ),
+        (
+            with("num_hidden_layers", "1000000000000"),
+            "my.json: `num_hidden_layers` is 1000000000000: from 1 to 4096",
         ),
         (
             with("rms_norm_eps", "-1.0"),

@@ -11,14 +11,13 @@
 extern crate self as workbook_decoder;
 
 mod params;
-mod predict;
 mod shapes;
 mod step;
 
 pub use params::{Published, ShapesParams, StepParams};
-pub use predict::{predict_peak, saved_per_block, Prediction};
 pub use shapes::decoder_shapes_experiment;
 pub use step::decoder_step_experiment;
+pub use workbook_planner::decoder::{predict_peak, saved_per_block, Prediction};
 
 use std::path::PathBuf;
 

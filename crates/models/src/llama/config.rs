@@ -184,15 +184,18 @@ impl LlamaConfig {
                 "the MLP's projections are built without biases (false)",
             ));
         }
-        for (name, value) in [
-            ("hidden_size", raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size),
-            ("num_hidden_layers", raw.num_hidden_layers),
-            ("num_attention_heads", raw.num_attention_heads),
-            ("vocab_size", raw.vocab_size),
+        // Bounds far above any published model (Llama-3.1-405B: hidden
+        // 16,384, 126 blocks, 128 heads), so that counts fit in 64 bits.
+        for (name, value, max) in [
+            ("hidden_size", raw.hidden_size, 1 << 20),
+            ("intermediate_size", raw.intermediate_size, 1 << 20),
+            ("num_hidden_layers", raw.num_hidden_layers, 1 << 12),
+            ("num_attention_heads", raw.num_attention_heads, 1 << 12),
+            ("vocab_size", raw.vocab_size, 1 << 24),
+            ("head_dim", raw.head_dim.unwrap_or(1), 1 << 16),
         ] {
-            if value == 0 {
-                return Err(field(name, "0".into(), "at least 1"));
+            if value == 0 || value > max {
+                return Err(field(name, value.to_string(), &format!("from 1 to {max}")));
             }
         }
         let heads = raw.num_attention_heads;
