@@ -186,9 +186,9 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
          \"llama\", \"qwen2\" and \"mistral\" decoders)"
     );
     let expected = [
-        "error: 8 problems:".to_string(),
+        "error: 9 problems:".to_string(),
         format!("{f}:10:1: cell `step`: parameter `config` is {gpt2}; {not_llama}"),
-        format!("{f}:11:1: cell `step`: parameter `batch` is 0; allowed: at least 1"),
+        format!("{f}:11:1: cell `step`: parameter `batch` is 0; allowed: from 1 to 65536"),
         format!("{f}:12:1: cell `step`: parameter `steps` is 1; allowed: at least 2"),
         format!(
             "{f}:13:1: cell `step`: parameter `dtypes[0]` is \"f16\"; allowed: one of f32, bf16"
@@ -205,6 +205,7 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
             "{f}:23:1: cell `shapes`: parameter `device_gib` is 0; allowed: a finite number above 0"
         ),
         format!("{f}:24:1: cell `shapes`: parameter `models[0].config` is {gpt2}; {not_llama}"),
+        format!("{f}:32:1: cell `deep`: parameter `layers` is 31; allowed: from 1 to 30"),
     ];
     let (_, err) = text(&workbook(&["validate", f], root));
     let lines: Vec<&str> = err.lines().collect();

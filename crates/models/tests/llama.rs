@@ -118,6 +118,18 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
             "my.json: `num_hidden_layers` is 1000000000000: from 1 to 4096",
         ),
         (
+            {
+                let mut v: serde_json::Value =
+                    serde_json::from_str(&with("hidden_size", "1048576")).unwrap();
+                v["head_dim"] = 65536.into();
+                v["num_attention_heads"] = 4096.into();
+                v["num_key_value_heads"] = 4096.into();
+                v["num_hidden_layers"] = 4096.into();
+                v.to_string()
+            },
+            "my.json: `num_hidden_layers` is 4096: a model of at most 1125899906842624 parameters; these shapes make",
+        ),
+        (
             with("rms_norm_eps", "-1.0"),
             "my.json: `rms_norm_eps` is -1: a small positive number",
         ),
@@ -246,4 +258,37 @@ fn a_sequence_past_mistrals_window_is_refused() -> Result<()> {
          not apply: use at most 8"
     );
     Ok(())
+}
+
+#[test]
+fn absent_fields_take_hugging_faces_defaults_per_family() {
+    let base = r#""hidden_size": 2048, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 64, "vocab_size": 100"#;
+    let parse =
+        |extra: &str| LlamaConfig::from_json(&format!("{{{base}, {extra}}}"), "t.json").unwrap();
+    let llama = parse(r#""model_type": "llama", "attention_bias": true"#);
+    assert_eq!(
+        (llama.kv_heads, llama.qkv_bias, llama.o_bias),
+        (64, true, true)
+    );
+    assert!(!llama.tied);
+    let qwen = parse(r#""model_type": "qwen2", "attention_bias": true"#);
+    assert_eq!(
+        (qwen.kv_heads, qwen.qkv_bias, qwen.o_bias),
+        (32, true, false)
+    );
+    let mistral = parse(r#""model_type": "mistral", "attention_bias": true"#);
+    assert_eq!(
+        (mistral.kv_heads, mistral.qkv_bias, mistral.o_bias),
+        (8, false, false)
+    );
+    assert_eq!(mistral.sliding_window, Some(4096));
+    for cfg in [llama, qwen, mistral] {
+        let listed: u64 = cfg
+            .parameters()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum();
+        assert_eq!(cfg.parameter_count(), listed, "{:?}", cfg.family);
+    }
 }

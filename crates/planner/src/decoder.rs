@@ -13,7 +13,7 @@
 //! exists and the embedding's is added to the tied head's.
 
 use serde::Serialize;
-use workbook_models::llama::{Attention, Layers, LlamaConfig, Loss, StepOptions};
+use workbook_models::llama::{LlamaConfig, Loss};
 use workbook_sdk::candle::DType;
 
 /// A step's predicted peak, by term, in bytes.
@@ -70,27 +70,30 @@ fn saturate(x: u128) -> u64 {
     u64::try_from(x).unwrap_or(u64::MAX)
 }
 
-/// The peak of a lean step (tiled attention, f32 master weights, the
-/// toolkit's in-place AdamW) of `cfg` at `batch` x `seq` tokens.
+/// The peak of a lean step of `cfg` at `batch` x `seq` tokens computing in
+/// `compute` with `loss`: the toolkit's layers with tiled attention
+/// (`Layers::Lean`, `Attention::Tiled`), f32 master weights, the toolkit's
+/// in-place AdamW.
 pub fn predict_peak(
     cfg: &LlamaConfig,
     batch: usize,
     seq: usize,
-    options: &StepOptions,
+    compute: DType,
+    loss: Loss,
 ) -> Prediction {
     let n = |x: usize| x as u128;
     let params = u128::from(cfg.parameter_count());
-    let e = n(options.compute.size_in_bytes());
+    let e = n(compute.size_in_bytes());
     let tokens = n(batch) * n(seq);
     let (h, v) = (n(cfg.hidden), n(cfg.vocab));
     let blocks = n(cfg.layers) * saved_block(cfg, batch, seq, e);
     // The embedding's output and the final norm's.
     let ends = 2 * tokens * h * e;
-    let logits = match options.loss {
+    let logits = match loss {
         Loss::Plain => tokens * v * e,
         Loss::Fused => 0,
     };
-    let half = options.compute != DType::F32;
+    let half = compute != DType::F32;
     // In bf16 every parameter's cast is an input the graph keeps, and a tied
     // embedding is cast twice: for the lookup and for the head.
     let casts = if half {
@@ -108,7 +111,7 @@ pub fn predict_peak(
         };
     // At the head: the logits' gradient (plain) and the head weight's
     // gradient in the compute dtype, in candle's gradient store.
-    let head = match options.loss {
+    let head = match loss {
         Loss::Plain => tokens * v * e + 5 * e * v * h,
         Loss::Fused => 3 * e * v * h,
     };
@@ -211,13 +214,7 @@ pub fn plan_decoder(
     let mut options = Vec::new();
     for compute in order {
         for loss in [Loss::Plain, Loss::Fused] {
-            let opts = StepOptions {
-                layers: Layers::Lean,
-                compute,
-                attention: Attention::Tiled,
-                loss,
-            };
-            let prediction = predict_peak(cfg, batch, seq, &opts);
+            let prediction = predict_peak(cfg, batch, seq, compute, loss);
             options.push(DecoderOption {
                 compute: format!("{compute:?}").to_lowercase(),
                 loss: match loss {

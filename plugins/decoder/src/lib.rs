@@ -57,6 +57,13 @@ pub fn short_name(path: &str) -> String {
         .collect()
 }
 
+/// f32 parameters, their gradients and AdamW's two moments: 16 bytes a
+/// parameter (saturating: no config reaches it, see
+/// `LlamaConfig::MAX_PARAMETERS`).
+pub fn state_bytes(params: u64) -> u64 {
+    params.saturating_mul(16)
+}
+
 /// The model a `decoder_step` cell trains: its config, scaled down when
 /// `layers` or `divisor` say so.
 pub fn model_config(p: &StepParams) -> anyhow::Result<LlamaConfig> {
@@ -163,14 +170,14 @@ impl Plugin for DecoderStep {
     fn validate(&self, p: &StepParams) -> Vec<Violation> {
         let mut r = Rules::new();
         check_config(&mut r, "config", &p.config);
-        r.at_least("batch", p.batch, 1)
+        if let (Some(layers), Ok(cfg)) = (p.layers, load(&p.config)) {
+            r.between("layers", layers, 1, cfg.layers);
+        }
+        r.between("batch", p.batch, 1, 1 << 16)
             .between("seq", p.seq, 2, 1 << 16)
             .at_least("steps", p.steps, 2)
-            .at_least("divisor", p.divisor, 1)
+            .between("divisor", p.divisor, 1, 1 << 12)
             .positive("lr", p.lr);
-        if let Some(layers) = p.layers {
-            r.at_least("layers", layers, 1);
-        }
         for (field, list, allowed) in [
             ("dtypes", &p.dtypes, &["f32", "bf16"][..]),
             ("losses", &p.losses, &["plain", "fused"][..]),
@@ -189,7 +196,7 @@ impl Plugin for DecoderStep {
         let cfg = model_config(p).ok()?;
         let params = cfg.parameter_count();
         Some((
-            params.checked_mul(16)?,
+            state_bytes(params),
             format!("{params} parameters in f32 with their gradients and AdamW's two moments"),
         ))
     }

@@ -54,7 +54,7 @@ pub struct StepParams {
     /// The model's `config.json` (from the repository's root, or a path of
     /// yours).
     pub config: String,
-    /// Blocks to build, if fewer than the config's (scaling it down).
+    /// Blocks to build, at most the config's (fewer scale it down).
     pub layers: Option<usize>,
     /// Widths and vocabulary divided by this (1: the real size; heads kept).
     pub divisor: usize,

@@ -3,7 +3,7 @@
 //! `workbook_sdk::notebook`). Crates are named by their names, this one's
 //! included, so that the same text compiles in a notebook cell.
 
-use workbook_decoder::{load, short_name, ShapesParams};
+use workbook_decoder::{load, short_name, state_bytes, ShapesParams};
 use workbook_models::llama::Llama;
 use workbook_models::Rng;
 use workbook_sdk::anyhow;
@@ -46,8 +46,7 @@ pub fn decoder_shapes_experiment(ctx: &mut Context, p: ShapesParams) -> anyhow::
                 .scope(|| Llama::new(&cfg, DType::BF16, &mut Rng::seeded(1), &device))?;
             ctx.metric(format!("built_{name}"), built.param_count() as f64);
         }
-        // f32 parameters, gradients and AdamW's two moments.
-        let state = 16 * counted;
+        let state = state_bytes(counted);
         let share = state as f64 / (p.device_gib * gib);
         ctx.metric(format!("state_{name}"), state as f64);
         ctx.metric(format!("state_share_{name}"), share);

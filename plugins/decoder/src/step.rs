@@ -4,7 +4,7 @@
 //! included, so that the same text compiles in a notebook cell.
 
 use candle_lean_optim::LeanAdamW;
-use workbook_decoder::{model_config, predict_peak, StepParams};
+use workbook_decoder::{model_config, predict_peak, state_bytes, StepParams};
 use workbook_models::llama::{Attention, Layers, Llama, LlamaConfig, Loss, StepOptions};
 use workbook_models::Rng;
 use workbook_sdk::anyhow;
@@ -68,7 +68,7 @@ pub fn train_variant(
         losses.push(loss.to_scalar::<f32>()? as f64);
         times.push(start.elapsed().as_secs_f64());
     }
-    region.set_analytic(predict_peak(cfg, p.batch, p.seq, &options).total());
+    region.set_analytic(predict_peak(cfg, p.batch, p.seq, options.compute, options.loss).total());
     let report = ctx.end_region(region);
     Ok(Variant {
         name,
@@ -76,22 +76,6 @@ pub fn train_variant(
         losses,
         seconds: median(times),
     })
-}
-
-// notebook cell
-/// One step of a one-block copy of the model in `options`, outside any
-/// measured region: the thread pool and the matrix products' buffers,
-/// made once per process, are then not counted as the first variant's.
-pub fn warm_up(ctx: &Context, cfg: &LlamaConfig, options: &StepOptions) -> anyhow::Result<()> {
-    let device = ctx.device().clone();
-    let mut rng = Rng::seeded(0);
-    let small = cfg.scaled(1, 1);
-    let model = Llama::new(&small, DType::F32, &mut rng, &device)?;
-    let x = rng
-        .labels(8, small.vocab as u32, &device)?
-        .reshape((1, 8))?;
-    drop(model.loss(&x, &x, options)?.backward()?);
-    Ok(())
 }
 
 // notebook cell
@@ -108,7 +92,7 @@ pub fn decoder_step_experiment(ctx: &mut Context, p: StepParams) -> anyhow::Resu
         p.config, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.vocab, p.batch, p.seq
     ));
     ctx.metric("params", params as f64);
-    ctx.metric("state_bytes", (16 * params) as f64);
+    ctx.metric("state_bytes", state_bytes(params) as f64);
     ctx.metric("logits_bytes", logits as f64);
     ctx.metric("loss_uniform", (cfg.vocab as f64).ln());
     let mut table = Table::new(
@@ -138,13 +122,13 @@ pub fn decoder_step_experiment(ctx: &mut Context, p: StepParams) -> anyhow::Resu
                     Loss::Plain
                 },
             };
-            warm_up(ctx, &cfg, &options)?;
             let v = train_variant(ctx, &p, &cfg, options, format!("{dtype}_{loss}"))?;
             let peak = v.report.peak_above_baseline();
             let at_peak = v.report.peak_by_category.saturating_sub(&v.report.baseline);
             let activations = at_peak.get(Category::Activations);
-            let predicted = predict_peak(&cfg, p.batch, p.seq, &options).total();
-            let estimator = 16 * params;
+            let predicted =
+                predict_peak(&cfg, p.batch, p.seq, options.compute, options.loss).total();
+            let estimator = state_bytes(params);
             let n = &v.name;
             ctx.metric(format!("peak_{n}"), peak as f64);
             ctx.metric(format!("activations_{n}"), activations as f64);

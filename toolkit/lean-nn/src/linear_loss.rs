@@ -2,7 +2,7 @@
 //! holding the whole logits.
 
 use crate::accumulation;
-use candle_core::{bail, DType, Result, Tensor, D};
+use candle_core::{bail, DType, Result, Tensor};
 use candle_custom_grad::{with_backward3, Backward3};
 
 /// The mean cross-entropy of `hidden W^T` against class indices, computed
@@ -22,8 +22,9 @@ use candle_custom_grad::{with_backward3, Backward3};
 /// backward itself.
 ///
 /// The products run in the inputs' dtype and the softmax in f32 (f64 for
-/// f64), as a plain head followed by [`crate::cross_entropy`] does; the
-/// head's gradient is summed over chunks in f32 and rounded once.
+/// f64), as a plain head followed by [`crate::cross_entropy`] does. Each
+/// chunk's part of the head's gradient comes out of its product in the
+/// inputs' dtype; the parts are summed in f32 and the sum rounded once.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
@@ -105,23 +106,13 @@ impl LinearCrossEntropy {
     pub fn loss(&self, hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let shape = check(hidden, weight, targets)?;
         let chunk = self.rows_per_chunk(shape.rows, shape.hidden, shape.classes);
-        let mut sum = 0f64;
-        let mut parts = Vec::new();
+        let mut total = Tensor::new(0f64, hidden.device())?;
         for (start, n) in chunks(shape.rows, chunk) {
             let logits = hidden
                 .narrow(0, start, n)?
                 .detach()
                 .matmul(&weight.detach().t()?)?;
-            let t = targets.narrow(0, start, n)?;
-            if crate::cpu::applies(&logits) {
-                sum += crate::cpu::cross_entropy_sum(&logits, &indices(&t)?)?;
-            } else {
-                parts.push(composed_sum(&logits, &t)?);
-            }
-        }
-        let mut total = Tensor::new(sum, hidden.device())?;
-        for part in parts {
-            total = (total + part.to_dtype(DType::F64)?)?;
+            total = (total + chunk_sum(&logits, &targets.narrow(0, start, n)?)?)?;
         }
         let loss = total
             .affine(1.0 / shape.rows as f64, 0.0)?
@@ -145,15 +136,7 @@ impl LinearCrossEntropy {
         let (hidden, weight) = (hidden.detach(), weight.detach());
         let mut sum = Tensor::new(0f64, hidden.device())?;
         let grads = run_chunks(&hidden, &weight, targets, chunk, scale, |logits, t| {
-            let part = if crate::cpu::applies(logits) {
-                Tensor::new(
-                    crate::cpu::cross_entropy_sum(logits, &indices(t)?)?,
-                    logits.device(),
-                )?
-            } else {
-                composed_sum(logits, t)?.to_dtype(DType::F64)?
-            };
-            sum = (&sum + part)?;
+            sum = (&sum + chunk_sum(logits, t)?)?;
             Ok(())
         })?;
         let loss = sum
@@ -190,24 +173,11 @@ fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Shape> {
             weight.dtype()
         );
     }
-    if targets.dims() != [rows] {
-        bail!(
-            "targets have shape {:?}, the hidden states {:?}: one class index per row",
-            targets.dims(),
-            hidden.dims()
-        );
-    }
-    if targets.dtype().is_float() {
-        bail!(
-            "targets must be class indices (u8, u32 or i64), got {:?}",
-            targets.dtype()
-        );
-    }
+    crate::loss::check_targets(targets, rows, "the hidden states", hidden.dims())?;
     if rows == 0 || classes == 0 {
         bail!("cross-entropy of {rows} rows of {classes} classes has no mean");
     }
-    let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    crate::cpu::check_targets(&t, classes)?;
+    crate::loss::class_indices(targets, classes)?;
     Ok(Shape {
         rows,
         hidden: h,
@@ -215,49 +185,21 @@ fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Shape> {
     })
 }
 
+/// A chunk's sum over rows of `logsumexp(z) - z[target]`, as an f64
+/// scalar: one pass per row for contiguous f32 CPU logits.
+fn chunk_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if crate::cpu::applies(logits) {
+        let t = crate::loss::class_indices(targets, logits.dim(1)?)?;
+        return Tensor::new(crate::cpu::cross_entropy_sum(logits, &t)?, logits.device());
+    }
+    crate::loss::composed_sum(logits, targets)?.to_dtype(DType::F64)
+}
+
 /// `(start, len)` of each chunk of `chunk` rows.
 fn chunks(rows: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..rows)
         .step_by(chunk)
         .map(move |start| (start, chunk.min(rows - start)))
-}
-
-fn indices(targets: &Tensor) -> Result<Vec<u32>> {
-    targets.to_dtype(DType::U32)?.to_vec1::<u32>()
-}
-
-/// The sum over a chunk's rows of `logsumexp(z) - z[target]`, composed of
-/// candle's operations, as a scalar in the accumulation dtype.
-fn composed_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let z = logits.to_dtype(accumulation(logits.dtype()))?;
-    let max = z.max_keepdim(D::Minus1)?;
-    let lse = (z
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?
-        + max)?;
-    let t = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
-    (lse - z.gather(&t, 1)?)?.sum_all()
-}
-
-/// `(softmax(z) - onehot(targets)) * factor`, in the logits' dtype.
-fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Result<Tensor> {
-    if crate::cpu::applies(logits) {
-        return crate::cpu::cross_entropy_grad(logits, &indices(targets)?, factor as f32);
-    }
-    let rows = logits.dim(0)?;
-    let acc = accumulation(logits.dtype());
-    let z = logits.to_dtype(acc)?;
-    let max = z.max_keepdim(D::Minus1)?;
-    let e = z.broadcast_sub(&max)?.exp()?;
-    drop(z);
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    drop(e);
-    let t = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
-    let minus = Tensor::full(-1.0, (rows, 1), logits.device())?.to_dtype(acc)?;
-    let d = p.scatter_add(&t, &minus, 1)?;
-    d.affine(factor, 0.0)?.to_dtype(logits.dtype())
 }
 
 /// Each chunk's logits made, handed to `each` with its targets, and turned
@@ -282,7 +224,7 @@ fn run_chunks(
         let t = targets.narrow(0, start, n)?;
         let logits = h.matmul(&wt)?;
         each(&logits, &t)?;
-        let d = logits_grad(&logits, &t, scale / rows as f64)?;
+        let d = crate::loss::logits_grad(&logits, &t, scale / rows as f64)?;
         drop(logits);
         dhidden.push(d.matmul(weight)?);
         let dw = d.t()?.matmul(&h)?.to_dtype(acc)?;

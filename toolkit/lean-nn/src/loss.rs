@@ -23,25 +23,16 @@ use candle_custom_grad::{with_backward2, Backward2};
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let (_, classes) = check(logits, targets)?;
+    let (rows, classes) = check(logits, targets)?;
     if crate::cpu::applies(logits) {
         // f32 on the CPU: a pass per row, no tensor the logits' size.
         let t = class_indices(targets, classes)?;
         let loss = cpu_mean(logits, &t)?;
         return with_backward2(loss, logits, targets, CrossEntropy);
     }
-    let acc = accumulation(logits.dtype());
-    let z = logits.detach().to_dtype(acc)?;
-    let t = targets.detach().to_dtype(DType::U32)?.unsqueeze(1)?;
-    let max = z.max_keepdim(D::Minus1)?;
-    let lse = (z
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?
-        + max)?;
-    let picked = z.gather(&t, 1)?;
-    let loss = (lse - picked)?.mean_all()?.to_dtype(logits.dtype())?;
+    let loss = composed_sum(&logits.detach(), targets)?
+        .affine(1.0 / rows as f64, 0.0)?
+        .to_dtype(logits.dtype())?;
     with_backward2(loss, logits, targets, CrossEntropy)
 }
 
@@ -49,11 +40,25 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// them.
 fn check(logits: &Tensor, targets: &Tensor) -> Result<(usize, usize)> {
     let (rows, classes) = logits.dims2()?;
+    check_targets(targets, rows, "the logits", logits.dims())?;
+    if rows == 0 || classes == 0 {
+        bail!("cross-entropy of {rows} rows of {classes} classes has no mean");
+    }
+    Ok((rows, classes))
+}
+
+/// Checks that `targets` hold one class index per row of `what` (of shape
+/// `dims`, `rows` rows).
+pub(crate) fn check_targets(
+    targets: &Tensor,
+    rows: usize,
+    what: &str,
+    dims: &[usize],
+) -> Result<()> {
     if targets.dims() != [rows] {
         bail!(
-            "targets have shape {:?}, the logits {:?}: one class index per row",
-            targets.dims(),
-            logits.dims()
+            "targets have shape {:?}, {what} {dims:?}: one class index per row",
+            targets.dims()
         );
     }
     if targets.dtype().is_float() {
@@ -62,10 +67,49 @@ fn check(logits: &Tensor, targets: &Tensor) -> Result<(usize, usize)> {
             targets.dtype()
         );
     }
-    if rows == 0 || classes == 0 {
-        bail!("cross-entropy of {rows} rows of {classes} classes has no mean");
+    Ok(())
+}
+
+/// The sum over rows of `logsumexp(z) - z[target]`, composed of candle's
+/// operations, as a scalar in the accumulation dtype.
+pub(crate) fn composed_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let z = logits.to_dtype(accumulation(logits.dtype()))?;
+    let max = z.max_keepdim(D::Minus1)?;
+    let lse = (z
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + max)?;
+    let t = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
+    (lse - z.gather(&t, 1)?)?.sum_all()
+}
+
+/// `(softmax(logits) - onehot(targets)) * factor`, in the logits' dtype:
+/// one pass per row for contiguous f32 CPU logits, candle's operations
+/// elsewhere.
+pub(crate) fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Result<Tensor> {
+    if crate::cpu::applies(logits) {
+        let classes = logits.dim(1)?;
+        return crate::cpu::cross_entropy_grad(
+            logits,
+            &class_indices(targets, classes)?,
+            factor as f32,
+        );
     }
-    Ok((rows, classes))
+    let rows = logits.dim(0)?;
+    let acc = accumulation(logits.dtype());
+    let z = logits.to_dtype(acc)?;
+    let max = z.max_keepdim(D::Minus1)?;
+    let e = z.broadcast_sub(&max)?.exp()?;
+    drop(z);
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    drop(e);
+    let t = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
+    let minus = Tensor::full(-1.0, (rows, 1), logits.device())?.to_dtype(acc)?;
+    p.scatter_add(&t, &minus, 1)?
+        .affine(factor, 0.0)?
+        .to_dtype(logits.dtype())
 }
 
 /// The mean cross-entropy of contiguous f32 CPU logits against checked
@@ -129,7 +173,7 @@ pub fn cross_entropy_and_grad(
 }
 
 /// The targets as `u32` class indices, each checked against `classes`.
-fn class_indices(targets: &Tensor, classes: usize) -> Result<Vec<u32>> {
+pub(crate) fn class_indices(targets: &Tensor, classes: usize) -> Result<Vec<u32>> {
     let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     crate::cpu::check_targets(&t, classes)?;
     Ok(t)
@@ -145,23 +189,14 @@ impl Backward2 for CrossEntropy {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (rows, classes) = logits.dims2()?;
-        if crate::cpu::applies(logits) {
-            let t = class_indices(targets, classes)?;
-            let upstream = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-            return Ok((Some(cpu_grad(logits, &t, upstream)?), None));
-        }
-        let acc = accumulation(logits.dtype());
-        let z = logits.to_dtype(acc)?;
-        let max = z.max_keepdim(D::Minus1)?;
-        let e = z.broadcast_sub(&max)?.exp()?;
-        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        let t = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
-        let ones = Tensor::ones((rows, 1), acc, logits.device())?;
-        let onehot =
-            Tensor::zeros((rows, classes), acc, logits.device())?.scatter_add(&t, &ones, 1)?;
-        let scale = grad.to_dtype(acc)?.affine(1.0 / rows as f64, 0.0)?;
-        let d = (p - onehot)?.broadcast_mul(&scale)?;
-        Ok((Some(d.to_dtype(logits.dtype())?), None))
+        let rows = logits.dim(0)?;
+        let upstream = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let factor = if logits.dtype() == DType::F64 {
+            upstream / rows as f64
+        } else {
+            // As `affine(1 / rows)` rounds it in f32.
+            f64::from(upstream as f32 * (1.0 / rows as f64) as f32)
+        };
+        Ok((Some(logits_grad(logits, targets, factor)?), None))
     }
 }

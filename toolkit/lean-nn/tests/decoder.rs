@@ -353,3 +353,23 @@ fn the_fused_loss_never_holds_the_logits() -> Result<()> {
     drop(direct?);
     Ok(())
 }
+
+#[test]
+fn rope_tables_hold_hugging_faces_angles() -> Result<()> {
+    // inv_freq = theta^(-2i / head_dim): 1 and 1/100 for head_dim 4 and
+    // theta 10,000; position 2 turns by 2 and 0.02 radians.
+    let (cos, sin) = candle_lean_nn::rope_tables(3, 4, 10_000.0, DType::F64, &Device::Cpu)?;
+    let (cos, sin) = (cos.to_vec2::<f64>()?, sin.to_vec2::<f64>()?);
+    assert_eq!(cos[0], [1.0, 1.0]);
+    assert_eq!(sin[0], [0.0, 0.0]);
+    for (got, want) in [
+        (cos[2][0], 2f64.cos()),
+        (cos[2][1], 0.02f64.cos()),
+        (sin[2][0], 2f64.sin()),
+        (sin[2][1], 0.02f64.sin()),
+    ] {
+        // The angles are computed in f32.
+        assert!((got - want).abs() < 1e-6, "{got} against {want}");
+    }
+    Ok(())
+}

@@ -67,6 +67,10 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
 }
 
+/// The most parameters a config may describe: far above any published
+/// model (Llama-3.1-405B has 4e11), so that every byte count fits 64 bits.
+pub const MAX_PARAMETERS: u64 = 1 << 50;
+
 /// A `config.json` that cannot be a decoder's: where, and what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -139,7 +143,9 @@ impl LlamaConfig {
     }
 
     /// Parses the text of a Hugging Face `config.json`; `origin` names it
-    /// in errors.
+    /// in errors. Fields that do not set a shape are not read: `rope_scaling`
+    /// changes the rotary angles, not what a step holds, and the model built
+    /// rotates with `rope_theta` alone.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
         let raw: Raw = serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
             origin: origin.to_string(),
@@ -199,7 +205,12 @@ impl LlamaConfig {
             }
         }
         let heads = raw.num_attention_heads;
-        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        // Hugging Face's defaults where the field is absent.
+        let kv_heads = raw.num_key_value_heads.unwrap_or(match family {
+            Family::Llama => heads,
+            Family::Qwen2 => 32,
+            Family::Mistral => 8,
+        });
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(field(
                 "num_key_value_heads",
@@ -244,13 +255,22 @@ impl LlamaConfig {
                 "a small positive number",
             ));
         }
-        let attention_bias = raw.attention_bias.unwrap_or(false);
+        // Llama's `attention_bias` covers q, k, v and o; Qwen2's q, k and v
+        // always have biases and o never; Mistral has none.
+        let (qkv_bias, o_bias) = match family {
+            Family::Llama => {
+                let bias = raw.attention_bias.unwrap_or(false);
+                (bias, bias)
+            }
+            Family::Qwen2 => (true, false),
+            Family::Mistral => (false, false),
+        };
         let sliding_window = match family {
-            Family::Mistral => raw.sliding_window,
+            Family::Mistral => Some(raw.sliding_window.unwrap_or(4096)),
             Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
             _ => None,
         };
-        Ok(Self {
+        let config = Self {
             family,
             hidden: raw.hidden_size,
             intermediate: raw.intermediate_size,
@@ -263,11 +283,22 @@ impl LlamaConfig {
             rms_norm_eps,
             // Hugging Face's default for these families.
             tied: raw.tie_word_embeddings.unwrap_or(false),
-            qkv_bias: family == Family::Qwen2 || attention_bias,
-            o_bias: attention_bias,
+            qkv_bias,
+            o_bias,
             max_positions: raw.max_position_embeddings.unwrap_or(usize::MAX),
             sliding_window,
-        })
+        };
+        let params = config.parameter_count();
+        if params > MAX_PARAMETERS {
+            return Err(field(
+                "num_hidden_layers",
+                raw.num_hidden_layers.to_string(),
+                &format!(
+                    "a model of at most {MAX_PARAMETERS} parameters; these shapes make {params}"
+                ),
+            ));
+        }
+        Ok(config)
     }
 
     /// Every parameter's name (as in the family's checkpoints) and shape, in
@@ -301,18 +332,35 @@ impl LlamaConfig {
         out
     }
 
-    /// Parameters in all, counted from [`LlamaConfig::parameters`].
+    /// Parameters in all, as [`LlamaConfig::parameters`] lists them,
+    /// counted without listing them (`u64::MAX` past it).
     pub fn parameter_count(&self) -> u64 {
-        self.parameters()
-            .iter()
-            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
-            .sum()
+        let n = |x: usize| x as u128;
+        let (h, d, i, v) = (
+            n(self.hidden),
+            n(self.head_dim),
+            n(self.intermediate),
+            n(self.vocab),
+        );
+        let (q, kv) = (n(self.heads) * d, n(self.kv_heads) * d);
+        let mut block = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * i;
+        if self.qkv_bias {
+            block += q + 2 * kv;
+        }
+        if self.o_bias {
+            block += h;
+        }
+        let heads = if self.tied { 1 } else { 2 };
+        let total = heads * v * h + n(self.layers) * block + h;
+        u64::try_from(total).unwrap_or(u64::MAX)
     }
 
     /// The same architecture at a size this machine trains in seconds:
-    /// `layers` blocks, the widths divided by `divisor` (heads and key/value
-    /// heads kept, so the grouping is the same; the head width at least 8),
-    /// and the vocabulary divided too.
+    /// `layers` blocks, the vocabulary and the MLP's width divided by
+    /// `divisor`, the head width too but to no less than 8 (heads and
+    /// key/value heads kept, so the grouping is the same), and the hidden
+    /// size `heads * head_dim` where the config's is that (so divided by
+    /// less than `divisor` once the head width is at 8), else divided.
     pub fn scaled(&self, layers: usize, divisor: usize) -> Self {
         let divisor = divisor.max(1);
         let head_dim = (self.head_dim / divisor).max(8) & !1;
