@@ -79,6 +79,45 @@ pub fn train_variant(
 }
 
 // notebook cell
+/// One variant's metrics and table row: its peak by category, the
+/// prediction's error and the 16-bytes-a-parameter formula's. Returns the
+/// peak.
+pub fn report_variant(
+    ctx: &mut Context,
+    table: &mut Table,
+    v: &Variant,
+    predicted: u64,
+    params: u64,
+) -> u64 {
+    let peak = v.report.peak_above_baseline();
+    let at_peak = v.report.peak_by_category.saturating_sub(&v.report.baseline);
+    let activations = at_peak.get(Category::Activations);
+    let estimator = state_bytes(params);
+    let n = &v.name;
+    ctx.metric(format!("peak_{n}"), peak as f64);
+    ctx.metric(format!("activations_{n}"), activations as f64);
+    ctx.metric(format!("predicted_{n}"), predicted as f64);
+    let error = |x: u64| (x as f64 - peak as f64) / peak as f64;
+    ctx.metric(format!("prediction_error_{n}"), error(predicted).abs());
+    ctx.metric(format!("estimator_error_{n}"), error(estimator));
+    ctx.metric(format!("loss_first_{n}"), *v.losses.first().unwrap_or(&f64::NAN));
+    ctx.metric(format!("loss_last_{n}"), *v.losses.last().unwrap_or(&f64::NAN));
+    ctx.metric(format!("step_seconds_{n}"), v.seconds);
+    table.row(vec![
+        n.as_str().into(),
+        peak.into(),
+        at_peak.get(Category::Parameters).into(),
+        at_peak.get(Category::OptimizerState).into(),
+        at_peak.get(Category::Gradients).into(),
+        activations.into(),
+        predicted.into(),
+        estimator.into(),
+        v.seconds.into(),
+    ]);
+    peak
+}
+
+// notebook cell
 /// The experiment: each compute dtype with each loss, the peak by category
 /// beside the closed-form prediction and the model-state formula of the
 /// public estimators; then what the fused loss saves.
@@ -123,33 +162,8 @@ pub fn decoder_step_experiment(ctx: &mut Context, p: StepParams) -> anyhow::Resu
                 },
             };
             let v = train_variant(ctx, &p, &cfg, options, format!("{dtype}_{loss}"))?;
-            let peak = v.report.peak_above_baseline();
-            let at_peak = v.report.peak_by_category.saturating_sub(&v.report.baseline);
-            let activations = at_peak.get(Category::Activations);
-            let predicted =
-                predict_peak(&cfg, p.batch, p.seq, options.compute, options.loss).total();
-            let estimator = state_bytes(params);
-            let n = &v.name;
-            ctx.metric(format!("peak_{n}"), peak as f64);
-            ctx.metric(format!("activations_{n}"), activations as f64);
-            ctx.metric(format!("predicted_{n}"), predicted as f64);
-            let error = |x: u64| (x as f64 - peak as f64) / peak as f64;
-            ctx.metric(format!("prediction_error_{n}"), error(predicted).abs());
-            ctx.metric(format!("estimator_error_{n}"), error(estimator));
-            ctx.metric(format!("loss_first_{n}"), v.losses[0]);
-            ctx.metric(format!("loss_last_{n}"), *v.losses.last().unwrap_or(&0.0));
-            ctx.metric(format!("step_seconds_{n}"), v.seconds);
-            table.row(vec![
-                n.as_str().into(),
-                peak.into(),
-                at_peak.get(Category::Parameters).into(),
-                at_peak.get(Category::OptimizerState).into(),
-                at_peak.get(Category::Gradients).into(),
-                activations.into(),
-                predicted.into(),
-                estimator.into(),
-                v.seconds.into(),
-            ]);
+            let predicted = predict_peak(&cfg, p.batch, p.seq, options.compute, options.loss);
+            let peak = report_variant(ctx, &mut table, &v, predicted.total(), params);
             peaks.push((loss.clone(), peak));
         }
         let find = |l: &str| peaks.iter().find(|(n, _)| n == l).map(|(_, b)| *b);
