@@ -100,8 +100,14 @@ pub fn report_variant(
     let error = |x: u64| (x as f64 - peak as f64) / peak as f64;
     ctx.metric(format!("prediction_error_{n}"), error(predicted).abs());
     ctx.metric(format!("estimator_error_{n}"), error(estimator));
-    ctx.metric(format!("loss_first_{n}"), *v.losses.first().unwrap_or(&f64::NAN));
-    ctx.metric(format!("loss_last_{n}"), *v.losses.last().unwrap_or(&f64::NAN));
+    ctx.metric(
+        format!("loss_first_{n}"),
+        *v.losses.first().unwrap_or(&f64::NAN),
+    );
+    ctx.metric(
+        format!("loss_last_{n}"),
+        *v.losses.last().unwrap_or(&f64::NAN),
+    );
     ctx.metric(format!("step_seconds_{n}"), v.seconds);
     table.row(vec![
         n.as_str().into(),
