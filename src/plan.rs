@@ -463,7 +463,7 @@ pub fn decoder_text(
     let mut out = format!(
         "{} decoder, {} blocks, hidden {}, {} / {} heads, vocabulary {}: {} parameters.\n\
          A step of {} x {} tokens with f32 master weights and AdamW, against {} ({}), \
-         predicted in closed form (chapter 5 measures it within 0.35%; a GPU adds its \
+         predicted in closed form (chapter 5 measures it within 0.4%; a GPU adds its \
          runtime's own memory, which this does not count):\n\n",
         cfg.family.name(),
         cfg.layers,
