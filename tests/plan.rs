@@ -11,11 +11,17 @@ const SMALL: [&str; 12] = [
     "8",
 ];
 
+/// `workbook plan` with chapter 3's small GPT.
 fn plan(extra: &[&str]) -> Output {
+    plan_with(&[&SMALL[..], extra].concat())
+}
+
+/// `workbook plan` with `args` alone, from the repository's root.
+fn plan_with(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("plan")
-        .args(SMALL)
-        .args(extra)
+        .args(args)
         .output()
         .expect("the binary runs")
 }
@@ -362,20 +368,10 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
     ));
 }
 
-/// `workbook plan --model config.json`: no model flags, no measurement.
-fn plan_decoder(extra: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_workbook"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .arg("plan")
-        .args(extra)
-        .output()
-        .expect("the binary runs")
-}
-
 #[test]
 fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     let smollm2 = "models/smollm2-135m.config.json";
-    let o = plan_decoder(&[
+    let o = plan_with(&[
         "--model", smollm2, "--device", "rtx4090", "--batch", "8", "--seq", "1024", "--json",
     ]);
     assert_eq!(
@@ -411,7 +407,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
 
     // On the CPU, f32 first; a budget below every option: refused with the
     // smallest and what it lacks.
-    let o = plan_decoder(&["--model", smollm2, "--device", "cpu", "--budget", "1GiB"]);
+    let o = plan_with(&["--model", smollm2, "--device", "cpu", "--budget", "1GiB"]);
     assert_eq!(o.status.code(), Some(1));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("  f32      plain "), "{out}");
@@ -443,7 +439,7 @@ fn a_config_json_plan_refuses_what_it_cannot_plan() {
         ),
     ];
     for (args, message) in cases {
-        let o = plan_decoder(args);
+        let o = plan_with(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(err.lines().next(), Some(message), "{err}");

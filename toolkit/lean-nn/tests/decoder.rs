@@ -7,6 +7,9 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_nn::LinearCrossEntropy;
 use candle_toolkit_alloc_count::{measure, Counting};
 
+mod common;
+use common::{data, max_diff};
+
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
@@ -17,14 +20,6 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f64>()
-}
-
 /// The largest magnitude of `t`, to make a difference relative.
 fn max_abs(t: &Tensor) -> Result<f64> {
     t.to_dtype(DType::F64)?
@@ -32,18 +27,6 @@ fn max_abs(t: &Tensor) -> Result<f64> {
         .flatten_all()?
         .max(0)?
         .to_scalar::<f64>()
-}
-
-/// Deterministic values in about [-scale, scale].
-fn data(shape: &[usize], scale: f32, seed: u64) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let values: Vec<f32> = (0..n as u64)
-        .map(|i| {
-            let k = (i + 1).wrapping_mul(seed.wrapping_mul(2654435761) | 1) % 1_000_003;
-            ((k as f32 / 1_000_003.0) * 2.0 - 1.0) * scale
-        })
-        .collect();
-    Tensor::from_vec(values, shape, &Device::Cpu)
 }
 
 fn var(shape: &[usize], scale: f32, seed: u64, dtype: DType) -> Result<Var> {
@@ -59,6 +42,29 @@ const DTYPES: [(DType, f64); 4] = [
     (DType::BF16, 3e-2),
 ];
 
+/// Checks `lean` against `plain`: their values within `tol` of the plain
+/// ones' largest magnitude, and the gradients of `inputs` under the
+/// upstream gradient `up` within `grad_tol`.
+fn assert_same(
+    lean: Tensor,
+    plain: Tensor,
+    up: &Tensor,
+    inputs: &[(&str, &Var)],
+    (tol, grad_tol): (f64, f64),
+    what: &str,
+) -> Result<()> {
+    let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
+    assert!(d <= tol, "{what} values: {d}");
+    let gl = (lean * up)?.sum_all()?.backward()?;
+    let gp = (plain * up)?.sum_all()?.backward()?;
+    for (name, v) in inputs {
+        let (a, p) = (gl.get(v).unwrap(), gp.get(v).unwrap());
+        let d = max_diff(a, p)? / max_abs(p)?;
+        assert!(d <= grad_tol, "{what} gradient of {name}: {d}");
+    }
+    Ok(())
+}
+
 #[test]
 fn rms_norm_equals_the_plain_composition_in_every_dtype() -> Result<()> {
     for (dtype, tol) in DTYPES {
@@ -67,15 +73,15 @@ fn rms_norm_equals_the_plain_composition_in_every_dtype() -> Result<()> {
         let up = data(&[2, 12, 16], 1.0, 11)?.to_dtype(dtype)?;
         let lean = candle_lean_nn::rms_norm(&x, &w, 1e-5)?;
         let plain = candle_nn::ops::rms_norm_slow(&x, &w, 1e-5)?;
-        let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
-        assert!(d <= tol, "{dtype:?} values: {d}");
-        let gl = (lean * &up)?.sum_all()?.backward()?;
-        let gp = (plain * &up)?.sum_all()?.backward()?;
-        for (name, v) in [("x", &x), ("weight", &w)] {
-            let (a, p) = (gl.get(v).unwrap(), gp.get(v).unwrap());
-            let d = max_diff(a, p)? / max_abs(p)?;
-            assert!(d <= tol * 4.0, "{dtype:?} gradient of {name}: {d}");
-        }
+        let inputs = [("x", &x), ("weight", &w)];
+        assert_same(
+            lean,
+            plain,
+            &up,
+            &inputs,
+            (tol, tol * 4.0),
+            &format!("{dtype:?}"),
+        )?;
     }
     Ok(())
 }
@@ -88,13 +94,14 @@ fn rope_equals_the_plain_composition_in_every_dtype() -> Result<()> {
         let up = data(&[2, 3, 6, 8], 1.0, 13)?.to_dtype(dtype)?;
         let lean = candle_lean_nn::rope(&x, &cos, &sin)?;
         let plain = candle_nn::rotary_emb::rope_slow(&x, &cos, &sin)?;
-        let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
-        assert!(d <= tol, "{dtype:?} values: {d}");
-        let gl = (lean * &up)?.sum_all()?.backward()?;
-        let gp = (plain * &up)?.sum_all()?.backward()?;
-        let (a, p) = (gl.get(&x).unwrap(), gp.get(&x).unwrap());
-        let d = max_diff(a, p)? / max_abs(p)?;
-        assert!(d <= tol * 2.0, "{dtype:?} gradient: {d}");
+        assert_same(
+            lean,
+            plain,
+            &up,
+            &[("x", &x)],
+            (tol, tol * 2.0),
+            &format!("{dtype:?}"),
+        )?;
     }
     Ok(())
 }
@@ -107,15 +114,15 @@ fn swiglu_equals_the_plain_composition_in_every_dtype() -> Result<()> {
         let up = data(&[4, 24], 1.0, 23)?.to_dtype(dtype)?;
         let lean = candle_lean_nn::swiglu(&g, &u)?;
         let plain = (candle_nn::ops::silu(&g)? * u.as_tensor())?;
-        let d = max_diff(&lean, &plain)? / max_abs(&plain)?;
-        assert!(d <= tol, "{dtype:?} values: {d}");
-        let gl = (lean * &up)?.sum_all()?.backward()?;
-        let gp = (plain * &up)?.sum_all()?.backward()?;
-        for (name, v) in [("gate", &g), ("up", &u)] {
-            let (a, p) = (gl.get(v).unwrap(), gp.get(v).unwrap());
-            let d = max_diff(a, p)? / max_abs(p)?;
-            assert!(d <= tol * 4.0, "{dtype:?} gradient of {name}: {d}");
-        }
+        let inputs = [("gate", &g), ("up", &u)];
+        assert_same(
+            lean,
+            plain,
+            &up,
+            &inputs,
+            (tol, tol * 4.0),
+            &format!("{dtype:?}"),
+        )?;
     }
     Ok(())
 }

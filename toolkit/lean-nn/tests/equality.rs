@@ -5,13 +5,8 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear};
 
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f64>()
-}
+mod common;
+use common::max_diff;
 
 /// Normal values of standard deviation `scale`, the same on every run
 /// (candle's CPU generator cannot be seeded): a test that compares with

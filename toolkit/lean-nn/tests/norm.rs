@@ -4,26 +4,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f64>()
-}
-
-/// Deterministic values in about [-2, 2] (candle's CPU generator cannot be
-/// seeded).
-fn data(shape: &[usize], seed: u64) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let values: Vec<f32> = (0..n as u64)
-        .map(|i| {
-            let k = (i + 1).wrapping_mul(seed.wrapping_mul(2654435761) | 1) % 1_000_003;
-            (k as f32 / 1_000_003.0) * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(values, shape, &Device::Cpu)
-}
+mod common;
+use common::{data, max_diff};
 
 #[test]
 fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
@@ -36,10 +18,10 @@ fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
         (DType::F16, 1e-2),
         (DType::BF16, 6e-2),
     ] {
-        let x = Var::from_tensor(&data(&[2, 12, 16], 3)?.to_dtype(dtype)?)?;
-        let w = Var::from_tensor(&data(&[16], 5)?.to_dtype(dtype)?)?;
-        let b = Var::from_tensor(&data(&[16], 7)?.to_dtype(dtype)?)?;
-        let up = data(&[2, 12, 16], 11)?.to_dtype(dtype)?;
+        let x = Var::from_tensor(&data(&[2, 12, 16], 2.0, 3)?.to_dtype(dtype)?)?;
+        let w = Var::from_tensor(&data(&[16], 2.0, 5)?.to_dtype(dtype)?)?;
+        let b = Var::from_tensor(&data(&[16], 2.0, 7)?.to_dtype(dtype)?)?;
+        let up = data(&[2, 12, 16], 2.0, 11)?.to_dtype(dtype)?;
         let lean = candle_lean_nn::layer_norm(&x, &w, &b, 1e-5)?;
         let plain = candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)?;
         assert!(max_diff(&lean, &plain)? <= tol, "{dtype:?} values");
@@ -56,7 +38,7 @@ fn equal_to_candle_nn_in_every_dtype() -> Result<()> {
 
 #[test]
 fn keeps_two_numbers_per_row_beside_the_graph() -> Result<()> {
-    let x = Var::from_tensor(&data(&[4, 8], 1)?)?;
+    let x = Var::from_tensor(&data(&[4, 8], 2.0, 1)?)?;
     let (w, b) = (
         Tensor::ones(8, DType::F32, &Device::Cpu)?,
         Tensor::zeros(8, DType::F32, &Device::Cpu)?,
@@ -71,7 +53,7 @@ fn keeps_two_numbers_per_row_beside_the_graph() -> Result<()> {
 
 #[test]
 fn bad_shapes_are_refused() -> Result<()> {
-    let x = data(&[2, 8], 1)?;
+    let x = data(&[2, 8], 2.0, 1)?;
     let w = Tensor::ones(7, DType::F32, &Device::Cpu)?;
     let b = Tensor::zeros(8, DType::F32, &Device::Cpu)?;
     let err = candle_lean_nn::layer_norm(&x, &w, &b, 1e-5)
@@ -98,8 +80,8 @@ fn the_module_from_candle_nns_layer_norm_trains_its_variables() -> Result<()> {
     // Shared, not copied: the same tensors.
     assert_eq!(lean.weight().id(), plain.weight().id());
     assert_eq!(lean.bias().id(), plain.bias().unwrap().id());
-    let x = data(&[3, 16], 9)?;
-    let up = data(&[3, 16], 13)?;
+    let x = data(&[3, 16], 2.0, 9)?;
+    let up = data(&[3, 16], 2.0, 13)?;
     let y = lean.forward(&x)?;
     let want = candle_nn::ops::layer_norm_slow(&x, plain.weight(), plain.bias().unwrap(), 1e-5)?;
     assert!(max_diff(&y, &want)? < 1e-5);
@@ -160,10 +142,10 @@ fn the_direct_backward_equals_the_graphs_to_the_bit_in_every_dtype() -> Result<(
     use candle_custom_grad::DirectBackward;
     use candle_lean_nn::LeanLayerNorm;
     for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
-        let x = Var::from_tensor(&data(&[3, 5, 16], 7)?.to_dtype(dtype)?)?;
-        let w = Var::from_tensor(&data(&[16], 11)?.to_dtype(dtype)?)?;
-        let b = Var::from_tensor(&data(&[16], 13)?.to_dtype(dtype)?)?;
-        let g = data(&[3, 5, 16], 17)?.to_dtype(dtype)?;
+        let x = Var::from_tensor(&data(&[3, 5, 16], 2.0, 7)?.to_dtype(dtype)?)?;
+        let w = Var::from_tensor(&data(&[16], 2.0, 11)?.to_dtype(dtype)?)?;
+        let b = Var::from_tensor(&data(&[16], 2.0, 13)?.to_dtype(dtype)?)?;
+        let g = data(&[3, 5, 16], 2.0, 17)?.to_dtype(dtype)?;
         let ln = LeanLayerNorm::new(w.as_tensor().clone(), b.as_tensor().clone(), 1e-5)?;
         let graph = ln.forward(x.as_tensor())?;
         let grads = (&graph * &g)?.sum_all()?.backward()?;
