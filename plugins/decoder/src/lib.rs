@@ -75,13 +75,18 @@ pub fn model_config(p: &StepParams) -> anyhow::Result<LlamaConfig> {
     })
 }
 
-fn check_config(r: &mut Rules, field: &str, path: &str) {
-    if let Err(e) = load(path) {
-        r.violation(
-            field,
-            path,
-            format!("allowed: a Llama-family config.json ({e})"),
-        );
+/// The config at `path`, or a violation of `field` saying why not.
+fn check_config(r: &mut Rules, field: &str, path: &str) -> Option<LlamaConfig> {
+    match load(path) {
+        Ok(cfg) => Some(cfg),
+        Err(e) => {
+            r.violation(
+                field,
+                path,
+                format!("allowed: a Llama-family config.json ({e})"),
+            );
+            None
+        }
     }
 }
 
@@ -169,8 +174,8 @@ impl Plugin for DecoderStep {
 
     fn validate(&self, p: &StepParams) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_config(&mut r, "config", &p.config);
-        if let (Some(layers), Ok(cfg)) = (p.layers, load(&p.config)) {
+        let cfg = check_config(&mut r, "config", &p.config);
+        if let (Some(layers), Some(cfg)) = (p.layers, cfg) {
             r.between("layers", layers, 1, cfg.layers);
         }
         r.between("batch", p.batch, 1, 1 << 16)

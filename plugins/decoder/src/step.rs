@@ -80,16 +80,11 @@ pub fn train_variant(
 
 // notebook cell
 /// One variant's metrics and table row: its peak by category, the
-/// prediction's error and the 16-bytes-a-parameter formula's. Returns the
-/// peak.
-pub fn report_variant(
-    ctx: &mut Context,
-    table: &mut Table,
-    v: &Variant,
-    predicted: u64,
-    params: u64,
-) -> u64 {
+/// prediction's error (the region's analytic figure) and the
+/// 16-bytes-a-parameter formula's. Returns the peak.
+pub fn report_variant(ctx: &mut Context, table: &mut Table, v: &Variant, params: u64) -> u64 {
     let peak = v.report.peak_above_baseline();
+    let predicted = v.report.analytic.unwrap_or(0);
     let at_peak = v.report.peak_by_category.saturating_sub(&v.report.baseline);
     let activations = at_peak.get(Category::Activations);
     let estimator = state_bytes(params);
@@ -168,8 +163,7 @@ pub fn decoder_step_experiment(ctx: &mut Context, p: StepParams) -> anyhow::Resu
                 },
             };
             let v = train_variant(ctx, &p, &cfg, options, format!("{dtype}_{loss}"))?;
-            let predicted = predict_peak(&cfg, p.batch, p.seq, options.compute, options.loss);
-            let peak = report_variant(ctx, &mut table, &v, predicted.total(), params);
+            let peak = report_variant(ctx, &mut table, &v, params);
             peaks.push((loss.clone(), peak));
         }
         let find = |l: &str| peaks.iter().find(|(n, _)| n == l).map(|(_, b)| *b);
