@@ -225,19 +225,39 @@ pub(crate) fn check_targets(targets: &[u32], classes: usize) -> Result<()> {
     Ok(())
 }
 
-/// The sum over rows of `logsumexp(z) - z[target]`, for contiguous f32
-/// logits `(rows, classes)`, in one pass per row with one row of scratch
-/// per task: no tensor the logits' size.
+/// Whether the cross-entropy's row kernels apply: contiguous f32, bf16 or
+/// f16 logits on the CPU. Half-precision rows are widened to f32 one row
+/// at a time, as the composed operations would widen the whole logits.
+pub(crate) fn applies_rows(t: &Tensor) -> bool {
+    t.device().is_cpu()
+        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && t.is_contiguous()
+        && t.elem_count() > 0
+}
+
+/// The sum over rows of `logsumexp(z) - z[target]`, for contiguous logits
+/// `(rows, classes)` (see [`applies_rows`]), in one pass per row with a row
+/// or two of scratch per task: no tensor the logits' size.
 pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64> {
+    match logits.dtype() {
+        DType::F32 => rows_sum::<f32>(logits, targets),
+        DType::BF16 => rows_sum::<half::bf16>(logits, targets),
+        DType::F16 => rows_sum::<half::f16>(logits, targets),
+        other => bail!("internal: no cross-entropy row kernel for {other:?}"),
+    }
+}
+
+fn rows_sum<T: Row>(logits: &Tensor, targets: &[u32]) -> Result<f64> {
     let (_, n) = logits.dims2()?;
-    with_slice::<f32, _>(logits, |z| {
+    with_slice::<T, _>(logits, |z| {
         z.par_chunks(n * ROWS_PER_TASK)
             .zip(targets.par_chunks(ROWS_PER_TASK))
             .map(|(rows, targets)| {
-                let mut scratch = vec![0f32; n];
+                let (mut scratch, mut wide) = (vec![0f32; n], Vec::new());
                 rows.chunks_exact(n)
                     .zip(targets)
                     .map(|(z, &t)| {
+                        let z = T::as_f32(z, &mut wide);
                         let max = row_max(z);
                         let sum = exp_shifted_row(z, max, &mut scratch);
                         f64::from(max + sum.ln() - z[t as usize])
@@ -248,24 +268,80 @@ pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64>
     })
 }
 
-/// `(softmax(z) - onehot(targets)) * scale` for contiguous f32 logits
-/// `(rows, classes)`: the cross-entropy's gradient, written straight into
-/// the one tensor it returns.
+/// `(softmax(z) - onehot(targets)) * scale` for contiguous logits `(rows,
+/// classes)` (see [`applies_rows`]): the cross-entropy's gradient, computed
+/// in f32 and written straight into the one tensor it returns, in the
+/// logits' dtype.
 pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Tensor> {
+    match logits.dtype() {
+        DType::F32 => rows_grad::<f32>(logits, targets, scale),
+        DType::BF16 => rows_grad::<half::bf16>(logits, targets, scale),
+        DType::F16 => rows_grad::<half::f16>(logits, targets, scale),
+        other => bail!("internal: no cross-entropy row kernel for {other:?}"),
+    }
+}
+
+fn rows_grad<T: Row>(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Tensor> {
     let (rows, n) = logits.dims2()?;
-    let mut d = vec![0f32; rows * n];
-    with_slice::<f32, _>(logits, |z| {
+    let mut d = vec![T::zero(); rows * n];
+    with_slice::<T, _>(logits, |z| {
         d.par_chunks_mut(n * ROWS_PER_TASK)
             .zip(z.par_chunks(n * ROWS_PER_TASK))
             .zip(targets.par_chunks(ROWS_PER_TASK))
             .for_each(|((d, z), targets)| {
+                let (mut row, mut wide) = (vec![0f32; n], Vec::new());
                 for ((d, z), &t) in d.chunks_exact_mut(n).zip(z.chunks_exact(n)).zip(targets) {
-                    let max = row_max(z);
-                    let sum = exp_shifted_row(z, max, d);
-                    scale_row(d, scale / sum);
-                    d[t as usize] -= scale;
+                    let z = T::as_f32(z, &mut wide);
+                    T::write(d, &mut row, |out| {
+                        let max = row_max(z);
+                        let sum = exp_shifted_row(z, max, out);
+                        scale_row(out, scale / sum);
+                        out[t as usize] -= scale;
+                    });
                 }
             });
     })?;
     Tensor::from_vec(d, (rows, n), &Device::Cpu)
 }
+
+/// An element type the cross-entropy's row kernels read and write: f32
+/// rows as they are, half-precision ones through an f32 row.
+trait Row: WithDType {
+    /// The row `z` as f32: itself, or widened into `wide`.
+    fn as_f32<'a>(z: &'a [Self], wide: &'a mut Vec<f32>) -> &'a [f32];
+    /// Runs `f` on an f32 row that ends up in `d`: `d` itself, or `row`
+    /// narrowed into it.
+    fn write(d: &mut [Self], row: &mut [f32], f: impl FnOnce(&mut [f32]));
+}
+
+impl Row for f32 {
+    fn as_f32<'a>(z: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+        z
+    }
+
+    fn write(d: &mut [f32], _: &mut [f32], f: impl FnOnce(&mut [f32])) {
+        f(d)
+    }
+}
+
+macro_rules! half_row {
+    ($t:ty) => {
+        impl Row for $t {
+            fn as_f32<'a>(z: &'a [$t], wide: &'a mut Vec<f32>) -> &'a [f32] {
+                wide.clear();
+                wide.extend(z.iter().map(|v| v.to_f32()));
+                wide
+            }
+
+            fn write(d: &mut [$t], row: &mut [f32], f: impl FnOnce(&mut [f32])) {
+                f(row);
+                for (d, &v) in d.iter_mut().zip(row.iter()) {
+                    *d = <$t>::from_f32(v);
+                }
+            }
+        }
+    };
+}
+
+half_row!(half::bf16);
+half_row!(half::f16);

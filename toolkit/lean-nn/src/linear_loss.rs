@@ -55,7 +55,9 @@ pub struct LossGrads {
     pub loss: Tensor,
     /// The gradient of the hidden states, `(rows, hidden)`.
     pub hidden: Tensor,
-    /// The gradient of the head's weight, `(classes, hidden)`.
+    /// The gradient of the head's weight, `(classes, hidden)`: the
+    /// transposed view of the `(hidden, classes)` tensor the chunks are
+    /// summed into (`contiguous()` makes a copy where one is needed).
     pub weight: Tensor,
 }
 
@@ -186,9 +188,9 @@ fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Shape> {
 }
 
 /// A chunk's sum over rows of `logsumexp(z) - z[target]`, as an f64
-/// scalar: one pass per row for contiguous f32 CPU logits.
+/// scalar: one pass per row for contiguous CPU logits (f32, bf16 or f16).
 fn chunk_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if crate::cpu::applies(logits) {
+    if crate::cpu::applies_rows(logits) {
         let t = crate::loss::class_indices(targets, logits.dim(1)?)?;
         return Tensor::new(crate::cpu::cross_entropy_sum(logits, &t)?, logits.device());
     }
@@ -227,7 +229,10 @@ fn run_chunks(
         let d = crate::loss::logits_grad(&logits, &t, scale / rows as f64)?;
         drop(logits);
         dhidden.push(d.matmul(weight)?);
-        let dw = d.t()?.matmul(&h)?.to_dtype(acc)?;
+        // The weight's gradient transposed, `h^T d` `(h, classes)`: its
+        // product's left operand is the small one, so the matrix library
+        // packs no copy of the chunk's gradient.
+        let dw = h.t()?.matmul(&d)?.to_dtype(acc)?;
         dweight = Some(match dweight {
             None => dw,
             Some(sum) => crate::add::add_into(sum, &dw)?,
@@ -236,7 +241,7 @@ fn run_chunks(
     let Some(dweight) = dweight else {
         bail!("internal: no chunk of rows");
     };
-    Ok((Tensor::cat(&dhidden, 0)?, dweight.to_dtype(dtype)?))
+    Ok((Tensor::cat(&dhidden, 0)?, dweight.t()?.to_dtype(dtype)?))
 }
 
 struct Fused {

@@ -24,8 +24,8 @@ use candle_custom_grad::{with_backward2, Backward2};
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (rows, classes) = check(logits, targets)?;
-    if crate::cpu::applies(logits) {
-        // f32 on the CPU: a pass per row, no tensor the logits' size.
+    if crate::cpu::applies_rows(logits) {
+        // On the CPU: a pass per row, no tensor the logits' size.
         let t = class_indices(targets, classes)?;
         let loss = cpu_mean(logits, &t)?;
         return with_backward2(loss, logits, targets, CrossEntropy);
@@ -86,10 +86,10 @@ pub(crate) fn composed_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> 
 }
 
 /// `(softmax(logits) - onehot(targets)) * factor`, in the logits' dtype:
-/// one pass per row for contiguous f32 CPU logits, candle's operations
-/// elsewhere.
+/// one pass per row for contiguous CPU logits (f32, bf16 or f16), candle's
+/// operations elsewhere.
 pub(crate) fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Result<Tensor> {
-    if crate::cpu::applies(logits) {
+    if crate::cpu::applies_rows(logits) {
         let classes = logits.dim(1)?;
         return crate::cpu::cross_entropy_grad(
             logits,
@@ -112,16 +112,16 @@ pub(crate) fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Res
         .to_dtype(logits.dtype())
 }
 
-/// The mean cross-entropy of contiguous f32 CPU logits against checked
+/// The mean cross-entropy of contiguous CPU logits against checked
 /// class indices, as a scalar tensor.
 fn cpu_mean(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let rows = logits.dim(0)?;
     let mean = crate::cpu::cross_entropy_sum(logits, targets)? / rows as f64;
-    Tensor::new(mean as f32, logits.device())
+    Tensor::new(mean as f32, logits.device())?.to_dtype(logits.dtype())
 }
 
 /// `(softmax(logits) - onehot(targets)) * upstream / rows` for contiguous
-/// f32 CPU logits and checked class indices.
+/// CPU logits and checked class indices.
 fn cpu_grad(logits: &Tensor, targets: &[u32], upstream: f32) -> Result<Tensor> {
     let rows = logits.dim(0)?;
     // As `affine(1 / rows)` rounds it.
@@ -134,7 +134,7 @@ fn cpu_grad(logits: &Tensor, targets: &[u32], upstream: f32) -> Result<Tensor> {
 /// directly, with no graph: for a driver that calls each layer's backward
 /// itself (`candle_checkpoint::direct_backward`). `scale` is 1 for the loss
 /// itself, or a micro-batch's share of the batch in gradient accumulation.
-/// On the CPU in f32 the gradient is the one tensor the logits' size it
+/// On the CPU the gradient is the one tensor the logits' size it
 /// allocates.
 ///
 /// ```
@@ -156,7 +156,7 @@ pub fn cross_entropy_and_grad(
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
     let logits = logits.detach();
-    if crate::cpu::applies(&logits) {
+    if crate::cpu::applies_rows(&logits) {
         // The targets converted and checked once for both.
         let (_, classes) = check(&logits, targets)?;
         let t = class_indices(targets, classes)?;

@@ -102,37 +102,42 @@ fn the_graph_keeps_no_copy_of_the_logits() -> Result<()> {
     Ok(())
 }
 
-/// The loss's forward and its gradient, on f32 logits on the CPU: the
-/// forward allocates nothing the logits' size, and the gradient is the one
-/// tensor the backward makes (candle-nn's, and the composed form, make a
-/// softmax, a one-hot and their difference beside it).
+/// The loss's forward and its gradient, on CPU logits of every float type
+/// the row kernels take: the forward allocates nothing the logits' size,
+/// and the gradient is the one tensor the backward makes, in the logits'
+/// dtype (candle-nn's, and the composed form, make a softmax, a one-hot and
+/// their difference beside it, in f32 for the half types).
 #[test]
 fn the_loss_and_its_gradient_allocate_one_logits_sized_tensor() -> Result<()> {
     let _turn = turn();
     let dev = Device::Cpu;
     let (rows, classes) = (256, 4096);
-    let logits = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, classes), &dev)?)?;
-    let targets = Tensor::zeros(rows, DType::U32, &dev)?;
-    let size = (rows * classes * 4) as f64;
-    let (loss, forward) = measure(|| candle_lean_nn::cross_entropy(&logits, &targets));
-    let loss = loss?;
-    let (grads, backward) = measure(|| loss.backward());
-    let g = grads?;
-    assert!(g.get(&logits).is_some());
-    let (f, b) = (forward.peak as f64 / size, backward.peak as f64 / size);
-    println!("logits-sized tensors at the peak: forward {f:.3}, backward {b:.3}");
-    assert!(f < 0.05, "{f}");
-    // The gradient, and candle's backward summing it into a zeros tensor:
-    // at most three at once.
-    assert!(b < 3.05, "{b}");
-    // Without candle's graph, the gradient is the one tensor.
-    let (direct, usage) =
-        measure(|| candle_lean_nn::cross_entropy_and_grad(&logits, &targets, 1.0));
-    let (_, grad) = direct?;
-    assert_eq!(grad.dims(), [rows, classes]);
-    let d = usage.peak as f64 / size;
-    println!("cross_entropy_and_grad: {d:.3} logits-sized tensors at the peak");
-    assert!(d < 1.05, "{d}");
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = Tensor::randn(0f32, 1.0, (rows, classes), &dev)?.to_dtype(dtype)?;
+        let logits = Var::from_tensor(&x)?;
+        let targets = Tensor::zeros(rows, DType::U32, &dev)?;
+        let size = (rows * classes * dtype.size_in_bytes()) as f64;
+        let (loss, forward) = measure(|| candle_lean_nn::cross_entropy(&logits, &targets));
+        let loss = loss?;
+        let (grads, backward) = measure(|| loss.backward());
+        let g = grads?;
+        assert_eq!(g.get(&logits).unwrap().dtype(), dtype);
+        let (f, b) = (forward.peak as f64 / size, backward.peak as f64 / size);
+        println!("{dtype:?}: logits-sized tensors at the peak: forward {f:.3}, backward {b:.3}");
+        assert!(f < 0.05, "{dtype:?}: {f}");
+        // The gradient, and candle's backward summing it into a zeros
+        // tensor: at most three at once.
+        assert!(b < 3.05, "{dtype:?}: {b}");
+        // Without candle's graph, the gradient is the one tensor.
+        let (direct, usage) =
+            measure(|| candle_lean_nn::cross_entropy_and_grad(&logits, &targets, 1.0));
+        let (_, grad) = direct?;
+        assert_eq!(grad.dims(), [rows, classes]);
+        assert_eq!(grad.dtype(), dtype);
+        let d = usage.peak as f64 / size;
+        println!("{dtype:?}: cross_entropy_and_grad: {d:.3} logits-sized tensors at the peak");
+        assert!(d < 1.05, "{dtype:?}: {d}");
+    }
     Ok(())
 }
 
