@@ -9,6 +9,7 @@ mod config;
 
 pub use config::{ConfigError, Family, LlamaConfig};
 
+use candle_checkpoint::{Checkpointed, Observer, Sequential};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear, LinearCrossEntropy};
 use candle_tiled_attention::{
@@ -230,59 +231,67 @@ impl Llama {
     /// The final norm's output `(batch * seq, hidden)` for `tokens` `(batch,
     /// seq)`, in the compute dtype.
     pub fn hidden_states(&self, tokens: &Tensor, options: &StepOptions) -> Result<Tensor> {
-        let (b, s) = tokens.dims2()?;
-        let c = &self.config;
-        if let Some(window) = c.sliding_window.filter(|w| s > *w) {
-            candle_core::bail!(
-                "sequences of {s} tokens are longer than the attention window ({window}), which \
-                 this model does not apply: use at most {window}"
-            );
+        let pass = Pass::new(&self.config, tokens, options)?;
+        let mut x = self.embed(tokens, options)?;
+        for block in &self.blocks {
+            x = self.block(block, &x, &pass)?;
         }
-        let dtype = options.compute;
-        let (cos, sin) =
-            candle_lean_nn::rope_tables(s, c.head_dim, c.rope_theta, dtype, tokens.device())?;
-        let cfg = FlashConfig::for_length(true, s);
-        let eps = c.rms_norm_eps;
-        let mut x = self
-            .embed
+        self.final_norm(&x, options)
+    }
+
+    /// The token embeddings `(batch, seq, hidden)` in the compute dtype.
+    fn embed(&self, tokens: &Tensor, options: &StepOptions) -> Result<Tensor> {
+        let (b, s) = tokens.dims2()?;
+        self.embed
             .as_tensor()
-            .to_dtype(dtype)?
+            .to_dtype(options.compute)?
             .embedding(&tokens.flatten_all()?)?
-            .reshape((b, s, c.hidden))?;
+            .reshape((b, s, self.config.hidden))
+    }
+
+    /// One block on the residual stream `x` `(batch, seq, hidden)`.
+    fn block(&self, block: &Block, x: &Tensor, pass: &Pass) -> Result<Tensor> {
+        let (c, options) = (&self.config, &pass.options);
+        let (b, s, _) = x.dims3()?;
+        let eps = c.rms_norm_eps;
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, s, n, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()
         };
-        for block in &self.blocks {
-            let n = rms_norm(&x, &block.attn_norm, eps, options)?;
-            let q = heads(block.q.forward(&n, options)?, c.heads)?;
-            let k = heads(block.k.forward(&n, options)?, c.kv_heads)?;
-            let v = heads(block.v.forward(&n, options)?, c.kv_heads)?;
-            drop(n);
-            let q = rope(&q, &cos, &sin, options.layers)?;
-            let k = rope(&k, &cos, &sin, options.layers)?;
-            let a = match (options.layers, options.attention) {
-                (Layers::Candle, _) => naive_attention(&q, &k, &v, &cfg)?,
-                (Layers::Lean, Attention::Tiled) => flash_attention(&q, &k, &v, &cfg)?,
-                (Layers::Lean, Attention::Materialized) => {
-                    materialized_attention(&q, &k, &v, &cfg)?
-                }
-            };
-            let a = a.transpose(1, 2)?.reshape((b, s, c.heads * c.head_dim))?;
-            x = (x + block.o.forward(&a, options)?)?;
-            let n = rms_norm(&x, &block.mlp_norm, eps, options)?;
-            let (g, u) = (
-                block.gate.forward(&n, options)?,
-                block.up.forward(&n, options)?,
-            );
-            let m = match options.layers {
-                Layers::Lean => candle_lean_nn::swiglu(&g, &u)?,
-                Layers::Candle => (candle_nn::ops::silu(&g)? * u)?,
-            };
-            x = (x + block.down.forward(&m, options)?)?;
-        }
-        rms_norm(&x, &self.norm, eps, options)?.reshape((b * s, c.hidden))
+        let n = rms_norm(x, &block.attn_norm, eps, options)?;
+        let q = heads(block.q.forward(&n, options)?, c.heads)?;
+        let k = heads(block.k.forward(&n, options)?, c.kv_heads)?;
+        let v = heads(block.v.forward(&n, options)?, c.kv_heads)?;
+        drop(n);
+        let q = rope(&q, &pass.cos, &pass.sin, options.layers)?;
+        let k = rope(&k, &pass.cos, &pass.sin, options.layers)?;
+        let a = match (options.layers, options.attention) {
+            (Layers::Candle, _) => naive_attention(&q, &k, &v, &pass.flash)?,
+            (Layers::Lean, Attention::Tiled) => flash_attention(&q, &k, &v, &pass.flash)?,
+            (Layers::Lean, Attention::Materialized) => {
+                materialized_attention(&q, &k, &v, &pass.flash)?
+            }
+        };
+        let a = a.transpose(1, 2)?.reshape((b, s, c.heads * c.head_dim))?;
+        let x = (x + block.o.forward(&a, options)?)?;
+        let n = rms_norm(&x, &block.mlp_norm, eps, options)?;
+        let (g, u) = (
+            block.gate.forward(&n, options)?,
+            block.up.forward(&n, options)?,
+        );
+        let m = match options.layers {
+            Layers::Lean => candle_lean_nn::swiglu(&g, &u)?,
+            Layers::Candle => (candle_nn::ops::silu(&g)? * u)?,
+        };
+        x + block.down.forward(&m, options)?
+    }
+
+    /// The final norm of the last block's output, as `(batch * seq,
+    /// hidden)` rows.
+    fn final_norm(&self, x: &Tensor, options: &StepOptions) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        rms_norm(x, &self.norm, self.config.rms_norm_eps, options)?.reshape((b * s, h))
     }
 
     /// The head's weight `(vocab, hidden)`: the embedding's when tied.
@@ -294,6 +303,16 @@ impl Llama {
     /// `targets` `(batch, seq)`, a scalar in f32.
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor, options: &StepOptions) -> Result<Tensor> {
         let hidden = self.hidden_states(tokens, options)?;
+        self.head_loss(&hidden, targets, options)
+    }
+
+    /// The head and the loss on the final norm's rows `hidden`.
+    fn head_loss(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        options: &StepOptions,
+    ) -> Result<Tensor> {
         let w = self.head_weight().as_tensor().to_dtype(options.compute)?;
         let t = targets.flatten_all()?;
         let loss = match (options.layers, options.loss) {
@@ -304,9 +323,41 @@ impl Llama {
             (Layers::Lean, Loss::Plain) => {
                 candle_lean_nn::cross_entropy(&hidden.matmul(&w.t()?)?, &t)?
             }
-            (Layers::Lean, Loss::Fused) => LinearCrossEntropy::new().loss(&hidden, &w, &t)?,
+            (Layers::Lean, Loss::Fused) => LinearCrossEntropy::new().loss(hidden, &w, &t)?,
         };
         loss.to_dtype(DType::F32)
+    }
+
+    /// The loss of `tokens` against `targets` scaled by `weight`, with the
+    /// gradients of [`Llama::vars`], by activation checkpointing: the
+    /// forward keeps only each block's input, and the backward runs each
+    /// block again from it, last first ([`Sequential`], the embedding and
+    /// every block a segment of its own). `weight` is a micro-batch's share
+    /// of its batch's rows, or 1. `observer` is told of each block's forward
+    /// and backward (`&NoObserver` for none).
+    pub fn checkpointed_backward(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        options: &StepOptions,
+        weight: f64,
+        observer: &dyn Observer,
+    ) -> Result<Checkpointed> {
+        let pass = Pass::new(&self.config, tokens, options)?;
+        let mut layers: Vec<Segment<'_>> = Vec::with_capacity(self.blocks.len() + 1);
+        layers.push(Box::new(|t| self.embed(t, options)));
+        for block in &self.blocks {
+            let pass = &pass;
+            layers.push(Box::new(move |x| self.block(block, x, pass)));
+        }
+        let head = |x: &Tensor| {
+            self.head_loss(&self.final_norm(x, options)?, targets, options)?
+                .affine(weight, 0.)
+        };
+        Sequential::new(&layers)
+            .segments(layers.len())
+            .observer(observer)
+            .backward(tokens, &self.vars(), head)
     }
 
     /// Logits `(batch * seq, vocab)` of `tokens`, for checking the model
@@ -315,5 +366,42 @@ impl Llama {
         let hidden = self.hidden_states(tokens, options)?;
         let w = self.head_weight().as_tensor().to_dtype(options.compute)?;
         hidden.matmul(&w.t()?)
+    }
+}
+
+/// One layer of a checkpointed step: the embedding or a block.
+type Segment<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
+
+/// What every block of one forward shares: the rotary tables for its
+/// length, the attention's configuration and the step's options.
+struct Pass {
+    cos: Tensor,
+    sin: Tensor,
+    flash: FlashConfig,
+    options: StepOptions,
+}
+
+impl Pass {
+    fn new(c: &LlamaConfig, tokens: &Tensor, options: &StepOptions) -> Result<Self> {
+        let (_, s) = tokens.dims2()?;
+        if let Some(window) = c.sliding_window.filter(|w| s > *w) {
+            candle_core::bail!(
+                "sequences of {s} tokens are longer than the attention window ({window}), which \
+                 this model does not apply: use at most {window}"
+            );
+        }
+        let (cos, sin) = candle_lean_nn::rope_tables(
+            s,
+            c.head_dim,
+            c.rope_theta,
+            options.compute,
+            tokens.device(),
+        )?;
+        Ok(Self {
+            cos,
+            sin,
+            flash: FlashConfig::for_length(true, s),
+            options: *options,
+        })
     }
 }
