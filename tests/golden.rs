@@ -22,6 +22,7 @@ fn sample() -> ChapterReport {
         baseline_host: ByCategory::default(),
         device_peak_each: ByCategory([100, 1_200, 0, 2_750, 10, 0, 140]),
         host_peak_each: ByCategory::default(),
+        device_peak_bytes: 4_000,
         end: ByCategory([100, 1_000, 0, 0, 10, 0, 5]),
         end_host: ByCategory::default(),
         baseline_blocks: 12,

@@ -427,42 +427,42 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
 
 /// The size of the `Counts` this library fills.
 #[no_mangle]
-pub extern "C" fn workbook_heap_v1_layout() -> usize {
+pub extern "C" fn workbook_heap_v2_layout() -> usize {
     std::mem::size_of::<raw::Counts>()
 }
 
 /// Whether this process is counted.
 #[no_mangle]
-pub extern "C" fn workbook_heap_v1_counting() -> bool {
+pub extern "C" fn workbook_heap_v2_counting() -> bool {
     counting()
 }
 
 /// Fills `out` with the counters.
 ///
 /// # Safety
-/// `out` points to a writable `Counts` of [`workbook_heap_v1_layout`]
+/// `out` points to a writable `Counts` of [`workbook_heap_v2_layout`]
 /// bytes.
 #[no_mangle]
-pub unsafe extern "C" fn workbook_heap_v1_counts(out: *mut raw::Counts) {
+pub unsafe extern "C" fn workbook_heap_v2_counts(out: *mut raw::Counts) {
     unsafe { out.write(raw::counts()) }
 }
 
 /// Opens a peak frame; false when frames already nest too deep.
 #[no_mangle]
-pub extern "C" fn workbook_heap_v1_push_frame() -> bool {
+pub extern "C" fn workbook_heap_v2_push_frame() -> bool {
     raw::push_frame()
 }
 
 /// Closes a peak frame.
 #[no_mangle]
-pub extern "C" fn workbook_heap_v1_pop_frame() {
+pub extern "C" fn workbook_heap_v2_pop_frame() {
     raw::pop_frame()
 }
 
 /// Sets this thread's category (`which` 0) or residency (1) tag; returns
 /// the previous one. A value out of range is not set.
 #[no_mangle]
-pub extern "C" fn workbook_heap_v1_swap_tag(which: u32, value: u8) -> u8 {
+pub extern "C" fn workbook_heap_v2_swap_tag(which: u32, value: u8) -> u8 {
     let packed = packed_tags();
     let (category, residency) = ((packed & 0xff) as u8, (packed >> 8) as u8);
     let (new, previous) = match which {
@@ -483,7 +483,7 @@ pub extern "C" fn workbook_heap_v1_swap_tag(which: u32, value: u8) -> u8 {
 
 /// This thread's category (`which` 0) or residency (1) tag.
 #[no_mangle]
-pub extern "C" fn workbook_heap_v1_get_tag(which: u32) -> u8 {
+pub extern "C" fn workbook_heap_v2_get_tag(which: u32) -> u8 {
     let packed = packed_tags();
     if which == 0 {
         (packed & 0xff) as u8

@@ -216,7 +216,7 @@ fn a_tag_out_of_range_is_not_set() {
     type Swap = unsafe extern "C" fn(u32, u8) -> u8;
     // SAFETY: the library's export, of this signature.
     let swap: Swap = unsafe {
-        let p = libc::dlsym(libc::RTLD_DEFAULT, c"workbook_heap_v1_swap_tag".as_ptr());
+        let p = libc::dlsym(libc::RTLD_DEFAULT, c"workbook_heap_v2_swap_tag".as_ptr());
         assert!(!p.is_null());
         std::mem::transmute::<*mut libc::c_void, Swap>(p)
     };

@@ -320,6 +320,9 @@ static CURRENT_TAG: [AtomicU64; 2 * CATEGORIES] = [const { AtomicU64::new(0) }; 
 static PEAK_EACH_TAG: [AtomicU64; 2 * CATEGORIES] = [const { AtomicU64::new(0) }; 2 * CATEGORIES];
 static BLOCKS: AtomicU64 = AtomicU64::new(0);
 static PEAK_BLOCKS: AtomicU64 = AtomicU64::new(0);
+/// Device-resident bytes live, and their highest at one moment.
+static DEVICE_TOTAL: AtomicU64 = AtomicU64::new(0);
+static DEVICE_PEAK: AtomicU64 = AtomicU64::new(0);
 
 /// The peaks of an enclosing frame, kept while an inner frame is open.
 #[derive(Clone, Copy)]
@@ -329,6 +332,7 @@ struct SavedPeaks {
     peak_each: [u64; CATEGORIES],
     peak_each_tag: [u64; 2 * CATEGORIES],
     peak_blocks: u64,
+    device_peak: u64,
 }
 
 impl SavedPeaks {
@@ -338,6 +342,7 @@ impl SavedPeaks {
         peak_each: [0; CATEGORIES],
         peak_each_tag: [0; 2 * CATEGORIES],
         peak_blocks: 0,
+        device_peak: 0,
     };
 }
 
@@ -372,6 +377,7 @@ fn restart_peaks() {
         peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
     }
     PEAK_BLOCKS.store(BLOCKS.load(Ordering::Relaxed), Ordering::Relaxed);
+    DEVICE_PEAK.store(DEVICE_TOTAL.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
 /// Opens a frame of the counting allocator's peaks; see [`Meter::push_peak`].
@@ -398,6 +404,7 @@ fn try_push_cpu_frame() -> bool {
         peak_each: load_all(&PEAK_EACH),
         peak_each_tag: load_all(&PEAK_EACH_TAG),
         peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
+        device_peak: DEVICE_PEAK.load(Ordering::Relaxed),
     };
     frames.depth += 1;
     restart_peaks();
@@ -427,6 +434,7 @@ fn pop_cpu_frame() {
         slot.fetch_max(v, Ordering::Relaxed);
     }
     PEAK_BLOCKS.fetch_max(outer.peak_blocks, Ordering::Relaxed);
+    DEVICE_PEAK.fetch_max(outer.device_peak, Ordering::Relaxed);
 }
 
 /// The header in front of each block: big enough for the tag, and a multiple
@@ -449,6 +457,10 @@ fn record_alloc(tag: u8, size: u64) {
     let total = TOTAL.fetch_add(size, Ordering::Relaxed) + size;
     let blocks = BLOCKS.fetch_add(1, Ordering::Relaxed) + 1;
     PEAK_BLOCKS.fetch_max(blocks, Ordering::Relaxed);
+    if (tag as usize) < CATEGORIES {
+        let device = DEVICE_TOTAL.fetch_add(size, Ordering::Relaxed) + size;
+        DEVICE_PEAK.fetch_max(device, Ordering::Relaxed);
+    }
     if total > PEAK.load(Ordering::Relaxed) && PEAK.fetch_max(total, Ordering::Relaxed) < total {
         for (peak, current) in PEAK_BY_CATEGORY.iter().zip(CURRENT.iter()) {
             peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -461,6 +473,9 @@ fn record_free(tag: u8, size: u64) {
     CURRENT_TAG[tag as usize].fetch_sub(size, Ordering::Relaxed);
     TOTAL.fetch_sub(size, Ordering::Relaxed);
     BLOCKS.fetch_sub(1, Ordering::Relaxed);
+    if (tag as usize) < CATEGORIES {
+        DEVICE_TOTAL.fetch_sub(size, Ordering::Relaxed);
+    }
 }
 
 /// A global allocator that counts the bytes it hands out, by [`Category`].

@@ -56,6 +56,10 @@ pub struct RegionReport {
     /// The highest each category reached on the host (absolute).
     #[serde(default)]
     pub host_peak_each: ByCategory,
+    /// The highest device-resident total at one moment (absolute): the
+    /// peak a device's memory must hold, host-resident bytes left out.
+    #[serde(default)]
+    pub device_peak_bytes: u64,
     /// Bytes live when the region ended, by category.
     pub end: ByCategory,
     /// The host-resident part of `end`.
@@ -128,6 +132,13 @@ impl RegionReport {
         self.peak_each
             .get(category)
             .saturating_sub(self.baseline.get(category))
+    }
+
+    /// The device-resident peak above the device-resident baseline: what
+    /// the variant cost the device at its worst moment.
+    pub fn device_total_peak_above_baseline(&self) -> u64 {
+        let base = self.baseline.total() - self.baseline_host.total();
+        self.device_peak_bytes.saturating_sub(base)
     }
 
     /// Like [`Self::category_peak_above_baseline`], for device-resident bytes.

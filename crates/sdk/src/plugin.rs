@@ -478,6 +478,7 @@ impl Region {
             baseline_host: self.baseline.host,
             device_peak_each: snap.device_peak_each,
             host_peak_each: snap.host_peak_each,
+            device_peak_bytes: snap.device_peak,
             end: snap.current,
             end_host: snap.host,
             baseline_blocks: self.baseline.live_blocks,

@@ -186,6 +186,40 @@ fn host_and_device_residency_are_counted_apart() {
     meter.pop_peak();
 }
 
+/// The device's peak is the most device-resident bytes at one moment,
+/// across categories, with the host's left out: what an offloaded
+/// optimizer's device must hold.
+#[test]
+fn the_device_peak_is_one_moments_device_bytes_without_the_hosts() {
+    let _turn = turn();
+    let meter = std::sync::Arc::new(CpuMeter::new().unwrap());
+    let mut ctx = workbook_sdk::Context::new(Device::Cpu, meter, true);
+    let (_, report) = ctx
+        .measure("offloaded", |_| {
+            let state = workbook_sdk::Residency::Host
+                .scope(|| Category::OptimizerState.scope(|| vec![0u8; 5_000_000]));
+            let grads = Category::Gradients.scope(|| vec![0u8; 2_000_000]);
+            let acts = Category::Activations.scope(|| vec![0u8; 1_000_000]);
+            drop(grads);
+            // Device bytes peaked at 3 MB (gradients and activations at
+            // once); now 1 MB, then 2.5 MB: below the peak.
+            let more = Category::Activations.scope(|| vec![0u8; 1_500_000]);
+            drop((state, acts, more));
+            Ok(())
+        })
+        .unwrap();
+    // Totals take in every category, the region's own bookkeeping (a few
+    // bytes, some freed after the baseline) included.
+    let device = report.device_total_peak_above_baseline();
+    assert!((3_000_000 - 64..=3_000_000).contains(&device), "{device}");
+    let total = report.peak_above_baseline();
+    assert!((8_000_000 - 64..=8_000_000).contains(&total), "{total}");
+    // Each category's own device peak, at their own moments, sum higher.
+    let each = report.device_peak_above_baseline(Category::Gradients)
+        + report.device_peak_above_baseline(Category::Activations);
+    assert_eq!(each, 4_500_000);
+}
+
 #[test]
 fn region_reports_peak_above_baseline_and_marks() {
     let _turn = turn();

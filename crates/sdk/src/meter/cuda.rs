@@ -227,6 +227,7 @@ fn combine(device: PoolReading, host: &MemorySnapshot) -> MemorySnapshot {
         host_peak_each: host.host_peak_each,
         live_blocks: host.live_blocks,
         peak_blocks: host.peak_blocks,
+        device_peak: device.used_high,
         pool: Some(device),
     }
 }

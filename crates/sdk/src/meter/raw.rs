@@ -61,6 +61,8 @@ pub struct Counts {
     pub live_blocks: u64,
     /// The most blocks live at once.
     pub peak_blocks: u64,
+    /// The highest device-resident total at one moment.
+    pub device_peak: u64,
 }
 
 /// Reads the counters.
@@ -82,6 +84,7 @@ pub fn counts() -> Counts {
         host_peak_each: half(&PEAK_EACH_TAG, true),
         live_blocks: BLOCKS.load(Ordering::Relaxed),
         peak_blocks: PEAK_BLOCKS.load(Ordering::Relaxed),
+        device_peak: DEVICE_PEAK.load(Ordering::Relaxed),
     }
 }
 
@@ -98,6 +101,7 @@ impl Counts {
             host_peak_each: ByCategory(self.host_peak_each),
             live_blocks: self.live_blocks,
             peak_blocks: self.peak_blocks,
+            device_peak: self.device_peak,
             pool: None,
         }
     }
@@ -107,18 +111,18 @@ impl Counts {
 /// [`Counts`] takes a new version.
 pub mod symbols {
     /// `extern "C" fn() -> usize`: the size of its [`Counts`](super::Counts).
-    pub const LAYOUT: &std::ffi::CStr = c"workbook_heap_v1_layout";
+    pub const LAYOUT: &std::ffi::CStr = c"workbook_heap_v2_layout";
     /// `extern "C" fn() -> bool`: whether it counts this process.
-    pub const COUNTING: &std::ffi::CStr = c"workbook_heap_v1_counting";
+    pub const COUNTING: &std::ffi::CStr = c"workbook_heap_v2_counting";
     /// `extern "C" fn(*mut Counts)`.
-    pub const COUNTS: &std::ffi::CStr = c"workbook_heap_v1_counts";
+    pub const COUNTS: &std::ffi::CStr = c"workbook_heap_v2_counts";
     /// `extern "C" fn() -> bool`: false when frames nest too deep.
-    pub const PUSH_FRAME: &std::ffi::CStr = c"workbook_heap_v1_push_frame";
+    pub const PUSH_FRAME: &std::ffi::CStr = c"workbook_heap_v2_push_frame";
     /// `extern "C" fn()`.
-    pub const POP_FRAME: &std::ffi::CStr = c"workbook_heap_v1_pop_frame";
+    pub const POP_FRAME: &std::ffi::CStr = c"workbook_heap_v2_pop_frame";
     /// `extern "C" fn(which: u32, value: u8) -> u8`: `which` 0 the
     /// category, 1 the residency; a value out of range is not set.
-    pub const SWAP_TAG: &std::ffi::CStr = c"workbook_heap_v1_swap_tag";
+    pub const SWAP_TAG: &std::ffi::CStr = c"workbook_heap_v2_swap_tag";
     /// `extern "C" fn(which: u32) -> u8`.
-    pub const GET_TAG: &std::ffi::CStr = c"workbook_heap_v1_get_tag";
+    pub const GET_TAG: &std::ffi::CStr = c"workbook_heap_v2_get_tag";
 }

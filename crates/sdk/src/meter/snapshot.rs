@@ -80,6 +80,10 @@ pub struct MemorySnapshot {
     pub live_blocks: u64,
     /// The most blocks live at once since the last reset.
     pub peak_blocks: u64,
+    /// The highest device-resident total at one moment since the last
+    /// reset: on the CPU, what is not tagged as the host's (see
+    /// [`Residency`]); on a GPU, the pool's high-water mark.
+    pub device_peak: u64,
     /// The CUDA memory pool's own figures, on a GPU; `None` on the CPU.
     pub pool: Option<PoolReading>,
 }
