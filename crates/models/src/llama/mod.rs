@@ -9,7 +9,8 @@ mod config;
 
 pub use config::{ConfigError, Family, LlamaConfig};
 
-use candle_checkpoint::{Checkpointed, Observer, Sequential};
+use candle_checkpoint::{add_grad, layerwise_backward, Checkpointed, Observer};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear, LinearCrossEntropy};
 use candle_tiled_attention::{
@@ -331,10 +332,11 @@ impl Llama {
     /// The loss of `tokens` against `targets` scaled by `weight`, with the
     /// gradients of [`Llama::vars`], by activation checkpointing: the
     /// forward keeps only each block's input, and the backward runs each
-    /// block again from it, last first ([`Sequential`], the embedding and
-    /// every block a segment of its own). `weight` is a micro-batch's share
-    /// of its batch's rows, or 1. `observer` is told of each block's forward
-    /// and backward (`&NoObserver` for none).
+    /// block again from it, last first, the embedding and every block a
+    /// layer of its own. `weight` is a micro-batch's share of its batch's
+    /// rows, or 1. `observer` is told of each block's forward and backward
+    /// (`&NoObserver` for none). A tied embedding's two gradients are
+    /// summed.
     pub fn checkpointed_backward(
         &self,
         tokens: &Tensor,
@@ -343,6 +345,37 @@ impl Llama {
         weight: f64,
         observer: &dyn Observer,
     ) -> Result<Checkpointed> {
+        let mut grads = GradStore::default();
+        let loss = self.checkpointed_backward_with(
+            tokens,
+            targets,
+            options,
+            weight,
+            |var, g| add_grad(&mut grads, var, g),
+            observer,
+        )?;
+        Ok(Checkpointed {
+            loss,
+            grads,
+            input_grad: None,
+        })
+    }
+
+    /// [`Llama::checkpointed_backward`], each gradient handed to `on_grad`
+    /// as soon as its layer's backward is done ([`layerwise_backward`]), so
+    /// that the device never holds more than one layer's gradients when
+    /// `on_grad` moves them away (ZeRO-2's reduce-scatter, an offloaded
+    /// optimizer). A tied embedding's gradient is handed over twice, for
+    /// the head and for the lookup: sum them. Returns the scaled loss.
+    pub fn checkpointed_backward_with(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        options: &StepOptions,
+        weight: f64,
+        on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+        observer: &dyn Observer,
+    ) -> Result<Tensor> {
         let pass = Pass::new(&self.config, tokens, options)?;
         let mut layers: Vec<Segment<'_>> = Vec::with_capacity(self.blocks.len() + 1);
         layers.push(Box::new(|t| self.embed(t, options)));
@@ -354,10 +387,7 @@ impl Llama {
             self.head_loss(&self.final_norm(x, options)?, targets, options)?
                 .affine(weight, 0.)
         };
-        Sequential::new(&layers)
-            .segments(layers.len())
-            .observer(observer)
-            .backward(tokens, &self.vars(), head)
+        layerwise_backward(&layers, tokens, &self.vars(), head, on_grad, observer)
     }
 
     /// Logits `(batch * seq, vocab)` of `tokens`, for checking the model
