@@ -453,6 +453,25 @@ pub fn figure(plan: &Plan) -> Figure {
     }
 }
 
+/// An option in words: `bf16 compute, the fused loss, every block
+/// checkpointed, 4 micro-batches`.
+fn option_words(o: &workbook_planner::decoder::DecoderOption) -> String {
+    let mut words = format!("{} compute with the {} loss", o.compute, o.loss);
+    match o.optimizer.as_str() {
+        "offload" => words.push_str(", AdamW offloaded to the host"),
+        "zero1" => words.push_str(", ZeRO-1"),
+        "zero2" => words.push_str(", ZeRO-2"),
+        _ => {}
+    }
+    if o.checkpoint {
+        words.push_str(", every block checkpointed");
+    }
+    if o.micro_batches > 1 {
+        words.push_str(&format!(", {} micro-batches", o.micro_batches));
+    }
+    words
+}
+
 /// A decoder plan as text: each option's predicted peak by term, the one
 /// chosen, or the smallest and what it lacks.
 pub fn decoder_text(
@@ -460,11 +479,21 @@ pub fn decoder_text(
     card: &workbook_planner::decoder::Card,
     plan: &workbook_planner::decoder::DecoderPlan,
 ) -> String {
+    let ranks = if plan.ranks > 1 {
+        let each = plan.batch / plan.ranks;
+        format!(
+            " over {} ranks ({each} sequence{} each; the figures are one rank's)",
+            plan.ranks,
+            if each == 1 { "" } else { "s" }
+        )
+    } else {
+        String::new()
+    };
     let mut out = format!(
         "{} decoder, {} blocks, hidden {}, {} / {} heads, vocabulary {}: {} parameters.\n\
-         A step of {} x {} tokens with f32 master weights and AdamW, against {} ({}), \
-         predicted in closed form (chapter 5 measures it within 0.4%; a GPU adds its \
-         runtime's own memory, which this does not count):\n\n",
+         A step of {} x {} tokens{ranks} with f32 master weights and AdamW, against {} ({}), \
+         predicted in closed form (chapter 5 measures every kind of option within 1%; a GPU \
+         adds its runtime's own memory, which this does not count):\n\n",
         cfg.family.name(),
         cfg.layers,
         cfg.hidden,
@@ -478,8 +507,17 @@ pub fn decoder_text(
         card.name
     );
     out.push_str(&format!(
-        "  {:<8} {:<6} {:>13} {:>11} {:>11} {:>11}\n",
-        "compute", "loss", "weights+AdamW", "saved", "backward", "peak"
+        "  {:<8} {:<6} {:<8} {:<12} {:>5} {:>13} {:>11} {:>11} {:>11} {:>11}\n",
+        "compute",
+        "loss",
+        "AdamW",
+        "checkpoint",
+        "micro",
+        "weights+AdamW",
+        "grads sum",
+        "saved",
+        "backward",
+        "peak"
     ));
     for (i, o) in plan.options.iter().enumerate() {
         let p = &o.prediction;
@@ -491,10 +529,14 @@ pub fn decoder_text(
             "  over"
         };
         out.push_str(&format!(
-            "  {:<8} {:<6} {:>13} {:>11} {:>11} {:>11}{mark}\n",
+            "  {:<8} {:<6} {:<8} {:<12} {:>5} {:>13} {:>11} {:>11} {:>11} {:>11}{mark}\n",
             o.compute,
             o.loss,
+            o.optimizer,
+            if o.checkpoint { "every block" } else { "none" },
+            o.micro_batches,
             bytes(p.state),
+            bytes(p.accumulated),
             bytes(p.saved),
             bytes(p.working),
             bytes(p.total())
@@ -504,9 +546,8 @@ pub fn decoder_text(
         Some(i) => {
             let o = &plan.options[i];
             out.push_str(&format!(
-                "\nChosen: {} compute with the {} loss, {} of {}.\n",
-                o.compute,
-                o.loss,
+                "\nChosen: {}, {} of {}.\n",
+                option_words(o),
                 bytes(o.prediction.total()),
                 bytes(plan.budget)
             ));
@@ -514,11 +555,10 @@ pub fn decoder_text(
         None => {
             if let Some(o) = plan.options.iter().min_by_key(|o| o.prediction.total()) {
                 out.push_str(&format!(
-                    "\nNothing fits: the smallest, {} compute with the {} loss, needs {}, {} \
+                    "\nNothing fits: the smallest, {}, needs {}, {} \
                      over the budget. Try a smaller --batch or --seq, or shard the state \
                      over ranks (ZeRO, chapter 4).\n",
-                    o.compute,
-                    o.loss,
+                    option_words(o),
                     bytes(o.prediction.total()),
                     bytes(o.prediction.total().saturating_sub(plan.budget))
                 ));

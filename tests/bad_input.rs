@@ -186,7 +186,7 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
          \"llama\", \"qwen2\" and \"mistral\" decoders)"
     );
     let expected = [
-        "error: 9 problems:".to_string(),
+        "error: 16 problems:".to_string(),
         format!("{f}:10:1: cell `step`: parameter `config` is {gpt2}; {not_llama}"),
         format!("{f}:11:1: cell `step`: parameter `batch` is 0; allowed: from 1 to 65536"),
         format!("{f}:12:1: cell `step`: parameter `steps` is 1; allowed: at least 2"),
@@ -206,6 +206,35 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
         ),
         format!("{f}:24:1: cell `shapes`: parameter `models[0].config` is {gpt2}; {not_llama}"),
         format!("{f}:32:1: cell `deep`: parameter `layers` is 31; allowed: from 1 to 30"),
+        format!(
+            "{f}:33:1: cell `deep`: parameter `checkpointing` is []; allowed: a list of at least \
+             1 entry"
+        ),
+        format!(
+            "{f}:34:1: cell `deep`: parameter `micro_batches[0]` is 3; allowed: a divisor of \
+             batch (1)"
+        ),
+        format!(
+            "{f}:34:1: cell `deep`: parameter `micro_batches[1]` is 0; allowed: a divisor of \
+             batch (1)"
+        ),
+        format!(
+            "{f}:43:1: cell `shared`: parameter `optimizers[1]` is \"gpu\"; allowed: one of \
+             device, offload, zero1, zero2"
+        ),
+        format!(
+            "{f}:44:1: cell `shared`: parameter `ranks` is 4; allowed with zero1 or zero2: at \
+             least 2, dividing batch (6)"
+        ),
+        format!(
+            "{f}:45:1: cell `shared`: parameter `checkpointing` is [false]; allowed with zero2: \
+             [true] (stage 2 reduce-scatters each layer's gradients as the checkpointed \
+             backward makes them)"
+        ),
+        format!(
+            "{f}:46:1: cell `shared`: parameter `micro_batches[0]` is 4; allowed: a divisor of \
+             batch / ranks (1)"
+        ),
     ];
     let (_, err) = text(&workbook(&["validate", f], root));
     let lines: Vec<&str> = err.lines().collect();

@@ -387,23 +387,45 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     let options = plan["options"].as_array().unwrap();
     let names: Vec<String> = options
         .iter()
-        .map(|o| format!("{} {}", o["compute"], o["loss"]).replace('"', ""))
+        .map(|o| {
+            format!(
+                "{} {} {} {} {}",
+                o["compute"], o["optimizer"], o["loss"], o["checkpoint"], o["micro_batches"]
+            )
+            .replace('"', "")
+        })
         .collect();
-    // On a GPU bf16 first, the plain loss before the fused one.
-    assert_eq!(
-        names,
-        ["bf16 plain", "bf16 fused", "f32 plain", "f32 fused"]
-    );
+    // On a GPU bf16 first; AdamW on the device before offloaded; no
+    // recomputation before checkpointing; fewer micro-batches (each
+    // dividing the batch) before more; the plain loss before the fused one.
+    // Then f32 the same way.
+    let mut want = Vec::new();
+    for dtype in ["bf16", "f32"] {
+        for optimizer in ["device", "offload"] {
+            for checkpoint in [false, true] {
+                for micro in [1, 2, 4, 8] {
+                    for loss in ["plain", "fused"] {
+                        want.push(format!("{dtype} {optimizer} {loss} {checkpoint} {micro}"));
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(names, want);
     assert_eq!(plan["chosen"].as_u64(), Some(0));
-    // The fused loss never predicts more than the plain one.
+    // The fused loss never predicts more than the plain one (less where the
+    // head's moment is the peak, as for a whole batch).
     let peak = |i: usize| {
         let p = &options[i]["prediction"];
-        ["state", "saved", "working"]
+        ["state", "accumulated", "saved", "working"]
             .iter()
             .map(|k| p[k].as_u64().unwrap())
             .sum::<u64>()
     };
-    assert!(peak(1) < peak(0) && peak(3) < peak(2));
+    assert!(peak(1) < peak(0));
+    for i in (0..options.len()).step_by(2) {
+        assert!(peak(i + 1) <= peak(i), "{}", names[i]);
+    }
 
     // On the CPU, f32 first; a budget below every option: refused with the
     // smallest and what it lacks.
@@ -412,7 +434,66 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("  f32      plain "), "{out}");
     assert!(
-        out.contains("Nothing fits: the smallest, bf16 compute with the fused loss, needs"),
+        out.contains(
+            "Nothing fits: the smallest, f32 compute with the fused loss, AdamW offloaded to \
+             the host, every block checkpointed, needs"
+        ),
+        "{out}"
+    );
+
+    // Llama-3.1-8B on one 80 GB card: only with AdamW on the host and
+    // every block checkpointed; over 8 ranks with ZeRO-1, the figures one
+    // rank's.
+    let llama = "models/llama-3.1-8b.config.json";
+    let card = [
+        "--model",
+        llama,
+        "--device",
+        "h100-80gb",
+        "--batch",
+        "8",
+        "--seq",
+        "2048",
+    ];
+    let o = plan_with(&card);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(
+        out.contains(
+            "Chosen: bf16 compute with the plain loss, AdamW offloaded to the host, every block \
+             checkpointed,"
+        ),
+        "{out}"
+    );
+    let o = plan_with(&[&card[..], &["--ranks", "8"]].concat());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(
+        out.contains("over 8 ranks (1 sequence each; the figures are one rank's)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("Chosen: bf16 compute with the plain loss, ZeRO-1, every block checkpointed,"),
+        "{out}"
+    );
+
+    // A budget only checkpointing meets: chosen, and said so.
+    let o = plan_with(&[
+        "--model",
+        smollm2,
+        "--device",
+        "h100-80gb",
+        "--batch",
+        "8",
+        "--seq",
+        "2048",
+        "--budget",
+        "4GiB",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(
+        out.contains("Chosen: bf16 compute with the fused loss, every block checkpointed,"),
         "{out}"
     );
 }
@@ -420,7 +501,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
 #[test]
 fn a_config_json_plan_refuses_what_it_cannot_plan() {
     let smollm2 = "models/smollm2-135m.config.json";
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--model", smollm2, "--device", "h200"],
             "error: `--device` is `h200`; allowed for a config.json: cpu, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090",
@@ -436,6 +517,22 @@ fn a_config_json_plan_refuses_what_it_cannot_plan() {
         (
             &["--model", "tests/fixtures/gpt2.config.json"],
             "error: tests/fixtures/gpt2.config.json: `model_type` is \"gpt2\": this builds \"llama\", \"qwen2\" and \"mistral\" decoders",
+        ),
+        (
+            &["--model", smollm2, "--ranks", "4", "--stages", "ddp,zero1"],
+            "error: `--stages` has ddp; allowed for a decoder: zero1, zero2 (ZeRO-1 holds less than data parallelism for the same traffic)",
+        ),
+        (
+            &["--model", smollm2, "--stages", "zero1"],
+            "error: `--stages` shares the training between ranks; give `--ranks` 2 or more",
+        ),
+        (
+            &["--model", smollm2, "--batch", "6", "--ranks", "4"],
+            "error: `--batch` is 6 over 4 ranks; allowed: a multiple of --ranks",
+        ),
+        (
+            &["--model", smollm2, "--verify"],
+            "error: `--verify` rehearses the GPT's plans; a decoder's predictions are checked against measurement by chapter 5 (`workbook run chapter5`)",
         ),
     ];
     for (args, message) in cases {

@@ -267,7 +267,8 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
 /// closed form for each compute dtype and loss, against a card's memory or
 /// the budget.
 fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
-    use workbook_planner::decoder::{plan_decoder as weigh, Card, CARDS};
+    use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderAsk, CARDS};
+    use workbook_planner::Stage;
     let cfg = workbook_models::llama::LlamaConfig::from_file(path)?;
     if args.batch == 0 || args.seq == 0 {
         anyhow::bail!(
@@ -286,6 +287,15 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             "`--dtypes` has {d:?}; allowed for a decoder: f32, bf16 (computed from f32 master weights)"
         );
     }
+    if args.verify {
+        anyhow::bail!(
+            "`--verify` rehearses the GPT's plans; a decoder's predictions are checked against \
+             measurement by chapter 5 (`workbook run chapter5`)"
+        );
+    }
+    if args.stages.is_some() && args.ranks == 1 {
+        anyhow::bail!("`--stages` shares the training between ranks; give `--ranks` 2 or more");
+    }
     let card = match args.device.as_str() {
         "cpu" | "auto" => {
             Card::cpu(workbook::plan::Memory::of(&workbook_sdk::candle::Device::Cpu).available)
@@ -299,7 +309,38 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         })?,
     };
     let budget = args.budget.unwrap_or(card.bytes).min(card.bytes);
-    let plan = weigh(&cfg, args.batch, args.seq, &args.dtypes, budget, &card);
+    let stages = match &args.stages {
+        None => vec![Stage::Zero1, Stage::Zero2],
+        Some(stages) => {
+            if let Some(s) = stages
+                .iter()
+                .find(|s| !matches!(s, Stage::Zero1 | Stage::Zero2))
+            {
+                anyhow::bail!(
+                    "`--stages` has {}; allowed for a decoder: zero1, zero2 (ZeRO-1 holds less \
+                     than data parallelism for the same traffic)",
+                    s.name()
+                );
+            }
+            stages.clone()
+        }
+    };
+    if args.ranks > 1 && !args.batch.is_multiple_of(args.ranks) {
+        anyhow::bail!(
+            "`--batch` is {} over {} ranks; allowed: a multiple of --ranks",
+            args.batch,
+            args.ranks
+        );
+    }
+    let ask = DecoderAsk {
+        batch: args.batch,
+        seq: args.seq,
+        dtypes: args.dtypes.clone(),
+        budget,
+        ranks: args.ranks,
+        stages,
+    };
+    let plan = weigh(&cfg, &ask, &card);
     if args.json {
         let value = serde_json::json!({ "model": cfg, "device": card, "plan": plan });
         say(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;

@@ -5,15 +5,34 @@
 //! graph keeps for the backward (read off the graph with `candle-ledger`,
 //! tensor by tensor), and what the backward holds beside them at its peak.
 //! In candle the graph keeps every saved tensor until the loss is dropped,
-//! so a step peaks at one of two moments: at the head's backward, when the
-//! head weight's gradient passes through candle's gradient store (the
-//! product, the zeros it is added to, and their sum; for the plain head,
-//! whose weight is used transposed, five tensors the weight's size at
-//! once, counted by the allocator), or at the end, when every gradient
-//! exists and the embedding's is added to the tied head's.
+//! so a step peaks at one of a few moments, each counted by an allocator
+//! and written here as the tensors alive then:
+//!
+//! * at the head's backward: the logits' gradient and the head weight's
+//!   gradient passing through candle's gradient store (the product, the
+//!   zeros it is added to, and their sum), or, with the fused loss, a
+//!   chunk's logits and gradients beside the weight's gradient summed so
+//!   far;
+//! * at the end, when every gradient exists and the embedding's is made
+//!   (and added to the tied head's);
+//! * checkpointed, at the head with only the blocks' inputs and one
+//!   block's tensors saved, or at the end with nothing saved any more;
+//! * at the optimizer's step, for an offloaded or ZeRO optimizer: the
+//!   step's gradients (or ZeRO-2's blocks of them) beside the buffers that
+//!   move the largest parameter.
+//!
+//! With ZeRO every term is one rank's, training on its share of the batch;
+//! with offload, the device's, the host's memory left out.
+//!
+//! In half precision on the CPU, candle widens a product's operands and
+//! result to f32: those copies are terms too. They are the CPU's: a GPU's
+//! products run in bf16, so on a card the bf16 terms overestimate.
 
+use candle_lean_nn::LinearCrossEntropy;
 use serde::Serialize;
 use workbook_models::llama::{LlamaConfig, Loss};
+
+use crate::stage::Stage;
 use workbook_sdk::candle::DType;
 
 /// A step's predicted peak, by term, in bytes.
@@ -22,6 +41,9 @@ pub struct Prediction {
     /// f32 master parameters and AdamW's two moments: 12 bytes a
     /// parameter.
     pub state: u64,
+    /// The gradients summed over the earlier micro-batches, held while the
+    /// last one's are made: 4 bytes a parameter, or none.
+    pub accumulated: u64,
     /// What the forward keeps for the backward.
     pub saved: u64,
     /// What the backward holds beside them at the peak: every f32 gradient
@@ -33,6 +55,7 @@ impl Prediction {
     /// All terms.
     pub fn total(&self) -> u64 {
         self.state
+            .saturating_add(self.accumulated)
             .saturating_add(self.saved)
             .saturating_add(self.working)
     }
@@ -70,6 +93,113 @@ fn saturate(x: u128) -> u64 {
     u64::try_from(x).unwrap_or(u64::MAX)
 }
 
+/// How a decoder's step runs, as far as its memory goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recipe {
+    /// The dtype the forward and backward compute in (the masters stay f32).
+    pub compute: DType,
+    /// The head and the loss.
+    pub loss: Loss,
+    /// Activation checkpointing: each block's input kept, the block run
+    /// again in the backward (`Llama::checkpointed_backward`).
+    pub checkpoint: bool,
+    /// The batch split into this many equal micro-batches, their gradients
+    /// summed (`candle_accumulate::GradAccumulator`); 1 for none. With ZeRO
+    /// the rank's share of the batch is split.
+    pub micro_batches: usize,
+    /// Where AdamW's state lives.
+    pub sharing: Sharing,
+}
+
+/// Where AdamW's state lives, and so what one device holds of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// On the device, beside the parameters (`LeanAdamW`).
+    Device,
+    /// On the host (`HostAdamW`): the device keeps the f32 parameters and
+    /// the step's gradients, which go to the host at the step.
+    Offload,
+    /// ZeRO over `ranks` (`ZeroAdamW`), each rank training on its share of
+    /// the batch: stage 1 partitions the moments and reduce-scatters the
+    /// gradients after the backward; stage 2 reduce-scatters each layer's
+    /// gradients as a checkpointed backward makes them.
+    Zero {
+        /// [`Stage::Zero1`] or [`Stage::Zero2`].
+        stage: Stage,
+        /// Ranks of the job.
+        ranks: usize,
+    },
+}
+
+impl Sharing {
+    /// Its name in metrics: `device`, `offload`, `zero1`, `zero2`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharing::Device => "device",
+            Sharing::Offload => "offload",
+            Sharing::Zero { stage, .. } => stage.name(),
+        }
+    }
+
+    /// Whether the backward hands each layer's gradients to the optimizer
+    /// as they are made, so they are never all on the device: ZeRO-2,
+    /// checkpointed.
+    pub fn takes_each_layer(self, checkpoint: bool) -> bool {
+        checkpoint
+            && matches!(
+                self,
+                Sharing::Zero {
+                    stage: Stage::Zero2,
+                    ..
+                }
+            )
+    }
+
+    /// The ranks the batch is split over.
+    pub fn ranks(self) -> usize {
+        match self {
+            Sharing::Zero { ranks, .. } => ranks.max(1),
+            _ => 1,
+        }
+    }
+}
+
+impl Recipe {
+    /// The whole batch at once, every block's tensors kept.
+    pub fn new(compute: DType, loss: Loss) -> Self {
+        Self {
+            compute,
+            loss,
+            checkpoint: false,
+            micro_batches: 1,
+            sharing: Sharing::Device,
+        }
+    }
+
+    /// Its name in metrics and tables: `f32_fused`, `bf16_plain_checkpointed_m4`.
+    pub fn name(&self) -> String {
+        let mut name = format!(
+            "{}_{}",
+            format!("{:?}", self.compute).to_lowercase(),
+            match self.loss {
+                Loss::Plain => "plain",
+                Loss::Fused => "fused",
+            }
+        );
+        if self.checkpoint {
+            name.push_str("_checkpointed");
+        }
+        if self.micro_batches > 1 {
+            name.push_str(&format!("_m{}", self.micro_batches));
+        }
+        if self.sharing != Sharing::Device {
+            name.push('_');
+            name.push_str(self.sharing.name());
+        }
+        name
+    }
+}
+
 /// The peak of a lean step of `cfg` at `batch` x `seq` tokens computing in
 /// `compute` with `loss`: the toolkit's layers with tiled attention
 /// (`Layers::Lean`, `Attention::Tiled`), f32 master weights, the toolkit's
@@ -81,19 +211,29 @@ pub fn predict_peak(
     compute: DType,
     loss: Loss,
 ) -> Prediction {
+    predict(cfg, batch, seq, &Recipe::new(compute, loss))
+}
+
+/// The peak of a lean step run by `recipe` (see [`predict_peak`]); `batch`
+/// is the whole batch, which `recipe.micro_batches` divides.
+pub fn predict(cfg: &LlamaConfig, batch: usize, seq: usize, recipe: &Recipe) -> Prediction {
     let n = |x: usize| x as u128;
+    let (compute, loss) = (recipe.compute, recipe.loss);
+    let micro = recipe.micro_batches.max(1);
+    // A rank's share of the batch, then a micro-batch of it.
+    let batch = batch / recipe.sharing.ranks() / micro;
     let params = u128::from(cfg.parameter_count());
     let e = n(compute.size_in_bytes());
     let tokens = n(batch) * n(seq);
     let (h, v) = (n(cfg.hidden), n(cfg.vocab));
-    let blocks = n(cfg.layers) * saved_block(cfg, batch, seq, e);
+    let half = compute != DType::F32;
+    let block = saved_block(cfg, batch, seq, e);
     // The embedding's output and the final norm's.
     let ends = 2 * tokens * h * e;
     let logits = match loss {
         Loss::Plain => tokens * v * e,
         Loss::Fused => 0,
     };
-    let half = compute != DType::F32;
     // In bf16 every parameter's cast is an input the graph keeps, and a tied
     // embedding is cast twice: for the lookup and for the head.
     let casts = if half {
@@ -101,25 +241,171 @@ pub fn predict_peak(
     } else {
         0
     };
-    // At the end: every f32 gradient, and the embedding's f32 gradient being
-    // made; in bf16 also its bf16 gradient and the cast between.
-    let end = 4 * params
-        + if half {
-            2 * 4 * v * h + e * v * h
-        } else {
-            4 * v * h
-        };
     // At the head: the logits' gradient (plain) and the head weight's
-    // gradient in the compute dtype, in candle's gradient store.
+    // gradient in the compute dtype, in candle's gradient store; or the
+    // logits' gradient summed there (it, zeros and the sum); in half
+    // precision on the CPU, the weight's product widened to f32 with its
+    // left operand, the logits' gradient.
     let head = match loss {
-        Loss::Plain => tokens * v * e + 5 * e * v * h,
-        Loss::Fused => 3 * e * v * h,
+        Loss::Plain => {
+            let grad = tokens * v * e;
+            let widened = if half {
+                grad + 4 * tokens * v + (4 + e) * v * h
+            } else {
+                0
+            };
+            (grad + 5 * e * v * h).max(3 * grad).max(widened)
+        }
+        Loss::Fused => (3 * e * v * h).max(fused_chunks(cfg, tokens, e)),
     };
-    Prediction {
-        state: saturate(12 * params),
-        saved: saturate(blocks + ends + logits + casts),
-        working: saturate(end.max(head)),
+    // The embedding's f32 gradient being made; in half precision also its
+    // gradient in that dtype and the cast between.
+    let embedding = if half { (8 + e) * v * h } else { 4 * v * h };
+    let sharing = recipe.sharing;
+    let each_layer = sharing.takes_each_layer(recipe.checkpoint);
+    let shards = Shards::of(cfg, sharing.ranks());
+    let state = match sharing {
+        Sharing::Device => 12 * params,
+        // The parameters stay; masters and moments are the host's.
+        Sharing::Offload => 4 * params,
+        // The parameters, and this rank's block of the two moments.
+        Sharing::Zero { .. } => 4 * params + 8 * shards.blocks,
+    };
+    // Gradients held on the device across micro-batches: their sum, or,
+    // handed over layer by layer, ZeRO-2's gradient blocks.
+    let accumulated = match (micro > 1, each_layer) {
+        (false, _) => 0,
+        (true, true) => 4 * shards.blocks,
+        (true, false) => 4 * params,
+    };
+    let moment = |saved: u128, working: u128| Prediction {
+        state: saturate(state),
+        accumulated: saturate(accumulated),
+        saved: saturate(saved),
+        working: saturate(working),
+    };
+    let mut moments = Vec::new();
+    if recipe.checkpoint {
+        // The forward keeps each block's input; the backward runs the last
+        // block with the head, then each block again, its tensors (and in
+        // bf16 its weights' casts) alive only while it runs. It peaks at
+        // the head, or at the end, when nothing is saved any more and the
+        // embedding's gradient is made: beside every other gradient, a
+        // tied embedding's two summed as they are handed over; or, handed
+        // over layer by layer, beside ZeRO-2's gradient blocks (an untied
+        // embedding's own not made yet), reduce-scattered through a padded
+        // buffer and a copy.
+        let per_block = (params - v * h * if cfg.tied { 1 } else { 2 }) / n(cfg.layers.max(1));
+        let one_cast = if half { e * (per_block + v * h) } else { 0 };
+        let at_head = n(cfg.layers) * tokens * h * e + block + ends + logits + one_cast;
+        moments.push(moment(at_head, head));
+        let at_end = if each_layer {
+            let own = 4 * (v * h).div_ceil(n(sharing.ranks()));
+            let blocks = match (micro > 1, cfg.tied) {
+                // Made by an earlier micro-batch: counted as accumulated.
+                (true, _) => 0,
+                (false, true) => 4 * shards.blocks,
+                (false, false) => 4 * shards.blocks - own,
+            };
+            let embedding = if half { 8 * v * h } else { 4 * v * h };
+            blocks + embedding + shards.reduce_buffers()
+        } else {
+            4 * params
+                + if half { 12 * v * h } else { 4 * v * h }
+                + if cfg.tied { 4 * v * h } else { 0 }
+        };
+        moments.push(moment(0, at_end));
+    } else {
+        let saved = n(cfg.layers) * block + ends + logits + casts;
+        moments.push(moment(saved, head));
+        moments.push(moment(saved, 4 * params + embedding));
     }
+    // The optimizer's step, after the backward: ZeRO-1 reduce-scatters the
+    // whole gradients into blocks, then updates and all-gathers each
+    // parameter; ZeRO-2 only the latter, from its blocks; the offloaded
+    // optimizer copies each updated parameter back.
+    let step = match (sharing, each_layer) {
+        (Sharing::Device, _) => 0,
+        (Sharing::Offload, _) => 4 * params + 4 * shards.largest,
+        (Sharing::Zero { .. }, true) => 4 * shards.blocks + shards.gather_buffers(),
+        (Sharing::Zero { .. }, false) => 4 * params + 4 * shards.blocks + shards.gather_buffers(),
+    };
+    let step = Prediction {
+        accumulated: 0,
+        ..moment(0, step)
+    };
+    moments.push(step);
+    moments
+        .into_iter()
+        .max_by_key(Prediction::total)
+        .expect("at least one moment")
+}
+
+/// How a model's parameters split into ZeRO's blocks over some ranks.
+struct Shards {
+    /// Elements of this rank's blocks, all parameters together.
+    blocks: u128,
+    /// Elements of the largest parameter.
+    largest: u128,
+    /// Its elements padded to a whole number of blocks.
+    padded: u128,
+}
+
+impl Shards {
+    fn of(cfg: &LlamaConfig, ranks: usize) -> Self {
+        let ranks = ranks.max(1) as u128;
+        let sizes = cfg
+            .parameters()
+            .into_iter()
+            .map(|(_, shape)| shape.iter().map(|&d| d as u128).product::<u128>());
+        let (mut blocks, mut largest) = (0, 0);
+        for size in sizes {
+            blocks += size.div_ceil(ranks);
+            largest = largest.max(size);
+        }
+        Self {
+            blocks,
+            largest,
+            padded: largest.div_ceil(ranks) * ranks,
+        }
+    }
+
+    /// Reduce-scattering the largest gradient: its padded f32 buffer and
+    /// its f32 copy.
+    fn reduce_buffers(&self) -> u128 {
+        4 * (self.padded + self.largest)
+    }
+
+    /// All-gathering the largest parameter: the padded buffer, the whole
+    /// tensor made from it, and this rank's block sent (which takes the
+    /// place of its gradient block, given up to the update).
+    fn gather_buffers(&self) -> u128 {
+        4 * (self.padded + self.largest)
+    }
+}
+
+/// What the fused loss's backward holds at its widest chunk, beside the
+/// head weight's gradient summed so far (f32; none with one chunk): the
+/// chunk's logits and their gradient, or the gradient and the weight's
+/// gradient for the chunk. In half precision on the CPU a product widens
+/// its operands and its result to f32, so the second moment also holds the
+/// chunk's gradient and the product in f32.
+fn fused_chunks(cfg: &LlamaConfig, tokens: u128, e: u128) -> u128 {
+    let (h, v) = (cfg.hidden as u128, cfg.vocab as u128);
+    let rows = LinearCrossEntropy::new().rows_per_chunk(
+        usize::try_from(tokens).unwrap_or(usize::MAX),
+        cfg.hidden,
+        cfg.vocab,
+    ) as u128;
+    let chunk = rows * v;
+    let sum = if tokens > rows { 4 * v * h } else { 0 };
+    let logits = 2 * e * chunk;
+    let weight = if e == 4 {
+        4 * v * h + 4 * chunk
+    } else {
+        (4 + e) * v * h + (4 + e) * chunk
+    };
+    sum + logits.max(weight)
 }
 
 /// A device a plan is made for: its name and the memory a step may hold.
@@ -172,7 +458,13 @@ pub struct DecoderOption {
     pub compute: String,
     /// `plain` or `fused`.
     pub loss: String,
-    /// The predicted peak, by term.
+    /// Whether blocks are checkpointed.
+    pub checkpoint: bool,
+    /// Micro-batches a device's share of the batch is split into.
+    pub micro_batches: usize,
+    /// Where AdamW's state lives: `device`, `offload`, `zero1`, `zero2`.
+    pub optimizer: String,
+    /// The predicted peak on one device, by term.
     pub prediction: Prediction,
     /// Whether it fits the budget.
     pub fits: bool,
@@ -188,51 +480,262 @@ pub struct DecoderPlan {
     pub batch: usize,
     /// Tokens per sequence.
     pub seq: usize,
-    /// The memory a step may hold.
+    /// Data-parallel ranks.
+    pub ranks: usize,
+    /// The memory a step may hold on one device.
     pub budget: u64,
-    /// The options, cheapest first: the fast dtype before the other, the
-    /// plain loss before the fused one (it computes the head's product once
-    /// less).
+    /// The options, cheapest first (see [`plan_decoder`]).
     pub options: Vec<DecoderOption>,
     /// The index of the first option that fits, if any.
     pub chosen: Option<usize>,
 }
 
-/// Weighs every compute dtype of `dtypes` with both losses for `cfg` at
-/// `batch` x `seq` tokens against `budget` bytes on `card`.
-pub fn plan_decoder(
-    cfg: &LlamaConfig,
-    batch: usize,
-    seq: usize,
-    dtypes: &[DType],
-    budget: u64,
-    card: &Card,
-) -> DecoderPlan {
-    let mut order: Vec<DType> = dtypes.to_vec();
+/// What a decoder plan is asked for.
+#[derive(Debug, Clone)]
+pub struct DecoderAsk {
+    /// Sequences per optimizer step, over all ranks.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Compute dtypes to weigh.
+    pub dtypes: Vec<DType>,
+    /// The memory a step may hold on one device.
+    pub budget: u64,
+    /// Data-parallel ranks (devices) the batch is split over.
+    pub ranks: usize,
+    /// With several ranks, the ZeRO stages to weigh (1 and 2).
+    pub stages: Vec<Stage>,
+}
+
+/// Weighs, for `cfg` on `card`, every compute dtype of the ask; on one
+/// device AdamW's state beside the parameters and then offloaded to the
+/// host, on several ranks each ZeRO stage asked for (stage 2 checkpointed
+/// only); without and with activation checkpointing; whole batches and
+/// every split into micro-batches that divides a device's share; both
+/// losses. Cheapest first, in that order of precedence: the fast dtype
+/// before the other; the state on the device, then offloaded (a copy of
+/// every gradient and parameter over the bus, and the update on the
+/// host's cores), or ZeRO-1 before ZeRO-2 (the same traffic as data
+/// parallelism, in fewer collectives); no recomputation before
+/// checkpointing (a second forward of every block); fewer micro-batches
+/// before more (each is a smaller product, less efficient on a GPU); the
+/// plain loss before the fused one (which computes the head's product once
+/// more).
+pub fn plan_decoder(cfg: &LlamaConfig, ask: &DecoderAsk, card: &Card) -> DecoderPlan {
+    let mut order = ask.dtypes.clone();
     // The fast dtype first.
     order.sort_by_key(|d| (*d == DType::BF16) != card.bf16_fast);
+    let ranks = ask.ranks.max(1);
+    let sharings: Vec<Sharing> = if ranks > 1 {
+        ask.stages
+            .iter()
+            .map(|&stage| Sharing::Zero { stage, ranks })
+            .collect()
+    } else {
+        vec![Sharing::Device, Sharing::Offload]
+    };
+    let share = ask.batch / ranks;
+    let splits: Vec<usize> = (1..=share).filter(|m| share.is_multiple_of(*m)).collect();
     let mut options = Vec::new();
     for compute in order {
-        for loss in [Loss::Plain, Loss::Fused] {
-            let prediction = predict_peak(cfg, batch, seq, compute, loss);
-            options.push(DecoderOption {
-                compute: format!("{compute:?}").to_lowercase(),
-                loss: match loss {
-                    Loss::Plain => "plain".into(),
-                    Loss::Fused => "fused".into(),
-                },
-                fits: prediction.total() <= budget,
-                prediction,
-            });
+        for &sharing in &sharings {
+            for checkpoint in [false, true] {
+                if sharing.takes_each_layer(true) && !checkpoint {
+                    continue;
+                }
+                for &micro_batches in &splits {
+                    for loss in [Loss::Plain, Loss::Fused] {
+                        let recipe = Recipe {
+                            compute,
+                            loss,
+                            checkpoint,
+                            micro_batches,
+                            sharing,
+                        };
+                        let prediction = predict(cfg, ask.batch, ask.seq, &recipe);
+                        options.push(DecoderOption {
+                            compute: format!("{compute:?}").to_lowercase(),
+                            loss: match loss {
+                                Loss::Plain => "plain".into(),
+                                Loss::Fused => "fused".into(),
+                            },
+                            checkpoint,
+                            micro_batches,
+                            optimizer: sharing.name().into(),
+                            fits: prediction.total() <= ask.budget,
+                            prediction,
+                        });
+                    }
+                }
+            }
         }
     }
     let chosen = options.iter().position(|o| o.fits);
     DecoderPlan {
         params: cfg.parameter_count(),
-        batch,
-        seq,
-        budget,
+        batch: ask.batch,
+        seq: ask.seq,
+        ranks,
+        budget: ask.budget,
         options,
         chosen,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smollm2() -> LlamaConfig {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/smollm2-135m.config.json"
+        );
+        LlamaConfig::from_file(path).unwrap()
+    }
+
+    #[test]
+    fn a_recipe_is_named_by_what_it_changes() {
+        let mut r = Recipe::new(DType::F32, Loss::Fused);
+        assert_eq!(r.name(), "f32_fused");
+        r.checkpoint = true;
+        r.micro_batches = 4;
+        assert_eq!(r.name(), "f32_fused_checkpointed_m4");
+        assert_eq!(Recipe::new(DType::BF16, Loss::Plain).name(), "bf16_plain");
+    }
+
+    #[test]
+    fn a_micro_batch_is_predicted_as_its_own_batch_plus_the_summed_gradients() {
+        let cfg = smollm2();
+        let params = cfg.parameter_count();
+        for checkpoint in [false, true] {
+            let whole = Recipe {
+                checkpoint,
+                ..Recipe::new(DType::F32, Loss::Fused)
+            };
+            let split = Recipe {
+                micro_batches: 4,
+                ..whole
+            };
+            let one = predict(&cfg, 1, 256, &whole);
+            let four = predict(&cfg, 4, 256, &split);
+            assert_eq!(four.accumulated, 4 * params);
+            assert_eq!(one.accumulated, 0);
+            assert_eq!((four.saved, four.working), (one.saved, one.working));
+            assert_eq!(four.total(), one.total() + 4 * params);
+        }
+    }
+
+    #[test]
+    fn checkpointing_predicts_less_and_the_plan_picks_it_only_when_it_must() {
+        let cfg = smollm2();
+        let plain = predict(&cfg, 8, 1024, &Recipe::new(DType::F32, Loss::Fused));
+        let checkpointed = Recipe {
+            checkpoint: true,
+            ..Recipe::new(DType::F32, Loss::Fused)
+        };
+        let less = predict(&cfg, 8, 1024, &checkpointed);
+        assert!(less.total() < plain.total() / 2, "{less:?} {plain:?}");
+        assert_eq!(predict_peak(&cfg, 8, 1024, DType::F32, Loss::Fused), plain);
+
+        let card = Card::cpu(1 << 40);
+        let ask = |budget| DecoderAsk {
+            batch: 8,
+            seq: 1024,
+            dtypes: vec![DType::F32],
+            budget,
+            ranks: 1,
+            stages: vec![],
+        };
+        let roomy = plan_decoder(&cfg, &ask(plain.total()), &card);
+        let first = &roomy.options[roomy.chosen.unwrap()];
+        assert!(!first.checkpoint && first.micro_batches == 1);
+        // Just under every option without checkpointing on the device.
+        let budget = roomy
+            .options
+            .iter()
+            .filter(|o| !o.checkpoint && o.optimizer == "device")
+            .map(|o| o.prediction.total())
+            .min()
+            .unwrap()
+            - 1;
+        let tight = plan_decoder(&cfg, &ask(budget), &card);
+        let chosen = &tight.options[tight.chosen.unwrap()];
+        assert!(
+            chosen.checkpoint && chosen.optimizer == "device",
+            "{chosen:?}"
+        );
+        assert!(chosen.prediction.total() <= budget);
+        // Cheapest first: nothing before it fits.
+        assert!(tight.options[..tight.chosen.unwrap()]
+            .iter()
+            .all(|o| !o.fits));
+    }
+
+    #[test]
+    fn the_plan_splits_only_into_micro_batches_that_divide_a_devices_share() {
+        let mut ask = DecoderAsk {
+            batch: 6,
+            seq: 64,
+            dtypes: vec![DType::F32],
+            budget: 1 << 40,
+            ranks: 1,
+            stages: vec![],
+        };
+        let plan = plan_decoder(&smollm2(), &ask, &Card::cpu(1 << 40));
+        let mut splits: Vec<usize> = plan.options.iter().map(|o| o.micro_batches).collect();
+        splits.dedup();
+        // Device then offload, each without and with checkpointing.
+        assert_eq!(splits, [[1, 2, 3, 6]; 4].concat());
+        assert_eq!(plan.options.len(), 2 * 2 * 4 * 2);
+
+        ask.batch = 12;
+        ask.ranks = 2;
+        ask.stages = vec![Stage::Zero1, Stage::Zero2];
+        let plan = plan_decoder(&smollm2(), &ask, &Card::cpu(1 << 40));
+        let kinds: Vec<(String, bool)> = plan
+            .options
+            .iter()
+            .map(|o| (o.optimizer.clone(), o.checkpoint))
+            .collect();
+        let mut kinds_once = kinds.clone();
+        kinds_once.dedup();
+        // ZeRO-2 reduce-scatters each layer's gradients as a checkpointed
+        // backward makes them: checkpointed only.
+        let named = |k: &str, c: bool| (k.to_string(), c);
+        assert_eq!(
+            kinds_once,
+            [
+                named("zero1", false),
+                named("zero1", true),
+                named("zero2", true)
+            ]
+        );
+        assert_eq!(plan.options.len(), 3 * 4 * 2);
+    }
+
+    #[test]
+    fn offload_and_zero_predict_less_state_on_each_device() {
+        let cfg = smollm2();
+        let params = u64::from(cfg.parameter_count());
+        let on = |sharing| Recipe {
+            checkpoint: true,
+            sharing,
+            ..Recipe::new(DType::F32, Loss::Fused)
+        };
+        let device = predict(&cfg, 4, 256, &on(Sharing::Device));
+        let offload = predict(&cfg, 4, 256, &on(Sharing::Offload));
+        assert_eq!(device.state, 12 * params);
+        assert_eq!(offload.state, 4 * params);
+        let zero = |stage| predict(&cfg, 4, 256, &on(Sharing::Zero { stage, ranks: 4 }));
+        let (one, two) = (zero(Stage::Zero1), zero(Stage::Zero2));
+        // The moments in blocks of a quarter of each parameter, rounded up.
+        let blocks: u64 = cfg
+            .parameters()
+            .iter()
+            .map(|(_, s)| (s.iter().product::<usize>() as u64).div_ceil(4))
+            .sum();
+        assert_eq!(one.state, 4 * params + 8 * blocks);
+        assert!(two.total() < one.total() && one.total() < device.total());
     }
 }

@@ -13,15 +13,20 @@ extern crate self as workbook_decoder;
 mod params;
 mod shapes;
 mod step;
+mod trainer;
 
 pub use params::{Published, ShapesParams, StepParams};
 pub use shapes::decoder_shapes_experiment;
 pub use step::decoder_step_experiment;
-pub use workbook_planner::decoder::{predict_peak, saved_per_block, Prediction};
+pub use trainer::Trainer;
+pub use workbook_planner::decoder::{
+    predict, predict_peak, saved_per_block, Prediction, Recipe, Sharing,
+};
 
 use std::path::PathBuf;
 
-use workbook_models::llama::LlamaConfig;
+use workbook_models::llama::{LlamaConfig, Loss};
+use workbook_planner::Stage;
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
@@ -72,6 +77,53 @@ pub fn model_config(p: &StepParams) -> anyhow::Result<LlamaConfig> {
         cfg.scaled(p.layers.unwrap_or(cfg.layers), p.divisor)
     } else {
         cfg
+    })
+}
+
+/// Every variant a `decoder_step` cell runs, in order: each compute dtype,
+/// each loss, each of `checkpointing`, `micro_batches` and `optimizers`.
+pub fn recipes(p: &StepParams) -> anyhow::Result<Vec<Recipe>> {
+    let mut out = Vec::new();
+    for dtype in &p.dtypes {
+        let compute = workbook_sdk::parse_dtype(dtype)?;
+        for loss in &p.losses {
+            let loss = if loss == "fused" {
+                Loss::Fused
+            } else {
+                Loss::Plain
+            };
+            for &checkpoint in &p.checkpointing {
+                for &micro_batches in &p.micro_batches {
+                    for optimizer in &p.optimizers {
+                        out.push(Recipe {
+                            compute,
+                            loss,
+                            checkpoint,
+                            micro_batches,
+                            sharing: sharing(optimizer, p.ranks)?,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The [`Sharing`] an `optimizers` entry names.
+pub fn sharing(name: &str, ranks: usize) -> anyhow::Result<Sharing> {
+    Ok(match name {
+        "device" => Sharing::Device,
+        "offload" => Sharing::Offload,
+        "zero1" => Sharing::Zero {
+            stage: Stage::Zero1,
+            ranks,
+        },
+        "zero2" => Sharing::Zero {
+            stage: Stage::Zero2,
+            ranks,
+        },
+        other => anyhow::bail!("`{other}` is no optimizer; allowed: device, offload, zero1, zero2"),
     })
 }
 
@@ -169,7 +221,8 @@ impl Plugin for DecoderStep {
 
     fn description(&self) -> &str {
         "a decoder from its config.json trained a few steps: the peak by category, the logits' \
-         share, the fused loss, the closed-form prediction and the public estimators"
+         share, the fused loss, checkpointing, micro-batches, optimizer offload, ZeRO, the \
+         closed-form prediction and the public estimators"
     }
 
     fn validate(&self, p: &StepParams) -> Vec<Violation> {
@@ -183,9 +236,58 @@ impl Plugin for DecoderStep {
             .at_least("steps", p.steps, 2)
             .between("divisor", p.divisor, 1, 1 << 12)
             .positive("lr", p.lr);
+        if p.checkpointing.is_empty() {
+            r.violation("checkpointing", "[]", "allowed: a list of at least 1 entry");
+        }
+        if p.micro_batches.is_empty() {
+            r.violation("micro_batches", "[]", "allowed: a list of at least 1 entry");
+        }
+        let zero = p.optimizers.iter().any(|o| o.starts_with("zero"));
+        // What a rank trains on: the batch, or its share of the ranks'.
+        let rows = if zero {
+            p.batch / p.ranks.max(1)
+        } else {
+            p.batch
+        };
+        if zero && (p.ranks < 2 || !p.batch.is_multiple_of(p.ranks)) {
+            r.violation(
+                "ranks",
+                p.ranks.to_string(),
+                format!(
+                    "allowed with zero1 or zero2: at least 2, dividing batch ({})",
+                    p.batch
+                ),
+            );
+        }
+        for (i, m) in p.micro_batches.iter().enumerate() {
+            if *m == 0 || !rows.is_multiple_of(*m) {
+                r.violation(
+                    format!("micro_batches[{i}]"),
+                    m.to_string(),
+                    if zero {
+                        format!("allowed: a divisor of batch / ranks ({rows})")
+                    } else {
+                        format!("allowed: a divisor of batch ({rows})")
+                    },
+                );
+            }
+        }
+        if p.optimizers.iter().any(|o| o == "zero2") && p.checkpointing.contains(&false) {
+            r.violation(
+                "checkpointing",
+                format!("{:?}", p.checkpointing),
+                "allowed with zero2: [true] (stage 2 reduce-scatters each layer's gradients as \
+                 the checkpointed backward makes them)",
+            );
+        }
         for (field, list, allowed) in [
             ("dtypes", &p.dtypes, &["f32", "bf16"][..]),
             ("losses", &p.losses, &["plain", "fused"][..]),
+            (
+                "optimizers",
+                &p.optimizers,
+                &["device", "offload", "zero1", "zero2"][..],
+            ),
         ] {
             if list.is_empty() {
                 r.violation(field, "[]", "allowed: a list of at least 1 entry");
@@ -218,23 +320,27 @@ impl Plugin for DecoderStep {
                 "the logits of one step in f32, batch x seq x vocab x 4, analytic",
             ),
             MetricSpec::bytes(
-                "peak_{dtype}_{loss}",
-                "the step's measured peak, per compute dtype of `dtypes` and loss of `losses`",
+                "peak_{variant}",
+                "the step's measured peak on the device (an offloaded optimizer's host memory \
+                 left out; with ZeRO, rank 0's), per variant: `{dtype}_{loss}` for each compute \
+                 dtype of `dtypes` and loss of `losses`, with `_checkpointed` when checkpointed, \
+                 `_m{n}` for n micro-batches above 1 and `_offload`, `_zero1` or `_zero2` for \
+                 where AdamW's state lives",
             ),
             MetricSpec::bytes(
-                "activations_{dtype}_{loss}",
+                "activations_{variant}",
                 "at that peak, the bytes the forward made (what the graph keeps for the backward)",
             ),
             MetricSpec::bytes(
-                "predicted_{dtype}_{loss}",
+                "predicted_{variant}",
                 "the closed-form prediction of that peak",
             ),
             MetricSpec::ratio(
-                "prediction_error_{dtype}_{loss}",
+                "prediction_error_{variant}",
                 "|predicted - measured| / measured",
             ),
             MetricSpec::ratio(
-                "estimator_error_{dtype}_{loss}",
+                "estimator_error_{variant}",
                 "(16 bytes a parameter - measured) / measured: the model-state formula of \
                  accelerate's estimate-memory and DeepSpeed, which leaves out activations",
             ),
@@ -246,10 +352,10 @@ impl Plugin for DecoderStep {
                 "logits_share_{dtype}",
                 "that saving over the plain loss's peak",
             ),
-            MetricSpec::number("loss_first_{dtype}_{loss}", "the first step's loss"),
-            MetricSpec::number("loss_last_{dtype}_{loss}", "the last step's loss"),
+            MetricSpec::number("loss_first_{variant}", "the first step's loss"),
+            MetricSpec::number("loss_last_{variant}", "the last step's loss"),
             MetricSpec::number("loss_uniform", "ln(vocab): a uniform guess's loss"),
-            MetricSpec::seconds("step_seconds_{dtype}_{loss}", "median seconds per step"),
+            MetricSpec::seconds("step_seconds_{variant}", "median seconds per step"),
         ]
     }
 

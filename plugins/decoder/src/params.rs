@@ -68,6 +68,25 @@ pub struct StepParams {
     pub dtypes: Vec<String>,
     /// Losses: `plain` (the whole logits) and `fused` (row chunks).
     pub losses: Vec<String>,
+    /// Activation checkpointing, per variant: `false` (the graph keeps
+    /// every block's tensors for the backward) or `true` (each block's input
+    /// only, the block run again in the backward).
+    pub checkpointing: Vec<bool>,
+    /// Micro-batches per step, per variant: the batch split into this many
+    /// equal parts whose gradients are summed (1: the whole batch at once).
+    /// Each must divide `batch`.
+    pub micro_batches: Vec<usize>,
+    /// Where AdamW's state lives, per variant: `device` (beside the
+    /// parameters), `offload` (f32 masters and moments on the host),
+    /// `zero1` (the moments partitioned over `ranks`, the gradients
+    /// reduce-scattered after the backward) or `zero2` (the gradients
+    /// partitioned too, reduce-scattered as each layer's are made:
+    /// checkpointed variants only). ZeRO runs rank 0 of `ranks`, its peers
+    /// rehearsed in this process.
+    pub optimizers: Vec<String>,
+    /// Ranks of the ZeRO variants; each trains on `batch / ranks`
+    /// sequences.
+    pub ranks: usize,
     /// AdamW's learning rate.
     pub lr: f64,
     /// Seed of weights and tokens.
@@ -85,6 +104,10 @@ impl Default for StepParams {
             steps: 3,
             dtypes: vec!["f32".into(), "bf16".into()],
             losses: vec!["plain".into(), "fused".into()],
+            checkpointing: vec![false],
+            micro_batches: vec![1],
+            optimizers: vec!["device".into()],
+            ranks: 1,
             lr: 1e-3,
             seed: 5,
         }

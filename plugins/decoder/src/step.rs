@@ -3,16 +3,17 @@
 //! `workbook_sdk::notebook`). Crates are named by their names, this one's
 //! included, so that the same text compiles in a notebook cell.
 
-use candle_lean_optim::LeanAdamW;
-use workbook_decoder::{model_config, predict_peak, state_bytes, StepParams};
-use workbook_models::llama::{Attention, Layers, Llama, LlamaConfig, Loss, StepOptions};
+use candle_accumulate::{micro_batches, GradAccumulator};
+use workbook_decoder::{model_config, predict, recipes, state_bytes, Recipe, StepParams, Trainer};
+use workbook_models::llama::{Attention, Layers, Llama, LlamaConfig, StepOptions};
 use workbook_models::Rng;
 use workbook_sdk::anyhow;
-use workbook_sdk::candle::DType;
-use workbook_sdk::candle_nn::{Optimizer, ParamsAdamW};
+use workbook_sdk::candle::backprop::GradStore;
+use workbook_sdk::candle::{DType, Tensor};
+use workbook_sdk::candle_nn::ParamsAdamW;
+use workbook_sdk::median;
 use workbook_sdk::observe::Tags;
 use workbook_sdk::output::Unit;
-use workbook_sdk::{median, parse_dtype};
 use workbook_sdk::{Category, Context, RegionReport, Table};
 
 // notebook cell
@@ -36,10 +37,9 @@ pub fn train_variant(
     ctx: &mut Context,
     p: &StepParams,
     cfg: &LlamaConfig,
-    options: StepOptions,
-    name: String,
+    recipe: &Recipe,
 ) -> anyhow::Result<Variant> {
-    let device = ctx.device().clone();
+    let (device, name) = (ctx.device().clone(), recipe.name());
     let mut rng = Rng::seeded(p.seed);
     let mut region = ctx.region(name.clone());
     let model = Category::Parameters.scope(|| Llama::new(cfg, DType::F32, &mut rng, &device))?;
@@ -47,11 +47,13 @@ pub fn train_variant(
         lr: p.lr,
         ..Default::default()
     };
-    let mut opt = LeanAdamW::with_observer(model.vars(), adamw, Tags)?;
+    let mut opt = Trainer::new(&model, adamw, recipe.sharing)?;
+    // A rank's share of the batch (the whole batch on one device).
+    let batch = p.batch / recipe.sharing.ranks();
     let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-        let x = rng.labels(p.batch * p.seq, cfg.vocab as u32, &device)?;
-        let y = rng.labels(p.batch * p.seq, cfg.vocab as u32, &device)?;
-        Ok((x.reshape((p.batch, p.seq))?, y.reshape((p.batch, p.seq))?))
+        let x = rng.labels(batch * p.seq, cfg.vocab as u32, &device)?;
+        let y = rng.labels(batch * p.seq, cfg.vocab as u32, &device)?;
+        Ok((x.reshape((batch, p.seq))?, y.reshape((batch, p.seq))?))
     })?;
     region.mark("model, optimizer and batch");
     let mut losses = Vec::with_capacity(p.steps);
@@ -59,16 +61,11 @@ pub fn train_variant(
     for step in 0..p.steps {
         ctx.progress(&format!("{name}: step {} of {}", step + 1, p.steps));
         let start = std::time::Instant::now();
-        let loss = Category::Activations.scope(|| model.loss(&x, &y, &options))?;
-        region.mark("after forward");
-        let grads = Category::Gradients.scope(|| loss.backward())?;
-        region.mark("after backward");
-        opt.step(&grads)?;
-        drop(grads);
-        losses.push(loss.to_scalar::<f32>()? as f64);
+        let loss = train_step(&model, &x, &y, recipe, &mut opt)?;
+        losses.push(loss);
         times.push(start.elapsed().as_secs_f64());
     }
-    region.set_analytic(predict_peak(cfg, p.batch, p.seq, options.compute, options.loss).total());
+    region.set_analytic(predict(cfg, p.batch, p.seq, recipe).total());
     let report = ctx.end_region(region);
     Ok(Variant {
         name,
@@ -79,11 +76,65 @@ pub fn train_variant(
 }
 
 // notebook cell
+/// One training step; returns its mean loss. The batch goes in
+/// `recipe.micro_batches` parts, each back-propagated through candle's
+/// graph or checkpointed block by block. Their gradients are summed with
+/// each part's share of the rows and handed to the optimizer, or, for an
+/// optimizer that takes each layer's gradients as they are made (offload,
+/// ZeRO-2), handed over layer by layer and summed there.
+pub fn train_step(
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+    recipe: &Recipe,
+    opt: &mut Trainer,
+) -> anyhow::Result<f64> {
+    let options = StepOptions {
+        layers: Layers::Lean,
+        compute: recipe.compute,
+        attention: Attention::Tiled,
+        loss: recipe.loss,
+    };
+    let batch = x.dim(0)?;
+    let rows = batch / recipe.micro_batches;
+    let weight = rows as f64 / batch as f64;
+    let parts = micro_batches(x, rows)?
+        .into_iter()
+        .zip(micro_batches(y, rows)?);
+    let mut loss = 0.0;
+    if recipe.sharing.takes_each_layer(recipe.checkpoint) {
+        for (x, y) in parts {
+            let take = |var: &_, g: _| opt.take(var, &g);
+            let l = model.checkpointed_backward_with(&x, &y, &options, weight, take, &Tags)?;
+            loss += l.to_scalar::<f32>()? as f64;
+        }
+        opt.step_taken()?;
+        return Ok(loss);
+    }
+    let mut sum = GradAccumulator::new(model.vars(), batch).with_observer(Tags);
+    for (x, y) in parts {
+        if recipe.checkpoint {
+            let c = model.checkpointed_backward(&x, &y, &options, weight, &Tags)?;
+            loss += c.loss.to_scalar::<f32>()? as f64;
+            sum.add_weighted(&c.grads, rows)?;
+        } else {
+            let l = Category::Activations.scope(|| model.loss(&x, &y, &options))?;
+            sum.backward(&l, rows)?;
+            loss += weight * l.to_scalar::<f32>()? as f64;
+        }
+    }
+    let grads: GradStore = sum.take()?;
+    opt.step(&grads)?;
+    Ok(loss)
+}
+
+// notebook cell
 /// One variant's metrics and table row: its peak by category, the
 /// prediction's error (the region's analytic figure) and the
 /// 16-bytes-a-parameter formula's. Returns the peak.
 pub fn report_variant(ctx: &mut Context, table: &mut Table, v: &Variant, params: u64) -> u64 {
-    let peak = v.report.peak_above_baseline();
+    // What the device holds: an offloaded optimizer's host memory left out.
+    let peak = v.report.device_total_peak_above_baseline();
     let predicted = v.report.analytic.unwrap_or(0);
     let at_peak = v.report.peak_by_category.saturating_sub(&v.report.baseline);
     let activations = at_peak.get(Category::Activations);
@@ -149,36 +200,30 @@ pub fn decoder_step_experiment(ctx: &mut Context, p: StepParams) -> anyhow::Resu
             ("seconds a step", Unit::Seconds),
         ],
     );
+    let mut peaks = Vec::new();
+    for recipe in recipes(&p)? {
+        let v = train_variant(ctx, &p, &cfg, &recipe)?;
+        peaks.push((v.name.clone(), report_variant(ctx, &mut table, &v, params)));
+    }
+    // What the fused loss saves, where both ran on the whole batch.
     for dtype in &p.dtypes {
-        let mut peaks = Vec::new();
-        for loss in &p.losses {
-            let options = StepOptions {
-                layers: Layers::Lean,
-                compute: parse_dtype(dtype)?,
-                attention: Attention::Tiled,
-                loss: if loss == "fused" {
-                    Loss::Fused
-                } else {
-                    Loss::Plain
-                },
-            };
-            let v = train_variant(ctx, &p, &cfg, options, format!("{dtype}_{loss}"))?;
-            let peak = report_variant(ctx, &mut table, &v, params);
-            peaks.push((loss.clone(), peak));
-        }
-        let find = |l: &str| peaks.iter().find(|(n, _)| n == l).map(|(_, b)| *b);
-        if let (Some(plain), Some(fused)) = (find("plain"), find("fused")) {
-            let saved = plain.saturating_sub(fused);
-            ctx.metric(format!("fused_saves_{dtype}"), saved as f64);
-            ctx.metric(format!("logits_share_{dtype}"), saved as f64 / plain as f64);
-            ctx.print(format!(
-                "{dtype}: the fused loss saves {:.1} MB of the plain loss's {:.1} MB peak \
-                 (the logits alone are {:.1} MB in f32)",
-                saved as f64 / 1e6,
-                plain as f64 / 1e6,
-                logits as f64 / 1e6
-            ));
-        }
+        let find = |n: String| peaks.iter().find(|(name, _)| *name == n).map(|(_, b)| *b);
+        let (Some(plain), Some(fused)) = (
+            find(format!("{dtype}_plain")),
+            find(format!("{dtype}_fused")),
+        ) else {
+            continue;
+        };
+        let saved = plain.saturating_sub(fused);
+        ctx.metric(format!("fused_saves_{dtype}"), saved as f64);
+        ctx.metric(format!("logits_share_{dtype}"), saved as f64 / plain as f64);
+        ctx.print(format!(
+            "{dtype}: the fused loss saves {:.1} MB of the plain loss's {:.1} MB peak \
+             (the logits alone are {:.1} MB in f32)",
+            saved as f64 / 1e6,
+            plain as f64 / 1e6,
+            logits as f64 / 1e6
+        ));
     }
     ctx.table(table);
     Ok(())
