@@ -26,6 +26,14 @@ fn plan_with(args: &[&str]) -> Output {
         .expect("the binary runs")
 }
 
+/// The text of a plan that found an option that fits.
+fn fitting(args: &[&str]) -> String {
+    let o = plan_with(args);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    out
+}
+
 fn json(o: &Output) -> Value {
     serde_json::from_slice(&o.stdout).expect("the plan is JSON")
 }
@@ -455,9 +463,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
         "--seq",
         "2048",
     ];
-    let o = plan_with(&card);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(o.status.code(), Some(0), "{out}");
+    let out = fitting(&card);
     assert!(
         out.contains(
             "Chosen: bf16 compute with the plain loss, AdamW offloaded to the host, every block \
@@ -465,9 +471,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
         ),
         "{out}"
     );
-    let o = plan_with(&[&card[..], &["--ranks", "8"]].concat());
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(o.status.code(), Some(0), "{out}");
+    let out = fitting(&[&card[..], &["--ranks", "8"]].concat());
     assert!(
         out.contains("over 8 ranks (1 sequence each; the figures are one rank's)"),
         "{out}"
@@ -478,7 +482,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     );
 
     // A budget only checkpointing meets: chosen, and said so.
-    let o = plan_with(&[
+    let out = fitting(&[
         "--model",
         smollm2,
         "--device",
@@ -490,8 +494,6 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
         "--budget",
         "4GiB",
     ]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(o.status.code(), Some(0), "{out}");
     assert!(
         out.contains("Chosen: bf16 compute with the fused loss, every block checkpointed,"),
         "{out}"
