@@ -472,8 +472,10 @@ fn option_words(o: &workbook_planner::decoder::DecoderOption) -> String {
     words
 }
 
-/// A decoder plan as text: each option's predicted peak by term, the one
-/// chosen, or the smallest and what it lacks.
+/// A decoder plan as text: per compute dtype, place of AdamW's state and
+/// checkpointing, the first option that fits (or else the smallest) with
+/// its predicted peak by term; then the one chosen, or the smallest and
+/// what it lacks.
 pub fn decoder_text(
     cfg: &workbook_models::llama::LlamaConfig,
     card: &workbook_planner::decoder::Card,
@@ -492,8 +494,8 @@ pub fn decoder_text(
     let mut out = format!(
         "{} decoder, {} blocks, hidden {}, {} / {} heads, vocabulary {}: {} parameters.\n\
          A step of {} x {} tokens{ranks} with f32 master weights and AdamW, against {} ({}), \
-         predicted in closed form (chapter 5 measures every kind of option within 1%; a GPU \
-         adds its runtime's own memory, which this does not count):\n\n",
+         predicted in closed form and checked against measurement by chapter 5 on the CPU \
+         (a GPU adds its runtime's own memory, which this does not count):\n\n",
         cfg.family.name(),
         cfg.layers,
         cfg.hidden,
@@ -506,47 +508,100 @@ pub fn decoder_text(
         bytes(plan.budget),
         card.name
     );
-    out.push_str(&format!(
-        "  {:<8} {:<6} {:<8} {:<12} {:>5} {:>13} {:>11} {:>11} {:>11} {:>11}\n",
+    let row = |cells: [&str; 11]| {
+        format!(
+            "  {:<8} {:<8} {:<12} {:>5} {:<6} {:>11} {:>10} {:>10} {:>10} {:<5} {:>10}",
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            cells[4],
+            cells[5],
+            cells[6],
+            cells[7],
+            cells[8],
+            cells[9],
+            cells[10]
+        )
+    };
+    out.push_str(&row([
         "compute",
-        "loss",
         "AdamW",
         "checkpoint",
         "micro",
-        "weights+AdamW",
+        "loss",
+        "weights+",
         "grads sum",
         "saved",
-        "backward",
-        "peak"
-    ));
-    for (i, o) in plan.options.iter().enumerate() {
+        "working",
+        "at",
+        "peak",
+    ]));
+    out.push('\n');
+    // One row per group of options that differ only in micro-batches and
+    // loss: its first that fits, or its smallest.
+    let mut shown = 0;
+    let options = &plan.options;
+    let mut start = 0;
+    while start < options.len() {
+        let key = |o: &workbook_planner::decoder::DecoderOption| {
+            (o.compute.clone(), o.optimizer.clone(), o.checkpoint)
+        };
+        let end = (start..options.len())
+            .find(|&j| key(&options[j]) != key(&options[start]))
+            .unwrap_or(options.len());
+        let group = start..end;
+        let pick = group
+            .clone()
+            .find(|&j| options[j].fits)
+            .or_else(|| group.clone().min_by_key(|&j| options[j].prediction.total()))
+            .unwrap_or(start);
+        let o = &options[pick];
         let p = &o.prediction;
-        let mark = if plan.chosen == Some(i) {
+        let mark = if plan.chosen == Some(pick) {
             "  <- chosen"
         } else if o.fits {
             ""
         } else {
             "  over"
         };
-        out.push_str(&format!(
-            "  {:<8} {:<6} {:<8} {:<12} {:>5} {:>13} {:>11} {:>11} {:>11} {:>11}{mark}\n",
-            o.compute,
-            o.loss,
-            o.optimizer,
-            if o.checkpoint { "every block" } else { "none" },
-            o.micro_batches,
+        let micro = o.micro_batches.to_string();
+        let (state, sum, saved, working, total) = (
             bytes(p.state),
             bytes(p.accumulated),
             bytes(p.saved),
             bytes(p.working),
-            bytes(p.total())
-        ));
+            bytes(p.total()),
+        );
+        out.push_str(&row([
+            &o.compute,
+            &o.optimizer,
+            if o.checkpoint { "every block" } else { "none" },
+            &micro,
+            &o.loss,
+            &state,
+            &sum,
+            &saved,
+            &working,
+            p.moment.name(),
+            &total,
+        ]));
+        out.push_str(mark);
+        out.push('\n');
+        shown += 1;
+        start = end;
     }
+    out.push_str(&format!(
+        "\n{} options weighed (micro-batches and loss within each row; `weights+` is the \
+         weights with what the device holds of AdamW's state); {shown} shown, --json lists \
+         every one.\n",
+        options.len()
+    ));
     match plan.chosen {
         Some(i) => {
             let o = &plan.options[i];
             out.push_str(&format!(
-                "\nChosen: {}, {} of {}.\n",
+                "Chosen: {}, {} of {}.\n",
                 option_words(o),
                 bytes(o.prediction.total()),
                 bytes(plan.budget)
@@ -554,10 +609,14 @@ pub fn decoder_text(
         }
         None => {
             if let Some(o) = plan.options.iter().min_by_key(|o| o.prediction.total()) {
+                let hint = if plan.ranks > 1 {
+                    "more --ranks"
+                } else {
+                    "several devices with --ranks N (ZeRO)"
+                };
                 out.push_str(&format!(
-                    "\nNothing fits: the smallest, {}, needs {}, {} \
-                     over the budget. Try a smaller --batch or --seq, or shard the state \
-                     over ranks (ZeRO, chapter 4).\n",
+                    "Nothing fits: the smallest, {}, needs {}, {} over the budget. Try a \
+                     smaller --batch or --seq, or {hint}.\n",
                     option_words(o),
                     bytes(o.prediction.total()),
                     bytes(o.prediction.total().saturating_sub(plan.budget))

@@ -440,7 +440,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     let o = plan_with(&["--model", smollm2, "--device", "cpu", "--budget", "1GiB"]);
     assert_eq!(o.status.code(), Some(1));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("  f32      plain "), "{out}");
+    assert!(out.contains("\n  f32      device   none "), "{out}");
     assert!(
         out.contains(
             "Nothing fits: the smallest, f32 compute with the fused loss, AdamW offloaded to \
@@ -482,7 +482,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     );
 
     // A budget only checkpointing meets: chosen, and said so.
-    let out = fitting(&[
+    let tight = [
         "--model",
         smollm2,
         "--device",
@@ -493,9 +493,22 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
         "2048",
         "--budget",
         "4GiB",
-    ]);
+    ];
+    let out = fitting(&tight);
     assert!(
         out.contains("Chosen: bf16 compute with the fused loss, every block checkpointed,"),
+        "{out}"
+    );
+    let v = json(&plan_with(&[&tight[..], &["--json"]].concat()));
+    let options = v["plan"]["options"].as_array().unwrap();
+    assert!(options
+        .iter()
+        .filter(|o| o["checkpoint"] == false && o["optimizer"] == "device")
+        .all(|o| o["fits"] == false));
+    // Without checkpointing weighed, AdamW goes to the host.
+    let out = fitting(&[&tight[..], &["--no-checkpointing"]].concat());
+    assert!(
+        out.contains("Chosen: bf16 compute with the plain loss, AdamW offloaded to the host, 8 micro-batches,"),
         "{out}"
     );
 }
@@ -514,7 +527,7 @@ fn a_config_json_plan_refuses_what_it_cannot_plan() {
         ),
         (
             &["--model", smollm2, "--seq", "0"],
-            "error: `--batch` is 16 and `--seq` 0; allowed: at least 1 each",
+            "error: `--batch` is 16 and `--seq` 0; allowed: a batch from 1 to 1048576 and a sequence from 1 to 16777216 tokens",
         ),
         (
             &["--model", "tests/fixtures/gpt2.config.json"],
@@ -522,7 +535,7 @@ fn a_config_json_plan_refuses_what_it_cannot_plan() {
         ),
         (
             &["--model", smollm2, "--ranks", "4", "--stages", "ddp,zero1"],
-            "error: `--stages` has ddp; allowed for a decoder: zero1, zero2 (ZeRO-1 holds less than data parallelism for the same traffic)",
+            "error: `--stages` has ddp; allowed for a decoder: zero1, zero2 (data parallelism holds more than ZeRO-1 for the same traffic, and stage 3 needs layers that gather their weights, which the decoders do not have)",
         ),
         (
             &["--model", smollm2, "--stages", "zero1"],

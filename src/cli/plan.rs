@@ -75,7 +75,8 @@ pub struct PlanArgs {
     /// With --ranks, how they may share the training, comma-separated:
     /// ddp (everything replicated), zero1 (optimizer state
     /// partitioned), zero2 (gradients too), zero3 (parameters too)
-    /// [default: all four].
+    /// [default: all four; for a config.json zero1 and zero2, the two it
+    /// weighs].
     #[arg(long, value_delimiter = ',', value_parser = parse_stage)]
     pub stages: Option<Vec<workbook_planner::Stage>>,
     /// With --ranks and --verify, the ranks' time limit in seconds (at
@@ -267,12 +268,13 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
 /// closed form for each compute dtype and loss, against a card's memory or
 /// the budget.
 fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
-    use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderAsk, CARDS};
+    use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderRequest, CARDS};
     use workbook_planner::Stage;
     let cfg = workbook_models::llama::LlamaConfig::from_file(path)?;
-    if args.batch == 0 || args.seq == 0 {
+    if !(1..=1 << 20).contains(&args.batch) || !(1..=1 << 24).contains(&args.seq) {
         anyhow::bail!(
-            "`--batch` is {} and `--seq` {}; allowed: at least 1 each",
+            "`--batch` is {} and `--seq` {}; allowed: a batch from 1 to 1048576 and a \
+             sequence from 1 to 16777216 tokens",
             args.batch,
             args.seq
         );
@@ -317,8 +319,9 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
                 .find(|s| !matches!(s, Stage::Zero1 | Stage::Zero2))
             {
                 anyhow::bail!(
-                    "`--stages` has {}; allowed for a decoder: zero1, zero2 (ZeRO-1 holds less \
-                     than data parallelism for the same traffic)",
+                    "`--stages` has {}; allowed for a decoder: zero1, zero2 (data parallelism \
+                     holds more than ZeRO-1 for the same traffic, and stage 3 needs layers \
+                     that gather their weights, which the decoders do not have)",
                     s.name()
                 );
             }
@@ -332,13 +335,14 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             args.ranks
         );
     }
-    let ask = DecoderAsk {
+    let ask = DecoderRequest {
         batch: args.batch,
         seq: args.seq,
         dtypes: args.dtypes.clone(),
         budget,
         ranks: args.ranks,
         stages,
+        checkpointing: !args.no_checkpointing,
     };
     let plan = weigh(&cfg, &ask, &card);
     if args.json {

@@ -20,13 +20,12 @@ pub use shapes::decoder_shapes_experiment;
 pub use step::decoder_step_experiment;
 pub use trainer::Trainer;
 pub use workbook_planner::decoder::{
-    predict, predict_peak, saved_per_block, Prediction, Recipe, Sharing,
+    predict, predict_peak, saved_per_block, DecoderRecipe, Prediction, Sharing,
 };
 
 use std::path::PathBuf;
 
 use workbook_models::llama::{LlamaConfig, Loss};
-use workbook_planner::Stage;
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
@@ -82,7 +81,7 @@ pub fn model_config(p: &StepParams) -> anyhow::Result<LlamaConfig> {
 
 /// Every variant a `decoder_step` cell runs, in order: each compute dtype,
 /// each loss, each of `checkpointing`, `micro_batches` and `optimizers`.
-pub fn recipes(p: &StepParams) -> anyhow::Result<Vec<Recipe>> {
+pub fn recipes(p: &StepParams) -> anyhow::Result<Vec<DecoderRecipe>> {
     let mut out = Vec::new();
     for dtype in &p.dtypes {
         let compute = workbook_sdk::parse_dtype(dtype)?;
@@ -95,7 +94,7 @@ pub fn recipes(p: &StepParams) -> anyhow::Result<Vec<Recipe>> {
             for &checkpoint in &p.checkpointing {
                 for &micro_batches in &p.micro_batches {
                     for optimizer in &p.optimizers {
-                        out.push(Recipe {
+                        out.push(DecoderRecipe {
                             compute,
                             loss,
                             checkpoint,
@@ -115,14 +114,8 @@ pub fn sharing(name: &str, ranks: usize) -> anyhow::Result<Sharing> {
     Ok(match name {
         "device" => Sharing::Device,
         "offload" => Sharing::Offload,
-        "zero1" => Sharing::Zero {
-            stage: Stage::Zero1,
-            ranks,
-        },
-        "zero2" => Sharing::Zero {
-            stage: Stage::Zero2,
-            ranks,
-        },
+        "zero1" => Sharing::Zero1 { ranks },
+        "zero2" => Sharing::Zero2 { ranks },
         other => anyhow::bail!("`{other}` is no optimizer; allowed: device, offload, zero1, zero2"),
     })
 }
@@ -249,7 +242,8 @@ impl Plugin for DecoderStep {
         } else {
             p.batch
         };
-        if zero && (p.ranks < 2 || !p.batch.is_multiple_of(p.ranks)) {
+        let bad_ranks = zero && (p.ranks < 2 || !p.batch.is_multiple_of(p.ranks));
+        if bad_ranks {
             r.violation(
                 "ranks",
                 p.ranks.to_string(),
@@ -259,7 +253,9 @@ impl Plugin for DecoderStep {
                 ),
             );
         }
-        for (i, m) in p.micro_batches.iter().enumerate() {
+        // Micro-batches split a rank's share: not checked against ranks
+        // that do not split the batch.
+        for (i, m) in p.micro_batches.iter().enumerate().filter(|_| !bad_ranks) {
             if *m == 0 || !rows.is_multiple_of(*m) {
                 r.violation(
                     format!("micro_batches[{i}]"),

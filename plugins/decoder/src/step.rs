@@ -4,7 +4,9 @@
 //! included, so that the same text compiles in a notebook cell.
 
 use candle_accumulate::{micro_batches, GradAccumulator};
-use workbook_decoder::{model_config, predict, recipes, state_bytes, Recipe, StepParams, Trainer};
+use workbook_decoder::{
+    model_config, predict, recipes, state_bytes, DecoderRecipe, StepParams, Trainer,
+};
 use workbook_models::llama::{Attention, Layers, Llama, LlamaConfig, StepOptions};
 use workbook_models::Rng;
 use workbook_sdk::anyhow;
@@ -17,9 +19,11 @@ use workbook_sdk::output::Unit;
 use workbook_sdk::{Category, Context, RegionReport, Table};
 
 // notebook cell
-/// What one variant (a compute dtype and a loss) measured.
+/// What one variant (a compute dtype, a loss, checkpointing or not,
+/// micro-batches, where AdamW's state lives) measured.
 pub struct Variant {
-    /// The compute dtype's name and the loss's.
+    /// Its name: `f32_fused_checkpointed_m4_zero2` (see
+    /// `DecoderRecipe::name`).
     pub name: String,
     /// The region: the peak, and its split by category.
     pub report: RegionReport,
@@ -37,7 +41,7 @@ pub fn train_variant(
     ctx: &mut Context,
     p: &StepParams,
     cfg: &LlamaConfig,
-    recipe: &Recipe,
+    recipe: &DecoderRecipe,
 ) -> anyhow::Result<Variant> {
     let (device, name) = (ctx.device().clone(), recipe.name());
     let mut rng = Rng::seeded(p.seed);
@@ -77,16 +81,16 @@ pub fn train_variant(
 
 // notebook cell
 /// One training step; returns its mean loss. The batch goes in
-/// `recipe.micro_batches` parts, each back-propagated through candle's
-/// graph or checkpointed block by block. Their gradients are summed with
-/// each part's share of the rows and handed to the optimizer, or, for an
-/// optimizer that takes each layer's gradients as they are made (offload,
-/// ZeRO-2), handed over layer by layer and summed there.
+/// `recipe.micro_batches` equal parts, each back-propagated through
+/// candle's graph or checkpointed block by block. Their gradients are
+/// summed with each part's share of the rows and handed to the optimizer;
+/// for ZeRO-2, checkpointed, each layer's are handed over as they are made
+/// and summed there, in this rank's blocks.
 pub fn train_step(
     model: &Llama,
     x: &Tensor,
     y: &Tensor,
-    recipe: &Recipe,
+    recipe: &DecoderRecipe,
     opt: &mut Trainer,
 ) -> anyhow::Result<f64> {
     let options = StepOptions {
@@ -96,7 +100,12 @@ pub fn train_step(
         loss: recipe.loss,
     };
     let batch = x.dim(0)?;
-    let rows = batch / recipe.micro_batches;
+    let parts = recipe.micro_batches;
+    anyhow::ensure!(
+        parts > 0 && batch.is_multiple_of(parts),
+        "{parts} micro-batches do not split {batch} sequences evenly"
+    );
+    let rows = batch / parts;
     let weight = rows as f64 / batch as f64;
     let parts = micro_batches(x, rows)?
         .into_iter()

@@ -24,7 +24,7 @@ pub enum Trainer {
     /// Rank 0 of a ZeRO job, its peers rehearsed in this process
     /// ([`Rehearsal`]): every collective fills the buffers a real rank's
     /// would, so the memory is a real rank's (the values outside its block
-    /// are not).
+    /// are not). Stage 2 when it takes each layer's gradients.
     Zero(ZeroAdamW, Stage),
 }
 
@@ -35,7 +35,11 @@ impl Trainer {
         Ok(match sharing {
             Sharing::Device => Self::Device(LeanAdamW::with_observer(vars, params, Tags)?),
             Sharing::Offload => Self::Offload(HostAdamW::on(vars, params, Device::Cpu, Tags)?),
-            Sharing::Zero { stage, ranks } => {
+            Sharing::Zero1 { ranks } | Sharing::Zero2 { ranks } => {
+                let stage = match sharing {
+                    Sharing::Zero2 { .. } => Stage::Zero2,
+                    _ => Stage::Zero1,
+                };
                 let comm = Comm::new(Rehearsal::new(ranks)?).observed(Tags);
                 Self::Zero(ZeroAdamW::new(Arc::new(comm), vars, params)?, stage)
             }
