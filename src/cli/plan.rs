@@ -289,12 +289,6 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             "`--dtypes` has {d:?}; allowed for a decoder: f32, bf16 (computed from f32 master weights)"
         );
     }
-    if args.verify {
-        anyhow::bail!(
-            "`--verify` rehearses the GPT's plans; a decoder's predictions are checked against \
-             measurement by chapter 5 (`workbook run chapter5`)"
-        );
-    }
     if args.stages.is_some() && args.ranks == 1 {
         anyhow::bail!("`--stages` shares the training between ranks; give `--ranks` 2 or more");
     }
@@ -345,17 +339,81 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         checkpointing: !args.no_checkpointing,
     };
     let plan = weigh(&cfg, &ask, &card);
+    let verification = match plan.chosen {
+        Some(i) if args.verify => Some(verify_decoder(&cfg, &ask, &plan.options[i], args.steps)?),
+        _ => None,
+    };
     if args.json {
-        let value = serde_json::json!({ "model": cfg, "device": card, "plan": plan });
+        let value = serde_json::json!({
+            "model": cfg,
+            "device": card,
+            "plan": plan,
+            "verification": verification,
+        });
         say(&format!("{}\n", serde_json::to_string_pretty(&value)?))?;
     } else {
         say(&workbook::plan::decoder_text(&cfg, &card, &plan))?;
+        if let Some(v) = &verification {
+            say(&workbook::plan::verified(v, PLAN_TOLERANCE))?;
+        }
     }
-    Ok(if plan.chosen.is_some() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
+    Ok(match (plan.chosen, verification) {
+        (None, _) => ExitCode::from(1),
+        (Some(_), Some(v)) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
     })
+}
+
+/// Trains the chosen option of a decoder plan on this machine's CPU, under
+/// the counting allocator, when the machine can hold it.
+fn verify_decoder(
+    cfg: &workbook_models::llama::LlamaConfig,
+    ask: &workbook_planner::decoder::DecoderRequest,
+    chosen: &workbook_planner::decoder::DecoderOption,
+    steps: usize,
+) -> anyhow::Result<workbook_planner::plan::Verification> {
+    use workbook_planner::decoder::Sharing;
+    use workbook_sdk::candle::Device;
+    let params = cfg.parameter_count();
+    // The device's peak, and what an offloaded optimizer keeps on the host
+    // (masters, moments and the gradients sent there), all in this memory.
+    let host = match chosen.recipe.sharing {
+        Sharing::Offload => params.saturating_mul(16),
+        _ => 0,
+    };
+    let needed = chosen.prediction.total().saturating_add(host);
+    let memory = workbook::plan::Memory::of(&Device::Cpu);
+    if needed > memory.available {
+        anyhow::bail!(
+            "the chosen option is predicted to hold {}, more than the {} of memory available \
+             {}: it cannot be verified here (plan without --verify, or ask for a smaller \
+             --batch or --seq)",
+            workbook::render::text::bytes(needed),
+            workbook::render::text::bytes(memory.available),
+            memory.place
+        );
+    }
+    let meter = workbook_sdk::device::meter_for(&Device::Cpu)?;
+    // gemm's packing buffers are this thread's from its first product on:
+    // made before the measurement, as a chapter's cells have them.
+    workbook_sdk::device::warm_up(&Device::Cpu)?;
+    let progress = Spinner::new(0).bar;
+    progress.enable_steady_tick(Duration::from_millis(120));
+    let mut ctx = {
+        let progress = progress.clone();
+        workbook_sdk::Context::new(Device::Cpu, meter, false)
+            .with_progress(move |m| progress.set_message(m.to_string()))
+    };
+    let v = workbook_planner::decoder::verify(
+        &mut ctx,
+        cfg,
+        (ask.batch, ask.seq),
+        chosen.recipe,
+        ask.budget,
+        steps,
+    );
+    progress.finish_and_clear();
+    v
 }
 
 /// Runs a plan's verification on `ranks` MPI ranks and gathers what each

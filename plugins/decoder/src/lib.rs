@@ -13,14 +13,13 @@ extern crate self as workbook_decoder;
 mod params;
 mod shapes;
 mod step;
-mod trainer;
 
 pub use params::{Published, ShapesParams, StepParams};
 pub use shapes::decoder_shapes_experiment;
 pub use step::decoder_step_experiment;
-pub use trainer::Trainer;
 pub use workbook_planner::decoder::{
-    predict, predict_peak, saved_per_block, DecoderRecipe, Prediction, Sharing,
+    predict, predict_peak, saved_per_block, train_measured, DecoderRecipe, Measured, Prediction,
+    Run, Sharing,
 };
 
 use std::path::PathBuf;

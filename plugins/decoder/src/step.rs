@@ -3,145 +3,42 @@
 //! `workbook_sdk::notebook`). Crates are named by their names, this one's
 //! included, so that the same text compiles in a notebook cell.
 
-use candle_accumulate::{micro_batches, GradAccumulator};
 use workbook_decoder::{
-    model_config, predict, recipes, state_bytes, DecoderRecipe, StepParams, Trainer,
+    model_config, recipes, state_bytes, train_measured, DecoderRecipe, Measured, Run, StepParams,
 };
-use workbook_models::llama::{Attention, Layers, Llama, LlamaConfig, StepOptions};
-use workbook_models::Rng;
+use workbook_models::llama::LlamaConfig;
 use workbook_sdk::anyhow;
-use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Tensor};
-use workbook_sdk::candle_nn::ParamsAdamW;
-use workbook_sdk::median;
-use workbook_sdk::observe::Tags;
 use workbook_sdk::output::Unit;
-use workbook_sdk::{Category, Context, RegionReport, Table};
+use workbook_sdk::{Category, Context, Table};
 
 // notebook cell
-/// What one variant (a compute dtype, a loss, checkpointing or not,
-/// micro-batches, where AdamW's state lives) measured.
-pub struct Variant {
-    /// Its name: `f32_fused_checkpointed_m4_zero2` (see
-    /// `DecoderRecipe::name`).
-    pub name: String,
-    /// The region: the peak, and its split by category.
-    pub report: RegionReport,
-    /// The loss at each step.
-    pub losses: Vec<f64>,
-    /// Median seconds per step.
-    pub seconds: f64,
-}
-
-// notebook cell
-/// Builds the model with f32 master weights and AdamW, and trains it
-/// `p.steps` steps on one batch of seeded tokens (so the loss must fall),
-/// all inside one measured region.
+/// Trains one variant (see `workbook_planner::decoder::train_measured`:
+/// the model with f32 master weights, AdamW where the recipe puts its
+/// state, `p.steps` steps on one batch of seeded tokens, in one measured
+/// region with the closed-form prediction as its analytic figure).
 pub fn train_variant(
     ctx: &mut Context,
     p: &StepParams,
     cfg: &LlamaConfig,
-    recipe: &DecoderRecipe,
-) -> anyhow::Result<Variant> {
-    let (device, name) = (ctx.device().clone(), recipe.name());
-    let mut rng = Rng::seeded(p.seed);
-    let mut region = ctx.region(name.clone());
-    let model = Category::Parameters.scope(|| Llama::new(cfg, DType::F32, &mut rng, &device))?;
-    let adamw = ParamsAdamW {
+    recipe: DecoderRecipe,
+) -> anyhow::Result<Measured> {
+    let run = Run {
+        config: cfg,
+        batch: p.batch,
+        seq: p.seq,
+        steps: p.steps,
+        seed: p.seed,
         lr: p.lr,
-        ..Default::default()
+        recipe,
     };
-    let mut opt = Trainer::new(&model, adamw, recipe.sharing)?;
-    // A rank's share of the batch (the whole batch on one device).
-    let batch = p.batch / recipe.sharing.ranks();
-    let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-        let x = rng.labels(batch * p.seq, cfg.vocab as u32, &device)?;
-        let y = rng.labels(batch * p.seq, cfg.vocab as u32, &device)?;
-        Ok((x.reshape((batch, p.seq))?, y.reshape((batch, p.seq))?))
-    })?;
-    region.mark("model, optimizer and batch");
-    let mut losses = Vec::with_capacity(p.steps);
-    let mut times = Vec::with_capacity(p.steps);
-    for step in 0..p.steps {
-        ctx.progress(&format!("{name}: step {} of {}", step + 1, p.steps));
-        let start = std::time::Instant::now();
-        let loss = train_step(&model, &x, &y, recipe, &mut opt)?;
-        losses.push(loss);
-        times.push(start.elapsed().as_secs_f64());
-    }
-    region.set_analytic(predict(cfg, p.batch, p.seq, recipe).total());
-    let report = ctx.end_region(region);
-    Ok(Variant {
-        name,
-        report,
-        losses,
-        seconds: median(times),
-    })
-}
-
-// notebook cell
-/// One training step; returns its mean loss. The batch goes in
-/// `recipe.micro_batches` equal parts, each back-propagated through
-/// candle's graph or checkpointed block by block. Their gradients are
-/// summed with each part's share of the rows and handed to the optimizer;
-/// for ZeRO-2, checkpointed, each layer's are handed over as they are made
-/// and summed there, in this rank's blocks.
-pub fn train_step(
-    model: &Llama,
-    x: &Tensor,
-    y: &Tensor,
-    recipe: &DecoderRecipe,
-    opt: &mut Trainer,
-) -> anyhow::Result<f64> {
-    let options = StepOptions {
-        layers: Layers::Lean,
-        compute: recipe.compute,
-        attention: Attention::Tiled,
-        loss: recipe.loss,
-    };
-    let batch = x.dim(0)?;
-    let parts = recipe.micro_batches;
-    anyhow::ensure!(
-        parts > 0 && batch.is_multiple_of(parts),
-        "{parts} micro-batches do not split {batch} sequences evenly"
-    );
-    let rows = batch / parts;
-    let weight = rows as f64 / batch as f64;
-    let parts = micro_batches(x, rows)?
-        .into_iter()
-        .zip(micro_batches(y, rows)?);
-    let mut loss = 0.0;
-    if recipe.sharing.takes_each_layer(recipe.checkpoint) {
-        for (x, y) in parts {
-            let take = |var: &_, g: _| opt.take(var, &g);
-            let l = model.checkpointed_backward_with(&x, &y, &options, weight, take, &Tags)?;
-            loss += l.to_scalar::<f32>()? as f64;
-        }
-        opt.step_taken()?;
-        return Ok(loss);
-    }
-    let mut sum = GradAccumulator::new(model.vars(), batch).with_observer(Tags);
-    for (x, y) in parts {
-        if recipe.checkpoint {
-            let c = model.checkpointed_backward(&x, &y, &options, weight, &Tags)?;
-            loss += c.loss.to_scalar::<f32>()? as f64;
-            sum.add_weighted(&c.grads, rows)?;
-        } else {
-            let l = Category::Activations.scope(|| model.loss(&x, &y, &options))?;
-            sum.backward(&l, rows)?;
-            loss += weight * l.to_scalar::<f32>()? as f64;
-        }
-    }
-    let grads: GradStore = sum.take()?;
-    opt.step(&grads)?;
-    Ok(loss)
+    train_measured(ctx, &run)
 }
 
 // notebook cell
 /// One variant's metrics and table row: its peak by category, the
 /// prediction's error (the region's analytic figure) and the
 /// 16-bytes-a-parameter formula's. Returns the peak.
-pub fn report_variant(ctx: &mut Context, table: &mut Table, v: &Variant, params: u64) -> u64 {
+pub fn report_variant(ctx: &mut Context, table: &mut Table, v: &Measured, params: u64) -> u64 {
     // What the device holds: an offloaded optimizer's host memory left out.
     let peak = v.report.device_total_peak_above_baseline();
     let predicted = v.report.analytic.unwrap_or(0);
@@ -211,7 +108,7 @@ pub fn decoder_step_experiment(ctx: &mut Context, p: StepParams) -> anyhow::Resu
     );
     let mut peaks = Vec::new();
     for recipe in recipes(&p)? {
-        let v = train_variant(ctx, &p, &cfg, &recipe)?;
+        let v = train_variant(ctx, &p, &cfg, recipe)?;
         peaks.push((v.name.clone(), report_variant(ctx, &mut table, &v, params)));
     }
     // What the fused loss saves, where both ran on the whole batch.
