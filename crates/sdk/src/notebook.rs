@@ -52,6 +52,40 @@ pub struct NotebookSource {
     pub source: &'static str,
 }
 
+/// The [`NotebookSource`] of the calling crate's plugin: its package and
+/// folder from Cargo, and the experiment's file read at compile time
+/// (`source` is relative to the file that invokes the macro, as
+/// `include_str!`'s path is).
+///
+/// ```ignore
+/// fn notebook(&self) -> Option<NotebookSource> {
+///     Some(workbook_sdk::notebook_source! {
+///         plugin: "workbook_checkpointing::Checkpointing",
+///         entry: "checkpointing_experiment",
+///         params: "CheckpointingParams",
+///         source: "experiment.rs",
+///     })
+/// }
+/// ```
+#[macro_export]
+macro_rules! notebook_source {
+    (
+        plugin: $plugin:literal,
+        entry: $entry:literal,
+        params: $params:literal,
+        source: $source:literal $(,)?
+    ) => {
+        $crate::notebook::NotebookSource {
+            package: env!("CARGO_PKG_NAME"),
+            dir: env!("CARGO_MANIFEST_DIR"),
+            plugin: $plugin,
+            entry: $entry,
+            params: $params,
+            source: include_str!($source),
+        }
+    };
+}
+
 /// The line that starts a new notebook code cell in an experiment's source.
 pub const CELL_BREAK: &str = "// notebook cell";
 

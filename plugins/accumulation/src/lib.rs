@@ -235,13 +235,11 @@ impl Plugin for Accumulation {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_accumulation::Accumulation",
             entry: "accumulation_experiment",
             params: "AccumulationParams",
-            source: include_str!("experiment.rs"),
+            source: "experiment.rs",
         })
     }
 

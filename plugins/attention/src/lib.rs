@@ -194,13 +194,11 @@ impl Plugin for AttentionCell {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_attention::AttentionCell",
             entry: "attention_experiment",
             params: "AttentionParams",
-            source: include_str!("experiment.rs"),
+            source: "experiment.rs",
         })
     }
 

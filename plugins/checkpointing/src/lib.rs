@@ -336,13 +336,11 @@ impl Plugin for Checkpointing {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_checkpointing::Checkpointing",
             entry: "checkpointing_experiment",
             params: "CheckpointingParams",
-            source: include_str!("experiment.rs"),
+            source: "experiment.rs",
         })
     }
 

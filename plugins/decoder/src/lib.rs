@@ -185,13 +185,11 @@ impl Plugin for DecoderShapes {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_decoder::DecoderShapes",
             entry: "decoder_shapes_experiment",
             params: "ShapesParams",
-            source: include_str!("shapes.rs"),
+            source: "shapes.rs",
         })
     }
 
@@ -355,13 +353,11 @@ impl Plugin for DecoderStep {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_decoder::DecoderStep",
             entry: "decoder_step_experiment",
             params: "StepParams",
-            source: include_str!("step.rs"),
+            source: "step.rs",
         })
     }
 

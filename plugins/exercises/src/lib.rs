@@ -205,13 +205,11 @@ impl Plugin for PolicyExercise {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_exercises::PolicyExercise",
             entry: "policy_exercise",
             params: "PolicyExerciseParams",
-            source: include_str!("policy.rs"),
+            source: "policy.rs",
         })
     }
 
@@ -336,13 +334,11 @@ impl Plugin for FitExercise {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_exercises::FitExercise",
             entry: "fit_exercise",
             params: "FitExerciseParams",
-            source: include_str!("fit.rs"),
+            source: "fit.rs",
         })
     }
 

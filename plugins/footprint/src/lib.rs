@@ -195,13 +195,11 @@ impl Plugin for Footprint {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_footprint::Footprint",
             entry: "footprint_experiment",
             params: "FootprintParams",
-            source: include_str!("experiment.rs"),
+            source: "experiment.rs",
         })
     }
 

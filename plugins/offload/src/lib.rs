@@ -196,13 +196,11 @@ impl Plugin for Offload {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_offload::Offload",
             entry: "offload_experiment",
             params: "OffloadParams",
-            source: include_str!("experiment.rs"),
+            source: "experiment.rs",
         })
     }
 

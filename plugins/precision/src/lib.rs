@@ -226,13 +226,11 @@ impl Plugin for Precision {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_precision::Precision",
             entry: "precision_experiment",
             params: "PrecisionParams",
-            source: include_str!("experiment.rs"),
+            source: "experiment.rs",
         })
     }
 

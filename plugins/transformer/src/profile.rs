@@ -117,13 +117,11 @@ impl Plugin for LayerProfile {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_transformer::LayerProfile",
             entry: "layer_profile_experiment",
             params: "LayerProfileParams",
-            source: include_str!("experiment/profile.rs"),
+            source: "experiment/profile.rs",
         })
     }
 

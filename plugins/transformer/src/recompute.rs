@@ -77,13 +77,11 @@ impl Plugin for GptCheckpointing {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_transformer::GptCheckpointing",
             entry: "gpt_checkpointing_experiment",
             params: "GptCheckpointingParams",
-            source: include_str!("experiment/recompute.rs"),
+            source: "experiment/recompute.rs",
         })
     }
 

@@ -103,13 +103,11 @@ impl Plugin for SavedTensors {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_transformer::SavedTensors",
             entry: "saved_tensors_experiment",
             params: "SavedTensorsParams",
-            source: include_str!("experiment/saved.rs"),
+            source: "experiment/saved.rs",
         })
     }
 

@@ -108,13 +108,11 @@ impl Plugin for GptTraining {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_transformer::GptTraining",
             entry: "gpt_training_experiment",
             params: "GptTrainingParams",
-            source: include_str!("experiment/training.rs"),
+            source: "experiment/training.rs",
         })
     }
 

@@ -163,13 +163,11 @@ impl Plugin for Predictors {
     }
 
     fn notebook(&self) -> Option<NotebookSource> {
-        Some(NotebookSource {
-            package: env!("CARGO_PKG_NAME"),
-            dir: env!("CARGO_MANIFEST_DIR"),
+        Some(workbook_sdk::notebook_source! {
             plugin: "workbook_transformer::Predictors",
             entry: "predictors_experiment",
             params: "PredictorsParams",
-            source: include_str!("experiment/predictors.rs"),
+            source: "experiment/predictors.rs",
         })
     }
 
