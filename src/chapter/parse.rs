@@ -1,133 +1,27 @@
-//! Chapter files: their format, how they are found, and their validation.
-//!
-//! A chapter is a TOML file:
-//!
-//! ```toml
-//! format_version = 1
-//! id = "chapter2"
-//! title = "Memory Optimization"
-//! intro = "Why memory matters..."
-//!
-//! [[cells]]
-//! id = "footprint"                       # unique in the chapter
-//! title = "2.1 Parameter footprint"
-//! plugin = "footprint"                   # a registered plugin
-//! prose = "Markdown shown before the results."
-//! assertions = ["large_params > small_params"]
-//! full_size_assertions = ["large_params > 300000"]  # checked at full size only
-//! [cells.params]                         # full-size parameters
-//! batch = 32
-//! [cells.check]                          # laid over `params` in check mode
-//! batch = 8
-//! ```
-//!
-//! Loading validates everything that can be checked without running: the
-//! format version, unique cell ids, known plugins, parameters that fit each
-//! plugin (in both modes), and assertions that parse. Each error names the
-//! file, line and column, the cell, and what was expected.
+//! A chapter file read and validated: its serde shape with spans, every
+//! cell's plugin, parameters (both modes), assertions and time limit, each
+//! error located in the file.
 
-use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use indexmap::IndexMap;
 use serde::Deserialize;
 use toml::Spanned;
 
+use super::{Cell, Chapter, ChapterError, Location, FORMAT_VERSION};
 use crate::assertion::Assertion;
 use crate::excerpt::{excerpt, quote};
-
-/// How many characters of a plugin's "allowed" a message quotes.
-const ALLOWED: usize = 400;
 use crate::registry::{Registry, Unusable};
 use crate::suggest;
 
-/// The chapter format this version reads.
-pub const FORMAT_VERSION: u32 = 1;
-
-/// A place in a chapter file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Location {
-    /// The file.
-    pub path: PathBuf,
-    /// 1-based line.
-    pub line: usize,
-    /// 1-based column.
-    pub column: usize,
-}
-
-impl Location {
-    /// The place of byte `offset` of `text`, read from `path`.
-    pub fn in_text(path: &Path, text: &str, offset: usize) -> Self {
-        LineIndex::new(text).locate(path, text, offset)
-    }
-}
-
-impl fmt::Display for Location {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}", self.path.display(), self.line, self.column)
-    }
-}
-
-/// Why a chapter could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum ChapterError {
-    /// No chapter of that name.
-    #[error(
-        "chapter `{name}` not found (looked in {searched}){suggestion}; available chapters: \
-         {available}"
-    )]
-    NotFound {
-        /// What was asked for.
-        name: String,
-        /// `; did you mean ...?`, or nothing.
-        suggestion: String,
-        /// The folders searched, joined.
-        searched: String,
-        /// The chapters that exist, joined.
-        available: String,
-    },
-    /// The file could not be read. The cause is part of the message, not
-    /// a separate error source, so that it is said once.
-    #[error("cannot read {path}: {cause}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        cause: std::io::Error,
-    },
-    /// Several problems in one chapter, in file order.
-    #[error("{}", several(.0))]
-    Several(Vec<ChapterError>),
-    /// The path names something that is not a chapter file.
-    #[error("{path} {what}; a chapter is a .toml file")]
-    NotAFile {
-        /// The path.
-        path: PathBuf,
-        /// What it is instead: a directory, a FIFO, a dangling link.
-        what: String,
-    },
-    /// The file is not a valid chapter.
-    #[error("{location}: {message}")]
-    Invalid {
-        /// Where.
-        location: Location,
-        /// The cell at fault, if any.
-        cell: Option<String>,
-        /// What is wrong and what was expected.
-        message: String,
-    },
-}
-
-fn several(errors: &[ChapterError]) -> String {
-    let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
-    format!("{} problems:\n{}", errors.len(), lines.join("\n"))
-}
+/// How many characters of a plugin's "allowed" a message quotes.
+const ALLOWED: usize = 400;
 
 /// A chapter file.
 #[derive(Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 #[schemars(title = "workbook chapter")]
-struct RawChapter {
+pub(super) struct RawChapter {
     /// The chapter format's version: 1.
     #[schemars(with = "u32", range(min = 1, max = 1))]
     format_version: Spanned<u32>,
@@ -188,137 +82,14 @@ struct RawCell {
     timeout: Option<Spanned<f64>>,
 }
 
-/// The JSON Schema of chapter files, for editors that complete and check
-/// TOML against one (taplo, Even Better TOML): the format, and each of
-/// `registry`'s plugins' parameters under the cells that name it.
-/// Draft 7, which those editors read.
-pub fn json_schema(registry: &Registry) -> serde_json::Value {
-    use serde_json::{json, Value};
-    let mut schema = schemars::generate::SchemaSettings::draft07()
-        .into_generator()
-        .into_root_schema_for::<RawChapter>()
-        .to_value();
-    let mut definitions = schema
-        .get("definitions")
-        .cloned()
-        .unwrap_or_else(|| json!({}));
-    let mut per_plugin = Vec::new();
-    for plugin in registry.iter() {
-        let info = plugin.info();
-        let name = &info.name;
-        let mut params = info.params.clone();
-        // The plugin's own definitions join the document's, under its name.
-        if let Some(Value::Object(defs)) = params.as_object_mut().and_then(|o| o.remove("$defs")) {
-            for (k, v) in defs {
-                let mut v = v;
-                rewrite_refs(&mut v, name);
-                definitions[format!("{name}.{k}")] = v;
-            }
-        }
-        rewrite_refs(&mut params, name);
-        if let Some(o) = params.as_object_mut() {
-            o.remove("$schema");
-            o.remove("title");
-        }
-        // `check` takes the same fields, none of them required.
-        let mut check = params.clone();
-        if let Some(o) = check.as_object_mut() {
-            o.remove("required");
-        }
-        per_plugin.push(json!({
-            "if": { "properties": { "plugin": { "const": name } }, "required": ["plugin"] },
-            "then": { "properties": { "params": params, "check": check } }
-        }));
-    }
-    schema["definitions"] = definitions;
-    if let Some(cell) = schema.pointer_mut("/definitions/Cell") {
-        cell["allOf"] = Value::Array(per_plugin);
-    }
-    schema
-}
-
-/// Points a plugin schema's `#/$defs/X` at the document's
-/// `#/definitions/PLUGIN.X`.
-fn rewrite_refs(v: &mut serde_json::Value, plugin: &str) {
-    use serde_json::Value;
-    match v {
-        Value::Object(o) => {
-            for (k, x) in o.iter_mut() {
-                match (k.as_str(), x) {
-                    ("$ref", Value::String(r)) => {
-                        if let Some(def) = r.strip_prefix("#/$defs/") {
-                            *r = format!("#/definitions/{plugin}.{def}");
-                        }
-                    }
-                    (_, x) => rewrite_refs(x, plugin),
-                }
-            }
-        }
-        Value::Array(a) => a.iter_mut().for_each(|x| rewrite_refs(x, plugin)),
-        _ => {}
-    }
-}
-
-/// A validated chapter.
-#[derive(Debug, Clone)]
-pub struct Chapter {
-    /// The file it was read from.
-    pub path: PathBuf,
-    /// Its id, such as `chapter2`.
-    pub id: String,
-    /// Its title.
-    pub title: String,
-    /// Markdown shown before the cells.
-    pub intro: String,
-    /// The cells, in order.
-    pub cells: Vec<Cell>,
-}
-
-/// A validated cell.
-#[derive(Debug, Clone)]
-pub struct Cell {
-    /// Unique within the chapter.
-    pub id: String,
-    /// The heading.
-    pub title: String,
-    /// Markdown shown before the results.
-    pub prose: String,
-    /// The plugin that runs it.
-    pub plugin: String,
-    /// Full-size parameters.
-    pub params: toml::Table,
-    /// Check-size parameters: `params` with the `check` table laid over it.
-    pub check_params: toml::Table,
-    /// The assertions, parsed.
-    pub assertions: Vec<Assertion>,
-    /// Assertions about effects that only show at full size (timings with a
-    /// thin margin at check size, ratios that grow with size): checked in a
-    /// full-size run, reported as skipped at check size.
-    pub full_size_assertions: Vec<Assertion>,
-    /// The cell's time limit, where the chapter sets one (`timeout`, in
-    /// seconds); `--timeout` on the command line overrides it.
-    pub timeout: Option<std::time::Duration>,
-}
-
-impl Cell {
-    /// The parameters of the given mode.
-    pub fn params_for(&self, check: bool) -> &toml::Table {
-        if check {
-            &self.check_params
-        } else {
-            &self.params
-        }
-    }
-}
-
 /// Where each line of a text starts: a chapter of n cells is located n
 /// times, each in O(log n) rather than by reading from the file's start.
-struct LineIndex {
+pub(super) struct LineIndex {
     starts: Vec<usize>,
 }
 
 impl LineIndex {
-    fn new(text: &str) -> Self {
+    pub(super) fn new(text: &str) -> Self {
         Self {
             starts: std::iter::once(0)
                 .chain(text.match_indices('\n').map(|(i, _)| i + 1))
@@ -328,7 +99,7 @@ impl LineIndex {
 
     /// Byte `offset` of `text` (the text indexed) as a 1-based line and
     /// column (in characters).
-    fn locate(&self, path: &Path, text: &str, offset: usize) -> Location {
+    pub(super) fn locate(&self, path: &Path, text: &str, offset: usize) -> Location {
         let mut offset = offset.min(text.len());
         while !text.is_char_boundary(offset) {
             offset -= 1;
@@ -730,126 +501,4 @@ fn expected_fields(message: &str) -> Vec<&str> {
         return Vec::new();
     };
     list.split('`').skip(1).step_by(2).collect()
-}
-
-/// Reads and validates the chapter at `path`.
-pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterError> {
-    check_file(path)?;
-    let text = std::fs::read_to_string(path).map_err(|cause| ChapterError::Io {
-        path: path.to_path_buf(),
-        cause,
-    })?;
-    parse(path, &text, registry)
-}
-
-/// That `path` is a regular file (through links), or what it is instead.
-/// Reading a FIFO would wait for a writer forever.
-fn check_file(path: &Path) -> Result<(), ChapterError> {
-    match not_a_regular_file(path) {
-        Ok(None) => Ok(()),
-        Ok(Some(what)) => Err(ChapterError::NotAFile {
-            path: path.to_path_buf(),
-            what,
-        }),
-        Err(cause) => Err(ChapterError::Io {
-            path: path.to_path_buf(),
-            cause,
-        }),
-    }
-}
-
-/// What `path` is when it is not a regular file (through links): `is a
-/// directory`, `is a FIFO (a named pipe)`, a dangling link...; `None` for
-/// a regular file. Any input file is checked so before it is read: reading
-/// a FIFO would wait for a writer forever, a device such as /dev/zero
-/// would never end.
-pub fn not_a_regular_file(path: &Path) -> std::io::Result<Option<String>> {
-    use std::os::unix::fs::FileTypeExt;
-    let link = std::fs::symlink_metadata(path)?;
-    let meta = match std::fs::metadata(path) {
-        Ok(m) => m,
-        Err(_) if link.file_type().is_symlink() => {
-            let target = std::fs::read_link(path)
-                .map(|t| t.display().to_string())
-                .unwrap_or_default();
-            return Ok(Some(format!("is a link to {target}, which does not exist")));
-        }
-        Err(cause) => return Err(cause),
-    };
-    let kind = meta.file_type();
-    Ok(if kind.is_file() {
-        None
-    } else if kind.is_dir() {
-        Some("is a directory".into())
-    } else if kind.is_fifo() {
-        Some("is a FIFO (a named pipe)".into())
-    } else if kind.is_socket() {
-        Some("is a socket".into())
-    } else {
-        Some("is a device, not a regular file".into())
-    })
-}
-
-/// Where chapters are looked for, in order: `./chapters`, then the
-/// `chapters` folder of this source tree.
-pub fn default_dirs() -> Vec<PathBuf> {
-    let mut dirs = vec![PathBuf::from("chapters")];
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("chapters");
-    if built.canonicalize().ok() != Path::new("chapters").canonicalize().ok() {
-        dirs.push(built);
-    }
-    dirs
-}
-
-/// The chapter files in `dirs`, by id (file stem), first folder first.
-pub fn available(dirs: &[PathBuf]) -> IndexMap<String, PathBuf> {
-    let mut found = IndexMap::new();
-    for dir in dirs {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        // Regular files only (through links): a FIFO would block a read.
-        let mut paths: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
-            .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
-            .collect();
-        paths.sort();
-        for p in paths {
-            if let Some(stem) = p.file_stem().and_then(|s| s.to_str()) {
-                found.entry(stem.to_string()).or_insert(p);
-            }
-        }
-    }
-    found
-}
-
-/// Finds a chapter by id (`chapter2`) in `dirs`, or by path to a `.toml` file.
-pub fn resolve(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ChapterError> {
-    let as_path = Path::new(name);
-    if name.ends_with(".toml") || as_path.components().count() > 1 {
-        // A path that names something (a directory, a FIFO, a dangling
-        // link) says what it is; only a path to nothing is "not found".
-        if std::fs::symlink_metadata(as_path).is_ok() {
-            check_file(as_path)?;
-            return Ok(as_path.to_path_buf());
-        }
-    } else if let Some(p) = available(dirs).get(name) {
-        return Ok(p.clone());
-    }
-    let names: Vec<String> = available(dirs).keys().cloned().collect();
-    Err(ChapterError::NotFound {
-        name: quote(name),
-        suggestion: suggest::did_you_mean(name, names.iter().map(String::as_str)),
-        searched: dirs
-            .iter()
-            .map(|d| d.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
-        available: if names.is_empty() {
-            "none".to_string()
-        } else {
-            names.join(", ")
-        },
-    })
 }
