@@ -1,0 +1,196 @@
+//! `workbook plan`: the planner's request from the command line or a model
+//! file, and its answer as text, JSON and a plot: the GPT's plans
+//! ([`gpt`]) and a decoder's from its config.json ([`decoder`]).
+
+use std::path::Path;
+
+use serde::Deserialize;
+use workbook_models::{AttentionKind, GptConfig};
+
+use crate::chapter::Location;
+use crate::render::text::bytes;
+
+pub mod decoder;
+pub mod gpt;
+
+pub use decoder::{decoder_fits_markdown, decoder_text};
+pub use gpt::{figure, nothing_fits, text, verified};
+
+/// A model file: the GPT's sizes, as `workbook plan --model FILE` reads it.
+///
+/// ```toml
+/// layers = 4
+/// hidden = 256
+/// heads = 4
+/// seq = 256
+/// vocab = 512
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFile {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Hidden size; a multiple of `heads`.
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+}
+
+/// The largest model file read: a few lines of TOML are a few hundred
+/// bytes.
+pub const MAX_MODEL_FILE: u64 = 64 << 10;
+
+impl ModelFile {
+    /// Reads a model file, a regular file of at most [`MAX_MODEL_FILE`]
+    /// bytes; errors name the file, line and column.
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        use std::io::Read as _;
+        let cannot_read =
+            |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
+        if let Some(what) = crate::chapter::not_a_regular_file(path).map_err(cannot_read)? {
+            anyhow::bail!(
+                "{} {what}; a model file is a regular .toml file",
+                path.display()
+            );
+        }
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
+            .map_err(cannot_read)?;
+        if text.len() as u64 > MAX_MODEL_FILE {
+            anyhow::bail!(
+                "{} is larger than a model file may be ({} bytes at most): a model file holds \
+                 `layers`, `hidden`, `heads`, `seq` and `vocab`",
+                path.display(),
+                MAX_MODEL_FILE
+            );
+        }
+        toml::from_str(&text).map_err(|e| match e.span() {
+            Some(span) => {
+                let at = Location::in_text(path, &text, span.start);
+                anyhow::anyhow!("{at}: {}", e.message())
+            }
+            None => anyhow::anyhow!("{}: {}", path.display(), e.message()),
+        })
+    }
+
+    /// The model, checked: sizes above zero, the hidden size a multiple of
+    /// the heads.
+    pub fn config(&self) -> anyhow::Result<GptConfig> {
+        for (name, value) in [
+            ("layers", self.layers),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("seq", self.seq),
+        ] {
+            if value == 0 {
+                anyhow::bail!("`{name}` is 0; allowed: at least 1");
+            }
+        }
+        if self.vocab < 2 {
+            anyhow::bail!("`vocab` is {}; allowed: at least 2", self.vocab);
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            anyhow::bail!(
+                "`hidden` is {}; allowed: a multiple of heads ({})",
+                self.hidden,
+                self.heads
+            );
+        }
+        Ok(GptConfig {
+            layers: self.layers,
+            hidden: self.hidden,
+            heads: self.heads,
+            seq: self.seq,
+            vocab: self.vocab,
+            attention: AttentionKind::Tiled,
+            lean: true,
+        })
+    }
+}
+
+/// Refuses, before anything is allocated, a model whose calibration cannot
+/// fit in `available` bytes, or whose sizes overflow. The floor is what
+/// every calibrated step holds at least, in the smallest of `dtypes`: the
+/// parameters, their gradients, and the logits of one sequence (s × v:
+/// the head computes them whole).
+pub fn preflight(
+    config: &GptConfig,
+    dtypes: &[workbook_sdk::candle::DType],
+    memory: &Memory,
+) -> anyhow::Result<()> {
+    let Memory { available, place } = memory;
+    let Some(params) = config.checked_param_count() else {
+        anyhow::bail!(
+            "this model's parameter count overflows 64 bits (layers {}, hidden {}, seq {}, \
+             vocab {}): no machine can hold it",
+            config.layers,
+            config.hidden,
+            config.seq,
+            config.vocab
+        );
+    };
+    let Some(dtype) = dtypes.iter().min_by_key(|d| d.size_in_bytes()) else {
+        anyhow::bail!("no dtype to plan for; allowed: f32, bf16, f16");
+    };
+    let size = dtype.size_in_bytes() as u128;
+    let logits = config.seq as u128 * config.vocab as u128;
+    let floor = (u128::from(params) * 2 + logits) * size;
+    if floor > u128::from(*available) {
+        anyhow::bail!(
+            "this model cannot be planned {place}: its {params} parameters, their \
+             gradients and one sequence's {logits} logits take at least {} in {}, more than \
+             the {} of memory available there (the planner measures steps of the model \
+             itself, at batch 1, 2 and 4, before it predicts larger ones)",
+            bytes(u64::try_from(floor).unwrap_or(u64::MAX)),
+            dtype.as_str(),
+            bytes(*available)
+        );
+    }
+    Ok(())
+}
+
+/// The memory a plan's steps may take, and where it is.
+#[derive(Debug, Clone)]
+pub struct Memory {
+    /// Bytes available now.
+    pub available: u64,
+    /// Where, as a phrase: "on this machine", "on cuda:0 (NVIDIA H100)".
+    pub place: String,
+}
+
+impl Memory {
+    /// The memory of `device`: a GPU's free memory, else the host's
+    /// available memory (`u64::MAX` where neither can be read, so that
+    /// nothing is refused on a guess).
+    pub fn of(device: &workbook_sdk::candle::Device) -> Self {
+        match workbook_sdk::device::gpu_free_memory(device) {
+            Some(free) => Memory {
+                available: free,
+                place: format!("on {}", workbook_sdk::device::name(device)),
+            },
+            None => Memory {
+                available: available_memory().unwrap_or(u64::MAX),
+                place: "on this machine".to_string(),
+            },
+        }
+    }
+}
+
+/// A field of `/proc/meminfo` (`MemTotal:`, `MemAvailable:`), in bytes.
+pub fn memory_field(name: &str) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with(name))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The memory this machine has available now (`MemAvailable`), else its
+/// physical memory; `None` where neither can be read.
+pub fn available_memory() -> Option<u64> {
+    memory_field("MemAvailable:").or_else(|| memory_field("MemTotal:"))
+}
