@@ -4,8 +4,13 @@
 
 use std::sync::Arc;
 
+mod config;
 mod direct;
+mod recipe;
+
+pub use config::{AttentionKind, GptConfig};
 pub use direct::{BlockSaved, DirectSaved, DirectStage};
+pub use recipe::Recipe;
 
 use crate::Rng;
 use candle_checkpoint::{Tape, TapeModule};
@@ -17,132 +22,7 @@ use candle_ledger::Labeller;
 use candle_tiled_attention::{
     flash_attention, materialized_attention, naive_attention, FlashConfig,
 };
-use serde::{Deserialize, Serialize};
 use workbook_sdk::Category;
-
-/// How the attention's core `softmax(Q K^T / sqrt(d)) V` is computed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum AttentionKind {
-    /// candle's own operations: the scores, the masked scores and the
-    /// softmax's intermediates all stay in the graph.
-    Naive,
-    /// One operation for scores and softmax, whose graph keeps the
-    /// probabilities only, as PyTorch's autograd does.
-    Materialized,
-    /// Tiled (FlashAttention): no `s x s` matrix is kept; the backward
-    /// recomputes it block by block.
-    Tiled,
-}
-
-impl AttentionKind {
-    /// The name used in parameters and metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            AttentionKind::Naive => "naive",
-            AttentionKind::Materialized => "materialized",
-            AttentionKind::Tiled => "tiled",
-        }
-    }
-}
-
-/// The shape of a GPT and how its layers are computed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct GptConfig {
-    /// Transformer blocks (L).
-    pub layers: usize,
-    /// Hidden size (h); a multiple of `heads`.
-    pub hidden: usize,
-    /// Attention heads (a).
-    pub heads: usize,
-    /// Longest sequence, the position table's length (s).
-    pub seq: usize,
-    /// Vocabulary (v).
-    pub vocab: usize,
-    /// The attention's core.
-    pub attention: AttentionKind,
-    /// The toolkit's lean layers (fused bias and GELU, one-operation layer
-    /// norm and cross-entropy) instead of candle-nn's.
-    pub lean: bool,
-}
-
-impl Default for GptConfig {
-    /// Chapter 3's model at full size: 4 blocks, hidden 256, 4 heads, 256
-    /// positions, a vocabulary of 512, lean layers with the attention's
-    /// probabilities kept.
-    fn default() -> Self {
-        Self {
-            layers: 4,
-            hidden: 256,
-            heads: 4,
-            seq: 256,
-            vocab: 512,
-            attention: AttentionKind::Materialized,
-            lean: true,
-        }
-    }
-}
-
-impl GptConfig {
-    /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` (the
-    /// head is tied to the token embedding).
-    ///
-    /// ```
-    /// use workbook_models::{AttentionKind, GptConfig};
-    /// // GPT-2 small: 124,439,808 parameters with its 1024 positions.
-    /// let c = GptConfig { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257,
-    ///                     attention: AttentionKind::Naive, lean: false };
-    /// assert_eq!(c.param_count(), 124_439_808);
-    /// ```
-    pub fn param_count(&self) -> u64 {
-        self.checked_param_count().unwrap_or(u64::MAX)
-    }
-
-    /// [`param_count`](Self::param_count), `None` where it overflows `u64`
-    /// (sizes a planner must refuse rather than wrap).
-    pub fn checked_param_count(&self) -> Option<u64> {
-        let (l, h, s, v) = (
-            self.layers as u64,
-            self.hidden as u64,
-            self.seq as u64,
-            self.vocab as u64,
-        );
-        let block = h
-            .checked_mul(h)?
-            .checked_mul(12)?
-            .checked_add(h.checked_mul(13)?)?;
-        h.checked_mul(v)?
-            .checked_add(s.checked_mul(h)?)?
-            .checked_add(l.checked_mul(block)?)?
-            .checked_add(h.checked_mul(2)?)
-    }
-
-    /// Elements of each parameter tensor, in [`Gpt::vars`]'s order.
-    pub fn param_sizes(&self) -> Vec<usize> {
-        let (h, s, v) = (self.hidden, self.seq, self.vocab);
-        let block = [
-            h,
-            h,
-            3 * h * h,
-            3 * h,
-            h * h,
-            h,
-            h,
-            h,
-            4 * h * h,
-            4 * h,
-            4 * h * h,
-            h,
-        ];
-        let mut sizes = vec![v * h, s * h];
-        for _ in 0..self.layers {
-            sizes.extend(block);
-        }
-        sizes.extend([h, h]);
-        sizes
-    }
-}
 
 /// Where the parameters live: whole in this process, or partitioned over
 /// ranks under ZeRO stage 3 (each rank a block in f32, gathered for use).
@@ -635,67 +515,6 @@ impl Gpt {
     }
 }
 
-/// How the layers are computed: candle-nn's, or the toolkit's lean layers
-/// with the attention kept as PyTorch keeps it, or tiled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Recipe {
-    /// candle-nn's Linear, GELU and cross-entropy; the naive attention.
-    Candle,
-    /// The toolkit's lean layers and cross-entropy; the attention's
-    /// probabilities kept as one tensor.
-    Lean,
-    /// The lean layers with tiled attention.
-    Tiled,
-    /// The lean layers and materialized attention with no graph: each
-    /// stage's backward called directly ([`Gpt::direct_loss_with`]).
-    Direct,
-    /// The direct backward with tiled attention.
-    DirectTiled,
-}
-
-impl Recipe {
-    /// The name used in metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recipe::Candle => "candle",
-            Recipe::Lean => "lean",
-            Recipe::Tiled => "tiled",
-            Recipe::Direct => "direct",
-            Recipe::DirectTiled => "direct_tiled",
-        }
-    }
-
-    /// Every recipe, in the order the command line lists them.
-    pub const ALL: [Recipe; 5] = [
-        Recipe::Candle,
-        Recipe::Lean,
-        Recipe::Tiled,
-        Recipe::Direct,
-        Recipe::DirectTiled,
-    ];
-
-    /// Whether the backward is the direct one, with no graph.
-    pub fn direct(self) -> bool {
-        matches!(self, Recipe::Direct | Recipe::DirectTiled)
-    }
-
-    /// `model` computed this way.
-    pub fn apply(self, model: GptConfig) -> GptConfig {
-        let (attention, lean) = match self {
-            Recipe::Candle => (AttentionKind::Naive, false),
-            Recipe::Lean => (AttentionKind::Materialized, true),
-            Recipe::Tiled | Recipe::DirectTiled => (AttentionKind::Tiled, true),
-            Recipe::Direct => (AttentionKind::Materialized, true),
-        };
-        GptConfig {
-            attention,
-            lean,
-            ..model
-        }
-    }
-}
-
 /// One layer of a [`Gpt`] as a stack (see [`Gpt::stack`]).
 #[derive(Debug, Clone, Copy)]
 pub enum GptLayer<'a> {
@@ -722,55 +541,8 @@ impl Module for GptLayer<'_> {
     }
 }
 
-/// What tests of the model and of the steps that train it share (this
-/// crate's, and the planner's): helpers that panic, not API.
 #[doc(hidden)]
-pub mod testing {
-    use super::*;
-
-    /// A model small enough for a unit test's every step.
-    pub const SMALL: GptConfig = GptConfig {
-        layers: 2,
-        hidden: 16,
-        heads: 2,
-        seq: 6,
-        vocab: 13,
-        attention: AttentionKind::Tiled,
-        lean: true,
-    };
-
-    /// `t`'s values in f32.
-    pub fn flat(t: &Tensor) -> Result<Vec<f32>> {
-        t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
-    }
-
-    /// Every parameter's gradient: `store`'s, and under stage 3 the linear
-    /// layers' blocks beside it; flattened, in [`Gpt::vars`]'s order.
-    pub fn gradients(model: &Gpt, mut store: GradStore) -> Result<Vec<Vec<f32>>> {
-        model.take_grads_into(&mut store);
-        model
-            .vars()
-            .iter()
-            .map(|v| {
-                let g = store
-                    .get(v.as_tensor())
-                    .unwrap_or_else(|| panic!("no gradient for a parameter of {:?}", v.dims()));
-                flat(g)
-            })
-            .collect()
-    }
-
-    /// Each parameter's values within 1e-6 of `want`'s.
-    pub fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: parameters");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert_eq!(g.len(), w.len(), "{what}: parameter {i}");
-            for (a, b) in g.iter().zip(w) {
-                assert!((a - b).abs() <= 1e-6, "{what}: parameter {i}: {a} vs {b}");
-            }
-        }
-    }
-}
+pub mod testing;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,131 @@
+//! A GPT's shape and how its attention is computed.
+
+use serde::{Deserialize, Serialize};
+
+// For the documentation's links only.
+#[cfg(doc)]
+use super::Gpt;
+
+/// How the attention's core `softmax(Q K^T / sqrt(d)) V` is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// candle's own operations: the scores, the masked scores and the
+    /// softmax's intermediates all stay in the graph.
+    Naive,
+    /// One operation for scores and softmax, whose graph keeps the
+    /// probabilities only, as PyTorch's autograd does.
+    Materialized,
+    /// Tiled (FlashAttention): no `s x s` matrix is kept; the backward
+    /// recomputes it block by block.
+    Tiled,
+}
+
+impl AttentionKind {
+    /// The name used in parameters and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Naive => "naive",
+            AttentionKind::Materialized => "materialized",
+            AttentionKind::Tiled => "tiled",
+        }
+    }
+}
+
+/// The shape of a GPT and how its layers are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    /// Transformer blocks (L).
+    pub layers: usize,
+    /// Hidden size (h); a multiple of `heads`.
+    pub hidden: usize,
+    /// Attention heads (a).
+    pub heads: usize,
+    /// Longest sequence, the position table's length (s).
+    pub seq: usize,
+    /// Vocabulary (v).
+    pub vocab: usize,
+    /// The attention's core.
+    pub attention: AttentionKind,
+    /// The toolkit's lean layers (fused bias and GELU, one-operation layer
+    /// norm and cross-entropy) instead of candle-nn's.
+    pub lean: bool,
+}
+
+impl Default for GptConfig {
+    /// Chapter 3's model at full size: 4 blocks, hidden 256, 4 heads, 256
+    /// positions, a vocabulary of 512, lean layers with the attention's
+    /// probabilities kept.
+    fn default() -> Self {
+        Self {
+            layers: 4,
+            hidden: 256,
+            heads: 4,
+            seq: 256,
+            vocab: 512,
+            attention: AttentionKind::Materialized,
+            lean: true,
+        }
+    }
+}
+
+impl GptConfig {
+    /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` (the
+    /// head is tied to the token embedding).
+    ///
+    /// ```
+    /// use workbook_models::{AttentionKind, GptConfig};
+    /// // GPT-2 small: 124,439,808 parameters with its 1024 positions.
+    /// let c = GptConfig { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257,
+    ///                     attention: AttentionKind::Naive, lean: false };
+    /// assert_eq!(c.param_count(), 124_439_808);
+    /// ```
+    pub fn param_count(&self) -> u64 {
+        self.checked_param_count().unwrap_or(u64::MAX)
+    }
+
+    /// [`param_count`](Self::param_count), `None` where it overflows `u64`
+    /// (sizes a planner must refuse rather than wrap).
+    pub fn checked_param_count(&self) -> Option<u64> {
+        let (l, h, s, v) = (
+            self.layers as u64,
+            self.hidden as u64,
+            self.seq as u64,
+            self.vocab as u64,
+        );
+        let block = h
+            .checked_mul(h)?
+            .checked_mul(12)?
+            .checked_add(h.checked_mul(13)?)?;
+        h.checked_mul(v)?
+            .checked_add(s.checked_mul(h)?)?
+            .checked_add(l.checked_mul(block)?)?
+            .checked_add(h.checked_mul(2)?)
+    }
+
+    /// Elements of each parameter tensor, in [`Gpt::vars`]'s order.
+    pub fn param_sizes(&self) -> Vec<usize> {
+        let (h, s, v) = (self.hidden, self.seq, self.vocab);
+        let block = [
+            h,
+            h,
+            3 * h * h,
+            3 * h,
+            h * h,
+            h,
+            h,
+            h,
+            4 * h * h,
+            4 * h,
+            4 * h * h,
+            h,
+        ];
+        let mut sizes = vec![v * h, s * h];
+        for _ in 0..self.layers {
+            sizes.extend(block);
+        }
+        sizes.extend([h, h]);
+        sizes
+    }
+}
