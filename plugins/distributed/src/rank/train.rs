@@ -1,130 +1,25 @@
-//! What each rank runs: the four ways to train, one after the other, each
-//! measured by the rank's own counting allocator and written to a report
-//! file as soon as it is done (so that a rank that fails later keeps what
-//! it measured).
+//! One stage of a rank's training: the stack of Linear + ReLU layers, its
+//! batches and optimizer as the stage shares them, measured.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_checkpoint::lean_backward_with;
 use candle_distributed::{Comm, DataParallel, Shard, ShardedLinear, Split, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
-use serde::{Deserialize, Serialize};
 use workbook_models::Rng;
-use workbook_sdk::anyhow::{self, Context as _};
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{self, Optimizer, ParamsAdamW};
-use workbook_sdk::meter::CpuMeter;
 use workbook_sdk::observe::Tags;
-use workbook_sdk::{Category, Context};
+use workbook_sdk::{anyhow, Category, Context};
 
 use workbook_planner::stage::{ModelState, Precision, Stage};
 
-/// What the cell asks of every rank.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RankRequest {
-    /// Linear + ReLU layers.
-    pub layers: usize,
-    /// Features in and out of each layer.
-    pub width: usize,
-    /// Rows of the whole batch, split over the ranks (the first `batch %
-    /// ranks` take one more).
-    pub batch: usize,
-    /// Training steps per stage.
-    pub steps: usize,
-    /// Seed of the weights and the data (the same on every rank).
-    pub seed: u64,
-    /// The dtype the model trains in.
-    #[serde(default)]
-    pub precision: Precision,
-    /// The folder each rank writes `rank-R.json` into.
-    pub out: PathBuf,
-    /// The most this rank may hold at once: the cell's cap (`--max-memory`)
-    /// holds for every rank.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_memory: Option<u64>,
-}
-
-/// What one rank measured.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RankReport {
-    /// This rank.
-    pub rank: usize,
-    /// The ranks of the job.
-    pub ranks: usize,
-    /// The collective library.
-    pub engine: String,
-    /// Each stage done so far.
-    pub stages: Vec<StageReport>,
-}
-
-/// One stage on one rank.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct StageReport {
-    /// Which.
-    pub stage: Stage,
-    /// Parameters of the model.
-    pub psi: u64,
-    /// Parameters of this rank's blocks (Ψ/N, each tensor's split rounded up).
-    pub block: u64,
-    /// Parameters once each tensor is padded to a multiple of the ranks.
-    pub padded: u64,
-    /// Model states held, from the meter: parameters after the step,
-    /// gradients when the optimizer is about to use them, optimizer state
-    /// after the step.
-    pub held: ModelState,
-    /// The highest bytes live at once during the steps, above the stage's
-    /// start (model states included, their set-up not).
-    pub peak: u64,
-    /// Communication buffers at their highest.
-    pub comm_peak: u64,
-    /// Activations at their highest.
-    pub activations_peak: u64,
-    /// Bytes this rank sent per step (ring algorithms).
-    pub sent_per_step: u64,
-    /// Bytes this rank received per step.
-    pub received_per_step: u64,
-    /// Collective calls per step.
-    pub calls_per_step: u64,
-    /// Mean time of a step.
-    pub seconds_per_step: f64,
-    /// The loss of this rank's shard at the last step.
-    pub loss: f32,
-    /// Tensors that hold the model states (each with candle's bookkeeping).
-    pub tensors: u64,
-    /// The same stage measured again at half the width, for one step: what
-    /// grows with the model is the difference between the two.
-    pub smaller: Option<Smaller>,
-}
-
-/// A stage's model states measured at half the width: the same tensors,
-/// so the same bookkeeping, and a quarter of the weights' elements.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Smaller {
-    /// Parameters of the smaller model.
-    pub psi: u64,
-    /// Parameters of this rank's blocks of it.
-    pub block: u64,
-    /// Model states held, from the meter, as [`StageReport::held`].
-    pub held: ModelState,
-}
-
-impl RankRequest {
-    /// The same request at half the width and for one step, if the width
-    /// can be halved.
-    fn smaller(&self) -> Option<RankRequest> {
-        (self.width >= 2).then(|| RankRequest {
-            width: self.width / 2,
-            steps: 1,
-            ..self.clone()
-        })
-    }
-}
+use super::{RankRequest, StageReport};
 
 /// A Linear + ReLU layer over any linear map.
-struct Layer<L>(L);
+pub(super) struct Layer<L>(L);
 
 impl<L: Module> Module for Layer<L> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -132,11 +27,11 @@ impl<L: Module> Module for Layer<L> {
     }
 }
 
-fn forward<L: Module>(layers: &[Layer<L>], x: &Tensor) -> Result<Tensor> {
+pub(super) fn forward<L: Module>(layers: &[Layer<L>], x: &Tensor) -> Result<Tensor> {
     layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))
 }
 
-fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
+pub(super) fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
     (out - y)?.sqr()?.mean_all()
 }
 
@@ -159,12 +54,17 @@ fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
 }
 
 /// This rank's share of the batch: its rows, and its loss's weight.
-fn shard_of(req: &RankRequest, comm: &Comm) -> Shard {
+pub(super) fn shard_of(req: &RankRequest, comm: &Comm) -> Shard {
     Shard::new(req.batch, comm.size(), comm.rank())
 }
 
 /// `shard`'s rows of step `step`'s batch, in the dtype it trains in.
-fn batch(req: &RankRequest, shard: Shard, step: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+pub(super) fn batch(
+    req: &RankRequest,
+    shard: Shard,
+    step: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let mut rng = Rng::seeded(req.seed ^ (0x9e37_79b9 + step as u64));
     let x = rng.randn((req.batch, req.width), dev)?;
     let y = rng.randn((req.batch, req.width), dev)?;
@@ -183,9 +83,9 @@ fn adamw() -> ParamsAdamW {
 }
 
 /// The model of the dense stages: whole parameters as variables.
-type Dense = (Vec<Layer<candle_nn::Linear>>, Vec<Var>);
+pub(super) type Dense = (Vec<Layer<candle_nn::Linear>>, Vec<Var>);
 
-fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
+pub(super) fn dense(req: &RankRequest, dev: &Device) -> Result<Dense> {
     Category::Parameters.scope(|| {
         let mut layers = Vec::new();
         let mut vars = Vec::new();
@@ -301,7 +201,7 @@ fn tensors_bytes(vars: &[Var]) -> u64 {
 }
 
 /// Runs one stage for `req.steps` steps, measured in a region of `ctx`.
-fn run_stage(
+pub(super) fn run_stage(
     ctx: &mut Context,
     comm: &Arc<Comm>,
     stage: Stage,
@@ -435,193 +335,4 @@ fn run_stage(
         tensors,
         smaller: None,
     })
-}
-
-/// The pids the ranks of a job wrote into `dir`, for stopping them.
-pub fn rank_pids(dir: &Path) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".pid"))
-        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
-        .filter_map(|t| t.trim().parse().ok())
-        .collect()
-}
-
-/// The report file of `rank` in `dir`.
-pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(format!("rank-{rank}.json"))
-}
-
-fn write_report(report: &RankReport, dir: &Path) -> anyhow::Result<()> {
-    let path = report_path(dir, report.rank);
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(report)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
-}
-
-/// What a test asks a rank to do wrong: `RANK:STAGE:crash` exits at the
-/// start of that stage, `RANK:STAGE:hang` sleeps there (from
-/// `WORKBOOK_RANK_FAULT`, read by [`rank_main`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fault {
-    rank: usize,
-    stage: Stage,
-    hang: bool,
-}
-
-impl Fault {
-    /// The fault that `WORKBOOK_RANK_FAULT` describes, if any.
-    pub fn from_env() -> anyhow::Result<Option<Fault>> {
-        let Ok(text) = std::env::var("WORKBOOK_RANK_FAULT") else {
-            return Ok(None);
-        };
-        let bad = || {
-            anyhow::anyhow!("WORKBOOK_RANK_FAULT is `{text}`; expected RANK:STAGE:crash or RANK:STAGE:hang, STAGE one of ddp, zero1, zero2, zero3")
-        };
-        let parts: Vec<&str> = text.split(':').collect();
-        let [rank, stage, what] = parts[..] else {
-            return Err(bad());
-        };
-        let stage = Stage::ALL
-            .into_iter()
-            .find(|s| s.name() == stage)
-            .ok_or_else(bad)?;
-        let hang = match what {
-            "hang" => true,
-            "crash" => false,
-            _ => return Err(bad()),
-        };
-        Ok(Some(Fault {
-            rank: rank.parse().map_err(|_| bad())?,
-            stage,
-            hang,
-        }))
-    }
-
-    fn strike(&self, rank: usize, stage: Stage) {
-        if self.rank != rank || self.stage != stage {
-            return;
-        }
-        if self.hang {
-            loop {
-                std::thread::sleep(std::time::Duration::from_secs(3600));
-            }
-        }
-        eprintln!(
-            "error: rank {rank}: crashing at {} as WORKBOOK_RANK_FAULT asks",
-            stage.name()
-        );
-        std::process::exit(3);
-    }
-}
-
-/// A rank's whole run (what `workbook rank` does under `mpirun`): every
-/// stage in turn, the report rewritten after each. A rank that fails ends
-/// the whole job (`MPI_Abort`), so that no other rank waits for it in a
-/// collective.
-pub fn rank_main(comm: Comm, req: &RankRequest) -> ! {
-    workbook_sdk::meter::set_limit(req.max_memory);
-    serve(comm, &req.out, |comm| run_rank(comm, req))
-}
-
-/// Serves as one rank of a job started by [`crate::launch::run_ranks`]:
-/// writes this rank's pid into `out` (for the launcher to stop it past the
-/// time limit), runs `work` on the communicator, its allocations tagged by
-/// category, and exits: 0 when it succeeded, else with the error said on
-/// standard error and the whole job ended (`MPI_Abort`), so that no other
-/// rank waits for this one in a collective. A panic is an error too.
-pub fn serve(comm: Comm, out: &Path, work: impl FnOnce(&Arc<Comm>) -> anyhow::Result<()>) -> ! {
-    die_with_launcher();
-    let comm = Arc::new(comm.observed(Tags));
-    let run = || -> anyhow::Result<()> {
-        std::fs::write(
-            out.join(format!("rank-{}.pid", comm.rank())),
-            std::process::id().to_string(),
-        )
-        .context("writing the rank's pid")?;
-        work(&comm)
-    };
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
-        .unwrap_or_else(|payload| Err(workbook_sdk::worker::panicked(payload.as_ref())));
-    match result {
-        Ok(()) => {
-            drop(comm);
-            std::process::exit(0)
-        }
-        Err(e) => {
-            eprintln!("error: rank {} of {}: {e:#}", comm.rank(), comm.size());
-            comm.abort(1)
-        }
-    }
-}
-
-/// Makes this rank end when the process that started it (mpirun) ends,
-/// even by SIGKILL: a rank is never left behind computing for no one.
-fn die_with_launcher() {
-    #[cfg(target_os = "linux")]
-    // SAFETY: prctl(2) and getppid(2) with plain integer arguments.
-    unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-        // The launcher may have died before the prctl: then this rank was
-        // handed to init (or a subreaper), and is alone.
-        if libc::getppid() == 1 {
-            std::process::exit(1);
-        }
-    }
-}
-
-fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
-    let fault = Fault::from_env()?;
-    if req.batch < comm.size() {
-        anyhow::bail!(
-            "a batch of {} rows cannot give each of {} ranks a row",
-            req.batch,
-            comm.size()
-        );
-    }
-    let meter = Arc::new(CpuMeter::new()?);
-    let mut ctx = Context::new(Device::Cpu, meter, false);
-    let mut report = RankReport {
-        rank: comm.rank(),
-        ranks: comm.size(),
-        engine: comm.describe(),
-        stages: Vec::new(),
-    };
-    // The first products and backward allocate workspaces that live as
-    // long as the process (the matrix-product library's per-thread
-    // buffers): allocate them here, untagged, not in the first stage.
-    Category::Other.scope(|| -> anyhow::Result<()> {
-        let (layers, vars) = dense(req, &Device::Cpu)?;
-        let (x, y) = batch(req, shard_of(req, comm), 0, &Device::Cpu)?;
-        let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
-        drop((grads, layers, vars));
-        Ok(())
-    })?;
-    for stage in Stage::ALL {
-        if let Some(f) = &fault {
-            f.strike(comm.rank(), stage);
-        }
-        let what = || format!("rank {} of {}, {}", comm.rank(), comm.size(), stage.name());
-        let mut s = run_stage(&mut ctx, comm, stage, req).with_context(what)?;
-        if let Some(smaller) = req.smaller() {
-            let m = run_stage(&mut ctx, comm, stage, &smaller)
-                .with_context(|| format!("{} at half the width", what()))?;
-            s.smaller = Some(Smaller {
-                psi: m.psi,
-                block: m.block,
-                held: m.held,
-            });
-        }
-        report.stages.push(s);
-        write_report(&report, &req.out)?;
-        // Every rank's report of this stage is written before any rank
-        // goes on, so a failure later keeps all of them.
-        comm.barrier()?;
-    }
-    Ok(())
 }
