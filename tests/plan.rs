@@ -437,7 +437,8 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
         assert!(peak(i + 1) <= peak(i), "{}", names[i]);
     }
 
-    // On the CPU, f32 first; a budget below every option: refused with the
+    // On the CPU, f32 first, and AdamW's state never "offloaded" to the
+    // memory it is in; a budget below every option: refused with the
     // smallest and what it lacks.
     let o = plan_with(&["--model", smollm2, "--device", "cpu", "--budget", "1GiB"]);
     assert_eq!(o.status.code(), Some(1));
@@ -445,8 +446,8 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     assert!(out.contains("\n  f32      device   none "), "{out}");
     assert!(
         out.contains(
-            "Nothing fits: the smallest, f32 compute with the fused loss, AdamW offloaded to \
-             the host, every block checkpointed, needs"
+            "Nothing fits: the smallest, f32 compute with the fused loss, every block \
+             checkpointed, needs"
         ),
         "{out}"
     );
@@ -629,6 +630,30 @@ fn a_decoder_plan_is_verified_on_this_machine_and_keeps_its_promise() {
         ]);
         assert!(out.contains("Verified: measured peak "), "{out}");
         assert!(out.contains("The plan kept its promise"), "{out}");
+        assert!(out.contains("Measured on this machine's CPU.\n"), "{out}");
+    }
+    // The novel shape where only AdamW on the host fits a card, and under
+    // ZeRO-2 over two ranks: each verified as chosen.
+    let novel = "tests/fixtures/novel.config.json";
+    let shape = ["--batch", "2", "--seq", "64", "--verify"];
+    let cases: [(&[&str], &str, &str); 2] = [
+        (
+            &["--device", "l4", "--budget", "14MiB"],
+            "AdamW offloaded to the host",
+            "AdamW's state on the host left out",
+        ),
+        (
+            &["--ranks", "2", "--stages", "zero2", "--budget", "40MiB"],
+            "ZeRO-2",
+            "as rank 0 of 2, its peers rehearsed",
+        ),
+    ];
+    for (args, option, place) in cases {
+        let out = fitting(&[&["--model", novel][..], args, &shape].concat());
+        let chosen = out.lines().find(|l| l.starts_with("Chosen: ")).unwrap();
+        assert!(chosen.contains(option), "{out}");
+        assert!(out.contains("The plan kept its promise"), "{out}");
+        assert!(out.contains(place), "{out}");
     }
     // What the machine cannot hold is refused before anything runs.
     let o = plan_with(&[

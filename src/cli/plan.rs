@@ -69,7 +69,9 @@ pub struct PlanArgs {
     pub device: String,
     /// Ranks sharing the batch (data parallelism): the budget is then
     /// each rank's, and each trains on batch / ranks sequences;
-    /// --verify runs them under mpirun (a build with `--features mpi`).
+    /// --verify runs them under mpirun (a build with `--features mpi`);
+    /// for a config.json it runs rank 0 in this process, its peers
+    /// rehearsed (every collective fills the buffers a real rank's would).
     #[arg(long, default_value_t = 1, value_parser = parse_ranks)]
     pub ranks: usize,
     /// With --ranks, how they may share the training, comma-separated:
@@ -355,6 +357,9 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         say(&workbook::plan::decoder_text(&cfg, &card, &plan))?;
         if let Some(v) = &verification {
             say(&workbook::plan::verified(v, PLAN_TOLERANCE))?;
+            if let Some(i) = plan.chosen {
+                say(&workbook::plan::decoder_verified_where(&plan.options[i]))?;
+            }
         }
     }
     Ok(match (plan.chosen, verification) {

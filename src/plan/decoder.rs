@@ -22,6 +22,23 @@ fn option_words(o: &workbook_planner::decoder::DecoderOption) -> String {
     words
 }
 
+/// Where a decoder plan's verification ran: this CPU, and for ZeRO one
+/// rank of the job with its peers rehearsed in the same process.
+pub fn decoder_verified_where(chosen: &workbook_planner::decoder::DecoderOption) -> String {
+    use workbook_planner::decoder::Sharing;
+    match chosen.recipe.sharing {
+        Sharing::Zero1 { ranks } | Sharing::Zero2 { ranks } => format!(
+            "Measured on this machine's CPU as rank 0 of {ranks}, its peers rehearsed in this \
+             process: every collective fills the buffers a real rank's would, so the peak is a \
+             real rank's.\n"
+        ),
+        Sharing::Offload => "Measured on this machine's CPU: the peak is what the device holds, \
+                             AdamW's state on the host left out.\n"
+            .to_string(),
+        Sharing::Device => "Measured on this machine's CPU.\n".to_string(),
+    }
+}
+
 /// A decoder plan as text: per compute dtype, place of AdamW's state and
 /// checkpointing, the first option that fits (or else the smallest) with
 /// its predicted peak by term; then the one chosen, or the smallest and
@@ -198,7 +215,8 @@ pub fn decoder_fits_markdown(models: &[(String, workbook_models::llama::LlamaCon
          state lives, checkpointing (`ckpt`) and micro-batches (`mN`).\n\n\
          The public estimators' figures are the training state alone, whatever the batch and \
          sequence: accelerate's `estimate-memory` (\"training using Adam\": 4 times the model's \
-         size, 16 bytes a parameter in f32, 8 in bf16) and DeepSpeed's ZeRO-2 estimator for one \
+         size, 16 bytes a parameter in float32, 8 in float16, its half-precision row) and \
+         DeepSpeed's ZeRO-2 estimator for one \
          GPU (4 + 16 bytes a parameter; 2 with its optimizer offloaded to the CPU).\n",
     );
     for (name, cfg) in models {
@@ -206,7 +224,7 @@ pub fn decoder_fits_markdown(models: &[(String, workbook_models::llama::LlamaCon
         let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
         out.push_str(&format!(
             "\n## {name} ({params} parameters, vocabulary {}, {} head)\n\n\
-             accelerate: {} (f32), {} (bf16); DeepSpeed ZeRO-2: {} ({} offloaded).\n\n\
+             accelerate: {} (float32), {} (float16); DeepSpeed ZeRO-2: {} ({} offloaded).\n\n\
              | card | 2,048 x 1 | 2,048 x 8 | 8,192 x 1 | 8,192 x 8 |\n|---|---|---|---|---|\n",
             cfg.vocab,
             if cfg.tied { "tied" } else { "untied" },

@@ -40,6 +40,12 @@ impl Card {
         })
     }
 
+    /// Whether the device is this machine's own memory, where the host is:
+    /// moving AdamW's state "to the host" frees nothing there.
+    pub fn is_host(&self) -> bool {
+        self.name == "cpu"
+    }
+
     /// This machine's CPU with `bytes` of memory.
     pub fn cpu(bytes: u64) -> Self {
         Self {
@@ -126,7 +132,7 @@ pub struct DecoderRequest {
 
 /// Weighs, for `cfg` on `card`, every compute dtype of the ask; on one
 /// device AdamW's state beside the parameters and then offloaded to the
-/// host, on several ranks each ZeRO stage asked for (stage 2 checkpointed
+/// host (on a GPU: on the CPU the host is the device), on several ranks each ZeRO stage asked for (stage 2 checkpointed
 /// only); without and with activation checkpointing; whole batches and
 /// every split into micro-batches that divides a device's share; both
 /// losses. Cheapest first, in that order of precedence: the fast dtype
@@ -154,6 +160,8 @@ pub fn plan_decoder(cfg: &LlamaConfig, ask: &DecoderRequest, card: &Card) -> Dec
                 Stage::Ddp | Stage::Zero3 => None,
             })
             .collect()
+    } else if card.is_host() {
+        vec![Sharing::Device]
     } else {
         vec![Sharing::Device, Sharing::Offload]
     };
@@ -279,15 +287,20 @@ mod tests {
             stages: vec![],
             checkpointing: true,
         };
-        let plan = plan_decoder(&smollm2(), &ask, &Card::cpu(1 << 40));
+        let l4 = Card::named("l4").unwrap();
+        let plan = plan_decoder(&smollm2(), &ask, &l4);
         let mut counts: Vec<usize> = plan.options.iter().map(|o| o.micro_batches).collect();
         counts.dedup();
         // Device then offload, each without and with checkpointing.
         assert_eq!(counts, [[1, 2, 6]; 4].concat());
         assert_eq!(plan.options.len(), 2 * 2 * 3 * 2);
+        // On the CPU the host is the device: nothing is offloaded.
+        let plan = plan_decoder(&smollm2(), &ask, &Card::cpu(1 << 40));
+        assert!(plan.options.iter().all(|o| o.optimizer == "device"));
+        assert_eq!(plan.options.len(), 2 * 3 * 2);
 
         ask.checkpointing = false;
-        let plan = plan_decoder(&smollm2(), &ask, &Card::cpu(1 << 40));
+        let plan = plan_decoder(&smollm2(), &ask, &l4);
         assert!(plan.options.iter().all(|o| !o.checkpoint));
         assert_eq!(plan.options.len(), 2 * 3 * 2);
 
