@@ -199,9 +199,7 @@ pub fn decoder_text(
 /// each card preset at 2,048 and 8,192 tokens, batch 1 and 8, beside what
 /// the public estimators say of the same model. Every figure is predicted.
 pub fn decoder_fits_markdown(models: &[(String, workbook_models::llama::LlamaConfig)]) -> String {
-    use workbook_planner::decoder::{plan_decoder, Card, DecoderRequest, CARDS};
-    use workbook_planner::Stage;
-    use workbook_sdk::candle::DType;
+    use workbook_planner::decoder::{Card, CARDS};
     let shapes = [(2048, 1), (2048, 8), (8192, 1), (8192, 8)];
     let mut out = String::from(
         "# Does it fit? Six published decoders on the common cards\n\n\
@@ -237,41 +235,7 @@ pub fn decoder_fits_markdown(models: &[(String, workbook_models::llama::LlamaCon
             let card = Card::named(card_name).expect("a preset");
             let mut row = format!("| {card_name} ({}) |", gib(card.bytes));
             for (seq, batch) in shapes {
-                let ask = DecoderRequest {
-                    batch,
-                    seq,
-                    dtypes: vec![DType::BF16, DType::F32],
-                    budget: card.bytes,
-                    ranks: 1,
-                    stages: vec![Stage::Zero1, Stage::Zero2],
-                    checkpointing: true,
-                };
-                let plan = plan_decoder(cfg, &ask, &card);
-                let cell = match plan.chosen {
-                    Some(i) => {
-                        let o = &plan.options[i];
-                        let mut words = vec![o.compute.clone(), o.loss.clone()];
-                        if o.optimizer != "device" {
-                            words.push(o.optimizer.clone());
-                        }
-                        if o.checkpoint {
-                            words.push("ckpt".into());
-                        }
-                        if o.micro_batches > 1 {
-                            words.push(format!("m{}", o.micro_batches));
-                        }
-                        format!("{}: {}", words.join(" "), gib(o.prediction.total()))
-                    }
-                    None => {
-                        let least = plan
-                            .options
-                            .iter()
-                            .map(|o| o.prediction.total())
-                            .min()
-                            .unwrap_or(0);
-                        format!("no (least {})", gib(least))
-                    }
-                };
+                let cell = fits_cell(cfg, &card, batch, seq);
                 row.push_str(&format!(" {cell} |"));
             }
             out.push_str(&row);
@@ -279,4 +243,45 @@ pub fn decoder_fits_markdown(models: &[(String, workbook_models::llama::LlamaCon
         }
     }
     out
+}
+
+/// One cell of the fits page: the option `workbook plan --model` chooses
+/// for `cfg` on `card` at `batch` x `seq` tokens, in short words with its
+/// predicted peak, or the least any option needs.
+fn fits_cell(
+    cfg: &workbook_models::llama::LlamaConfig,
+    card: &workbook_planner::decoder::Card,
+    batch: usize,
+    seq: usize,
+) -> String {
+    use workbook_planner::decoder::{plan_decoder, DecoderRequest};
+    use workbook_planner::Stage;
+    use workbook_sdk::candle::DType;
+    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    let ask = DecoderRequest {
+        batch,
+        seq,
+        dtypes: vec![DType::BF16, DType::F32],
+        budget: card.bytes,
+        ranks: 1,
+        stages: vec![Stage::Zero1, Stage::Zero2],
+        checkpointing: true,
+    };
+    let plan = plan_decoder(cfg, &ask, card);
+    let Some(i) = plan.chosen else {
+        let least = plan.options.iter().map(|o| o.prediction.total()).min();
+        return format!("no (least {})", gib(least.unwrap_or(0)));
+    };
+    let o = &plan.options[i];
+    let mut words = vec![o.compute.clone(), o.loss.clone()];
+    if o.optimizer != "device" {
+        words.push(o.optimizer.clone());
+    }
+    if o.checkpoint {
+        words.push("ckpt".into());
+    }
+    if o.micro_batches > 1 {
+        words.push(format!("m{}", o.micro_batches));
+    }
+    format!("{}: {}", words.join(" "), gib(o.prediction.total()))
 }
