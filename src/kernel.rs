@@ -18,7 +18,7 @@ pub const PRELOAD: &str = "libworkbook_preload.so";
 /// The kernel spec's folder name, which notebooks name in their metadata.
 pub const KERNEL_NAME: &str = "rust-workbook";
 
-/// evcxr's kernel as this workspace builds it (`--features evcxr`).
+/// evcxr's kernel as `crates/kernel` builds it (a workspace of its own).
 pub const KERNEL_BINARY: &str = "workbook-kernel";
 
 /// `name` beside this executable, if it is there.
@@ -85,8 +85,9 @@ pub fn install(opts: &Install) -> anyhow::Result<PathBuf> {
             .ok_or_else(|| {
                 anyhow::anyhow!(
                     "no evcxr kernel: neither {KERNEL_BINARY} beside this executable (`cargo \
-                     build --release --features evcxr` builds it) nor evcxr_jupyter on PATH or \
-                     in ~/.cargo/bin (`cargo install --locked evcxr_jupyter`)"
+                     build --release --manifest-path crates/kernel/Cargo.toml --target-dir \
+                     target` builds it there) nor evcxr_jupyter on PATH or in ~/.cargo/bin \
+                     (`cargo install --locked evcxr_jupyter`)"
                 )
             })?,
     };

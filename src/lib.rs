@@ -33,8 +33,6 @@
 //!   (`notebook::live`). Without it the crate only displays reports: the
 //!   [`notebook`] view and the [`render`]ers, which is what the `:dep` of a
 //!   notebook whose cells all run in child processes needs.
-//! - `evcxr`: `workbook-kernel`, evcxr's Jupyter kernel built with this
-//!   workspace, which `workbook kernel install` names in its kernel spec.
 #![warn(missing_docs)]
 
 pub mod assertion;

@@ -6,8 +6,8 @@
 //!
 //! Needs a Python with jupyter_client and nbclient (`WORKBOOK_PYTHON`, else
 //! `python3`),
-//! an evcxr kernel (`workbook-kernel`, which `--features evcxr` builds, or
-//! evcxr_jupyter), and the interposer built (`cargo build -p
+//! an evcxr kernel (`workbook-kernel` beside the workbook, which
+//! `crates/kernel` builds, or evcxr_jupyter), and the interposer built (`cargo build -p
 //! workbook-preload`, which `cargo test --workspace` does); skipped with a
 //! notice when one is missing, unless `WORKBOOK_REQUIRE_KERNEL` is set.
 
@@ -51,8 +51,7 @@ fn missing() -> Option<String> {
             .any(|d| d.join("evcxr_jupyter").is_file());
     if !on_path {
         return Some(
-            "no evcxr kernel (workbook-kernel, built with --features evcxr, or evcxr_jupyter)"
-                .into(),
+            "no evcxr kernel (workbook-kernel beside the workbook, or evcxr_jupyter)".into(),
         );
     }
     if preload().is_none() {

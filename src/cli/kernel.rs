@@ -13,8 +13,8 @@ pub enum KernelAction {
     /// Write the kernel spec into Jupyter's kernels folder.
     Install {
         /// evcxr's Jupyter kernel [default: workbook-kernel beside this
-        /// executable (built with --features evcxr), else evcxr_jupyter on
-        /// PATH or in ~/.cargo/bin].
+        /// executable (crates/kernel builds it), else evcxr_jupyter on PATH
+        /// or in ~/.cargo/bin].
         #[arg(long, value_name = "FILE")]
         evcxr: Option<PathBuf>,
         /// The interposer, libworkbook_preload.so [default: beside this

@@ -1,7 +1,7 @@
-//! `workbook-kernel`: evcxr's Jupyter kernel (the `evcxr_jupyter` crate),
-//! built with the `evcxr` feature so that it shares that feature's build of
-//! evcxr. `workbook kernel install` names it in the "Rust (workbook)"
-//! kernel spec, with the allocation interposer preloaded.
+//! `workbook-kernel`: evcxr's Jupyter kernel (the `evcxr_jupyter` crate).
+//! `workbook kernel install` finds it beside the `workbook` executable and
+//! names it in the "Rust (workbook)" kernel spec, with the allocation
+//! interposer preloaded.
 //!
 //! evcxr builds a session's crates in a temporary folder that goes when the
 //! kernel ends, so every session would build candle, the toolkit and the
