@@ -7,6 +7,7 @@
 #                                  dependencies; what CI packs for the dry run)
 #   scripts/build-cuda.sh check    lint the cuda feature and test its meter's interposer
 #                                  against a stand-in driver (what CI does)
+#   scripts/build-cuda.sh wheels   only install the wheels
 #
 # Exit status 3: the wheels could not be installed (no PyPI); anything else
 # non-zero is a build failure.
@@ -25,9 +26,9 @@ cd "$(dirname "$0")/.."
 
 mode="${1:-build}"
 case "$mode" in
-  build | build-dev | check) ;;
+  build | build-dev | check | wheels) ;;
   *)
-    echo "usage: $0 [build|build-dev|check]" >&2
+    echo "usage: $0 [build|build-dev|check|wheels]" >&2
     exit 2
     ;;
 esac
@@ -59,6 +60,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${wheels[*]}" ]; then
     exit 3
   fi
   echo "${wheels[*]}" >"$stamp"
+fi
+if [ "$mode" = wheels ]; then
+  exit 0
 fi
 cuda="$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
 if [ ! -x "$cuda/bin/nvcc" ]; then
@@ -126,11 +130,14 @@ export NVCC="$cuda/bin/nvcc"
 export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
 
 if [ "$mode" = check ]; then
-  cargo clippy --features cuda --all-targets -- -D warnings
   # NCCL's engine (candle-distributed's `nccl` feature) needs Open MPI too.
+  # One pass for both features: nccl changes candle's CUDA crates, and a
+  # second pass would check every crate above them again.
   if command -v mpicc >/dev/null 2>&1; then
-    cargo clippy -p candle-distributed --features nccl --all-targets -- -D warnings
+    cargo clippy -p workbook -p candle-distributed --all-targets \
+      --features workbook/cuda,candle-distributed/nccl -- -D warnings
   else
+    cargo clippy --features cuda --all-targets -- -D warnings
     echo "notice: no Open MPI (mpicc); the nccl feature was not type-checked"
   fi
   # The interposer against the stand-in driver; the GPU tests skip.
@@ -146,7 +153,12 @@ else
   profile=()
   out_dir=debug
 fi
-cargo build ${profile[@]+"${profile[@]}"} --features cuda
+# The dev pack (CI's dry run) takes the binary that the test's build makes
+# beside it: the same code, where a build of its own would compile every
+# crate again (a test's dev-dependencies add features to shared crates).
+if [ "$mode" = build ]; then
+  cargo build --release --features cuda
+fi
 # The meter's own test on a GPU (tests/cuda.rs), to run beside it.
 meter_test="$(cargo test ${profile[@]+"${profile[@]}"} --features cuda --test cuda --no-run \
   --message-format=json-render-diagnostics |

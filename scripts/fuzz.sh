@@ -5,6 +5,7 @@
 #   scripts/fuzz.sh                       a 60-second run (what CI does)
 #   scripts/fuzz.sh -runs=1000000         a million inputs
 #   scripts/fuzz.sh -max_total_time=600   any of libFuzzer's options
+#   scripts/fuzz.sh --build               cargo-fuzz and the target built, no run
 #
 # The corpus starts from the chapters and the test fixtures and grows in
 # ~/.cache/workbook/fuzz-corpus (WORKBOOK_FUZZ_CORPUS); a crash is written to
@@ -24,6 +25,9 @@ cp chapters/*.toml tests/fixtures/*.toml "$corpus/"
 
 export RUSTC_BOOTSTRAP=1
 target="${WORKBOOK_FUZZ_TARGET:-$HOME/.cache/workbook/target-fuzz}"
+if [ "${1:-}" = --build ]; then
+  exec cargo fuzz build --sanitizer none --target-dir "$target" chapter
+fi
 if [ "$#" -eq 0 ]; then
   set -- -max_total_time=60
 fi
