@@ -208,12 +208,14 @@ fn the_device_peak_is_one_moments_device_bytes_without_the_hosts() {
             Ok(())
         })
         .unwrap();
-    // Totals take in every category, the region's own bookkeeping (a few
-    // bytes, some freed after the baseline) included.
+    // Totals take in every category: the region's own bookkeeping, and
+    // what the harness's threads allocate and free meanwhile (`OTHERS`;
+    // a run measured 93 bytes below 3 MB as the harness freed a block).
     let device = report.device_total_peak_above_baseline();
-    assert!((3_000_000 - 64..=3_000_000).contains(&device), "{device}");
+    let near = |bytes: u64, want: u64| want - OTHERS <= bytes && bytes <= want + OTHERS;
+    assert!(near(device, 3_000_000), "{device}");
     let total = report.peak_above_baseline();
-    assert!((8_000_000 - 64..=8_000_000).contains(&total), "{total}");
+    assert!(near(total, 8_000_000), "{total}");
     // Each category's own device peak, at their own moments, sum higher.
     let each = report.device_peak_above_baseline(Category::Gradients)
         + report.device_peak_above_baseline(Category::Activations);
