@@ -13,7 +13,7 @@ use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use workbook_sdk::observe::{Marks, Tags};
-use workbook_sdk::output::{mib, Axis, Series, Unit};
+use workbook_sdk::output::{mib, Axis, RegionReport, Series, Unit};
 use workbook_sdk::{Category, Context, Figure, Table};
 
 // notebook cell
@@ -264,6 +264,20 @@ pub fn lean_step(
         fused_diff = fused_diff.max(workbook_models::max_abs_diff(v.as_tensor(), w.as_tensor())?);
     }
     ctx.metric("fused_step_max_abs_diff", fused_diff);
+    step_table(ctx, p, &rows, param_bytes);
+    ctx.metric("lean_adamw_max_abs_diff", diff);
+    Ok(())
+}
+
+/// Each optimizer's measured step (`rows`: name, metric key, region) as a
+/// table beside the analytic minimum: parameters, gradients and both
+/// moments (4P) plus the activations at their peak.
+pub fn step_table(
+    ctx: &mut Context,
+    p: &AccumulationParams,
+    rows: &[(&str, &str, RegionReport)],
+    param_bytes: u64,
+) {
     let mut table = Table::new(
         format!(
             "One training step, batch {} on {} Linear({w},{w}) + ReLU",
@@ -278,7 +292,7 @@ pub fn lean_step(
             ("peak / analytic", Unit::Ratio),
         ],
     );
-    for (name, key, r) in &rows {
+    for (name, key, r) in rows {
         let acts = r.category_peak_above_baseline(Category::Activations);
         // Parameters and both moments are live before the step: 3P.
         let whole = 3 * param_bytes + r.peak_above_baseline();
@@ -299,20 +313,15 @@ pub fn lean_step(
         ctx.metric(format!("step_analytic_{key}"), analytic as f64);
     }
     ctx.table(table);
-    ctx.metric("lean_adamw_max_abs_diff", diff);
-    Ok(())
 }
 
 // notebook cell
-/// The experiment: accumulated gradients against the full batch's, the
-/// peaks of the full batch and of its micro-batches at two batch sizes, and
-/// the lean path and whole training steps beside candle-nn's.
-pub fn accumulation_experiment(ctx: &mut Context, p: AccumulationParams) -> anyhow::Result<()> {
+/// One step over `p.batch` rows in micro-batches of `p.micro_batch`: its
+/// summed gradients against the full batch's, and AdamW's step from each
+/// set against the other.
+pub fn one_step(ctx: &mut Context, p: &AccumulationParams, rng: &mut Rng) -> anyhow::Result<()> {
     let device = ctx.device().clone();
-    let mut rng = Rng::seeded(p.seed);
-
-    // The notebook's cell: one step over `batch` in micro-batches.
-    let model = Mlp::new(&mut rng, &p.widths, Activation::Relu, DType::F32, &device)?;
+    let model = Mlp::new(rng, &p.widths, Activation::Relu, DType::F32, &device)?;
     let classes = *p.widths.last().unwrap_or(&2) as u32;
     let x = rng.randn((p.batch, p.widths[0]), &device)?;
     let y = rng.labels(p.batch, classes, &device)?;
@@ -357,46 +366,153 @@ pub fn accumulation_experiment(ctx: &mut Context, p: AccumulationParams) -> anyh
     ctx.metric("grad_max_abs_diff", diff);
     ctx.metric("param_max_abs_diff_after_step", param_diff);
     ctx.metric("lr", p.lr);
+    Ok(())
+}
 
-    // The sweep, on a model where activations can outweigh the parameters.
-    let sweep = Mlp::stack(
-        &mut rng,
-        p.sweep_width,
-        p.sweep_depth,
-        Activation::Relu,
-        DType::F32,
-        &device,
-    )?;
-    let mut optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(sweep.vars(), p.lr))?;
-    let mut step_peak = 0u64;
-    let mut step_recorded = false;
-    let mut measure =
-        |ctx: &mut Context, batch: usize, steps: usize, record: bool| -> anyhow::Result<u64> {
-            ctx.progress(&format!("batch {batch} in {steps} micro-batch(es)"));
-            let (x, y) = batch_of(&mut rng, batch, p.sweep_width, &device)?;
-            let mut region = ctx.region(format!("batch {batch}, {steps} micro-batch(es)"));
-            let mut acc = accumulate(&sweep, &x, &y, steps, &mut region)?;
-            let peak = if record {
-                ctx.end_region(region).peak_above_baseline()
-            } else {
-                0
-            };
-            // The step is the same whatever the micro-batching: measured on its own.
-            let mut region = ctx.region("AdamW step (candle_nn)");
-            let grads = acc.take()?;
-            Category::OptimizerState.scope(|| optimizer.step(&grads))?;
-            drop(grads);
-            region.mark("after step");
-            if record && !step_recorded {
-                step_peak = ctx.end_region(region).peak_above_baseline();
-                step_recorded = true;
-            }
-            Ok(peak)
+// notebook cell
+/// The sweep's model, on which activations can outweigh the parameters,
+/// and its candle_nn AdamW.
+pub struct Sweeper {
+    /// The stack the sweep trains.
+    pub model: Mlp,
+    /// candle_nn's AdamW over it.
+    pub optimizer: AdamW,
+    /// The optimizer step's peak, from the first recorded step.
+    pub step_peak: Option<u64>,
+}
+
+impl Sweeper {
+    /// One training step of `batch` rows in `steps` micro-batches: the
+    /// forward and backward passes' peak (0 unless `record`), then the
+    /// optimizer's step, the same whatever the micro-batching, measured on
+    /// its own.
+    pub fn measure(
+        &mut self,
+        ctx: &mut Context,
+        p: &AccumulationParams,
+        rng: &mut Rng,
+        (batch, steps): (usize, usize),
+        record: bool,
+    ) -> anyhow::Result<u64> {
+        let device = ctx.device().clone();
+        ctx.progress(&format!("batch {batch} in {steps} micro-batch(es)"));
+        let (x, y) = batch_of(rng, batch, p.sweep_width, &device)?;
+        let mut region = ctx.region(format!("batch {batch}, {steps} micro-batch(es)"));
+        let mut acc = accumulate(&self.model, &x, &y, steps, &mut region)?;
+        let peak = if record {
+            ctx.end_region(region).peak_above_baseline()
+        } else {
+            0
         };
-    // A first, unrecorded step, so that every measured step is alike.
-    measure(ctx, p.small_batch, 1, false)?;
-    let full_small = measure(ctx, p.small_batch, 1, true)?;
-    let accum_small = measure(ctx, p.small_batch, p.compare_steps, true)?;
+        let mut region = ctx.region("AdamW step (candle_nn)");
+        let grads = acc.take()?;
+        Category::OptimizerState.scope(|| self.optimizer.step(&grads))?;
+        drop(grads);
+        region.mark("after step");
+        if record && self.step_peak.is_none() {
+            self.step_peak = Some(ctx.end_region(region).peak_above_baseline());
+        }
+        Ok(peak)
+    }
+}
+
+/// The peaks the sweep compares: batch `p.small_batch` and `p.large_batch`,
+/// whole and in `p.compare_steps` micro-batches.
+pub struct Peaks {
+    /// The small batch, whole.
+    pub full_small: u64,
+    /// The small batch in micro-batches.
+    pub accum_small: u64,
+    /// The large batch, whole.
+    pub full_large: u64,
+    /// The large batch in micro-batches.
+    pub accum_large: u64,
+}
+
+/// What the large batch's sweep measured.
+pub struct LargeBatch {
+    /// (micro-batch size, peak) for each of `p.steps`.
+    pub points: Vec<(f64, f64)>,
+    /// The whole batch's peak.
+    pub full: u64,
+    /// The peak in `p.compare_steps` micro-batches.
+    pub accum: u64,
+}
+
+/// Batch `p.large_batch` in each of `p.steps` micro-batch counts, and the
+/// whole batch and `p.compare_steps` micro-batches (measured apart if
+/// `p.steps` lacks them).
+pub fn large_batch_sweep(
+    ctx: &mut Context,
+    p: &AccumulationParams,
+    rng: &mut Rng,
+    s: &mut Sweeper,
+) -> anyhow::Result<LargeBatch> {
+    let mut points = Vec::new();
+    let mut full_large = 0;
+    let mut accum_large = 0;
+    for &steps in &p.steps {
+        let peak = s.measure(ctx, p, rng, (p.large_batch, steps), true)?;
+        if steps == 1 {
+            full_large = peak;
+        }
+        if steps == p.compare_steps {
+            accum_large = peak;
+        }
+        points.push(((p.large_batch / steps) as f64, peak as f64));
+    }
+    if !p.steps.contains(&1) {
+        full_large = s.measure(ctx, p, rng, (p.large_batch, 1), true)?;
+    }
+    if !p.steps.contains(&p.compare_steps) {
+        accum_large = s.measure(ctx, p, rng, (p.large_batch, p.compare_steps), true)?;
+    }
+    Ok(LargeBatch {
+        points,
+        full: full_large,
+        accum: accum_large,
+    })
+}
+
+// notebook cell
+/// The sweep's peaks as metrics, lines, a table and a figure.
+pub fn accumulation_report(
+    ctx: &mut Context,
+    p: &AccumulationParams,
+    s: &Sweeper,
+    peaks: &Peaks,
+    mut points: Vec<(f64, f64)>,
+) {
+    let step_peak = s.step_peak.unwrap_or(0);
+    let grad_bytes: u64 = s
+        .model
+        .vars()
+        .iter()
+        .map(|v| v.elem_count() as u64 * 4)
+        .sum();
+    ctx.metric("peak_full_small", peaks.full_small as f64);
+    ctx.metric("peak_accum_small", peaks.accum_small as f64);
+    ctx.metric("peak_full_large", peaks.full_large as f64);
+    ctx.metric("peak_accum_large", peaks.accum_large as f64);
+    ctx.metric("gradient_bytes", grad_bytes as f64);
+    ctx.metric("peak_adamw_step", step_peak as f64);
+    let weight_bytes = (p.sweep_width * p.sweep_width * 4) as f64;
+    ctx.metric("adamw_step_in_weights", step_peak as f64 / weight_bytes);
+    for (batch, full, accum) in [
+        (p.small_batch, peaks.full_small, peaks.accum_small),
+        (p.large_batch, peaks.full_large, peaks.accum_large),
+    ] {
+        ctx.print(format!(
+            "batch {batch}: full {:.1} MiB, {} micro-batches {:.1} MiB",
+            mib(full),
+            p.compare_steps,
+            mib(accum)
+        ));
+    }
+    ctx.print(format!(
+        "one candle_nn::AdamW step on top of the gradients: {:.1} MiB (its out-of-place update)",
+        mib(step_peak)
+    ));
     let mut table = Table::new(
         format!(
             "Peak of the forward and backward passes of one step, batch {}",
@@ -409,62 +525,14 @@ pub fn accumulation_experiment(ctx: &mut Context, p: AccumulationParams) -> anyh
             ("vs full batch", Unit::Ratio),
         ],
     );
-    let mut points = Vec::new();
-    let mut full_large = 0;
-    let mut accum_large = 0;
-    for &steps in &p.steps {
-        let peak = measure(ctx, p.large_batch, steps, true)?;
-        if steps == 1 {
-            full_large = peak;
-        }
-        if steps == p.compare_steps {
-            accum_large = peak;
-        }
-        points.push(((p.large_batch / steps) as f64, peak as f64));
-    }
-    if !p.steps.contains(&1) {
-        full_large = measure(ctx, p.large_batch, 1, true)?;
-    }
-    if !p.steps.contains(&p.compare_steps) {
-        accum_large = measure(ctx, p.large_batch, p.compare_steps, true)?;
-    }
     for (size, peak) in &points {
         table.row(vec![
             ((p.large_batch as f64 / size).round() as u64).into(),
             (*size as u64).into(),
             (*peak as u64).into(),
-            (peak / full_large as f64).into(),
+            (peak / peaks.full_large as f64).into(),
         ]);
     }
-    candle_nn_path(ctx, &p, &sweep, &mut rng, [full_large, accum_large])?;
-    lean_step(ctx, &p, &sweep, &mut rng)?;
-    let grad_bytes: u64 = sweep.vars().iter().map(|v| v.elem_count() as u64 * 4).sum();
-    ctx.metric("peak_full_small", full_small as f64);
-    ctx.metric("peak_accum_small", accum_small as f64);
-    ctx.metric("peak_full_large", full_large as f64);
-    ctx.metric("peak_accum_large", accum_large as f64);
-    ctx.metric("gradient_bytes", grad_bytes as f64);
-    ctx.metric("peak_adamw_step", step_peak as f64);
-    let weight_bytes = (p.sweep_width * p.sweep_width * 4) as f64;
-    ctx.metric("adamw_step_in_weights", step_peak as f64 / weight_bytes);
-    ctx.print(format!(
-        "batch {}: full {:.1} MiB, {} micro-batches {:.1} MiB",
-        p.small_batch,
-        mib(full_small),
-        p.compare_steps,
-        mib(accum_small)
-    ));
-    ctx.print(format!(
-        "batch {}: full {:.1} MiB, {} micro-batches {:.1} MiB",
-        p.large_batch,
-        mib(full_large),
-        p.compare_steps,
-        mib(accum_large)
-    ));
-    ctx.print(format!(
-        "one candle_nn::AdamW step on top of the gradients: {:.1} MiB (its out-of-place update)",
-        mib(step_peak)
-    ));
     ctx.table(table);
     points.sort_by(|a, b| a.0.total_cmp(&b.0));
     ctx.figure(Figure {
@@ -487,5 +555,47 @@ pub fn accumulation_experiment(ctx: &mut Context, p: AccumulationParams) -> anyh
         markers: Vec::new(),
         guides: Vec::new(),
     });
+}
+
+// notebook cell
+/// The experiment: accumulated gradients against the full batch's, the
+/// peaks of the full batch and of its micro-batches at two batch sizes, and
+/// the lean path and whole training steps beside candle-nn's.
+pub fn accumulation_experiment(ctx: &mut Context, p: AccumulationParams) -> anyhow::Result<()> {
+    let device = ctx.device().clone();
+    let mut rng = Rng::seeded(p.seed);
+    one_step(ctx, &p, &mut rng)?;
+    let model = Mlp::stack(
+        &mut rng,
+        p.sweep_width,
+        p.sweep_depth,
+        Activation::Relu,
+        DType::F32,
+        &device,
+    )?;
+    let optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(model.vars(), p.lr))?;
+    let mut s = Sweeper {
+        model,
+        optimizer,
+        step_peak: None,
+    };
+    // A first, unrecorded step, so that every measured step is alike.
+    s.measure(ctx, &p, &mut rng, (p.small_batch, 1), false)?;
+    let full_small = s.measure(ctx, &p, &mut rng, (p.small_batch, 1), true)?;
+    let accum_small = s.measure(ctx, &p, &mut rng, (p.small_batch, p.compare_steps), true)?;
+    let LargeBatch {
+        points,
+        full: full_large,
+        accum: accum_large,
+    } = large_batch_sweep(ctx, &p, &mut rng, &mut s)?;
+    candle_nn_path(ctx, &p, &s.model, &mut rng, [full_large, accum_large])?;
+    lean_step(ctx, &p, &s.model, &mut rng)?;
+    let peaks = Peaks {
+        full_small,
+        accum_small,
+        full_large,
+        accum_large,
+    };
+    accumulation_report(ctx, &p, &s, &peaks, points);
     Ok(())
 }

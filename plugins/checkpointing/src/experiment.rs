@@ -157,7 +157,25 @@ pub fn framework_cost(
         Ok(direct_backward(&layers, x, &vars, direct_head, &Marks::new(region))?.grads)
     })?;
     let lean_diff = grads_max_abs_diff(&candle.grads, &lean.grads, &vars)?;
+    framework_report(
+        ctx,
+        p,
+        [&candle, &fused, &layered, &lean],
+        [fused_diff, layered_diff, lean_diff],
+    );
+    Ok(lean)
+}
 
+/// The four paths as a table beside candle-nn's, and their metrics:
+/// candle-nn's layers, then the fused layers under candle's backward, the
+/// lean backward and the direct one; each one's gradients against
+/// candle-nn's (`diffs`, for the last three).
+pub fn framework_report(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    [candle, fused, layered, lean]: [&Backprop; 4],
+    [fused_diff, layered_diff, lean_diff]: [f64; 3],
+) {
     let mut table = Table::new(
         format!(
             "What the framework costs: {} x (Linear({w},{w}) + GELU), batch {}, forward and backward",
@@ -176,10 +194,10 @@ pub fn framework_cost(
         ],
     );
     for (label, run, diff) in [
-        ("candle-nn's layers, candle's backward", &candle, 0.0),
-        ("fused layers, candle's backward", &fused, fused_diff),
-        ("fused layers, lean backward", &layered, layered_diff),
-        ("fused layers, direct backward", &lean, lean_diff),
+        ("candle-nn's layers, candle's backward", candle, 0.0),
+        ("fused layers, candle's backward", fused, fused_diff),
+        ("fused layers, lean backward", layered, layered_diff),
+        ("fused layers, direct backward", lean, lean_diff),
     ] {
         table.row(vec![
             label.into(),
@@ -193,10 +211,10 @@ pub fn framework_cost(
     }
     ctx.table(table);
     for (suffix, run) in [
-        ("_candle", &candle),
-        ("_fused", &fused),
-        ("_layered", &layered),
-        ("", &lean),
+        ("_candle", candle),
+        ("_fused", fused),
+        ("_layered", layered),
+        ("", lean),
     ] {
         ctx.metric(format!("peak_plain{suffix}"), run.peak as f64);
         ctx.metric(format!("activation_peak_plain{suffix}"), run.act as f64);
@@ -207,25 +225,10 @@ pub fn framework_cost(
     ctx.metric("fused_grad_max_abs_diff", fused_diff);
     ctx.metric("layered_grad_max_abs_diff", layered_diff);
     ctx.metric("lean_grad_max_abs_diff", lean_diff);
-    Ok(lean)
 }
 
-// notebook cell
-/// Checkpointing on the lean path (`checkpoint_direct`: each recomputed
-/// segment's backward called layer by layer, no graph): plain backprop
-/// (`plain`, from [`framework_cost`]) against every segment count of
-/// `p.segments`.
-pub fn sweep(
-    ctx: &mut Context,
-    p: &CheckpointingParams,
-    model: &Mlp,
-    x: &Tensor,
-    y: &Tensor,
-    plain: &Backprop,
-) -> anyhow::Result<()> {
-    let vars = model.vars();
-    let layers = model.fused_layers()?;
-    let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
+/// The sweep's table, its first row plain backprop's.
+pub fn sweep_table(p: &CheckpointingParams, plain: &Backprop) -> Table {
     let mut table = Table::new(
         format!(
             "Checkpointing {} fused layers of Linear({w},{w}) + GELU, batch {}",
@@ -252,6 +255,26 @@ pub fn sweep(
         1.0.into(),
         0.0.into(),
     ]);
+    table
+}
+
+// notebook cell
+/// Checkpointing on the lean path (`checkpoint_direct`: each recomputed
+/// segment's backward called layer by layer, no graph): plain backprop
+/// (`plain`, from [`framework_cost`]) against every segment count of
+/// `p.segments`.
+pub fn sweep(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+    plain: &Backprop,
+) -> anyhow::Result<()> {
+    let vars = model.vars();
+    let layers = model.fused_layers()?;
+    let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
+    let mut table = sweep_table(p, plain);
     let mut points = Vec::new();
     let mut worst_diff = 0f64;
     let mut best = (u64::MAX, 0usize, 0f64);
@@ -286,45 +309,7 @@ pub fn sweep(
     ctx.table(table);
     // What is cut into segments is the fused layers, one per block.
     let sqrt_n = (layers.len() as f64).sqrt();
-    ctx.figure(Figure {
-        id: "checkpointing-segments".into(),
-        title: format!(
-            "Peak memory against checkpoint segments ({} layers)",
-            p.stack_depth
-        ),
-        x: Axis {
-            label: "segments".into(),
-            unit: Unit::Count,
-            log: true,
-        },
-        y: Axis {
-            label: "peak memory".into(),
-            unit: Unit::Bytes,
-            log: false,
-        },
-        series: vec![
-            Series {
-                name: "checkpointed, total peak".into(),
-                points: points.clone(),
-            },
-            Series {
-                name: "checkpointed, activations at their peak".into(),
-                points: act_points,
-            },
-            Series {
-                name: "plain backprop".into(),
-                points: points
-                    .iter()
-                    .map(|(x, _)| (*x, plain.peak as f64))
-                    .collect(),
-            },
-        ],
-        markers: vec![Marker {
-            x: sqrt_n,
-            label: format!("sqrt(n) = {sqrt_n:.1}"),
-        }],
-        guides: Vec::new(),
-    });
+    segments_figure(ctx, p, plain.peak, [points, act_points], sqrt_n);
     ctx.print(format!(
         "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",
         mib(plain.peak),
@@ -342,6 +327,52 @@ pub fn sweep(
     ctx.metric("time_best", best.2);
     ctx.metric("time_overhead", best.2 / plain.time);
     Ok(())
+}
+
+/// Peak against segments (log axis): the total and the activations at the
+/// peak, plain backprop's as a line, and a marker at sqrt(n).
+pub fn segments_figure(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    plain_peak: u64,
+    [points, act_points]: [Vec<(f64, f64)>; 2],
+    sqrt_n: f64,
+) {
+    let plain: Vec<(f64, f64)> = points
+        .iter()
+        .map(|(x, _)| (*x, plain_peak as f64))
+        .collect();
+    let series = |name: &str, points| Series {
+        name: name.into(),
+        points,
+    };
+    ctx.figure(Figure {
+        id: "checkpointing-segments".into(),
+        title: format!(
+            "Peak memory against checkpoint segments ({} layers)",
+            p.stack_depth
+        ),
+        x: Axis {
+            label: "segments".into(),
+            unit: Unit::Count,
+            log: true,
+        },
+        y: Axis {
+            label: "peak memory".into(),
+            unit: Unit::Bytes,
+            log: false,
+        },
+        series: vec![
+            series("checkpointed, total peak", points),
+            series("checkpointed, activations at their peak", act_points),
+            series("plain backprop", plain),
+        ],
+        markers: vec![Marker {
+            x: sqrt_n,
+            label: format!("sqrt(n) = {sqrt_n:.1}"),
+        }],
+        guides: Vec::new(),
+    });
 }
 
 // notebook cell
@@ -439,9 +470,12 @@ pub fn policy_list() -> [(&'static str, &'static str, Option<Policy>); 4] {
     ]
 }
 
-/// Selective checkpointing on a small transformer, one block per
-/// segment: what each policy keeps, its peak and its time.
-pub fn policies(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()> {
+/// The transformer the policies train, seeded, with the map that holds
+/// its parameters, and a batch of tokens and targets, tagged by role.
+pub fn policy_model(
+    ctx: &Context,
+    p: &CheckpointingParams,
+) -> anyhow::Result<(Transformer, VarMap, Tensor, Tensor)> {
     let device = ctx.device().clone();
     let cfg = TransformerConfig {
         vocab: 256,
@@ -456,9 +490,16 @@ pub fn policies(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()
         seed_weights(&map, p.seed)?;
         Ok(m)
     })?;
-    let vars = map.all_vars();
     let (ids, targets) = Category::Inputs
         .scope(|| batch(p.seed, p.policy_batch, p.policy_seq, cfg.vocab, &device))?;
+    Ok((model, map, ids, targets))
+}
+
+/// Selective checkpointing on a small transformer, one block per
+/// segment: what each policy keeps, its peak and its time.
+pub fn policies(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()> {
+    let (model, map, ids, targets) = policy_model(ctx, p)?;
+    let vars = map.all_vars();
     let head = |h: &Tensor| model.loss(h, &targets);
     let segments = model.layers().len();
     let mut table = Table::new(

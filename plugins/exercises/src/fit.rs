@@ -132,62 +132,78 @@ pub fn choose_plan(
 }
 
 // notebook cell
-/// The plan of `choose` graded: its peak measured against the budget, its
-/// cost against the cheapest plan that fits, found by measuring every plan;
-/// its gradients against plain backprop of the whole batch. The budget is
-/// `budget_fraction` of the plain step's peak (one micro-batch, one
-/// segment).
-pub fn grade_plan(
-    ctx: &mut Context,
-    p: &FitExerciseParams,
-    choose: impl Fn(
-        &StepShape,
-        u64,
-        &mut dyn FnMut(StepPlan) -> anyhow::Result<u64>,
-    ) -> anyhow::Result<StepPlan>,
-) -> anyhow::Result<()> {
-    let device = ctx.device().clone();
-    let mut rng = Rng::seeded(p.seed);
-    let model = Category::Parameters.scope(|| {
-        Mlp::stack(
-            &mut rng,
-            p.width,
-            p.depth,
-            Activation::Relu,
-            DType::F32,
-            &device,
-        )
-    })?;
-    let (layers, vars) = (model.fused_layers()?, model.vars());
-    let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
-        Ok((
-            rng.randn((p.batch, p.width), &device)?,
-            rng.labels(p.batch, p.width as u32, &device)?,
-        ))
-    })?;
-    let shape = StepShape {
-        depth: p.depth,
-        batch: p.batch,
-        min_micro_batch: p.min_micro_batch,
-    };
-    let plans = shape.plans();
-    // A step under `plan`, measured; its gradients dropped in the region.
-    let measured = |ctx: &mut Context, plan: StepPlan| -> anyhow::Result<u64> {
+/// The grader's bench: the model, one batch and the step's shape.
+pub struct FitBench {
+    /// The stack of Linear + ReLU layers.
+    pub model: Mlp,
+    /// Its layers, fused.
+    pub layers: Vec<FusedLayer>,
+    /// Its parameters.
+    pub vars: Vec<Var>,
+    /// The batch's inputs.
+    pub x: Tensor,
+    /// The batch's labels.
+    pub y: Tensor,
+    /// The step the plans are for.
+    pub shape: StepShape,
+}
+
+impl FitBench {
+    /// The exercise's model and batch, tagged by role.
+    pub fn new(ctx: &Context, p: &FitExerciseParams) -> anyhow::Result<Self> {
+        let device = ctx.device().clone();
+        let mut rng = Rng::seeded(p.seed);
+        let model = Category::Parameters.scope(|| {
+            Mlp::stack(
+                &mut rng,
+                p.width,
+                p.depth,
+                Activation::Relu,
+                DType::F32,
+                &device,
+            )
+        })?;
+        let (layers, vars) = (model.fused_layers()?, model.vars());
+        let (x, y) = Category::Inputs.scope(|| -> anyhow::Result<_> {
+            Ok((
+                rng.randn((p.batch, p.width), &device)?,
+                rng.labels(p.batch, p.width as u32, &device)?,
+            ))
+        })?;
+        let shape = StepShape {
+            depth: p.depth,
+            batch: p.batch,
+            min_micro_batch: p.min_micro_batch,
+        };
+        Ok(Self {
+            model,
+            layers,
+            vars,
+            x,
+            y,
+            shape,
+        })
+    }
+
+    /// A step under `plan`, measured: its peak; its gradients dropped in
+    /// the region.
+    pub fn measured(&self, ctx: &mut Context, plan: StepPlan) -> anyhow::Result<u64> {
         let region = ctx.region(format!(
             "{} micro-batch(es), {} segment(s)",
             plan.micro_batches, plan.segments
         ));
-        drop(step_with_plan(&layers, &vars, (&x, &y), plan)?);
+        drop(step_with_plan(
+            &self.layers,
+            &self.vars,
+            (&self.x, &self.y),
+            plan,
+        )?);
         Ok(ctx.end_region(region).peak_above_baseline())
-    };
-    let plain = StepPlan {
-        micro_batches: 1,
-        segments: 1,
-    };
-    let budget = (p.budget_fraction * measured(ctx, plain)? as f64) as u64;
-    ctx.metric("budget_bytes", budget as f64);
+    }
+}
 
-    // Your plan, and the steps it measured on the way.
+/// Why a plan outside `plans` is refused: the values each field allows.
+pub fn not_a_plan(p: &FitExerciseParams, plans: &[StepPlan]) -> String {
     let list = |values: std::collections::BTreeSet<usize>| {
         values
             .iter()
@@ -195,7 +211,7 @@ pub fn grade_plan(
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let not_a_plan = format!(
+    format!(
         "is not a plan of this step: micro_batches must be one of {} (equal parts of {} rows, \
          each at least {}), segments one of {} (equal parts of {} layers)",
         list(plans.iter().map(|q| q.micro_batches).collect()),
@@ -203,25 +219,30 @@ pub fn grade_plan(
         p.min_micro_batch,
         list(plans.iter().map(|q| q.segments).collect()),
         p.depth
-    );
-    let allowed = |plan: StepPlan| -> anyhow::Result<()> {
-        anyhow::ensure!(plans.contains(&plan), "{plan:?} {not_a_plan}");
-        Ok(())
-    };
-    let mut measurements = 0usize;
-    let chosen = choose(&shape, budget, &mut |plan| {
-        allowed(plan)?;
-        measurements += 1;
-        measured(ctx, plan)
-    })?;
-    allowed(chosen)?;
-    ctx.print(format!(
-        "your plan: {} micro-batch(es), {} segment(s), after {measurements} measured step(s)",
-        chosen.micro_batches, chosen.segments
-    ));
-    ctx.metric("measurements", measurements as f64);
+    )
+}
 
-    // Every plan, measured, and the cheapest that fits.
+/// What measuring every plan found: the cheapest that fits (fewest
+/// recomputed layers, then fewest micro-batches), the chosen plan's peak,
+/// and the lowest peak of all with its plan.
+pub struct EveryPlan {
+    /// (recomputed layers, micro-batches) of the cheapest plan that fits.
+    pub cheapest: Option<(usize, usize)>,
+    /// The chosen plan's peak.
+    pub chosen_peak: Option<u64>,
+    /// The lowest peak and its plan.
+    pub lowest: Option<(u64, StepPlan)>,
+}
+
+// notebook cell
+/// Every plan measured, as a table, against the budget and the chosen plan.
+pub fn every_plan(
+    ctx: &mut Context,
+    p: &FitExerciseParams,
+    bench: &FitBench,
+    budget: u64,
+    chosen: StepPlan,
+) -> anyhow::Result<EveryPlan> {
     let mut table = Table::new(
         format!(
             "Peak of one step, {} layers of width {}, batch {}, budget {budget} bytes",
@@ -235,22 +256,24 @@ pub fn grade_plan(
             ("fits", Unit::None),
         ],
     );
-    let mut cheapest: Option<(usize, usize)> = None;
-    let mut chosen_peak = None;
-    let mut lowest: Option<(u64, StepPlan)> = None;
-    for &plan in &plans {
-        let peak = measured(ctx, plan)?;
-        if lowest.is_none_or(|(l, _)| peak < l) {
-            lowest = Some((peak, plan));
+    let mut found = EveryPlan {
+        cheapest: None,
+        chosen_peak: None,
+        lowest: None,
+    };
+    for plan in bench.shape.plans() {
+        let peak = bench.measured(ctx, plan)?;
+        if found.lowest.is_none_or(|(l, _)| peak < l) {
+            found.lowest = Some((peak, plan));
         }
-        let recomputed = recomputed_layers(&shape, plan)?;
+        let recomputed = recomputed_layers(&bench.shape, plan)?;
         let fits = peak <= budget;
         if fits {
             let cost = (recomputed, plan.micro_batches);
-            cheapest = Some(cheapest.map_or(cost, |c| c.min(cost)));
+            found.cheapest = Some(found.cheapest.map_or(cost, |c| c.min(cost)));
         }
         if plan == chosen {
-            chosen_peak = Some(peak);
+            found.chosen_peak = Some(peak);
         }
         table.row(vec![
             (plan.micro_batches as f64).into(),
@@ -268,8 +291,55 @@ pub fn grade_plan(
         ]);
     }
     ctx.table(table);
-    let (fewest_recomputed, fewest_micro) = cheapest.ok_or_else(|| {
-        let (peak, plan) = lowest.unwrap_or((0, plain));
+    Ok(found)
+}
+
+// notebook cell
+/// The plan of `choose` graded: its peak measured against the budget, its
+/// cost against the cheapest plan that fits, found by measuring every plan;
+/// its gradients against plain backprop of the whole batch. The budget is
+/// `budget_fraction` of the plain step's peak (one micro-batch, one
+/// segment).
+pub fn grade_plan(
+    ctx: &mut Context,
+    p: &FitExerciseParams,
+    choose: impl Fn(
+        &StepShape,
+        u64,
+        &mut dyn FnMut(StepPlan) -> anyhow::Result<u64>,
+    ) -> anyhow::Result<StepPlan>,
+) -> anyhow::Result<()> {
+    let bench = FitBench::new(ctx, p)?;
+    let plans = bench.shape.plans();
+    let plain = StepPlan {
+        micro_batches: 1,
+        segments: 1,
+    };
+    let budget = (p.budget_fraction * bench.measured(ctx, plain)? as f64) as u64;
+    ctx.metric("budget_bytes", budget as f64);
+
+    // Your plan, and the steps it measured on the way.
+    let not_a_plan = not_a_plan(p, &plans);
+    let allowed = |plan: StepPlan| -> anyhow::Result<()> {
+        anyhow::ensure!(plans.contains(&plan), "{plan:?} {not_a_plan}");
+        Ok(())
+    };
+    let mut measurements = 0usize;
+    let chosen = choose(&bench.shape, budget, &mut |plan| {
+        allowed(plan)?;
+        measurements += 1;
+        bench.measured(ctx, plan)
+    })?;
+    allowed(chosen)?;
+    ctx.print(format!(
+        "your plan: {} micro-batch(es), {} segment(s), after {measurements} measured step(s)",
+        chosen.micro_batches, chosen.segments
+    ));
+    ctx.metric("measurements", measurements as f64);
+
+    let found = every_plan(ctx, p, &bench, budget, chosen)?;
+    let (fewest_recomputed, fewest_micro) = found.cheapest.ok_or_else(|| {
+        let (peak, plan) = found.lowest.unwrap_or((0, plain));
         anyhow::anyhow!(
             "no plan fits {budget} bytes: the lowest peak is {peak} bytes, with {} \
              micro-batch(es) and {} segment(s); raise budget_fraction or lower min_micro_batch",
@@ -277,27 +347,29 @@ pub fn grade_plan(
             plan.segments
         )
     })?;
-    let chosen_peak =
-        chosen_peak.ok_or_else(|| anyhow::anyhow!("{chosen:?} was not among the plans"))?;
+    let chosen_peak = found
+        .chosen_peak
+        .ok_or_else(|| anyhow::anyhow!("{chosen:?} was not among the plans"))?;
     ctx.metric("chosen_peak", chosen_peak as f64);
     ctx.metric(
         "chosen_recomputed_layers",
-        recomputed_layers(&shape, chosen)? as f64,
+        recomputed_layers(&bench.shape, chosen)? as f64,
     );
     ctx.metric("chosen_micro_batches", chosen.micro_batches as f64);
     ctx.metric("cheapest_recomputed_layers", fewest_recomputed as f64);
     ctx.metric("cheapest_micro_batches", fewest_micro as f64);
 
     // The plan changes when work happens, not what is computed.
-    let grads = step_with_plan(&layers, &vars, (&x, &y), chosen)?;
+    let (layers, vars, x, y) = (&bench.layers, &bench.vars, &bench.x, &bench.y);
+    let grads = step_with_plan(layers, vars, (x, y), chosen)?;
     let plain = Category::Gradients.scope(|| -> anyhow::Result<GradStore> {
-        let logits = Category::Activations.scope(|| model.forward_fused(&x))?;
-        let loss = candle_lean_nn::cross_entropy(&logits, &y)?;
-        Ok(param_grads(&loss.backward()?, &vars))
+        let logits = Category::Activations.scope(|| bench.model.forward_fused(x))?;
+        let loss = candle_lean_nn::cross_entropy(&logits, y)?;
+        Ok(param_grads(&loss.backward()?, vars))
     })?;
     ctx.metric(
         "grad_max_abs_diff",
-        grads_max_abs_diff(&plain, &grads, &vars)?,
+        grads_max_abs_diff(&plain, &grads, vars)?,
     );
     Ok(())
 }

@@ -100,18 +100,15 @@ fn held_after_forward(report: &RegionReport) -> anyhow::Result<u64> {
     Ok(mark.current.total().saturating_sub(report.baseline.total()))
 }
 
-/// The choice of `choose` graded: against the budget and against the
-/// fewest multiply-adds any choice leaves. Then measured: a transformer
-/// trained one step with a segment per block under each policy, keeping
-/// nothing, the choice and every product, against plain backprop. The
-/// forward holds what a policy keeps for every block but the last (which
-/// runs once, in the backward), so the choice's bytes, times `depth - 1`,
-/// are what it holds beyond keeping nothing.
-pub fn grade_choice(
+/// The choice of `choose` checked (every name a product of the block) and
+/// graded: its bytes against the budget, the multiply-adds it leaves to
+/// recompute against the fewest any choice leaves. The products kept, and
+/// their bytes.
+pub fn graded_choice(
     ctx: &mut Context,
     p: &PolicyExerciseParams,
     choose: impl Fn(&[Product], u64) -> Vec<&'static str>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<(Vec<&'static str>, u64)> {
     let products = block_products(p.batch, p.seq, p.width, p.heads);
     let all_bytes: u64 = products.iter().map(|q| q.bytes).sum();
     let budget = (p.budget_fraction * all_bytes as f64) as u64;
@@ -169,8 +166,25 @@ pub fn grade_choice(
         ]);
     }
     ctx.table(choices);
+    Ok((kept, kept_bytes))
+}
 
-    // The transformer, and one step of it under each policy.
+/// The transformer the policies train, its parameters (and the map that
+/// holds them) and a batch.
+pub struct PolicyBench {
+    /// The transformer.
+    pub model: Transformer,
+    /// The map its parameters live in.
+    pub map: VarMap,
+    /// The batch's tokens.
+    pub ids: Tensor,
+    /// The batch's targets.
+    pub targets: Tensor,
+}
+
+// notebook cell
+/// The exercise's transformer, seeded, and a batch, tagged by role.
+pub fn policy_bench(ctx: &Context, p: &PolicyExerciseParams) -> anyhow::Result<PolicyBench> {
     let device = ctx.device().clone();
     let cfg = TransformerConfig {
         vocab: 256,
@@ -185,10 +199,29 @@ pub fn grade_choice(
         seed_weights(&map, p.seed)?;
         Ok(m)
     })?;
-    let vars = map.all_vars();
     let (ids, targets) =
         Category::Inputs.scope(|| batch(p.seed, p.batch, p.seq, cfg.vocab, &device))?;
-    let head = |h: &Tensor| model.loss(h, &targets);
+    Ok(PolicyBench {
+        model,
+        map,
+        ids,
+        targets,
+    })
+}
+
+/// One step with plain backprop, then one under each policy (keep
+/// nothing, the products `kept`, every product) with a segment per block:
+/// what each holds after the forward, its peak, and its gradients against
+/// plain backprop's. The bytes each policy held, in that order.
+pub fn policies_measured(
+    ctx: &mut Context,
+    p: &PolicyExerciseParams,
+    b: &PolicyBench,
+    kept: &[&'static str],
+) -> anyhow::Result<Vec<u64>> {
+    let (model, ids) = (&b.model, &b.ids);
+    let vars = &b.map.all_vars();
+    let head = |h: &Tensor| model.loss(h, &b.targets);
     let mut region = ctx.region("plain backprop");
     let plain = Category::Gradients.scope(|| -> anyhow::Result<GradStore> {
         let h = Category::Activations.scope(|| -> anyhow::Result<Tensor> {
@@ -198,7 +231,7 @@ pub fn grade_choice(
             }
             Ok(head(&h)?)
         })?;
-        Ok(param_grads(&h.backward()?, &vars))
+        Ok(param_grads(&h.backward()?, vars))
     })?;
     let report = ctx.end_region(region);
     ctx.metric("peak_plain", report.peak_above_baseline() as f64);
@@ -232,9 +265,9 @@ pub fn grade_choice(
             .segments(model.layers().len())
             .policy(&policy)
             .observer(&Marks::new(&mut region))
-            .backward(&ids, &vars, head)?
+            .backward(ids, vars, head)?
             .grads;
-        let diff = grads_max_abs_diff(&plain, &grads, &vars)?;
+        let diff = grads_max_abs_diff(&plain, &grads, vars)?;
         drop(grads);
         let report = ctx.end_region(region);
         let bytes = held_after_forward(&report)?;
@@ -252,6 +285,25 @@ pub fn grade_choice(
         ]);
     }
     ctx.table(table);
+    Ok(held)
+}
+
+// notebook cell
+/// The choice of `choose` graded: against the budget and against the
+/// fewest multiply-adds any choice leaves. Then measured: a transformer
+/// trained one step with a segment per block under each policy, keeping
+/// nothing, the choice and every product, against plain backprop. The
+/// forward holds what a policy keeps for every block but the last (which
+/// runs once, in the backward), so the choice's bytes, times `depth - 1`,
+/// are what it holds beyond keeping nothing.
+pub fn grade_choice(
+    ctx: &mut Context,
+    p: &PolicyExerciseParams,
+    choose: impl Fn(&[Product], u64) -> Vec<&'static str>,
+) -> anyhow::Result<()> {
+    let (kept, kept_bytes) = graded_choice(ctx, p, choose)?;
+    let bench = policy_bench(ctx, p)?;
+    let held = policies_measured(ctx, p, &bench, &kept)?;
     let kept_predicted = kept_bytes * (p.depth as u64 - 1);
     ctx.metric("kept_predicted", kept_predicted as f64);
     ctx.metric("kept_measured", held[1] as f64 - held[0] as f64);

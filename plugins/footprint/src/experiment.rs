@@ -13,6 +13,62 @@ use workbook_sdk::parse_dtype;
 use workbook_sdk::{Category, Context, Table};
 
 // notebook cell
+/// The training state of `p.state_model` in dtype `name`, made in a
+/// region as training makes it (parameters, a forward and backward, then
+/// AdamW's moments): what the allocator counted of each, and the analytic
+/// figures.
+pub fn training_state(
+    ctx: &mut Context,
+    p: &FootprintParams,
+    rng: &mut Rng,
+    name: &str,
+) -> anyhow::Result<(TrainingState, TrainingState)> {
+    let device = ctx.device().clone();
+    let dtype = parse_dtype(name)?;
+    ctx.progress(&format!("materialising the training state in {name}"));
+    let mut region = ctx.region(format!("training state, {name}"));
+    let model = Mlp::new(rng, &p.state_model, Activation::Relu, dtype, &device)?;
+    region.mark("parameters");
+    let (x, y) = {
+        let _inputs = Category::Inputs.enter();
+        let x = rng
+            .randn((p.batch, p.state_model[0]), &device)?
+            .to_dtype(dtype)?;
+        let classes = *p.state_model.last().unwrap_or(&1) as u32;
+        (x, rng.labels(p.batch, classes, &device)?)
+    };
+    let loss = Category::Activations.scope(|| cross_entropy(&model.forward(&x)?, &y))?;
+    region.mark("after forward");
+    let grads = Category::Gradients.scope(|| {
+        let store = loss.backward()?;
+        Ok::<_, anyhow::Error>(param_grads(&store, &model.vars()))
+    })?;
+    drop(loss);
+    region.mark("after backward");
+    let optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(model.vars(), 1e-3))?;
+    region.mark("optimizer state");
+    let measured = {
+        let d = region.current_above_baseline();
+        TrainingState {
+            parameters: d.get(Category::Parameters),
+            gradients: d.get(Category::Gradients),
+            optimizer: d.get(Category::OptimizerState),
+        }
+    };
+    drop((optimizer, grads, x, y, model));
+    let analytic = TrainingState::analytic(
+        p.state_model
+            .windows(2)
+            .map(|w| (w[0] * w[1] + w[1]) as u64)
+            .sum(),
+        dtype,
+    );
+    region.set_analytic(analytic.total());
+    ctx.end_region(region);
+    Ok((measured, analytic))
+}
+
+// notebook cell
 /// The experiment: the two models' parameter counts; the training state
 /// (parameters, gradients, AdamW's moments) materialised in each dtype and
 /// measured by category beside the analytic figure; the 7B model's figures.
@@ -42,47 +98,7 @@ pub fn footprint_experiment(ctx: &mut Context, p: FootprintParams) -> anyhow::Re
         ],
     );
     for name in &p.dtypes {
-        let dtype = parse_dtype(name)?;
-        ctx.progress(&format!("materialising the training state in {name}"));
-        let mut region = ctx.region(format!("training state, {name}"));
-        let model = Mlp::new(&mut rng, &p.state_model, Activation::Relu, dtype, &device)?;
-        region.mark("parameters");
-        let (x, y) = {
-            let _inputs = Category::Inputs.enter();
-            let x = rng
-                .randn((p.batch, p.state_model[0]), &device)?
-                .to_dtype(dtype)?;
-            let classes = *p.state_model.last().unwrap_or(&1) as u32;
-            (x, rng.labels(p.batch, classes, &device)?)
-        };
-        let loss = Category::Activations.scope(|| cross_entropy(&model.forward(&x)?, &y))?;
-        region.mark("after forward");
-        let grads = Category::Gradients.scope(|| {
-            let store = loss.backward()?;
-            Ok::<_, anyhow::Error>(param_grads(&store, &model.vars()))
-        })?;
-        drop(loss);
-        region.mark("after backward");
-        let optimizer = Category::OptimizerState.scope(|| AdamW::new_lr(model.vars(), 1e-3))?;
-        region.mark("optimizer state");
-        let measured = {
-            let d = region.current_above_baseline();
-            TrainingState {
-                parameters: d.get(Category::Parameters),
-                gradients: d.get(Category::Gradients),
-                optimizer: d.get(Category::OptimizerState),
-            }
-        };
-        drop((optimizer, grads, x, y, model));
-        let analytic = TrainingState::analytic(
-            p.state_model
-                .windows(2)
-                .map(|w| (w[0] * w[1] + w[1]) as u64)
-                .sum(),
-            dtype,
-        );
-        region.set_analytic(analytic.total());
-        ctx.end_region(region);
+        let (measured, analytic) = training_state(ctx, &p, &mut rng, name)?;
         let ratio = measured.total() as f64 / analytic.total() as f64;
         ctx.metric(format!("params_bytes_{name}"), measured.parameters as f64);
         ctx.metric(format!("grads_bytes_{name}"), measured.gradients as f64);

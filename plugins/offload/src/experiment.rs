@@ -14,10 +14,10 @@ use workbook_models::{
 use workbook_offload::Params as OffloadParams;
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Device, Module, Result, Tensor};
+use workbook_sdk::candle::{DType, Device, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use workbook_sdk::observe::Tags;
-use workbook_sdk::output::{mib, Unit};
+use workbook_sdk::output::{mib, RegionReport, Unit};
 use workbook_sdk::{Category, Context, Residency, Table};
 
 // notebook cell
@@ -67,13 +67,32 @@ pub fn units(model: &Mlp) -> Vec<Unit2> {
     out
 }
 
+/// What the three comparisons share: the stack on the device, one batch,
+/// their sizes and AdamW's settings.
+pub struct OffloadSetup {
+    /// The stack, trained in place.
+    pub model: Mlp,
+    /// Its parameters.
+    pub vars: Vec<Var>,
+    /// The batch's inputs.
+    pub x: Tensor,
+    /// The batch's labels.
+    pub y: Tensor,
+    /// The parameters' bytes.
+    pub param_bytes: u64,
+    /// The largest layer's weight and bias, in bytes.
+    pub largest: u64,
+    /// What the parameters took on the device as they were made.
+    pub resident_params: u64,
+    /// AdamW's settings, the same for every optimizer.
+    pub config: ParamsAdamW,
+}
+
 // notebook cell
-/// The experiment: AdamW's state on the host (`HostAdamW`), gradients handed
-/// to the host layer by layer, and weights streamed to the device per layer,
-/// each against training on the device, with what each moves.
-pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result<()> {
+/// The stack, measured as it is made, a twin of it for the reference
+/// optimizer, and a batch.
+pub fn offload_setup(ctx: &mut Context, p: &OffloadParams) -> anyhow::Result<(OffloadSetup, Mlp)> {
     let device = ctx.device().clone();
-    let host = Device::Cpu;
     let mut rng = Rng::seeded(p.seed);
     let region = ctx.region("parameters");
     let model = Mlp::stack(
@@ -109,16 +128,37 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
         lr: p.lr,
         ..Default::default()
     };
+    let setup = OffloadSetup {
+        model,
+        vars,
+        x,
+        y,
+        param_bytes,
+        largest,
+        resident_params,
+        config,
+    };
+    Ok((setup, twin))
+}
 
-    // 1. AdamW with its moments on the host, against candle_nn::AdamW.
+// notebook cell
+/// candle_nn's AdamW on the twin, its state on the device, each step
+/// timed: the optimizer, what its steps left, and their seconds.
+pub fn adamw_on_device(
+    ctx: &mut Context,
+    p: &OffloadParams,
+    s: &OffloadSetup,
+    twin: &Mlp,
+) -> anyhow::Result<(AdamW, RegionReport, f64)> {
+    let device = ctx.device().clone();
     ctx.progress("AdamW on the device");
     let mut region = ctx.region("AdamW, state on the device (candle_nn)");
     let mut reference =
-        Category::OptimizerState.scope(|| AdamW::new(twin.vars(), config.clone()))?;
-    let mut device_step_time = 0.0;
+        Category::OptimizerState.scope(|| AdamW::new(twin.vars(), s.config.clone()))?;
+    let mut seconds = 0.0;
     for _ in 0..p.steps {
         let grads = param_grads(
-            &cross_entropy(&twin.forward(&x)?, &y)?.backward()?,
+            &cross_entropy(&twin.forward(&s.x)?, &s.y)?.backward()?,
             &twin.vars(),
         );
         // A device that runs asynchronously (CUDA) is waited for, so that
@@ -127,41 +167,56 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
         let start = Instant::now();
         Category::OptimizerState.scope(|| reference.step(&grads))?;
         device.synchronize()?;
-        device_step_time += start.elapsed().as_secs_f64();
+        seconds += start.elapsed().as_secs_f64();
     }
     region.mark("after steps");
-    let on_device = ctx.end_region(region);
+    Ok((reference, ctx.end_region(region), seconds))
+}
 
+/// The toolkit's HostAdamW on the stack, its state on the host: the
+/// optimizer, what its masters' first copy moved (set-up, not a step's
+/// cost), what its steps left, and their seconds.
+pub fn adamw_on_host(
+    ctx: &mut Context,
+    p: &OffloadParams,
+    s: &OffloadSetup,
+) -> anyhow::Result<(HostAdamW, Transfers, RegionReport, f64)> {
     ctx.progress("AdamW on the host");
     let mut region = ctx.region("AdamW, state on the host");
-    let mut offloaded = HostAdamW::on(vars.clone(), config.clone(), host.clone(), Tags)?;
-    // The masters' first copy to the host is set-up, not a step's cost.
-    let setup = offloaded.transfers();
-    let mut host_step_time = 0.0;
+    let mut offloaded = HostAdamW::on(s.vars.clone(), s.config.clone(), Device::Cpu, Tags)?;
+    let first_copy = offloaded.transfers();
+    let mut seconds = 0.0;
     for _ in 0..p.steps {
-        let grads = param_grads(&cross_entropy(&model.forward(&x)?, &y)?.backward()?, &vars);
+        let grads = param_grads(
+            &cross_entropy(&s.model.forward(&s.x)?, &s.y)?.backward()?,
+            &s.vars,
+        );
         let start = Instant::now();
         offloaded.step(&grads)?;
-        host_step_time += start.elapsed().as_secs_f64();
+        seconds += start.elapsed().as_secs_f64();
     }
     region.mark("after steps");
-    let on_host = ctx.end_region(region);
-    let mut diff = 0f64;
-    for (a, b) in vars.iter().zip(twin.vars().iter()) {
-        diff = diff.max(max_abs_diff(a.as_tensor(), b.as_tensor())?);
-    }
-    // The toolkit's in-place AdamW on the device, timed the same way: what
-    // a step with the state on the device costs without candle_nn's
-    // temporaries (compared with PyTorch's AdamW by scripts/compare.py).
+    Ok((offloaded, first_copy, ctx.end_region(region), seconds))
+}
+
+/// The toolkit's in-place AdamW on the device, timed the same way: what a
+/// step with the state on the device costs without candle_nn's temporaries
+/// (compared with PyTorch's AdamW by scripts/compare.py). Seconds a step.
+pub fn lean_adamw_seconds(
+    ctx: &mut Context,
+    p: &OffloadParams,
+    s: &OffloadSetup,
+) -> anyhow::Result<f64> {
+    let device = ctx.device().clone();
     ctx.progress("LeanAdamW on the device");
-    let lean_twin = model.deep_clone()?;
-    let mut lean = LeanAdamW::new(lean_twin.vars(), config.clone())?;
-    let mut lean_step_time = 0.0;
+    let lean_twin = s.model.deep_clone()?;
+    let mut lean = LeanAdamW::new(lean_twin.vars(), s.config.clone())?;
+    let mut seconds = 0.0;
     // A first step untimed, as PyTorch's script has taken one before it
     // times: its moments' pages are touched for the first time there.
     for step in 0..=p.steps {
         let grads = param_grads(
-            &cross_entropy(&lean_twin.forward(&x)?, &y)?.backward()?,
+            &cross_entropy(&lean_twin.forward(&s.x)?, &s.y)?.backward()?,
             &lean_twin.vars(),
         );
         device.synchronize()?;
@@ -169,14 +224,34 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
         lean.step(&grads)?;
         device.synchronize()?;
         if step > 0 {
-            lean_step_time += start.elapsed().as_secs_f64();
+            seconds += start.elapsed().as_secs_f64();
         }
     }
-    drop((lean, lean_twin));
-    ctx.metric("step_seconds_device_lean", lean_step_time / p.steps as f64);
-    let moved = offloaded.transfers().since(&setup);
+    Ok(seconds / p.steps as f64)
+}
+
+// notebook cell
+/// Step 1: AdamW with its moments on the host, against candle_nn::AdamW
+/// on the device: equal to it, and what each keeps where, moves and takes.
+/// Returns HostAdamW (its state stays for the rest of the experiment, as
+/// in training) and what its steps moved.
+pub fn optimizer_on_host(
+    ctx: &mut Context,
+    p: &OffloadParams,
+    s: &OffloadSetup,
+    twin: Mlp,
+) -> anyhow::Result<(HostAdamW, Transfers)> {
+    let (reference, on_device, device_step_time) = adamw_on_device(ctx, p, s, &twin)?;
+    let (offloaded, first_copy, on_host, host_step_time) = adamw_on_host(ctx, p, s)?;
+    let mut diff = 0f64;
+    for (a, b) in s.vars.iter().zip(twin.vars().iter()) {
+        diff = diff.max(max_abs_diff(a.as_tensor(), b.as_tensor())?);
+    }
+    let lean_step_time = lean_adamw_seconds(ctx, p, s)?;
+    ctx.metric("step_seconds_device_lean", lean_step_time);
+    let moved = offloaded.transfers().since(&first_copy);
     ctx.metric("adamw_max_abs_diff", diff);
-    let device_state = |r: &workbook_sdk::RegionReport| {
+    let device_state = |r: &RegionReport| {
         r.end.get(Category::OptimizerState)
             - r.end_host.get(Category::OptimizerState)
             - (r.baseline.get(Category::OptimizerState)
@@ -210,31 +285,38 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
         1e3 * host_step_time / p.steps as f64,
         1e3 * device_step_time / p.steps as f64,
     ));
-
     drop((reference, twin));
+    Ok((offloaded, moved))
+}
 
-    // 2. Gradients: all on the device, or each to the host as it appears.
+// notebook cell
+/// Step 2: gradients all on the device, or each to the host as the
+/// layer-wise backward makes it. Returns the stack's units, which step 3
+/// streams.
+pub fn gradients_offloaded(ctx: &mut Context, s: &OffloadSetup) -> anyhow::Result<Vec<Unit2>> {
+    let host = Device::Cpu;
+    let (x, y, vars) = (&s.x, &s.y, &s.vars);
     ctx.progress("gradients on the device");
     let mut region = ctx.region("backward, gradients kept on the device");
     let grads = Category::Gradients.scope(|| -> Result<GradStore> {
         Ok(param_grads(
-            &cross_entropy(&model.forward(&x)?, &y)?.backward()?,
-            &vars,
+            &cross_entropy(&s.model.forward(x)?, y)?.backward()?,
+            vars,
         ))
     })?;
     region.mark("after backward");
     let plain_grads = ctx.end_region(region);
     drop(grads);
     ctx.progress("gradients offloaded layer by layer");
-    let us = units(&model);
+    let us = units(&s.model);
     let mut transfers = Transfers::default();
     let mut host_grads = GradStore::default();
     let mut region = ctx.region("backward, gradients offloaded layer by layer");
     layerwise_backward(
         &us,
-        &x,
-        &vars,
-        |h| cross_entropy(h, &y),
+        x,
+        vars,
+        |h| cross_entropy(h, y),
         |var, g| {
             let _grads = Category::Gradients.enter();
             let on_host = copy_to(&mut transfers, &g, &host, Residency::Host)?;
@@ -246,20 +328,16 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
     region.mark("after backward");
     let offload_grads = ctx.end_region(region);
     let offload_check = workbook_models::grads_max_abs_diff(
-        &param_grads(&cross_entropy(&model.forward(&x)?, &y)?.backward()?, &vars),
+        &param_grads(&cross_entropy(&s.model.forward(x)?, y)?.backward()?, vars),
         &host_grads,
-        &vars,
+        vars,
     )?;
     drop(host_grads);
+    let kept = plain_grads.device_peak_above_baseline(Category::Gradients);
+    let offloaded = offload_grads.device_peak_above_baseline(Category::Gradients);
     ctx.metric("grad_offload_max_abs_diff", offload_check);
-    ctx.metric(
-        "device_grad_peak_plain",
-        plain_grads.device_peak_above_baseline(Category::Gradients) as f64,
-    );
-    ctx.metric(
-        "device_grad_peak_offload",
-        offload_grads.device_peak_above_baseline(Category::Gradients) as f64,
-    );
+    ctx.metric("device_grad_peak_plain", kept as f64);
+    ctx.metric("device_grad_peak_offload", offloaded as f64);
     ctx.metric(
         "host_grad_peak_offload",
         offload_grads.host_peak_above_baseline(Category::Gradients) as f64,
@@ -267,28 +345,76 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
     ctx.metric("grad_copy_seconds", transfers.seconds);
     ctx.print(format!(
         "gradients on the device at their peak: {:.1} MiB kept, {:.1} MiB offloaded layer by layer ({:.1}x the largest layer's {:.1} MiB)",
-        mib(plain_grads.device_peak_above_baseline(Category::Gradients)),
-        mib(offload_grads.device_peak_above_baseline(Category::Gradients)),
-        offload_grads.device_peak_above_baseline(Category::Gradients) as f64 / largest as f64,
-        mib(largest)
+        mib(kept),
+        mib(offloaded),
+        offloaded as f64 / s.largest as f64,
+        mib(s.largest)
     ));
+    Ok(us)
+}
 
-    // 3. Parameters: resident, or streamed from the host layer by layer,
-    // for the forward and again for the backward.
-    ctx.progress("parameters streamed from the host");
-    let streamed: Vec<(StreamedLinear, Activation)> = us
-        .iter()
+/// What streaming the parameters moved and took, against the resident
+/// stack's step.
+pub struct Streamed {
+    /// What the streamed layers copied, and how long it took.
+    pub transfers: Transfers,
+    /// The streamed forward and backward's seconds.
+    pub streamed_seconds: f64,
+    /// The resident forward and backward's seconds.
+    pub resident_seconds: f64,
+}
+
+/// The units' layers with their weights kept on the host and streamed to
+/// `device` when they compute.
+pub fn streamed_layers(us: &[Unit2], device: &Device) -> Result<Vec<(StreamedLinear, Activation)>> {
+    us.iter()
         .map(|u| {
             let layer = StreamedLinear::with_observer(
                 u.linear.weight().clone(),
                 Some(u.linear.bias().clone()),
-                &host,
-                &device,
+                &Device::Cpu,
+                device,
                 Tags,
             )?;
             Ok((layer, u.activation))
         })
-        .collect::<Result<_>>()?;
+        .collect()
+}
+
+/// The largest difference between the streamed layers' gradients (on the
+/// host) and the resident stack's.
+pub fn grads_max_diff(
+    streamed: &[(StreamedLinear, Activation)],
+    us: &[Unit2],
+    resident_grads: &GradStore,
+) -> anyhow::Result<f64> {
+    let mut diff = 0f64;
+    for ((layer, _), u) in streamed.iter().zip(us) {
+        let host_grads = layer.take_grads();
+        let (w, b) = (&layer.vars()[0], &layer.vars()[1]);
+        for (host_var, resident) in [(w, u.linear.weight()), (b, u.linear.bias())] {
+            let (Some(a), Some(r)) = (host_grads.get(host_var), resident_grads.get(resident))
+            else {
+                anyhow::bail!("a streamed or resident layer got no gradient");
+            };
+            diff = diff.max(max_abs_diff(a, r)?);
+        }
+    }
+    Ok(diff)
+}
+
+// notebook cell
+/// Step 3: the parameters resident, or streamed from the host layer by
+/// layer, for the forward and again for the backward: equal results, and
+/// the device's parameters at their peak.
+pub fn parameters_streamed(
+    ctx: &mut Context,
+    s: &OffloadSetup,
+    us: &[Unit2],
+) -> anyhow::Result<Streamed> {
+    let (x, y) = (&s.x, &s.y);
+    ctx.progress("parameters streamed from the host");
+    let streamed = streamed_layers(us, ctx.device())?;
     let before: Vec<Transfers> = streamed.iter().map(|(l, _)| l.transfers()).collect();
     let mut region = ctx.region("forward and backward, parameters streamed from the host");
     let start = Instant::now();
@@ -298,43 +424,34 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
             .try_fold(x.clone(), |h, (l, a)| a.forward(&l.forward(&h)?))
     })?;
     region.mark("after forward");
-    let streamed_loss = Category::Activations.scope(|| cross_entropy(&streamed_out, &y))?;
+    let streamed_loss = Category::Activations.scope(|| cross_entropy(&streamed_out, y))?;
     Category::Gradients.scope(|| streamed_loss.backward())?;
-    let streamed_time = start.elapsed().as_secs_f64();
+    let streamed_seconds = start.elapsed().as_secs_f64();
     region.mark("after backward");
     let streamed_region = ctx.end_region(region);
     let streamed_out = streamed_out.detach();
     drop(streamed_loss);
     let mut region = ctx.region("forward and backward, parameters resident on the device");
     let start = Instant::now();
-    let resident_out = Category::Activations.scope(|| model.forward(&x))?;
+    let resident_out = Category::Activations.scope(|| s.model.forward(x))?;
     region.mark("after forward");
     let resident_grads = Category::Gradients.scope(|| -> Result<GradStore> {
         Ok(param_grads(
-            &cross_entropy(&resident_out, &y)?.backward()?,
-            &vars,
+            &cross_entropy(&resident_out, y)?.backward()?,
+            &s.vars,
         ))
     })?;
-    let resident_time = start.elapsed().as_secs_f64();
+    let resident_seconds = start.elapsed().as_secs_f64();
     region.mark("after backward");
     ctx.end_region(region);
     ctx.metric(
         "stream_max_abs_diff",
         max_abs_diff(&streamed_out, &resident_out)?,
     );
-    let mut grad_diff = 0f64;
-    for ((layer, _), u) in streamed.iter().zip(&us) {
-        let host_grads = layer.take_grads();
-        let (w, b) = (&layer.vars()[0], &layer.vars()[1]);
-        for (host_var, resident) in [(w, u.linear.weight()), (b, u.linear.bias())] {
-            let (Some(a), Some(r)) = (host_grads.get(host_var), resident_grads.get(resident))
-            else {
-                anyhow::bail!("a streamed or resident layer got no gradient");
-            };
-            grad_diff = grad_diff.max(max_abs_diff(a, r)?);
-        }
-    }
-    ctx.metric("stream_grad_max_abs_diff", grad_diff);
+    ctx.metric(
+        "stream_grad_max_abs_diff",
+        grads_max_diff(&streamed, us, &resident_grads)?,
+    );
     let transfers = streamed
         .iter()
         .zip(&before)
@@ -346,16 +463,31 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
                 seconds: acc.seconds + t.seconds,
             }
         });
-    ctx.metric("device_param_bytes_resident", resident_params as f64);
+    ctx.metric("device_param_bytes_resident", s.resident_params as f64);
     ctx.metric(
         "device_param_peak_streamed",
         streamed_region.device_peak_above_baseline(Category::Parameters) as f64,
     );
     ctx.metric("stream_bytes_to_device", transfers.to_device_bytes as f64);
     ctx.metric("stream_copy_seconds", transfers.seconds);
-    ctx.metric("stream_step_seconds", streamed_time);
-    ctx.metric("resident_step_seconds", resident_time);
+    ctx.metric("stream_step_seconds", streamed_seconds);
+    ctx.metric("resident_step_seconds", resident_seconds);
+    Ok(Streamed {
+        transfers,
+        streamed_seconds,
+        resident_seconds,
+    })
+}
 
+// notebook cell
+/// The three comparisons in one table: where the bytes are, what was
+/// copied and how long it took.
+pub fn where_the_bytes_are(
+    ctx: &mut Context,
+    s: &OffloadSetup,
+    moved: &Transfers,
+    streamed: &Streamed,
+) {
     let mut table = Table::new(
         "Where the bytes are (device / host), measured",
         &[
@@ -367,58 +499,77 @@ pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result
         ],
     );
     let metrics = ctx.output().metrics.clone();
-    let m = |k: &str| metrics.get(k).copied().unwrap_or(f64::NAN);
-    table.row(vec![
-        "AdamW moments, candle_nn".into(),
-        (m("device_optimizer_bytes_plain") as u64).into(),
-        0u64.into(),
-        0u64.into(),
-        0.0.into(),
-    ]);
-    table.row(vec![
-        "AdamW moments, HostAdamW".into(),
-        (m("device_optimizer_bytes_offload") as u64).into(),
-        (m("host_optimizer_bytes_offload") as u64).into(),
-        (moved.to_host_bytes + moved.to_device_bytes).into(),
-        moved.seconds.into(),
-    ]);
-    table.row(vec![
-        "gradients at their peak, kept".into(),
-        (m("device_grad_peak_plain") as u64).into(),
-        0u64.into(),
-        0u64.into(),
-        0.0.into(),
-    ]);
-    table.row(vec![
-        "gradients at their peak, offloaded".into(),
-        (m("device_grad_peak_offload") as u64).into(),
-        (m("host_grad_peak_offload") as u64).into(),
-        (m("host_grad_peak_offload") as u64).into(),
-        m("grad_copy_seconds").into(),
-    ]);
-    table.row(vec![
-        "parameters, resident".into(),
-        resident_params.into(),
-        0u64.into(),
-        0u64.into(),
-        0.0.into(),
-    ]);
-    table.row(vec![
-        "parameters at their peak, streamed".into(),
-        (m("device_param_peak_streamed") as u64).into(),
-        param_bytes.into(),
-        transfers.to_device_bytes.into(),
-        transfers.seconds.into(),
-    ]);
+    let m = |k: &str| metrics.get(k).copied().unwrap_or(f64::NAN) as u64;
+    let seconds = |k: &str| metrics.get(k).copied().unwrap_or(f64::NAN);
+    let rows: [(&str, u64, u64, u64, f64); 6] = [
+        (
+            "AdamW moments, candle_nn",
+            m("device_optimizer_bytes_plain"),
+            0,
+            0,
+            0.0,
+        ),
+        (
+            "AdamW moments, HostAdamW",
+            m("device_optimizer_bytes_offload"),
+            m("host_optimizer_bytes_offload"),
+            moved.to_host_bytes + moved.to_device_bytes,
+            moved.seconds,
+        ),
+        (
+            "gradients at their peak, kept",
+            m("device_grad_peak_plain"),
+            0,
+            0,
+            0.0,
+        ),
+        (
+            "gradients at their peak, offloaded",
+            m("device_grad_peak_offload"),
+            m("host_grad_peak_offload"),
+            m("host_grad_peak_offload"),
+            seconds("grad_copy_seconds"),
+        ),
+        ("parameters, resident", s.resident_params, 0, 0, 0.0),
+        (
+            "parameters at their peak, streamed",
+            m("device_param_peak_streamed"),
+            s.param_bytes,
+            streamed.transfers.to_device_bytes,
+            streamed.transfers.seconds,
+        ),
+    ];
+    for (what, device, host, copied, copy_seconds) in rows {
+        table.row(vec![
+            what.into(),
+            device.into(),
+            host.into(),
+            copied.into(),
+            copy_seconds.into(),
+        ]);
+    }
     ctx.table(table);
     ctx.print(format!(
         "streamed forward and backward: {:.1} MiB of parameters on the device at most (largest layer {:.1} MiB, all {:.1} MiB); {:.1} ms against {:.1} ms resident, {:.1} ms of it copying",
-        mib(m("device_param_peak_streamed") as u64),
-        mib(largest),
-        mib(param_bytes),
-        1e3 * streamed_time,
-        1e3 * resident_time,
-        1e3 * transfers.seconds
+        mib(m("device_param_peak_streamed")),
+        mib(s.largest),
+        mib(s.param_bytes),
+        1e3 * streamed.streamed_seconds,
+        1e3 * streamed.resident_seconds,
+        1e3 * streamed.transfers.seconds
     ));
+}
+
+// notebook cell
+/// The experiment: AdamW's state on the host (`HostAdamW`), gradients handed
+/// to the host layer by layer, and weights streamed to the device per layer,
+/// each against training on the device, with what each moves.
+pub fn offload_experiment(ctx: &mut Context, p: OffloadParams) -> anyhow::Result<()> {
+    let (setup, twin) = offload_setup(ctx, &p)?;
+    // HostAdamW's state stays on the host through steps 2 and 3.
+    let (_optimizer, moved) = optimizer_on_host(ctx, &p, &setup, twin)?;
+    let units = gradients_offloaded(ctx, &setup)?;
+    let streamed = parameters_streamed(ctx, &setup, &units)?;
+    where_the_bytes_are(ctx, &setup, &moved, &streamed);
     Ok(())
 }

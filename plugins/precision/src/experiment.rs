@@ -191,6 +191,73 @@ pub fn task(rng: &mut Rng, p: &PrecisionParams, device: &Device) -> Result<(Tens
     Ok((x, y))
 }
 
+/// One training run in a compute dtype.
+pub struct Trained {
+    /// The model as trained.
+    pub model: Mlp,
+    /// (step, loss) at each step.
+    pub curve: Vec<(f64, f64)>,
+    /// The loss scaler, for f16.
+    pub scaler: Option<GradScaler>,
+    /// (step, the scale that step ran with), for f16.
+    pub scale_history: Vec<(f64, f64)>,
+    /// Steps the scaler skipped for inf or NaN.
+    pub skipped: usize,
+}
+
+// notebook cell
+/// `p.train_steps` of AdamW on a copy of `base`, its forward in `dtype`
+/// (f32 master weights); f16 with a loss scaler, whose scale is unscaled
+/// before the gradients are clipped.
+pub fn train_in(
+    p: &PrecisionParams,
+    base: &Mlp,
+    (x, y): (&Tensor, &Tensor),
+    dtype: DType,
+) -> anyhow::Result<Trained> {
+    let model = base.deep_clone()?;
+    let vars = model.vars();
+    let mut opt = AdamW::new_lr(vars.clone(), p.lr)?;
+    let mut scaler = (dtype == DType::F16)
+        .then(|| GradScaler::new(p.scaler))
+        .transpose()?;
+    let (mut curve, mut scale_history, mut skipped) = (Vec::new(), Vec::new(), 0);
+    for step in 0..p.train_steps {
+        let loss = cross_entropy(&model.forward_as(x, dtype)?, y)?;
+        curve.push((step as f64, loss.to_scalar::<f32>()? as f64));
+        let root = match &scaler {
+            Some(s) => s.scale(&loss)?,
+            None => loss,
+        };
+        let mut grads = param_grads(&root.backward()?, &vars);
+        // Unscaled before clipping, so the norm is the true one.
+        let found_inf = match scaler.as_mut() {
+            Some(s) => s.unscale(&mut grads, &vars)?,
+            None => false,
+        };
+        if !found_inf {
+            clip_grad_norm(&mut grads, &vars, p.max_grad_norm)?;
+        }
+        match scaler.as_mut() {
+            Some(s) => {
+                scale_history.push((step as f64, s.scale_factor()));
+                if s.step(&mut opt, &mut grads, &vars)? == StepOutcome::Skipped {
+                    skipped += 1;
+                }
+                s.update()?;
+            }
+            None => opt.step(&grads)?,
+        }
+    }
+    Ok(Trained {
+        model,
+        curve,
+        scaler,
+        scale_history,
+        skipped,
+    })
+}
+
 /// Training from the same start in f32 and in mixed precision with f32
 /// master weights (f16 with the dynamic loss scaler, and bf16).
 pub fn training(ctx: &mut Context, p: &PrecisionParams, rng: &mut Rng) -> anyhow::Result<()> {
@@ -215,48 +282,17 @@ pub fn training(ctx: &mut Context, p: &PrecisionParams, rng: &mut Rng) -> anyhow
         (DType::F16, "f16"),
     ] {
         ctx.progress(&format!("training in {name}"));
-        let model = base.deep_clone()?;
-        let vars = model.vars();
-        let mut opt = AdamW::new_lr(vars.clone(), p.lr)?;
-        let mut scaler = (dtype == DType::F16)
-            .then(|| GradScaler::new(p.scaler))
-            .transpose()?;
-        let mut curve = Vec::new();
-        for step in 0..p.train_steps {
-            let loss = cross_entropy(&model.forward_as(&x, dtype)?, &y)?;
-            curve.push((step as f64, loss.to_scalar::<f32>()? as f64));
-            let root = match &scaler {
-                Some(s) => s.scale(&loss)?,
-                None => loss,
-            };
-            let mut grads = param_grads(&root.backward()?, &vars);
-            // Unscaled before clipping, so the norm is the true one.
-            let found_inf = match scaler.as_mut() {
-                Some(s) => s.unscale(&mut grads, &vars)?,
-                None => false,
-            };
-            if !found_inf {
-                clip_grad_norm(&mut grads, &vars, p.max_grad_norm)?;
-            }
-            match scaler.as_mut() {
-                Some(s) => {
-                    scale_history.push((step as f64, s.scale_factor()));
-                    if s.step(&mut opt, &mut grads, &vars)? == StepOutcome::Skipped {
-                        skipped += 1;
-                    }
-                    s.update()?;
-                }
-                None => opt.step(&grads)?,
-            }
-        }
-        let final_loss = eval(&model)?;
+        let run = train_in(p, &base, (&x, &y), dtype)?;
+        scale_history.extend(run.scale_history);
+        skipped += run.skipped;
+        let final_loss = eval(&run.model)?;
         ctx.metric(format!("final_loss_{name}"), final_loss);
         finals.push((name, final_loss));
         curves.push(Series {
             name: name.into(),
-            points: curve,
+            points: run.curve,
         });
-        if let Some(s) = scaler {
+        if let Some(s) = run.scaler {
             ctx.metric("final_scale", s.scale_factor());
             // How often the scale a step ran with was below the one before
             // (the scale after the last step included), read from the
@@ -284,6 +320,13 @@ pub fn training(ctx: &mut Context, p: &PrecisionParams, rng: &mut Rng) -> anyhow
         finals[2].1,
         ctx.output().metrics.get("final_scale").copied().unwrap_or(f64::NAN)
     ));
+    training_figures(ctx, curves, scale_history);
+    Ok(())
+}
+
+/// The f16 loss scale's changes as a table; the losses and the scale over
+/// training as figures.
+pub fn training_figures(ctx: &mut Context, curves: Vec<Series>, scale_history: Vec<(f64, f64)>) {
     let mut changes = Table::new(
         "The f16 loss scale: each change",
         &[("step", Unit::Count), ("scale", Unit::None)],
@@ -296,36 +339,35 @@ pub fn training(ctx: &mut Context, p: &PrecisionParams, rng: &mut Rng) -> anyhow
         }
     }
     ctx.table(changes);
-    ctx.figure(Figure {
-        id: "precision-loss".into(),
-        title: "Training loss in f32, bf16 and f16 with loss scaling".into(),
-        x: Axis {
+    let axes = |label: &str, log| {
+        let step = Axis {
             label: "step".into(),
             unit: Unit::Count,
             log: false,
-        },
-        y: Axis {
-            label: "loss".into(),
+        };
+        let y = Axis {
+            label: label.into(),
             unit: Unit::None,
-            log: false,
-        },
+            log,
+        };
+        (step, y)
+    };
+    let (x, y) = axes("loss", false);
+    ctx.figure(Figure {
+        id: "precision-loss".into(),
+        title: "Training loss in f32, bf16 and f16 with loss scaling".into(),
+        x,
+        y,
         series: curves,
         markers: Vec::new(),
         guides: Vec::new(),
     });
+    let (x, y) = axes("loss scale", true);
     ctx.figure(Figure {
         id: "precision-scale".into(),
         title: "The f16 loss scale over training".into(),
-        x: Axis {
-            label: "step".into(),
-            unit: Unit::Count,
-            log: false,
-        },
-        y: Axis {
-            label: "loss scale".into(),
-            unit: Unit::None,
-            log: true,
-        },
+        x,
+        y,
         series: vec![Series {
             name: "scale".into(),
             points: scale_history,
@@ -333,7 +375,6 @@ pub fn training(ctx: &mut Context, p: &PrecisionParams, rng: &mut Rng) -> anyhow
         markers: Vec::new(),
         guides: Vec::new(),
     });
-    Ok(())
 }
 
 // notebook cell

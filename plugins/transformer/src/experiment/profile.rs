@@ -10,6 +10,7 @@ use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
 use workbook_models::{corpus, Gpt};
 use workbook_sdk::anyhow;
+use workbook_sdk::candle::Tensor;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{median, parse_dtype};
 use workbook_sdk::{Context, Figure, Table, Unit};
@@ -38,28 +39,49 @@ pub fn order_in_forward(layer: Option<usize>, part: &str) -> (usize, usize, usiz
     }
 }
 
+/// A (layer, part) of the forward: the layer is `None` outside the blocks.
+pub type PartKey = (Option<usize>, String);
+
+/// Shares of the bytes held and of the forward's time.
+pub struct Shares {
+    /// Bytes held for the backward, in all.
+    pub held: u64,
+    /// The forward's seconds, in all.
+    pub seconds: f64,
+}
+
+impl Shares {
+    /// `bytes`' share of what is held.
+    pub fn bytes(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.held.max(1) as f64
+    }
+
+    /// `seconds`' share of the forward's time.
+    pub fn time(&self, seconds: f64) -> f64 {
+        seconds / self.seconds.max(f64::MIN_POSITIVE)
+    }
+}
+
 // notebook cell
-/// The experiment: timed forwards labelled part by part; the bytes each
-/// part and layer holds for the backward, from the ledger, beside its
-/// forward time; the biggest and slowest parts named.
-pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> anyhow::Result<()> {
-    let dtype = parse_dtype(&p.dtype)?;
-    let device = ctx.device().clone();
-    let config = p.recipe.apply(p.model);
-    let mut rng = Rng::seeded(p.seed);
-    let model = Gpt::new(config, dtype, &mut rng, &device)?;
-    let (x, y) = corpus::batch(&mut rng, p.batch, config.seq, config.vocab, &device)?;
-    // A first forward, untimed: buffers and thread pools start up.
-    drop(model.loss(&x, &y, &Labeller::default())?);
-    let mut times: BTreeMap<(Option<usize>, String), Vec<Duration>> = BTreeMap::new();
+/// `p.repeats` forwards labelled part by part (after one untimed, as
+/// buffers and thread pools start up): each (layer, part)'s times, and the
+/// first forward's ledger of what it holds for the backward.
+pub fn timed_forwards(
+    ctx: &mut Context,
+    p: &LayerProfileParams,
+    model: &Gpt,
+    (x, y): (&Tensor, &Tensor),
+) -> anyhow::Result<(BTreeMap<PartKey, Vec<Duration>>, Ledger)> {
+    drop(model.loss(x, y, &Labeller::default())?);
+    let mut times: BTreeMap<PartKey, Vec<Duration>> = BTreeMap::new();
     let mut ledger = Ledger::default();
     for r in 0..p.repeats {
         ctx.progress(&format!("timed forward {} of {}", r + 1, p.repeats));
         let labels = Labeller::new();
-        let loss = model.loss(&x, &y, &labels)?;
+        let loss = model.loss(x, y, &labels)?;
         // A part may come twice in a layer (its two residual additions):
         // its time in this forward is the sum.
-        let mut this: BTreeMap<(Option<usize>, String), Duration> = BTreeMap::new();
+        let mut this: BTreeMap<PartKey, Duration> = BTreeMap::new();
         for (label, spent) in labels.times() {
             *this.entry((label.layer, label.part)).or_default() += spent;
         }
@@ -70,8 +92,16 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
             ledger = Ledger::of(&loss, &labels)?;
         }
     }
-    // Per (layer, part): bytes from the ledger, time from the medians.
-    let mut cells: BTreeMap<(Option<usize>, String), Totals> = BTreeMap::new();
+    Ok((times, ledger))
+}
+
+/// Per (layer, part): bytes and tensors from the ledger, time from the
+/// medians.
+pub fn profile_cells(
+    ledger: &Ledger,
+    times: BTreeMap<PartKey, Vec<Duration>>,
+) -> BTreeMap<PartKey, Totals> {
+    let mut cells: BTreeMap<PartKey, Totals> = BTreeMap::new();
     for h in &ledger.held {
         let key = h
             .label
@@ -87,17 +117,13 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
         cells.entry(key).or_default().seconds =
             median(spans.iter().map(Duration::as_secs_f64).collect());
     }
-    let held: u64 = cells.values().map(|t| t.bytes).sum();
-    let total_seconds: f64 = cells.values().map(|t| t.seconds).sum();
-    let mut parts: BTreeMap<String, Totals> = BTreeMap::new();
-    for ((_, part), t) in &cells {
-        let e = parts.entry(part.clone()).or_default();
-        e.bytes += t.bytes;
-        e.tensors += t.tensors;
-        e.seconds += t.seconds;
-    }
-    let share = |b: u64| b as f64 / held.max(1) as f64;
-    let time_share = |s: f64| s / total_seconds.max(f64::MIN_POSITIVE);
+    cells
+}
+
+// notebook cell
+/// Per part over all layers, in the forward's order: bytes held, their
+/// share, forward time, its share, and bytes held per forward millisecond.
+pub fn parts_table(ctx: &mut Context, parts: &BTreeMap<String, Totals>, shares: &Shares) {
     let mut by_part = Table::new(
         "Per part, over all layers: bytes held for the backward and forward time",
         &[
@@ -119,23 +145,26 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
             name.as_str().into(),
             t.tensors.into(),
             t.bytes.into(),
-            share(t.bytes).into(),
+            shares.bytes(t.bytes).into(),
             t.seconds.into(),
-            time_share(t.seconds).into(),
+            shares.time(t.seconds).into(),
             // What recomputing the part instead of keeping it would save
             // for each millisecond the recomputation costs.
             (t.bytes as f64 / (t.seconds * 1e3).max(1e-6))
                 .round()
                 .into(),
         ]);
-        ctx.metric(format!("bytes_share_{}", metric_name(name)), share(t.bytes));
-        ctx.metric(
-            format!("time_share_{}", metric_name(name)),
-            time_share(t.seconds),
-        );
-        ctx.metric(format!("bytes_{}", metric_name(name)), t.bytes as f64);
+        let metric = metric_name(name);
+        ctx.metric(format!("bytes_share_{metric}"), shares.bytes(t.bytes));
+        ctx.metric(format!("time_share_{metric}"), shares.time(t.seconds));
+        ctx.metric(format!("bytes_{metric}"), t.bytes as f64);
     }
     ctx.table(by_part);
+}
+
+/// Per layer: bytes held, their share and forward time. Returns the bytes
+/// the blocks hold.
+pub fn layers_table(ctx: &mut Context, cells: &BTreeMap<PartKey, Totals>, shares: &Shares) -> u64 {
     let mut by_layer = Table::new(
         "Per layer: bytes held and forward time",
         &[
@@ -146,7 +175,7 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
         ],
     );
     let mut layers: BTreeMap<Option<usize>, Totals> = BTreeMap::new();
-    for ((layer, _), t) in &cells {
+    for ((layer, _), t) in cells {
         let e = layers.entry(*layer).or_default();
         e.bytes += t.bytes;
         e.seconds += t.seconds;
@@ -164,17 +193,28 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
         by_layer.row(vec![
             name.into(),
             t.bytes.into(),
-            share(t.bytes).into(),
+            shares.bytes(t.bytes).into(),
             t.seconds.into(),
         ]);
     }
     ctx.table(by_layer);
+    blocks
+}
+
+// notebook cell
+/// The three parts that hold the most and the three slowest, named; the
+/// biggest part's share.
+pub fn biggest_and_slowest(
+    ctx: &mut Context,
+    parts: &BTreeMap<String, Totals>,
+    shares: &Shares,
+) -> f64 {
     let mut ranked: Vec<(&String, &Totals)> = parts.iter().collect();
     ranked.sort_by_key(|(_, t)| std::cmp::Reverse(t.bytes));
     let named: Vec<String> = ranked
         .iter()
         .take(3)
-        .map(|(n, t)| format!("{n} ({:.0}%)", 100.0 * share(t.bytes)))
+        .map(|(n, t)| format!("{n} ({:.0}%)", 100.0 * shares.bytes(t.bytes)))
         .collect();
     ctx.print(format!(
         "The biggest consumers of memory held for the backward: {}.",
@@ -185,23 +225,20 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
     let named: Vec<String> = slowest
         .iter()
         .take(3)
-        .map(|(n, t)| format!("{n} ({:.0}%)", 100.0 * time_share(t.seconds)))
+        .map(|(n, t)| format!("{n} ({:.0}%)", 100.0 * shares.time(t.seconds)))
         .collect();
     ctx.print(format!(
         "The slowest parts of the forward: {}.",
         named.join(", ")
     ));
-    ctx.metric("held", held as f64);
-    ctx.metric("blocks_share", share(blocks));
-    ctx.metric(
-        "biggest_share",
-        ranked.first().map_or(0.0, |(_, t)| share(t.bytes)),
-    );
-    ctx.metric("forward_seconds", total_seconds);
-    // The forward as a path: time spent against bytes held so far.
+    ranked.first().map_or(0.0, |(_, t)| shares.bytes(t.bytes))
+}
+
+/// The forward as a path: time spent against bytes held so far.
+pub fn forward_path(ctx: &mut Context, p: &LayerProfileParams, cells: &BTreeMap<PartKey, Totals>) {
     let mut points = vec![(0.0, 0.0)];
     let (mut s, mut b) = (0.0, 0.0);
-    let mut order: Vec<(&(Option<usize>, String), &Totals)> = cells.iter().collect();
+    let mut order: Vec<(&PartKey, &Totals)> = cells.iter().collect();
     order.sort_by_key(|((layer, part), _)| order_in_forward(*layer, part));
     for (_, t) in order {
         s += t.seconds;
@@ -227,5 +264,39 @@ pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> any
         }],
         ..Figure::default()
     });
+}
+
+// notebook cell
+/// The experiment: timed forwards labelled part by part; the bytes each
+/// part and layer holds for the backward, from the ledger, beside its
+/// forward time; the biggest and slowest parts named.
+pub fn layer_profile_experiment(ctx: &mut Context, p: LayerProfileParams) -> anyhow::Result<()> {
+    let dtype = parse_dtype(&p.dtype)?;
+    let device = ctx.device().clone();
+    let config = p.recipe.apply(p.model);
+    let mut rng = Rng::seeded(p.seed);
+    let model = Gpt::new(config, dtype, &mut rng, &device)?;
+    let (x, y) = corpus::batch(&mut rng, p.batch, config.seq, config.vocab, &device)?;
+    let (times, ledger) = timed_forwards(ctx, &p, &model, (&x, &y))?;
+    let cells = profile_cells(&ledger, times);
+    let shares = Shares {
+        held: cells.values().map(|t| t.bytes).sum(),
+        seconds: cells.values().map(|t| t.seconds).sum(),
+    };
+    let mut parts: BTreeMap<String, Totals> = BTreeMap::new();
+    for ((_, part), t) in &cells {
+        let e = parts.entry(part.clone()).or_default();
+        e.bytes += t.bytes;
+        e.tensors += t.tensors;
+        e.seconds += t.seconds;
+    }
+    parts_table(ctx, &parts, &shares);
+    let blocks = layers_table(ctx, &cells, &shares);
+    let biggest = biggest_and_slowest(ctx, &parts, &shares);
+    ctx.metric("held", shares.held as f64);
+    ctx.metric("blocks_share", shares.bytes(blocks));
+    ctx.metric("biggest_share", biggest);
+    ctx.metric("forward_seconds", shares.seconds);
+    forward_path(ctx, &p, &cells);
     Ok(())
 }

@@ -8,10 +8,10 @@ use std::time::Instant;
 use candle_checkpoint::{Policy, Sequential, Tape};
 use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
-use workbook_models::{corpus, Gpt};
+use workbook_models::{corpus, Gpt, GptLayer};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{Module, Tensor};
+use workbook_sdk::candle::{Module, Tensor, Var};
 use workbook_sdk::observe::Tags;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{median, parse_dtype};
@@ -42,40 +42,32 @@ pub enum Strategy {
     },
 }
 
-// notebook cell
-/// The experiment: each product's bytes and forward time measured, the
-/// selective policy chosen from them (keep what costs more time per byte
-/// to recompute than the average), then one forward and backward per
-/// strategy: its peak, its time and its gradients against candle's.
-pub fn gpt_checkpointing_experiment(
-    ctx: &mut Context,
-    p: GptCheckpointingParams,
-) -> anyhow::Result<()> {
-    let dtype = parse_dtype(&p.dtype)?;
-    let device = ctx.device().clone();
-    let mut rng = Rng::seeded(p.seed);
-    let model = Gpt::new(p.model, dtype, &mut rng, &device)?;
-    let vars = model.vars();
-    let (x, y) = Category::Inputs
-        .scope(|| corpus::batch(&mut rng, p.batch, p.model.seq, p.model.vocab, &device))?;
+/// The model, its parameters and one batch.
+pub struct GptSetup {
+    /// The GPT.
+    pub model: Gpt,
+    /// Its parameters.
+    pub vars: Vec<Var>,
+    /// The batch's tokens.
+    pub x: Tensor,
+    /// The batch's targets.
+    pub y: Tensor,
+}
 
-    // The policy: each product's bytes and forward time, measured.
-    let mut profile = Table::new(
-        "Each product, over all blocks: bytes its output holds, forward time, and what keeping it costs",
-        &[
-            ("product", Unit::None),
-            ("bytes", Unit::Bytes),
-            ("forward time", Unit::Seconds),
-            ("time per MiB", Unit::Seconds),
-            ("kept", Unit::None),
-        ],
-    );
-    drop(model.loss(&x, &y, &Labeller::default())?);
+// notebook cell
+/// Each product's bytes (over all blocks, from the ledger of the first
+/// run) and its forward time (the median over `p.repeats` runs), in
+/// [`PRODUCTS`]' order.
+pub fn product_profile(
+    p: &GptCheckpointingParams,
+    s: &GptSetup,
+) -> anyhow::Result<([u64; 4], Vec<f64>)> {
+    drop(s.model.loss(&s.x, &s.y, &Labeller::default())?);
     let mut spans: Vec<Vec<f64>> = vec![Vec::new(); PRODUCTS.len()];
     let mut bytes = [0u64; 4];
     for r in 0..p.repeats.max(1) {
         let labels = Labeller::new();
-        let logits = model.logits_taped(&x, &labels, &Tape::plain())?;
+        let logits = s.model.logits_taped(&s.x, &labels, &Tape::plain())?;
         // Each product's time over all blocks, as its bytes are.
         let mut this = [0f64; 4];
         for (label, spent) in labels.times() {
@@ -95,9 +87,23 @@ pub fn gpt_checkpointing_experiment(
             }
         }
     }
-    let times: Vec<f64> = spans.into_iter().map(median).collect();
-    // Keep what costs more time per byte to recompute than the products
-    // on average; recompute the rest (and everything between them).
+    Ok((bytes, spans.into_iter().map(median).collect()))
+}
+
+/// The selective policy: keep what costs more time per byte to recompute
+/// than the products on average; recompute the rest (and everything
+/// between them). The products kept, with the profile as a table.
+pub fn selective_policy(ctx: &mut Context, bytes: &[u64; 4], times: &[f64]) -> Vec<String> {
+    let mut profile = Table::new(
+        "Each product, over all blocks: bytes its output holds, forward time, and what keeping it costs",
+        &[
+            ("product", Unit::None),
+            ("bytes", Unit::Bytes),
+            ("forward time", Unit::Seconds),
+            ("time per MiB", Unit::Seconds),
+            ("kept", Unit::None),
+        ],
+    );
     let average = times.iter().sum::<f64>() / bytes.iter().sum::<u64>().max(1) as f64;
     let mut kept = Vec::new();
     for (k, (name, _)) in PRODUCTS.iter().enumerate() {
@@ -125,44 +131,84 @@ pub fn gpt_checkpointing_experiment(
             kept.join(", ")
         }
     ));
+    kept
+}
 
-    let stack = model.stack();
-    let n = stack.len();
-    let mut strategies = vec![
+// notebook cell
+/// The strategies compared, by name, for a stack of `n` layers: none,
+/// full (a segment per layer), every k-th layer kept for each k of
+/// `p.every`, the selective policy, and the matrix products kept.
+pub fn strategies(
+    n: usize,
+    p: &GptCheckpointingParams,
+    kept: Vec<String>,
+) -> Vec<(String, Strategy)> {
+    let segments = |segments, policy| Strategy::Segments { segments, policy };
+    let mut out = vec![
         ("none".to_string(), Strategy::None),
-        (
-            "full".to_string(),
-            Strategy::Segments {
-                segments: n,
-                policy: Policy::Nothing,
-            },
-        ),
+        ("full".to_string(), segments(n, Policy::Nothing)),
     ];
     for &k in &p.every {
-        strategies.push((
+        out.push((
             format!("every_{k}"),
-            Strategy::Segments {
-                segments: n.div_ceil(k),
-                policy: Policy::Nothing,
-            },
+            segments(n.div_ceil(k), Policy::Nothing),
         ));
     }
-    strategies.push((
-        "selective".into(),
-        Strategy::Segments {
-            segments: n,
-            policy: Policy::Names(kept.clone()),
-        },
-    ));
-    strategies.push((
-        "dots".into(),
-        Strategy::Segments {
-            segments: n,
-            policy: Policy::Dots,
-        },
-    ));
+    out.push(("selective".into(), segments(n, Policy::Names(kept))));
+    out.push(("dots".into(), segments(n, Policy::Dots)));
+    out
+}
 
-    let head = |h: &Tensor| model.head_loss(h, &y);
+/// One forward and backward of the batch under `strategy`, in a region
+/// named `name`: the gradients, the peak and the seconds.
+pub fn backward_once(
+    ctx: &mut Context,
+    s: &GptSetup,
+    stack: &[GptLayer<'_>],
+    name: &str,
+    strategy: &Strategy,
+) -> anyhow::Result<(GradStore, u64, f64)> {
+    let head = |h: &Tensor| s.model.head_loss(h, &s.y);
+    let mut region = ctx.region(name);
+    let start = Instant::now();
+    let grads = Category::Activations.scope(|| -> anyhow::Result<GradStore> {
+        Ok(match strategy {
+            Strategy::None => {
+                let h = stack
+                    .iter()
+                    .try_fold(s.x.clone(), |h, l| Module::forward(l, &h))?;
+                let loss = head(&h)?;
+                let store = Category::Gradients.scope(|| loss.backward())?;
+                workbook_models::param_grads(&store, &s.vars)
+            }
+            Strategy::Segments { segments, policy } => {
+                Sequential::taped(stack)
+                    .segments(*segments)
+                    .policy(policy)
+                    .observer(&Tags)
+                    .backward(&s.x, &s.vars, head)?
+                    .grads
+            }
+        })
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    region.mark("after backward");
+    let peak = region.peak_above_baseline();
+    ctx.end_region(region);
+    Ok((grads, peak, seconds))
+}
+
+// notebook cell
+/// Each strategy's forward and backward, `p.repeats` times: its largest
+/// peak, its median time and its gradients against the first strategy's
+/// (candle's own backward), as a table and on the memory-time plane.
+pub fn compare_strategies(
+    ctx: &mut Context,
+    p: &GptCheckpointingParams,
+    s: &GptSetup,
+    strategies: &[(String, Strategy)],
+) -> anyhow::Result<()> {
+    let stack = s.model.stack();
     let mut reference: Option<GradStore> = None;
     let mut table = Table::new(
         "Forward and backward of one batch, per strategy",
@@ -176,50 +222,21 @@ pub fn gpt_checkpointing_experiment(
     );
     let mut series = Vec::new();
     let mut none_seconds = 0.0;
-    for (name, strategy) in &strategies {
+    for (name, strategy) in strategies {
         ctx.progress(&format!("backward: {name}"));
-        let run = |ctx: &mut Context| -> anyhow::Result<(GradStore, u64, f64)> {
-            let mut region = ctx.region(name.clone());
-            let start = Instant::now();
-            let grads = Category::Activations.scope(|| -> anyhow::Result<GradStore> {
-                Ok(match strategy {
-                    Strategy::None => {
-                        let h = stack
-                            .iter()
-                            .try_fold(x.clone(), |h, l| Module::forward(l, &h))?;
-                        let loss = head(&h)?;
-                        let store = Category::Gradients.scope(|| loss.backward())?;
-                        workbook_models::param_grads(&store, &vars)
-                    }
-                    Strategy::Segments { segments, policy } => {
-                        Sequential::taped(&stack)
-                            .segments(*segments)
-                            .policy(policy)
-                            .observer(&Tags)
-                            .backward(&x, &vars, head)?
-                            .grads
-                    }
-                })
-            })?;
-            let seconds = start.elapsed().as_secs_f64();
-            region.mark("after backward");
-            let peak = region.peak_above_baseline();
-            ctx.end_region(region);
-            Ok((grads, peak, seconds))
-        };
         let mut times = Vec::new();
         let mut peak = 0;
         let mut grads = None;
         for _ in 0..p.repeats.max(1) {
-            let (g, pk, s) = run(ctx)?;
+            let (g, pk, seconds) = backward_once(ctx, s, &stack, name, strategy)?;
             peak = peak.max(pk);
-            times.push(s);
+            times.push(seconds);
             grads = Some(g);
         }
         let seconds = median(times);
         let grads = grads.unwrap_or_default();
         let diff = match &reference {
-            Some(r) => workbook_models::grads_max_abs_diff(&grads, r, &vars)?,
+            Some(r) => workbook_models::grads_max_abs_diff(&grads, r, &s.vars)?,
             None => 0.0,
         };
         if reference.is_none() {
@@ -259,4 +276,27 @@ pub fn gpt_checkpointing_experiment(
         ..Figure::default()
     });
     Ok(())
+}
+
+// notebook cell
+/// The experiment: each product's bytes and forward time measured, the
+/// selective policy chosen from them (keep what costs more time per byte
+/// to recompute than the average), then one forward and backward per
+/// strategy: its peak, its time and its gradients against candle's.
+pub fn gpt_checkpointing_experiment(
+    ctx: &mut Context,
+    p: GptCheckpointingParams,
+) -> anyhow::Result<()> {
+    let dtype = parse_dtype(&p.dtype)?;
+    let device = ctx.device().clone();
+    let mut rng = Rng::seeded(p.seed);
+    let model = Gpt::new(p.model, dtype, &mut rng, &device)?;
+    let vars = model.vars();
+    let (x, y) = Category::Inputs
+        .scope(|| corpus::batch(&mut rng, p.batch, p.model.seq, p.model.vocab, &device))?;
+    let setup = GptSetup { model, vars, x, y };
+    let (bytes, times) = product_profile(&p, &setup)?;
+    let kept = selective_policy(ctx, &bytes, &times);
+    let strategies = strategies(setup.model.stack().len(), &p, kept);
+    compare_strategies(ctx, &p, &setup, &strategies)
 }

@@ -5,8 +5,9 @@
 
 use candle_ledger::{Labeller, Ledger};
 use workbook_models::Rng;
-use workbook_models::{corpus, Gpt};
+use workbook_models::{corpus, Gpt, Recipe};
 use workbook_sdk::anyhow;
+use workbook_sdk::candle::DType;
 use workbook_sdk::parse_dtype;
 use workbook_sdk::{Category, Context, Table, Unit};
 use workbook_transformer::predict::Run;
@@ -18,12 +19,91 @@ pub fn is_quadratic(shape: &[usize], batch: usize, heads: usize, seq: usize) -> 
     shape == [batch, heads, seq, seq]
 }
 
+/// The GPT under `recipe`, one forward measured by the allocator (without
+/// labels), then the same forward labelled part by part: its ledger, and
+/// the activations the allocator counted. The two forwards must hold the
+/// same bytes.
+pub fn recipe_graph(
+    ctx: &mut Context,
+    p: &SavedTensorsParams,
+    recipe: Recipe,
+    dtype: DType,
+) -> anyhow::Result<(Ledger, u64)> {
+    let (device, c, name) = (ctx.device().clone(), p.model, recipe.name());
+    let mut rng = Rng::seeded(p.seed);
+    let model = Gpt::new(recipe.apply(c), dtype, &mut rng, &device)?;
+    let (x, y) =
+        Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
+    // The allocator's count, from a forward without labels.
+    let region = ctx.region(format!("forward, {name}"));
+    let notes = Labeller::unlabelled();
+    let loss = Category::Activations.scope(|| model.loss(&x, &y, &notes))?;
+    let measured = region.current_above_baseline().get(Category::Activations);
+    let unlabelled = Category::Other.scope(|| Ledger::of(&loss, &notes))?;
+    drop((loss, notes));
+    ctx.end_region(region);
+    // The same forward, labelled part by part.
+    let labels = Labeller::new();
+    let loss = model.loss(&x, &y, &labels)?;
+    let ledger = Ledger::of(&loss, &labels)?;
+    drop(loss);
+    if ledger.total_bytes() != unlabelled.total_bytes() {
+        anyhow::bail!(
+            "the labelled forward held {} bytes, the unlabelled one {}",
+            ledger.total_bytes(),
+            unlabelled.total_bytes()
+        );
+    }
+    Ok((ledger, measured))
+}
+
+/// What the middle block holds for the backward, part by part, as a
+/// table: its bytes linear in the sequence, its bytes quadratic in it, and
+/// its tensors.
+pub fn block_table(
+    ctx: &mut Context,
+    p: &SavedTensorsParams,
+    ledger: &Ledger,
+    name: &str,
+) -> (u64, u64, usize) {
+    let (c, mid) = (p.model, p.model.layers / 2);
+    let mut parts = Table::new(
+        format!("What block {mid} holds for the backward, {name} recipe"),
+        &[
+            ("part", Unit::None),
+            ("shape", Unit::None),
+            ("dtype", Unit::None),
+            ("bytes", Unit::Bytes),
+            ("views", Unit::Count),
+        ],
+    );
+    let (mut linear, mut quadratic, mut count) = (0u64, 0u64, 0usize);
+    for h in ledger.layer(mid) {
+        count += 1;
+        if is_quadratic(&h.shape, p.batch, c.heads, c.seq) {
+            quadratic += h.bytes;
+        } else {
+            linear += h.bytes;
+        }
+        let part = h.label.as_ref().map_or("unlabelled", |l| l.part.as_str());
+        parts.row(vec![
+            part.into(),
+            format!("{:?}", h.shape).into(),
+            format!("{:?}", h.dtype).to_lowercase().into(),
+            h.bytes.into(),
+            (h.nodes as u64).into(),
+        ]);
+    }
+    ctx.table(parts);
+    (linear, quadratic, count)
+}
+
+// notebook cell
 /// The experiment: for each recipe, the tensors one block's graph holds for
 /// the backward, part by part, in the units of Korthikanti et al.'s terms,
 /// and the whole graph's bytes beside what the allocator counted.
 pub fn saved_tensors_experiment(ctx: &mut Context, p: SavedTensorsParams) -> anyhow::Result<()> {
     let dtype = parse_dtype(&p.dtype)?;
-    let device = ctx.device().clone();
     let c = p.model;
     let elem = dtype.size_in_bytes() as u64;
     let run = Run {
@@ -57,60 +137,9 @@ pub fn saved_tensors_experiment(ctx: &mut Context, p: SavedTensorsParams) -> any
     );
     for recipe in &p.recipes {
         let name = recipe.name();
-        let cfg = recipe.apply(c);
         ctx.progress(&format!("the {name} recipe's graph"));
-        let mut rng = Rng::seeded(p.seed);
-        let model = Gpt::new(cfg, dtype, &mut rng, &device)?;
-        let (x, y) =
-            Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
-        // The allocator's count, from a forward without labels.
-        let region = ctx.region(format!("forward, {name}"));
-        let notes = Labeller::unlabelled();
-        let loss = Category::Activations.scope(|| model.loss(&x, &y, &notes))?;
-        let measured = region.current_above_baseline().get(Category::Activations);
-        let unlabelled = Category::Other.scope(|| Ledger::of(&loss, &notes))?;
-        drop((loss, notes));
-        ctx.end_region(region);
-        // The same forward, labelled part by part.
-        let labels = Labeller::new();
-        let loss = model.loss(&x, &y, &labels)?;
-        let ledger = Ledger::of(&loss, &labels)?;
-        drop(loss);
-        if ledger.total_bytes() != unlabelled.total_bytes() {
-            anyhow::bail!(
-                "the labelled forward held {} bytes, the unlabelled one {}",
-                ledger.total_bytes(),
-                unlabelled.total_bytes()
-            );
-        }
-        let mut parts = Table::new(
-            format!("What block {mid} holds for the backward, {name} recipe"),
-            &[
-                ("part", Unit::None),
-                ("shape", Unit::None),
-                ("dtype", Unit::None),
-                ("bytes", Unit::Bytes),
-                ("views", Unit::Count),
-            ],
-        );
-        let (mut linear, mut quadratic, mut count) = (0u64, 0u64, 0usize);
-        for h in ledger.layer(mid) {
-            count += 1;
-            if is_quadratic(&h.shape, p.batch, c.heads, c.seq) {
-                quadratic += h.bytes;
-            } else {
-                linear += h.bytes;
-            }
-            let part = h.label.as_ref().map_or("unlabelled", |l| l.part.as_str());
-            parts.row(vec![
-                part.into(),
-                format!("{:?}", h.shape).into(),
-                format!("{:?}", h.dtype).to_lowercase().into(),
-                h.bytes.into(),
-                (h.nodes as u64).into(),
-            ]);
-        }
-        ctx.table(parts);
+        let (ledger, measured) = recipe_graph(ctx, &p, *recipe, dtype)?;
+        let (linear, quadratic, count) = block_table(ctx, &p, &ledger, name);
         let total = ledger.total_bytes();
         ctx.metric(format!("ledger_{name}"), total as f64);
         ctx.metric(format!("measured_{name}"), measured as f64);
