@@ -12,6 +12,12 @@
 //! session finds what the last one built and cargo rebuilds only what
 //! changed. Deleting the folder is safe while no kernel runs. With
 //! `EVCXR_TMPDIR` set, that folder is used as evcxr would use it.
+//!
+//! `workbook-kernel --warm NOTEBOOK...` builds what the notebooks' setup
+//! cells add, in that folder, and exits: the README's notebook steps run
+//! it, so that the first session's setup cell does not compile for minutes.
+
+mod warm;
 
 use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
@@ -98,11 +104,10 @@ fn target_libdir(folder: &Path) -> Option<PathBuf> {
 
 fn main() -> anyhow::Result<()> {
     // evcxr starts this executable again as the process that runs the cells
-    // (EVCXR_IS_RUNTIME) and as its compiler wrapper (EVCXR_RUSTC_WRAPPER):
-    // those claim nothing, whether or not the kernel got a folder.
-    let evcxr_set = |name| std::env::var_os(name).is_some();
-    let started_by_evcxr = evcxr_set("EVCXR_IS_RUNTIME") || evcxr_set("EVCXR_RUSTC_WRAPPER");
-    let _held = if evcxr_set("EVCXR_TMPDIR") || started_by_evcxr {
+    // and as its compiler wrapper: this runs those and does not return, so
+    // they claim no folder.
+    evcxr::runtime_hook();
+    let _held = if std::env::var_os("EVCXR_TMPDIR").is_some() {
         None
     } else {
         claim_build_folder().and_then(|(folder, lock)| {
@@ -125,5 +130,9 @@ fn main() -> anyhow::Result<()> {
             Some(lock)
         })
     };
+    let mut args = std::env::args_os().skip(1);
+    if args.next().is_some_and(|a| a == "--warm") {
+        return warm::warm(&args.map(PathBuf::from).collect::<Vec<_>>());
+    }
     evcxr_jupyter::main()
 }
