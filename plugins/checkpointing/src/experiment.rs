@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_checkpoint::{
     checkpoint_direct, checkpoint_sequential, direct_backward, lean_backward, Policy, Sequential,
 };
-use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
+use candle_toolkit_testbench::{batch, Config as TransformerConfig, Transformer};
 use workbook_checkpointing::Params as CheckpointingParams;
 use workbook_models::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
@@ -17,7 +17,7 @@ use workbook_models::{
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
 use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
-use workbook_sdk::candle_nn::{VarBuilder, VarMap};
+use workbook_sdk::candle_nn::VarMap;
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
 use workbook_sdk::{median, Category, Context, Figure, Table};
@@ -485,11 +485,7 @@ pub fn policy_model(
         tiled: None,
     };
     let map = VarMap::new();
-    let model = Category::Parameters.scope(|| -> anyhow::Result<_> {
-        let m = Transformer::new(&cfg, VarBuilder::from_varmap(&map, DType::F32, &device))?;
-        seed_weights(&map, p.seed)?;
-        Ok(m)
-    })?;
+    let model = Category::Parameters.scope(|| Transformer::seeded(&cfg, p.seed, &map, &device))?;
     let (ids, targets) = Category::Inputs
         .scope(|| batch(p.seed, p.policy_batch, p.policy_seq, cfg.vocab, &device))?;
     Ok((model, map, ids, targets))

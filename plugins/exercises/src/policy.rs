@@ -5,13 +5,13 @@
 //! one's included, so that the same text compiles in a notebook cell.
 
 use candle_checkpoint::{Policy, Sequential};
-use candle_toolkit_testbench::{batch, seed_weights, Config as TransformerConfig, Transformer};
+use candle_toolkit_testbench::{batch, Config as TransformerConfig, Transformer};
 use workbook_exercises::{fewest_recomputed, PolicyParams as PolicyExerciseParams};
 use workbook_models::{grads_max_abs_diff, param_grads};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
-use workbook_sdk::candle::{DType, Module, Tensor};
-use workbook_sdk::candle_nn::{VarBuilder, VarMap};
+use workbook_sdk::candle::{Module, Tensor};
+use workbook_sdk::candle_nn::VarMap;
 use workbook_sdk::observe::Marks;
 use workbook_sdk::output::{RegionReport, Unit};
 use workbook_sdk::{Category, Context, Table};
@@ -194,11 +194,7 @@ pub fn policy_bench(ctx: &Context, p: &PolicyExerciseParams) -> anyhow::Result<P
         tiled: None,
     };
     let map = VarMap::new();
-    let model = Category::Parameters.scope(|| -> anyhow::Result<_> {
-        let m = Transformer::new(&cfg, VarBuilder::from_varmap(&map, DType::F32, &device))?;
-        seed_weights(&map, p.seed)?;
-        Ok(m)
-    })?;
+    let model = Category::Parameters.scope(|| Transformer::seeded(&cfg, p.seed, &map, &device))?;
     let (ids, targets) =
         Category::Inputs.scope(|| batch(p.seed, p.batch, p.seq, cfg.vocab, &device))?;
     Ok(PolicyBench {

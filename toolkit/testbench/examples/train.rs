@@ -19,10 +19,10 @@ use candle_amp::{GradScaler, MasterWeights, ScalerConfig, StepOutcome};
 use candle_checkpoint::{checkpoint_sequential, ensure_grads};
 use candle_core::{DType, Device, Result, Var};
 use candle_lean_optim::LeanAdamW;
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarMap};
 use candle_observe::NoObserver;
 use candle_offload::HostAdamW;
-use candle_toolkit_testbench::{batch, seed_weights, Config, Transformer};
+use candle_toolkit_testbench::{batch, Config, Transformer};
 
 /// The largest relative difference allowed between the two runs' mean loss
 /// over a window of [`WINDOW`] steps.
@@ -70,8 +70,7 @@ fn main() -> Result<()> {
     };
 
     let plain_map = VarMap::new();
-    let plain = Transformer::new(&cfg, VarBuilder::from_varmap(&plain_map, DType::F32, &dev))?;
-    seed_weights(&plain_map, 7)?;
+    let plain = Transformer::seeded(&cfg, 7, &plain_map, &dev)?;
     let mut plain_opt = AdamW::new(plain_map.all_vars(), params.clone())?;
 
     let masters = MasterWeights::from_varmap(copy_map(&plain_map)?, DType::F16);

@@ -247,6 +247,15 @@ impl Transformer {
         })
     }
 
+    /// A model of `cfg`'s sizes in f32 on `device`, its variables added to
+    /// `map` and their values drawn by [`seed_weights`] from `seed`: the same
+    /// model for the same seed on every run.
+    pub fn seeded(cfg: &Config, seed: u64, map: &VarMap, device: &Device) -> Result<Self> {
+        let model = Self::new(cfg, VarBuilder::from_varmap(map, DType::F32, device))?;
+        seed_weights(map, seed)?;
+        Ok(model)
+    }
+
     /// The embedding and the blocks, in order.
     pub fn layers(&self) -> &[Layer] {
         &self.layers

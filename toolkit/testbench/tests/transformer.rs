@@ -10,14 +10,11 @@ use candle_core::{DType, Device, Result, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use candle_observe::NoObserver;
 use candle_offload::HostAdamW;
-use candle_toolkit_testbench::{batch, max_abs_diff, seed_weights, Config, Transformer};
+use candle_toolkit_testbench::{batch, max_abs_diff, Config, Transformer};
 
 fn model(cfg: &Config) -> Result<(VarMap, Transformer)> {
     let map = VarMap::new();
-    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
-    let m = Transformer::new(cfg, vb)?;
-    // Deterministic weights: candle's CPU generator cannot be seeded.
-    seed_weights(&map, 11)?;
+    let m = Transformer::seeded(cfg, 11, &map, &Device::Cpu)?;
     Ok((map, m))
 }
 
