@@ -43,9 +43,10 @@ pub fn missing_grads(map: &VarMap, grads: &GradStore) -> Vec<String> {
 }
 
 /// An error naming every float variable of `map` without a gradient in
-/// `grads`: a checkpointed function that used a variable not passed in, or
-/// a layer left out of the backward, shows here instead of training silently
-/// without it.
+/// `grads`: a checkpointed function that used a variable not passed in, a
+/// layer left out of the backward, or a candle-nn layer whose fused kernel
+/// has no backward (its error says which), shows here instead of training
+/// silently without it.
 ///
 /// ```
 /// use candle_checkpoint::ensure_grads;
@@ -63,7 +64,9 @@ pub fn ensure_grads(map: &VarMap, grads: &GradStore) -> Result<()> {
     let missing = missing_grads(map, grads);
     if !missing.is_empty() {
         bail!(
-            "{} variable(s) got no gradient: {}",
+            "{} variable(s) got no gradient: {} (candle-nn's fused LayerNorm on contiguous \
+             input, ops::rms_norm and rotary_emb::rope have no backward and silently drop the \
+             graph: candle-lean-nn's LeanLayerNorm, rms_norm and rope have one)",
             missing.len(),
             missing.join(", ")
         );

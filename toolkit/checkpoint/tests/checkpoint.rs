@@ -370,3 +370,25 @@ fn the_builder_refuses_a_bad_segment_count() -> Result<()> {
     );
     Ok(())
 }
+
+/// candle-nn's `LayerNorm` on a contiguous input runs a fused kernel with no
+/// backward: its weight and bias get no gradient, and `ensure_grads` says
+/// so, naming the layer that has one.
+#[test]
+fn ensure_grads_names_the_fused_layers_that_drop_the_graph() -> Result<()> {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let ln = candle_nn::layer_norm(4, 1e-5, vb.pp("ln"))?;
+    let fc = candle_nn::linear(4, 1, vb.pp("fc"))?;
+    let x = Tensor::randn(0f32, 1.0, (3, 4), &Device::Cpu)?;
+    let grads = fc.forward(&ln.forward(&x)?)?.sum_all()?.backward()?;
+    let msg = said(candle_checkpoint::ensure_grads(&map, &grads));
+    assert!(
+        msg.starts_with(
+            "2 variable(s) got no gradient: ln.bias, ln.weight (candle-nn's fused LayerNorm"
+        ),
+        "{msg}"
+    );
+    assert!(msg.contains("candle-lean-nn's LeanLayerNorm"), "{msg}");
+    Ok(())
+}

@@ -70,8 +70,32 @@ impl Ledger {
     /// position table) are parameters, not listed. Tensors an operation
     /// holds that lead to no variable (a constant mask, integer indices)
     /// are not graph nodes and are not listed either.
+    ///
+    /// A `root` with no graph behind it is an error, not an empty ledger:
+    /// a checkpointed or direct step (`candle-checkpoint`) holds its
+    /// tensors outside candle's graph, where the ledger cannot see them.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor, Var};
+    /// use candle_ledger::{Labeller, Ledger};
+    /// let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+    /// let loss = w.as_tensor().sqr()?.sum_all()?;
+    /// // The square (two f32) and the loss (one): `w` is a parameter.
+    /// assert_eq!(Ledger::of(&loss, &Labeller::unlabelled())?.total_bytes(), 12);
+    /// let err = Ledger::of(&loss.detach(), &Labeller::unlabelled()).unwrap_err();
+    /// assert!(err.to_string().contains("no graph"));
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
     pub fn of(root: &Tensor, labels: &Labeller) -> Result<Self> {
         let nodes = root.sorted_nodes();
+        if nodes.is_empty() {
+            candle_core::bail!(
+                "the tensor has no graph that leads to a variable, so nothing is held for a \
+                 backward that the ledger can list; a checkpointed or direct step \
+                 (candle-checkpoint) keeps its tensors outside candle's graph: count those \
+                 with an allocator (candle-alloc-count)"
+            );
+        }
         let parameters: HashSet<usize> = nodes
             .iter()
             .filter(|n| n.is_variable())
