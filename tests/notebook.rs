@@ -204,10 +204,22 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
             shown.push(source(code));
         };
         // What the notebook shows is the experiment `workbook run` executes:
-        // the plugin's source file, without its file docs and its cell
-        // breaks.
-        let file =
-            std::fs::read_to_string(root.join(format!("plugins/{id}/src/experiment.rs"))).unwrap();
+        // the plugin's source file, the files it `include!`s in their
+        // place, without its file docs and its cell breaks.
+        let src = root.join(format!("plugins/{id}/src"));
+        let file = std::fs::read_to_string(src.join("experiment.rs")).unwrap();
+        let file: String = file
+            .lines()
+            .map(|l| {
+                match l
+                    .strip_prefix("include!(\"")
+                    .and_then(|r| r.strip_suffix("\");"))
+                {
+                    Some(part) => std::fs::read_to_string(src.join(part)).unwrap(),
+                    None => format!("{l}\n"),
+                }
+            })
+            .collect();
         let expected: Vec<&str> = file
             .lines()
             .filter(|l| !l.starts_with("//!") && l.trim() != "// notebook cell")

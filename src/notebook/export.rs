@@ -283,7 +283,8 @@ fn names(source: &NotebookSource, crates: &[String]) -> anyhow::Result<Vec<(Stri
             syn::UseTree::Group(g) => g.items.iter().for_each(|t| flatten(t, prefix.clone(), out)),
         }
     }
-    let file = syn::parse_file(source.source).map_err(|e| {
+    let text = source.text()?;
+    let file = syn::parse_file(&text).map_err(|e| {
         anyhow::anyhow!(
             "the experiment of {} does not parse: {e} (line {}, column {})",
             source.package,
@@ -593,6 +594,7 @@ mod tests {
             entry: "run",
             params: "Params",
             source: text,
+            parts: &[],
         }
     }
 

@@ -1,7 +1,8 @@
 //! Plugins whose experiment a notebook shows and runs.
 //!
 //! A plugin keeps its experiment, the code a learner reads and changes, in
-//! one source file of its crate, `src/experiment.rs`, with a function such
+//! one module of its crate, `src/experiment.rs` (a long one in parts that
+//! it `include!`s, see [`NotebookSource::parts`]), with a function such
 //! as
 //!
 //! ```text
@@ -50,12 +51,21 @@ pub struct NotebookSource {
     /// line `// notebook cell: exercise` one the learner completes (see
     /// [`EXERCISE_BREAK`]).
     pub source: &'static str,
+    /// Further files of the experiment, by the path its `include!` lines
+    /// name (`("experiment/policies.rs", include_str!(...))`): a line
+    /// `include!("experiment/policies.rs");` of [`NotebookSource::source`]
+    /// includes that file's items in the crate, and the notebook shows
+    /// them there, in its place. An experiment too long for one file stays
+    /// one module, in the crate and in the notebook alike.
+    pub parts: &'static [(&'static str, &'static str)],
 }
 
 /// The [`NotebookSource`] of the calling crate's plugin: its package and
 /// folder from Cargo, and the experiment's file read at compile time
 /// (`source` is relative to the file that invokes the macro, as
-/// `include_str!`'s path is).
+/// `include_str!`'s path is), with the files its `include!` lines name
+/// (`parts`, relative to the same folder: keep the experiment's file and
+/// the macro's call in one folder, so that both paths read the same).
 ///
 /// ```ignore
 /// fn notebook(&self) -> Option<NotebookSource> {
@@ -64,6 +74,7 @@ pub struct NotebookSource {
 ///         entry: "checkpointing_experiment",
 ///         params: "CheckpointingParams",
 ///         source: "experiment.rs",
+///         parts: ["experiment/policies.rs"],
 ///     })
 /// }
 /// ```
@@ -73,7 +84,8 @@ macro_rules! notebook_source {
         plugin: $plugin:literal,
         entry: $entry:literal,
         params: $params:literal,
-        source: $source:literal $(,)?
+        source: $source:literal
+        $(, parts: [$($part:literal),* $(,)?])? $(,)?
     ) => {
         $crate::notebook::NotebookSource {
             package: env!("CARGO_PKG_NAME"),
@@ -82,6 +94,7 @@ macro_rules! notebook_source {
             entry: $entry,
             params: $params,
             source: include_str!($source),
+            parts: &[$($(($part, include_str!($part))),*)?],
         }
     };
 }
@@ -119,19 +132,55 @@ pub struct SourceCell {
     pub solution: Option<String>,
 }
 
-/// An experiment source whose exercise markers do not pair up.
+/// An experiment source whose exercise markers do not pair up, or that
+/// includes a file that is not among its parts.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{package}'s experiment, line {line}: {why}")]
 pub struct SourceError {
     /// The plugin's package.
     pub package: String,
-    /// The line (from 1) of the source file.
+    /// The line (from 1) of the experiment's text, its parts included
+    /// ([`NotebookSource::text`]).
     pub line: usize,
     /// What is wrong there.
     pub why: String,
 }
 
 impl NotebookSource {
+    /// The experiment's whole text: [`NotebookSource::source`] with each
+    /// `include!("PATH");` line replaced by the text of the part at PATH.
+    /// Errors where a line includes a file that is not among the parts.
+    pub fn text(&self) -> Result<String, SourceError> {
+        let mut text = String::with_capacity(
+            self.source.len() + self.parts.iter().map(|(_, t)| t.len()).sum::<usize>(),
+        );
+        for (i, line) in self.source.lines().enumerate() {
+            let included = line
+                .trim()
+                .strip_prefix("include!(\"")
+                .and_then(|rest| rest.strip_suffix("\");"));
+            match included {
+                None => text.push_str(line),
+                Some(path) => match self.parts.iter().find(|(p, _)| *p == path) {
+                    Some((_, part)) => text.push_str(part.trim_end()),
+                    None => {
+                        return Err(SourceError {
+                            package: self.package.to_string(),
+                            line: i + 1,
+                            why: format!(
+                                "`include!(\"{path}\")` names a file that is not among the \
+                                 experiment's parts: add it to `parts` in the plugin's \
+                                 `notebook_source!`"
+                            ),
+                        })
+                    }
+                },
+            }
+            text.push('\n');
+        }
+        Ok(text)
+    }
+
     /// The source as notebook code cells: the file's documentation (the
     /// `//!` lines it starts with) dropped, cut at each [`CELL_BREAK`] and
     /// [`EXERCISE_BREAK`] line, each part trimmed; empty parts are left out.
@@ -163,7 +212,8 @@ impl NotebookSource {
         // more than blank lines yet.
         let mut open: Option<(usize, bool)> = None;
         let mut in_docs = true;
-        for (i, line) in self.source.lines().enumerate() {
+        let text = self.text()?;
+        for (i, line) in text.lines().enumerate() {
             let number = i + 1;
             in_docs &= line.starts_with("//!");
             if in_docs {
@@ -345,6 +395,7 @@ mod tests {
                  \n\
                  // notebook cell\n\
                  fn helper() {}\n",
+        parts: &[],
     };
 
     #[test]
@@ -362,6 +413,33 @@ mod tests {
             ]
         );
         assert!(cells.iter().all(|c| c.solution.is_none()));
+    }
+
+    #[test]
+    fn a_part_is_shown_where_its_include_line_is() {
+        let source = NotebookSource {
+            source: "//! Docs.\nuse a::B;\n// notebook cell\nfn one() {}\n\
+                     include!(\"experiment/two.rs\");\n// notebook cell\nfn three() {}\n",
+            parts: &[("experiment/two.rs", "// notebook cell\nfn two() {}\n")],
+            ..SOURCE
+        };
+        let cells = source.cells().unwrap();
+        let code: Vec<&str> = cells.iter().map(|c| c.code.as_str()).collect();
+        assert_eq!(
+            code,
+            ["use a::B;", "fn one() {}", "fn two() {}", "fn three() {}"]
+        );
+
+        let missing = NotebookSource {
+            parts: &[],
+            ..source
+        };
+        assert_eq!(
+            missing.cells().unwrap_err().to_string(),
+            "workbook-example's experiment, line 5: `include!(\"experiment/two.rs\")` names a \
+             file that is not among the experiment's parts: add it to `parts` in the plugin's \
+             `notebook_source!`"
+        );
     }
 
     fn with_text(source: &'static str) -> NotebookSource {

@@ -240,6 +240,7 @@ impl Plugin for Accumulation {
             entry: "accumulation_experiment",
             params: "AccumulationParams",
             source: "experiment.rs",
+            parts: ["experiment/large_batch.rs"],
         })
     }
 

@@ -341,6 +341,7 @@ impl Plugin for Checkpointing {
             entry: "checkpointing_experiment",
             params: "CheckpointingParams",
             source: "experiment.rs",
+            parts: ["experiment/policies.rs"],
         })
     }
 
