@@ -4,8 +4,7 @@
 //! included, so that the same text compiles in a notebook cell.
 
 use candle_tiled_attention::{
-    flash_backward, flash_forward, materialized_backward, materialized_forward, naive_attention,
-    score_matrix_bytes, FlashConfig,
+    flash_forward, materialized_forward, naive_attention, score_matrix_bytes, FlashConfig,
 };
 use workbook_attention::Params as AttentionParams;
 use workbook_models::{max_abs_diff, Rng};
@@ -98,8 +97,8 @@ pub fn forward_backward(
                 Category::Activations.scope(|| materialized_forward(&x.q, &x.k, &x.v, &cfg))?;
             let out = fwd.out.clone();
             after_forward();
-            let (dq, dk, dv) = Category::Gradients
-                .scope(|| materialized_backward(&x.q, &x.k, &x.v, fwd, &x.d_out, &cfg))?;
+            let (dq, dk, dv) =
+                Category::Gradients.scope(|| fwd.backward(&x.q, &x.k, &x.v, &x.d_out))?;
             Ok((out, dq, dk, dv))
         }
         Method::Chunked | Method::Tiled => {
@@ -115,8 +114,8 @@ pub fn forward_backward(
             };
             let fwd = Category::Activations.scope(|| flash_forward(&x.q, &x.k, &x.v, &cfg))?;
             after_forward();
-            let (dq, dk, dv) = Category::Gradients
-                .scope(|| flash_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out, &cfg))?;
+            let (dq, dk, dv) =
+                Category::Gradients.scope(|| fwd.backward(&x.q, &x.k, &x.v, &x.d_out))?;
             Ok((fwd.out, dq, dk, dv))
         }
     }
@@ -150,7 +149,7 @@ pub fn half_precision_diffs(
         };
         let (q, k, v) = (cast(&x.q)?, cast(&x.k)?, cast(&x.v)?);
         let fwd = flash_forward(&q, &k, &v, &cfg)?;
-        let (dq2, dk2, dv2) = flash_backward(&q, &k, &v, &fwd, &cast(&x.d_out)?, &cfg)?;
+        let (dq2, dk2, dv2) = fwd.backward(&q, &k, &v, &cast(&x.d_out)?)?;
         ctx.metric(
             format!("out_diff_tiled_causal_{name}"),
             max_abs_diff(o, &fwd.out)?,

@@ -17,7 +17,7 @@
 use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor};
-use candle_tiled_attention::{flash_backward, flash_forward, FlashConfig};
+use candle_tiled_attention::{flash_forward, FlashConfig};
 use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
@@ -102,7 +102,7 @@ fn main() -> Result<()> {
     }
     let step = || -> Result<()> {
         let fwd = flash_forward(&q, &k, &v, &cfg)?;
-        flash_backward(&q, &k, &v, &fwd, &d_out, &cfg).map(drop)
+        fwd.backward(&q, &k, &v, &d_out).map(drop)
     };
     step()?; // warm-up: thread pool, packing buffers
     let mut times = Vec::new();

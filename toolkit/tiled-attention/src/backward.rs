@@ -2,7 +2,6 @@
 
 use candle_core::{Result, Tensor, D};
 
-use crate::config::FlashConfig;
 use crate::forward::{block_scores, scale_of, visible_keys, Forward};
 use crate::shapes::{accumulation, fold, unfold_kv, Dims};
 
@@ -13,19 +12,15 @@ fn add(acc: Option<Tensor>, part: Tensor) -> Result<Tensor> {
     }
 }
 
-/// The gradients of `q`, `k` and `v` given the output gradient `d_out` and
-/// what [`flash_forward`](crate::flash_forward) returned, recomputing each
-/// block of probabilities from the saved log-sum-exp: one block of scores
-/// at a time, never the whole matrix. Same `cfg` as the forward. Gradients
-/// come in the inputs' dtype; grouped key/value heads get their group's sum.
-pub fn flash_backward(
+/// [`Forward::backward`].
+pub(crate) fn backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     fwd: &Forward,
     d_out: &Tensor,
-    cfg: &FlashConfig,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let cfg = &fwd.cfg;
     cfg.validate()?;
     let dims = Dims::of(q, k, v)?;
     if d_out.dims() != fwd.out.dims() {

@@ -165,6 +165,7 @@ pub(crate) fn forward(
     Ok(Forward {
         out: Tensor::from_vec(out, (b, h, dims.nq, dims.dv), &Device::Cpu)?.to_dtype(q.dtype())?,
         lse: Tensor::from_vec(lse, (b, h, dims.nq), &Device::Cpu)?,
+        cfg: *cfg,
     })
 }
 
@@ -251,7 +252,7 @@ fn forward_block(
     }
 }
 
-/// [`flash_backward`](crate::flash_backward) on the CPU.
+/// [`Forward::backward`](crate::Forward::backward) on the CPU.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     q: &Tensor,

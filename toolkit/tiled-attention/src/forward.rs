@@ -5,7 +5,8 @@ use candle_core::{bail, DType, Device, Result, Tensor, D};
 use crate::config::FlashConfig;
 use crate::shapes::{accumulation, fold, repeat_kv, Dims};
 
-/// What [`flash_forward`] returns: all its backward needs besides the inputs.
+/// What [`flash_forward`] returns: all its backward needs besides the
+/// inputs, the configuration it ran with included.
 #[derive(Debug, Clone)]
 pub struct Forward {
     /// `(batch, q_heads, seq, v_dim)`, in the inputs' dtype.
@@ -13,6 +14,30 @@ pub struct Forward {
     /// `(batch, q_heads, seq)`: each row's log-sum-exp of its scaled
     /// scores, in f32 (f64 for f64 inputs).
     pub lse: Tensor,
+    /// The forward's configuration, which its backward must use.
+    pub(crate) cfg: FlashConfig,
+}
+
+impl Forward {
+    /// The gradients of `q`, `k` and `v` (the forward's inputs) given the
+    /// output's gradient `d_out`, recomputing each block of probabilities
+    /// from the saved log-sum-exp: one block of scores at a time, never the
+    /// whole matrix, with the forward's configuration. Gradients come in
+    /// the inputs' dtype; grouped key/value heads get their group's sum.
+    pub fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        d_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        crate::backward::backward(q, k, v, self, d_out)
+    }
+
+    /// The configuration the forward ran with.
+    pub fn config(&self) -> &FlashConfig {
+        &self.cfg
+    }
 }
 
 pub(crate) fn scale_of(cfg: &FlashConfig, d: usize) -> f64 {
@@ -73,7 +98,7 @@ pub(crate) fn visible_keys(cfg: &FlashConfig, qs: usize, rows: usize, nk: usize)
 
 /// The forward: the output and each row's log-sum-exp, one
 /// `(q_block x k_block)` block of scores at a time. Keeps no autograd graph:
-/// use [`flash_backward`](crate::flash_backward) for gradients, or
+/// use [`Forward::backward`] for gradients, or
 /// [`flash_attention`](crate::flash_attention) for both through candle's
 /// autograd.
 pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> Result<Forward> {
@@ -89,6 +114,7 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
                 q.device(),
             )?,
             lse: Tensor::zeros(lse_shape, acc, q.device())?,
+            cfg: *cfg,
         });
     }
     if dims.nk == 0 {
@@ -144,7 +170,11 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
         .reshape((dims.batch, dims.q_heads, dims.nq, dims.dv))?
         .to_dtype(q.dtype())?;
     let lse = Tensor::cat(&lses, 1)?.reshape(lse_shape)?;
-    Ok(Forward { out, lse })
+    Ok(Forward {
+        out,
+        lse,
+        cfg: *cfg,
+    })
 }
 
 /// `softmax(Q K^T * s) V` with every score matrix whole, differentiable

@@ -16,12 +16,13 @@
 //!
 //! * [`flash_attention`]: the attention as one autograd operation, so a
 //!   model's `loss.backward()` goes through the recomputing backward.
-//! * [`flash_forward`] / [`flash_backward`]: the two halves, for a training
-//!   loop of one's own.
+//! * [`flash_forward`] / [`Forward::backward`]: the two halves, for a
+//!   training loop of one's own; the forward's result keeps its
+//!   configuration, so the backward cannot be given another.
 //! * [`naive_attention`]: the plain computation, the reference.
 //! * [`materialized_attention`]: the plain computation as PyTorch's autograd
 //!   keeps it (the probabilities only), the honest baseline for tiling.
-//! * [`materialized_forward`] / [`materialized_backward`]: the same without
+//! * [`materialized_forward`] / [`Materialized::backward`]: the same without
 //!   a graph, its backward holding two `n x n` matrices at most.
 //!
 //! On the CPU, f32, f16 and bf16 calls run a kernel of their own, built as
@@ -55,11 +56,10 @@ mod materialized_direct;
 mod op;
 mod shapes;
 
-pub use backward::flash_backward;
 pub use config::FlashConfig;
 pub use forward::{flash_forward, naive_attention, Forward};
 pub use materialized::materialized_attention;
-pub use materialized_direct::{materialized_backward, materialized_forward, Materialized};
+pub use materialized_direct::{materialized_forward, Materialized};
 pub use op::flash_attention;
 
 /// Bytes of the score matrices a naive attention materialises: `heads`

@@ -17,7 +17,7 @@ use crate::forward::scale_of;
 use crate::materialized::{checked, probabilities, scores_grad};
 use crate::shapes::{repeat_kv, sum_kv_group, Dims};
 
-/// What [`materialized_forward`] returns and [`materialized_backward`]
+/// What [`materialized_forward`] returns and [`Materialized::backward`]
 /// consumes.
 #[derive(Debug, Clone)]
 pub struct Materialized {
@@ -26,9 +26,10 @@ pub struct Materialized {
     /// The probabilities `softmax(q k^T * scale + mask)`, `(batch, q_heads,
     /// nq, nk)`: the one `n x n` matrix kept for the backward.
     pub probs: Tensor,
-    /// The scale the scores were multiplied by, which the backward's
-    /// configuration must give too.
+    /// The scale the scores were multiplied by.
     scale: f64,
+    /// The forward's configuration, which its backward uses.
+    cfg: FlashConfig,
 }
 
 /// `softmax(Q K^T * s) V` as [`materialized_attention`](crate::materialized_attention)
@@ -37,7 +38,7 @@ pub struct Materialized {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_tiled_attention::{materialized_backward, materialized_forward, FlashConfig};
+/// use candle_tiled_attention::{materialized_forward, FlashConfig};
 /// let dev = Device::Cpu;
 /// let q = Tensor::randn(0f32, 1.0, (1, 2, 9, 4), &dev)?;
 /// let k = Tensor::randn(0f32, 1.0, (1, 2, 9, 4), &dev)?;
@@ -45,7 +46,7 @@ pub struct Materialized {
 /// let cfg = FlashConfig::causal(true);
 /// let fwd = materialized_forward(&q, &k, &v, &cfg)?;
 /// let out = fwd.out.clone();
-/// let (dq, dk, dv) = materialized_backward(&q, &k, &v, fwd, &out.ones_like()?, &cfg)?;
+/// let (dq, dk, dv) = fwd.backward(&q, &k, &v, &out.ones_like()?)?;
 /// assert_eq!((dq.dims(), dk.dims(), dv.dims()), (q.dims(), k.dims(), v.dims()));
 /// # Ok::<(), candle_core::Error>(())
 /// ```
@@ -62,24 +63,46 @@ pub fn materialized_forward(
     );
     let probs = probabilities(&q.detach(), &k, scale, cfg.causal)?;
     let out = probs.matmul(&v.contiguous()?)?;
-    Ok(Materialized { out, probs, scale })
+    Ok(Materialized {
+        out,
+        probs,
+        scale,
+        cfg: *cfg,
+    })
 }
 
-/// The gradients of `q`, `k` and `v` given the output's gradient `d_out`
-/// and what [`materialized_forward`] returned (taken by value: its
-/// probabilities are freed here once used). Same `cfg` as the forward;
-/// grouped key/value heads get their group's sum.
-pub fn materialized_backward(
+impl Materialized {
+    /// The gradients of `q`, `k` and `v` (the forward's inputs) given the
+    /// output's gradient `d_out`, with the forward's configuration; taken
+    /// by value, so that the probabilities are freed here once used.
+    /// Grouped key/value heads get their group's sum.
+    pub fn backward(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        d_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        backward(q, k, v, self, d_out)
+    }
+}
+
+/// [`Materialized::backward`].
+fn backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     fwd: Materialized,
     d_out: &Tensor,
-    cfg: &FlashConfig,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let Materialized {
+        out,
+        probs,
+        scale,
+        cfg,
+    } = fwd;
     cfg.validate()?;
     let dims = Dims::of(q, k, v)?;
-    let Materialized { out, probs, scale } = fwd;
     let out_dims = [dims.batch, dims.q_heads, dims.nq, dims.dv];
     if d_out.dims() != out_dims || out.dims() != out_dims {
         bail!(
@@ -99,9 +122,13 @@ pub fn materialized_backward(
         );
     }
     drop(out);
-    let asked = scale_of(cfg, dims.d);
+    let asked = scale_of(&cfg, dims.d);
     if asked != scale {
-        bail!("the forward scaled the scores by {scale}, this configuration by {asked}");
+        bail!(
+            "the forward scaled the scores by {scale}; a head size of {} scales them by \
+             {asked}: pass the forward's inputs",
+            dims.d
+        );
     }
     let group = dims.group();
     let d_out = d_out.detach().contiguous()?;

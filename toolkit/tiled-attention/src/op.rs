@@ -3,7 +3,6 @@
 use candle_core::{Result, Tensor};
 use candle_custom_grad::{with_backward3, Backward3};
 
-use crate::backward::flash_backward;
 use crate::config::FlashConfig;
 use crate::forward::{flash_forward, Forward};
 
@@ -30,14 +29,15 @@ impl Backward3 for Flash {
         let fwd = Forward {
             out: out.detach(),
             lse: self.lse.clone(),
+            cfg: self.cfg,
         };
-        let (dq, dk, dv) = flash_backward(q, k, v, &fwd, grad, &self.cfg)?;
+        let (dq, dk, dv) = fwd.backward(q, k, v, grad)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
 
 /// Attention as one differentiable candle operation: the tiled forward, and
-/// in the backward the recomputing [`flash_backward`]. A model's
+/// in the backward the recomputing [`Forward::backward`](crate::Forward::backward). A model's
 /// `loss.backward()` goes through it like any candle op.
 ///
 /// ```
@@ -58,6 +58,6 @@ impl Backward3 for Flash {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> Result<Tensor> {
-    let Forward { out, lse } = flash_forward(q, k, v, cfg)?;
+    let Forward { out, lse, .. } = flash_forward(q, k, v, cfg)?;
     with_backward3(out, q, k, v, Flash { cfg: *cfg, lse })
 }

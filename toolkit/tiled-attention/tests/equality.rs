@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_tiled_attention::{
-    flash_attention, flash_backward, flash_forward, materialized_attention, materialized_backward,
-    materialized_forward, naive_attention, FlashConfig,
+    flash_attention, flash_forward, materialized_attention, materialized_forward, naive_attention,
+    FlashConfig,
 };
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -119,7 +119,7 @@ fn forward_and_backward_halves_match_the_op() -> Result<()> {
     assert_eq!(fwd.lse.dims(), &[1, 2, 20]);
     assert_eq!(fwd.lse.dtype(), DType::F32);
     let ones = fwd.out.ones_like()?;
-    let (dq, dk, dv) = flash_backward(&q, &k, &v, &fwd, &ones, &cfg)?;
+    let (dq, dk, dv) = fwd.backward(&q, &k, &v, &ones)?;
     let vars = [&q, &k, &v].map(|t| Var::from_tensor(t).unwrap());
     let grads = naive_attention(&vars[0], &vars[1], &vars[2], &cfg)?
         .sum_all()?
@@ -135,7 +135,7 @@ fn empty_queries_give_empty_outputs_and_zero_gradients() -> Result<()> {
     let (q, k, v) = inputs(1, 2, 2, 0, 8, DType::F32)?;
     let fwd = flash_forward(&q, &k, &v, &FlashConfig::default())?;
     assert_eq!(fwd.out.dims(), &[1, 2, 0, 8]);
-    let (dq, dk, dv) = flash_backward(&q, &k, &v, &fwd, &fwd.out, &FlashConfig::default())?;
+    let (dq, dk, dv) = fwd.backward(&q, &k, &v, &fwd.out)?;
     assert_eq!(
         (dq.dims(), dk.dims(), dv.dims()),
         (q.dims(), k.dims(), v.dims())
@@ -203,7 +203,7 @@ fn lengths_widths_and_strided_inputs() -> Result<()> {
                 scale: None,
             };
             let fwd = flash_forward(&q, &k, &v, &cfg)?;
-            let (dq, dk, dv) = flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?;
+            let (dq, dk, dv) = fwd.backward(&q, &k, &v, &d_out)?;
             let want = reference(&q, &k, &v, &d_out, &cfg)?;
             for (got, want) in [fwd.out, dq, dk, dv].iter().zip(&want) {
                 assert_eq!(got.dims(), want.dims());
@@ -228,7 +228,7 @@ fn one_thread_gives_the_same_results() -> Result<()> {
     };
     let run = || -> Result<Vec<Tensor>> {
         let fwd = flash_forward(&q, &k, &v, &cfg)?;
-        let (dq, dk, dv) = flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?;
+        let (dq, dk, dv) = fwd.backward(&q, &k, &v, &d_out)?;
         Ok(vec![fwd.out, fwd.lse, dq, dk, dv])
     };
     let pool = rayon::ThreadPoolBuilder::new()
@@ -324,7 +324,7 @@ fn materialized_halves_equal_the_plain_computation() -> Result<()> {
         let fwd = materialized_forward(q, k, v, cfg)?;
         assert_eq!(fwd.probs.dims(), &[2, 4, q.dim(2)?, k.dim(2)?]);
         let out = fwd.out.clone();
-        let grads = materialized_backward(q, k, v, fwd, &c.d_out, cfg)?;
+        let grads = fwd.backward(q, k, v, &c.d_out)?;
         assert_eq!(out.dtype(), c.dtype);
         assert!(max_diff(&out, &c.want[0])? < c.tol, "{what}: output");
         let got = [&grads.0, &grads.1, &grads.2];
@@ -358,7 +358,7 @@ fn materialized_halves_refuse_mismatched_input() -> Result<()> {
     assert!(err(materialized_forward(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
     let fwd = materialized_forward(&q, &k, &v, &cfg)?;
     let short = fwd.out.narrow(2, 0, 4)?;
-    let said = err(materialized_backward(&q, &k, &v, fwd.clone(), &short, &cfg));
+    let said = err((fwd.clone()).backward(&q, &k, &v, &short));
     assert!(
         said.starts_with(
             "d_out has shape [1, 2, 4, 4], the forward's output [1, 2, 5, 4]; \
@@ -371,23 +371,24 @@ fn materialized_halves_refuse_mismatched_input() -> Result<()> {
     let other = materialized_forward(&q6, &k6, &v6, &cfg)?;
     let d_out = Tensor::ones((1, 2, 6, 4), DType::F32, &Device::Cpu)?;
     let (q6b, _, _) = inputs(1, 2, 2, 6, 4, DType::F32)?;
-    let said = err(materialized_backward(&q6b, &k, &v, other, &d_out, &cfg));
+    let said = err(other.backward(&q6b, &k, &v, &d_out));
     assert!(
         said.starts_with(
             "the probabilities have shape [1, 2, 6, 6], these inputs make [1, 2, 6, 5]"
         ),
         "{said}"
     );
-    // Another scale than the forward's.
+    // Inputs of another head size than the forward's: another scale. (The
+    // forward's configuration travels with its result, so no other can be
+    // given to the backward.)
     let fwd = materialized_forward(&q, &k, &v, &cfg)?;
     let d_out = fwd.out.ones_like()?;
-    let other = FlashConfig {
-        scale: Some(1.0),
-        ..cfg
-    };
-    let said = err(materialized_backward(&q, &k, &v, fwd, &d_out, &other));
+    let (q8, k8, _) = inputs(1, 2, 2, 5, 8, DType::F32)?;
+    let said = err(fwd.backward(&q8, &k8, &v, &d_out));
     assert!(
-        said.starts_with("the forward scaled the scores by 0.5, this configuration by 1"),
+        said.starts_with(
+            "the forward scaled the scores by 0.5; a head size of 8 scales them by 0.35355"
+        ),
         "{said}"
     );
     Ok(())

@@ -3,7 +3,7 @@
 //! are counted.
 
 use candle_core::{Device, Result, Tensor};
-use candle_tiled_attention::{materialized_backward, materialized_forward, FlashConfig};
+use candle_tiled_attention::{materialized_forward, FlashConfig};
 use candle_toolkit_alloc_count::{live, Counting};
 
 #[global_allocator]
@@ -24,9 +24,7 @@ fn the_halves_hold_two_matrices_at_most() -> Result<()> {
             let start = live();
             let fwd = materialized_forward(&x[0], &x[1], &x[2], &cfg)?;
             let held = live() - start;
-            drop(materialized_backward(
-                &x[0], &x[1], &x[2], fwd, &x[3], &cfg,
-            )?);
+            drop(fwd.backward(&x[0], &x[1], &x[2], &x[3])?);
             Ok(held)
         });
         Ok((held?, usage.peak))

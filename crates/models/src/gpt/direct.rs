@@ -20,8 +20,7 @@ use candle_lean_nn::{
     NormStats,
 };
 use candle_tiled_attention::{
-    flash_backward, flash_forward, materialized_backward, materialized_forward, FlashConfig,
-    Forward, Materialized,
+    flash_forward, materialized_forward, FlashConfig, Forward, Materialized,
 };
 
 use super::{AttentionKind, Dense, Gpt, Norm, Param};
@@ -315,10 +314,9 @@ impl Gpt {
         let d_out = dy.reshape((b, sq, a, d))?.transpose(1, 2)?.contiguous()?;
         drop(dy);
         let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-        let cfg = FlashConfig::for_length(true, sq);
         let (dq, dk, dv) = match attention {
-            Attention::Materialized(fwd) => materialized_backward(&q, &k, &v, fwd, &d_out, &cfg)?,
-            Attention::Tiled(fwd) => flash_backward(&q, &k, &v, &fwd, &d_out, &cfg)?,
+            Attention::Materialized(fwd) => fwd.backward(&q, &k, &v, &d_out)?,
+            Attention::Tiled(fwd) => fwd.backward(&q, &k, &v, &d_out)?,
         };
         drop((q, k, v, qkv, d_out));
         // One at a time: the stack, then its copy in the product's layout,
