@@ -58,10 +58,17 @@ pub fn warm(notebooks: &[PathBuf]) -> anyhow::Result<()> {
     // As the kernel spec sets it (`workbook kernel install`): cargo's
     // incremental setting is part of what a build is reused for.
     std::env::set_var("CARGO_INCREMENTAL", "1");
-    for given in notebooks {
-        let notebook = given
-            .canonicalize()
-            .with_context(|| format!("finding the notebook {}", given.display()))?;
+    // Found before the first one changes the folder the others are named from.
+    let found = notebooks
+        .iter()
+        .map(|given| {
+            let path = given
+                .canonicalize()
+                .with_context(|| format!("finding the notebook {}", given.display()))?;
+            Ok((given, path))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for (given, notebook) in found {
         let deps = setup_deps(&notebook)?;
         let dir = notebook.parent().unwrap_or(Path::new("/"));
         std::env::set_current_dir(dir)
