@@ -210,14 +210,9 @@ fn chapter2_exports_as_a_valid_notebook_mirroring_the_chapter() {
         let file = std::fs::read_to_string(src.join("experiment.rs")).unwrap();
         let file: String = file
             .lines()
-            .map(|l| {
-                match l
-                    .strip_prefix("include!(\"")
-                    .and_then(|r| r.strip_suffix("\");"))
-                {
-                    Some(part) => std::fs::read_to_string(src.join(part)).unwrap(),
-                    None => format!("{l}\n"),
-                }
+            .map(|l| match workbook_sdk::notebook::included_part(l) {
+                Some(part) => std::fs::read_to_string(src.join(part)).unwrap(),
+                None => format!("{l}\n"),
             })
             .collect();
         let expected: Vec<&str> = file

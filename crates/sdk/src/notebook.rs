@@ -146,6 +146,14 @@ pub struct SourceError {
     pub why: String,
 }
 
+/// The path a line `include!("PATH");` of an experiment names, if the line
+/// is one: where [`NotebookSource::text`] puts that part.
+pub fn included_part(line: &str) -> Option<&str> {
+    line.trim()
+        .strip_prefix("include!(\"")
+        .and_then(|rest| rest.strip_suffix("\");"))
+}
+
 impl NotebookSource {
     /// The experiment's whole text: [`NotebookSource::source`] with each
     /// `include!("PATH");` line replaced by the text of the part at PATH.
@@ -155,11 +163,7 @@ impl NotebookSource {
             self.source.len() + self.parts.iter().map(|(_, t)| t.len()).sum::<usize>(),
         );
         for (i, line) in self.source.lines().enumerate() {
-            let included = line
-                .trim()
-                .strip_prefix("include!(\"")
-                .and_then(|rest| rest.strip_suffix("\");"));
-            match included {
+            match included_part(line) {
                 None => text.push_str(line),
                 Some(path) => match self.parts.iter().find(|(p, _)| *p == path) {
                     Some((_, part)) => text.push_str(part.trim_end()),

@@ -20,8 +20,8 @@ pub(crate) fn backward(
     fwd: &Forward,
     d_out: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    // Validated by the forward that made `fwd`.
     let cfg = &fwd.cfg;
-    cfg.validate()?;
     let dims = Dims::of(q, k, v)?;
     if d_out.dims() != fwd.out.dims() {
         candle_core::bail!(

@@ -14,7 +14,8 @@ pub struct Forward {
     /// `(batch, q_heads, seq)`: each row's log-sum-exp of its scaled
     /// scores, in f32 (f64 for f64 inputs).
     pub lse: Tensor,
-    /// The forward's configuration, which its backward must use.
+    /// The forward's configuration, validated when it ran, which its
+    /// backward uses.
     pub(crate) cfg: FlashConfig,
 }
 
@@ -32,11 +33,6 @@ impl Forward {
         d_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         crate::backward::backward(q, k, v, self, d_out)
-    }
-
-    /// The configuration the forward ran with.
-    pub fn config(&self) -> &FlashConfig {
-        &self.cfg
     }
 }
 

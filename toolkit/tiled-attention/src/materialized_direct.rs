@@ -28,7 +28,8 @@ pub struct Materialized {
     pub probs: Tensor,
     /// The scale the scores were multiplied by.
     scale: f64,
-    /// The forward's configuration, which its backward uses.
+    /// The forward's configuration, validated when it ran, which its
+    /// backward uses.
     cfg: FlashConfig,
 }
 
@@ -101,7 +102,7 @@ fn backward(
         scale,
         cfg,
     } = fwd;
-    cfg.validate()?;
+    // Validated by the forward (`checked`).
     let dims = Dims::of(q, k, v)?;
     let out_dims = [dims.batch, dims.q_heads, dims.nq, dims.dv];
     if d_out.dims() != out_dims || out.dims() != out_dims {
