@@ -414,8 +414,11 @@ pub fn param_grads(grads: &GradStore, vars: &[Var]) -> GradStore {
     out
 }
 
-/// Largest absolute element-wise difference of two tensors of one shape, in f64.
+/// Largest absolute element-wise difference of two tensors of one shape, in
+/// f64. They may be on different devices (a gradient offloaded to the host
+/// against one kept on the GPU): `b` is compared on `a`'s.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let b = b.to_device(a.device())?;
     let d = (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?;
     d.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
 }
