@@ -385,6 +385,9 @@ pub fn measured_step(
         None => grads,
     };
     Category::OptimizerState.scope(|| opt.step(whole, &model))?;
+    // A GPU runs the update's kernels after their launch returns: the step
+    // ends when they have.
+    device.synchronize()?;
     let seconds = start.elapsed().saturating_sub(ledger_time).as_secs_f64();
     region.mark("after AdamW step");
     drop((accumulator, opt, x, y, model));

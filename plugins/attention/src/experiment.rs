@@ -214,8 +214,12 @@ pub fn one_length(
         for (i, &m) in METHODS.iter().enumerate() {
             ctx.progress(&format!("{} attention, N = {n}, run {}", m.name(), rep + 1));
             let mut region = ctx.region(format!("{}, N = {n}", m.name()));
-            let (out, t) =
-                timed(|| forward_backward(m, x, false, p, || region.mark("after forward")));
+            let (out, t) = timed(|| -> Result<_> {
+                let out = forward_backward(m, x, false, p, || region.mark("after forward"))?;
+                // On a GPU the backward's last kernels may still be running.
+                x.q.device().synchronize()?;
+                Ok(out)
+            });
             ts[i].push(t);
             let out = out?;
             region.mark("after backward");

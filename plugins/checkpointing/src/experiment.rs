@@ -77,6 +77,8 @@ pub fn measure_backprop(
         let mut region = ctx.region(name);
         let start = Instant::now();
         let grads = step(&mut region)?;
+        // On a GPU the backward's last kernels may still be running.
+        ctx.device().synchronize()?;
         times.push(start.elapsed().as_secs_f64());
         if first.is_none() {
             let r = ctx.end_region(region);

@@ -191,8 +191,12 @@ pub fn adamw_on_host(
             &cross_entropy(&s.model.forward(&s.x)?, &s.y)?.backward()?,
             &s.vars,
         );
+        // The backward's kernels finish before the step's time starts.
+        ctx.device().synchronize()?;
         let start = Instant::now();
         offloaded.step(&grads)?;
+        // The parameters' copies back to a GPU may still be running.
+        ctx.device().synchronize()?;
         seconds += start.elapsed().as_secs_f64();
     }
     region.mark("after steps");
@@ -426,6 +430,7 @@ pub fn parameters_streamed(
     region.mark("after forward");
     let streamed_loss = Category::Activations.scope(|| cross_entropy(&streamed_out, y))?;
     Category::Gradients.scope(|| streamed_loss.backward())?;
+    ctx.device().synchronize()?;
     let streamed_seconds = start.elapsed().as_secs_f64();
     region.mark("after backward");
     let streamed_region = ctx.end_region(region);
@@ -441,6 +446,7 @@ pub fn parameters_streamed(
             &s.vars,
         ))
     })?;
+    ctx.device().synchronize()?;
     let resident_seconds = start.elapsed().as_secs_f64();
     region.mark("after backward");
     ctx.end_region(region);

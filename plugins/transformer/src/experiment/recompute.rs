@@ -191,6 +191,8 @@ pub fn backward_once(
             }
         })
     })?;
+    // On a GPU the backward's last kernels may still be running.
+    ctx.device().synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
     region.mark("after backward");
     let peak = region.peak_above_baseline();
