@@ -92,7 +92,14 @@ if [ "$dry" -eq 1 ]; then
   export device
   scale=3 # the CPU at check size is slower than the card at full size
 else
-  cuda_lib="$("$python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)" || cuda_lib=""
+  # PyTorch's CUDA 13 wheels (the nvidia namespace package may span several
+  # folders), else the toolkit's own libraries.
+  cuda_lib="$("$python" -c 'import glob, nvidia, os
+found = [d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "cu13", "lib")) if glob.glob(os.path.join(d, "libcublas.so.13*"))]
+print(found[0] if found else "")' 2>/dev/null)" || cuda_lib=""
+  if [ -z "$cuda_lib" ] && ls /usr/local/cuda/lib64/libcublas.so.13* >/dev/null 2>&1; then
+    cuda_lib=/usr/local/cuda/lib64
+  fi
   if [ -n "$cuda_lib" ] && [ -d "$cuda_lib" ]; then
     export LD_LIBRARY_PATH="$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   else
@@ -115,14 +122,16 @@ fi
 export have_torch torch_missing
 
 # name, limit in seconds (the sum stays within 8 minutes).
+# The comparison's steps first: what a cut-short run has already measured
+# stays in results.tar.gz.
 limits=(
-  info 20
-  meter 60
-  chapter2 120
+  info 15
+  meter 30
+  chapter2 150
   torch-chapter2 60
-  chapter3 90
-  gpt 40
+  gpt 45
   torch-gpt 40
+  chapter3 100
   plan-verify 40
 )
 total=0
@@ -196,6 +205,8 @@ info() {
   uname -srm
   echo "workbook: $("$bin" --version) ($(cat "$pack/MANIFEST" 2>/dev/null | tr '\n' ' '))"
   echo "CUDA libraries: ${cuda_lib:-none} (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})"
+  # Which of them the binary found, and any it did not.
+  ldd "$bin" | grep -E 'cuda|cublas|curand|nvrtc|not found' | sed 's/ (0x[0-9a-f]*)$//'
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   else
@@ -216,8 +227,9 @@ gpt_both() {
   gpt_plan f32 >"$results/gpt-f32.json" && gpt_plan bf16 >"$results/gpt-bf16.json"
 }
 torch_gpt_both() {
-  "$python" scripts/torch_gpt.py --device "$device" --dtype f32 >"$results/torch-gpt-f32.json" &&
-    "$python" scripts/torch_gpt.py --device "$device" --dtype bf16 >"$results/torch-gpt-bf16.json"
+  # Five steps after the first, whose median is compared.
+  "$python" scripts/torch_gpt.py --device "$device" --dtype f32 --steps 6 >"$results/torch-gpt-f32.json" &&
+    "$python" scripts/torch_gpt.py --device "$device" --dtype bf16 --steps 6 >"$results/torch-gpt-bf16.json"
 }
 
 step info info
@@ -231,14 +243,14 @@ if [ "$have_torch" -eq 1 ]; then
 else
   skip torch-chapter2 "no PyTorch ($torch_missing)"
 fi
-chapter=1 step chapter3 "$bin" run chapter3 ${size[@]+"${size[@]}"} --device "$device" --format json --timeout 40
-cp "$results/chapter3.out" "$results/chapter3.json"
 step gpt gpt_both
 if [ "$have_torch" -eq 1 ]; then
   step torch-gpt torch_gpt_both
 else
   skip torch-gpt "no PyTorch ($torch_missing)"
 fi
+chapter=1 step chapter3 "$bin" run chapter3 ${size[@]+"${size[@]}"} --device "$device" --format json --timeout 40
+cp "$results/chapter3.out" "$results/chapter3.json"
 step plan-verify "$bin" plan --device "$device" --budget 3GiB --batch 8 --dtypes f32,bf16 --verify --steps 1 --json
 cp "$results/plan-verify.out" "$results/plan-verify.json"
 
