@@ -143,6 +143,24 @@ def gpt(folder, dtype):
     return head + table(GPT_HEADER, body)
 
 
+def machine(info):
+    """info.out for the report: the libraries the binary found by name alone
+    (their folders are the GPU machine's own), and the kernel without its
+    release."""
+    out = []
+    for line in info.strip().splitlines():
+        if line.startswith("CUDA libraries:"):
+            continue
+        if "=>" in line:
+            name, _, where = line.partition("=>")
+            line = f"{name.rstrip()} => {'not found' if 'not found' in where else 'found'}"
+        elif line.startswith("Linux "):
+            parts = line.split()
+            line = f"{parts[0]} {parts[-1]}" if len(parts) >= 3 else line
+        out.append(line)
+    return "\n".join(out)
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -154,7 +172,7 @@ def main():
         "the README's GPU section). Memory is the peak above the start of the measured step "
         "(the workbook's CUDA meter; PyTorch's `max_memory_allocated`); a ratio above 1 means "
         "the workbook held more or took longer.",
-        "## The machine\n\n```\n" + info.strip() + "\n```",
+        "## The machine\n\n```\n" + machine(info) + "\n```",
         "## The run\n\n" + table(("step", "status", "seconds", "limit"), steps(folder)),
         "## The chapters' cells\n\n" + chapters(folder),
         "## Chapter 2's experiments\n\n" + chapter2(folder),
