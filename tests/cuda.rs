@@ -1,6 +1,7 @@
 //! The CUDA meter: the interposed driver calls counting each buffer under
 //! its allocator's category, and on a real GPU a tensor's bytes counted
-//! exactly, with the memory pool's own figures agreeing.
+//! exactly, with the memory pool's own figures agreeing. And the toolkit's
+//! CUDA kernels: LeanAdamW's update in place, equal to candle_nn's AdamW.
 //!
 //! Built with `--features cuda`. Where no GPU answers, the GPU tests say so
 //! and pass, unless `WORKBOOK_REQUIRE_GPU` is set: then they fail. With
@@ -155,4 +156,82 @@ fn host_memory_stays_with_the_allocator_when_tensors_live_on_the_gpu() {
     assert!(s.host.get(c) - start.host.get(c) >= 2_000_000);
     assert_eq!(on_device(&s, c), on_device(&start, c));
     drop(host);
+}
+
+/// The largest relative difference between two tensors, in f64.
+fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (
+        a.to_dtype(DType::F64).unwrap(),
+        b.to_dtype(DType::F64).unwrap(),
+    );
+    let diff = (&a - &b).unwrap().abs().unwrap();
+    let scale = (b.abs().unwrap() + 1e-12).unwrap();
+    (diff / scale)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+#[test]
+fn lean_adamw_updates_in_place_on_the_gpu_as_candle_nn_adamw_does() {
+    use candle_core::backprop::GradStore;
+    use candle_core::Var;
+    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    let _turn = turn();
+    let Some((device, meter)) = gpu() else { return };
+    let params = ParamsAdamW {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    // f32 and f64 to their last bits; the half types round once where
+    // candle's composed operations round after each.
+    for (dtype, tolerance) in [
+        (DType::F32, 1e-6),
+        (DType::F64, 1e-12),
+        (DType::F16, 1e-2),
+        (DType::BF16, 5e-2),
+    ] {
+        let w0 = Tensor::randn(0f32, 1.0, (257, 33), &device)
+            .and_then(|t| t.to_dtype(dtype))
+            .unwrap();
+        let lean_w = Var::from_tensor(&w0.copy().unwrap()).unwrap();
+        let plain_w = Var::from_tensor(&w0.copy().unwrap()).unwrap();
+        let mut lean =
+            candle_lean_optim::LeanAdamW::new(vec![lean_w.clone()], params.clone()).unwrap();
+        let mut plain = AdamW::new(vec![plain_w.clone()], params.clone()).unwrap();
+        let c = Category::OptimizerState;
+        for step in 1..=3 {
+            let g = Tensor::randn(0f32, 1.0, (257, 33), &device)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap();
+            let (mut lean_g, mut plain_g) = (GradStore::default(), GradStore::default());
+            lean_g.insert(lean_w.as_tensor(), g.clone());
+            plain_g.insert(plain_w.as_tensor(), g);
+            device.synchronize().unwrap();
+            meter.push_peak();
+            let start = meter.snapshot();
+            c.scope(|| lean.step(&lean_g)).unwrap();
+            device.synchronize().unwrap();
+            let end = meter.snapshot();
+            meter.pop_peak();
+            // The moments were made with the optimizer: a step allocates
+            // nothing (candle_nn's allocates each moment and more anew).
+            let allocated = end.device_peak_each.get(c) - on_device(&start, c);
+            assert_eq!(
+                allocated, 0,
+                "{dtype:?}: step {step} allocated {allocated} bytes"
+            );
+            plain.step(&plain_g).unwrap();
+            let diff = rel_diff(lean_w.as_tensor(), plain_w.as_tensor());
+            assert!(
+                diff <= tolerance,
+                "{dtype:?}: after step {step} the weights differ by {diff:e} (relative)"
+            );
+        }
+    }
 }

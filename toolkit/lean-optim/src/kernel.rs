@@ -153,6 +153,17 @@ impl InplaceOp2 for Moment1 {
     fn name(&self) -> &'static str {
         "adamw-moment1"
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        m: &mut candle_core::CudaStorage,
+        ml: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let s = self.0;
+        crate::cuda::moment("moment1", m, ml, g, gl, (s.beta1, 1.0 - s.beta1))
+    }
     fn cpu_fwd(&self, m: &mut CpuStorage, ml: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
         let s = self.0;
         zip2(
@@ -170,6 +181,17 @@ impl InplaceOp2 for Moment2 {
     fn name(&self) -> &'static str {
         "adamw-moment2"
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        v: &mut candle_core::CudaStorage,
+        vl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let s = self.0;
+        crate::cuda::moment("moment2", v, vl, g, gl, (s.beta2, 1.0 - s.beta2))
+    }
     fn cpu_fwd(&self, v: &mut CpuStorage, vl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
         let s = self.0;
         zip2(
@@ -186,6 +208,18 @@ impl InplaceOp2 for Moment2 {
 impl InplaceOp3 for Theta {
     fn name(&self) -> &'static str {
         "adamw-theta"
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        t: &mut candle_core::CudaStorage,
+        tl: &Layout,
+        m: &candle_core::CudaStorage,
+        ml: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<()> {
+        crate::cuda::theta(t, tl, m, ml, v, vl, &self.0)
     }
     fn cpu_fwd(
         &self,

@@ -137,8 +137,8 @@ fn out_of_place(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> Resul
 }
 
 /// AdamW's update of one variable `var` with moments `m` and `v` from its
-/// gradient `g`: in place on the CPU (no allocation), through candle's
-/// operations on other devices. `var`, `m` and `v` share a dtype; `g` is
+/// gradient `g`: in place on the CPU and, with the `cuda` feature, on a
+/// CUDA GPU (no allocation); through candle's operations on other devices. `var`, `m` and `v` share a dtype; `g` is
 /// cast to it if needed.
 ///
 /// ```
@@ -162,7 +162,9 @@ pub fn adamw_update(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> R
     } else {
         g.to_dtype(var.dtype())?
     };
-    if var.device().is_cpu() {
+    // In place where the toolkit has the kernels: the CPU, and a CUDA GPU
+    // in a build with the `cuda` feature.
+    if var.device().is_cpu() || (cfg!(feature = "cuda") && var.device().is_cuda()) {
         m.inplace_op2(&g, &Moment1(*k))?;
         v.inplace_op2(&g, &Moment2(*k))?;
         var.inplace_op3(m, v, &Theta(*k))

@@ -17,6 +17,8 @@
 //! their state elsewhere (on the host, say).
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernel;
 mod lean;
 mod state;

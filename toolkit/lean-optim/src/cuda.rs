@@ -1,0 +1,162 @@
+//! The AdamW update's kernels on a CUDA GPU (`kernels/adamw.cu`): the same
+//! arithmetic as the CPU's, launched on the tensors' own buffers.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{bail, CudaStorage, DType, Layout, Result};
+
+use crate::kernel::AdamWStep;
+
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// The module's name in the device's cache of loaded kernels.
+const MODULE: &str = "candle_lean_optim_adamw";
+
+fn range(l: &Layout, what: &str) -> Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some(r) => Ok(r),
+        None => bail!("the {what} is not contiguous"),
+    }
+}
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        d => bail!("AdamW updates float parameters; this one is {d:?}"),
+    })
+}
+
+/// A grid-stride launch over `n` elements.
+fn config(n: usize) -> Result<LaunchConfig> {
+    match u32::try_from(n) {
+        Ok(n) => Ok(LaunchConfig::for_num_elems(n)),
+        Err(_) => bail!(
+            "AdamW's kernels take at most {} elements per tensor",
+            u32::MAX
+        ),
+    }
+}
+
+/// `dst <- a dst + b g` (the first moment) or `dst <- a dst + b g²` (the
+/// second), `kernel` naming which.
+pub(crate) fn moment(
+    kernel: &str,
+    dst: &mut CudaStorage,
+    dl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    (a, b): (f64, f64),
+) -> Result<()> {
+    let (ds, de) = range(dl, "optimizer state")?;
+    let (gs, ge) = range(gl, "gradient")?;
+    let n = de - ds;
+    if n != ge - gs {
+        bail!("state of {n} elements, gradient of {}", ge - gs);
+    }
+    if dst.dtype() != g.dtype() {
+        bail!(
+            "AdamW: state is {:?}, gradient {:?}: both must be the same float type",
+            dst.dtype(),
+            g.dtype()
+        );
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let name = format!("adamw_{kernel}_{}", suffix(dst.dtype())?);
+    fn go<T: CudaDType>(
+        name: &str,
+        dst: &mut CudaStorage,
+        (ds, de): (usize, usize),
+        g: &CudaStorage,
+        (gs, ge): (usize, usize),
+        (a, b): (f64, f64),
+    ) -> Result<()> {
+        let n = de - ds;
+        let func = dst
+            .device()
+            .get_or_load_custom_func(name, MODULE, ptx::ADAMW)?;
+        let mut d = dst.as_cuda_slice_mut::<T>()?.slice_mut(ds..de);
+        let g = g.as_cuda_slice::<T>()?.slice(gs..ge);
+        let mut launch = func.builder();
+        launch.arg(&mut d).arg(&g).arg(&n).arg(&a).arg(&b);
+        // SAFETY: the kernel reads and writes `n` elements of each view,
+        // which holds that many, with the argument types it declares.
+        unsafe { launch.launch(config(n)?) }.w()?;
+        Ok(())
+    }
+    let (d, s) = ((ds, de), (gs, ge));
+    match dst.dtype() {
+        DType::F32 => go::<f32>(&name, dst, d, g, s, (a, b)),
+        DType::F64 => go::<f64>(&name, dst, d, g, s, (a, b)),
+        DType::F16 => go::<half::f16>(&name, dst, d, g, s, (a, b)),
+        _ => go::<half::bf16>(&name, dst, d, g, s, (a, b)),
+    }
+}
+
+/// `theta <- theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`.
+pub(crate) fn theta(
+    t: &mut CudaStorage,
+    tl: &Layout,
+    m: &CudaStorage,
+    ml: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+    s: &AdamWStep,
+) -> Result<()> {
+    let (ts, te) = range(tl, "parameter")?;
+    let (ms, me) = range(ml, "first moment")?;
+    let (vs, ve) = range(vl, "second moment")?;
+    let n = te - ts;
+    if n != me - ms || n != ve - vs {
+        bail!("parameter and moments differ in size");
+    }
+    if m.dtype() != t.dtype() || v.dtype() != t.dtype() {
+        bail!(
+            "AdamW: parameter is {:?}; parameter and moments must be the same float type",
+            t.dtype()
+        );
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let name = format!("adamw_theta_{}", suffix(t.dtype())?);
+    let decay = 1.0 - s.lr * s.weight_decay;
+    let k = [s.scale_m, s.scale_v, decay, s.lr, s.eps];
+    fn go<T: CudaDType>(
+        name: &str,
+        t: &mut CudaStorage,
+        (ts, te): (usize, usize),
+        (m, ms): (&CudaStorage, usize),
+        (v, vs): (&CudaStorage, usize),
+        k: &[f64; 5],
+    ) -> Result<()> {
+        let n = te - ts;
+        let func = t
+            .device()
+            .get_or_load_custom_func(name, MODULE, ptx::ADAMW)?;
+        let mut t = t.as_cuda_slice_mut::<T>()?.slice_mut(ts..te);
+        let m = m.as_cuda_slice::<T>()?.slice(ms..ms + n);
+        let v = v.as_cuda_slice::<T>()?.slice(vs..vs + n);
+        let mut launch = func.builder();
+        launch.arg(&mut t).arg(&m).arg(&v).arg(&n);
+        for c in k {
+            launch.arg(c);
+        }
+        // SAFETY: as in `moment`, `n` elements of each of three views.
+        unsafe { launch.launch(config(n)?) }.w()?;
+        Ok(())
+    }
+    match t.dtype() {
+        DType::F32 => go::<f32>(&name, t, (ts, te), (m, ms), (v, vs), &k),
+        DType::F64 => go::<f64>(&name, t, (ts, te), (m, ms), (v, vs), &k),
+        DType::F16 => go::<half::f16>(&name, t, (ts, te), (m, ms), (v, vs), &k),
+        _ => go::<half::bf16>(&name, t, (ts, te), (m, ms), (v, vs), &k),
+    }
+}
