@@ -216,7 +216,12 @@ fn lean_adamw_updates_in_place_on_the_gpu_as_candle_nn_adamw_does() {
         let mut plain = AdamW::new(vec![plain_w.clone()], params.clone()).unwrap();
         let c = Category::OptimizerState;
         for step in 1..=3 {
-            let g = Tensor::randn(0f32, 1.0, (257, 33), &device)
+            // Gradients at least 0.1 in size: in f16 a smaller one's square
+            // times 1 - beta2 underflows to 0, and candle_nn's AdamW then
+            // divides by sqrt(0) + eps, itself 0 in f16, to an infinite
+            // weight (an H200 showed it; f16 training keeps f32 masters).
+            let r = Tensor::randn(0f32, 1.0, (257, 33), &device).unwrap();
+            let g = ((r.abs().unwrap() + 0.1).unwrap() * r.sign().unwrap())
                 .and_then(|t| t.to_dtype(dtype))
                 .unwrap();
             let (mut lean_g, mut plain_g) = (GradStore::default(), GradStore::default());
