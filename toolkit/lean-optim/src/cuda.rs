@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
-use crate::kernel::AdamWStep;
+use crate::kernel::{range, AdamWStep};
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -14,13 +14,6 @@ mod ptx {
 
 /// The module's name in the device's cache of loaded kernels.
 const MODULE: &str = "candle_lean_optim_adamw";
-
-fn range(l: &Layout, what: &str) -> Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => bail!("the {what} is not contiguous"),
-    }
-}
 
 fn suffix(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {

@@ -96,7 +96,8 @@ fn theta<T: Real>(theta: T, m: T, v: T, s: &AdamWStep) -> T {
     decayed.sub(scal(m_hat.div(denom), s.lr))
 }
 
-fn range(l: &Layout, what: &str) -> Result<(usize, usize)> {
+/// The element range of a contiguous layout, or an error naming `what`.
+pub(crate) fn range(l: &Layout, what: &str) -> Result<(usize, usize)> {
     match l.contiguous_offsets() {
         Some(r) => Ok(r),
         None => bail!("the {what} is not contiguous"),
