@@ -260,7 +260,7 @@ impl Mlp {
     /// The model as the toolkit's fused layers (`candle-lean-nn`): each
     /// Linear and the activation after it as one operation that keeps its
     /// output (and GELU's input), on the same variables. A layer list for
-    /// drivers such as `candle_checkpoint::lean_backward`.
+    /// drivers such as `candle_checkpoint::Sequential::lean`.
     pub fn fused_layers(&self) -> Result<Vec<FusedLayer>> {
         self.fused(None)
     }
@@ -359,14 +359,14 @@ impl Module for FusedLayer {
 }
 
 impl DirectBackward for FusedLayer {
-    /// GELU's input, for a fused GELU layer.
-    type Saved = Option<Tensor>;
+    /// GELU's input, or a ReLU's output.
+    type Saved = candle_lean_nn::Kept;
 
     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
         match self {
             FusedLayer::Linear(l) => l.forward_saved(x),
             FusedLayer::Activation(a) => candle_core::bail!(
-                "a {a:?} with no Linear before it has no direct backward: run it under lean_backward"
+                "a {a:?} with no Linear before it has no direct backward: run it under a lean backward (Sequential::lean)"
             ),
         }
     }
@@ -374,7 +374,6 @@ impl DirectBackward for FusedLayer {
     fn backward_saved(
         &self,
         x: &Tensor,
-        out: &Tensor,
         kept: Self::Saved,
         grad: Tensor,
         want_input: bool,
@@ -382,7 +381,7 @@ impl DirectBackward for FusedLayer {
         let FusedLayer::Linear(l) = self else {
             candle_core::bail!("an activation with no Linear before it has no direct backward");
         };
-        l.backward_saved(x, out, kept, grad, want_input)
+        l.backward_saved(x, kept, grad, want_input)
     }
 }
 
@@ -504,17 +503,16 @@ mod tests {
         let layers = mlp.fused_layers().unwrap();
         let mut direct = GradStore::default();
         let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, &y, 1.0);
-        let (mut saved, mut outs) = (Vec::new(), Vec::new());
+        let mut saved = Vec::new();
         let mut h = x.clone();
         for layer in &layers {
             let (o, kept) = layer.forward_saved(&h).unwrap();
             saved.push((h, kept));
-            outs.push(o.clone());
             h = o;
         }
         let (_, mut g) = head(&h).unwrap();
-        for (layer, ((x, kept), out)) in layers.iter().zip(saved.into_iter().zip(outs)).rev() {
-            let step = layer.backward_saved(&x, &out, kept, g, true).unwrap();
+        for (layer, (x, kept)) in layers.iter().zip(saved).rev() {
+            let step = layer.backward_saved(&x, kept, g, true).unwrap();
             for (p, d) in step.params {
                 direct.insert(&p, d);
             }

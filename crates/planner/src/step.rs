@@ -146,7 +146,7 @@ impl Update {
 
     /// Stage 2 reduce-scatters each gradient once the backward has made
     /// it, keeping its block only. candle's backward hands all of them over
-    /// at its end; `candle_checkpoint::lean_backward_with` hands them over
+    /// at its end; `candle_checkpoint::Sequential::lean_with` hands them over
     /// layer by layer, but this model's blocks give a gradient to tensors
     /// without a graph of their own (the attention's), so it would run
     /// each block twice: measured at chapter 3's model, twice the bytes per

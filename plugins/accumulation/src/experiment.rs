@@ -4,7 +4,7 @@
 //! included, so that the same text compiles in a notebook cell.
 
 use candle_accumulate::{micro_batches, GradAccumulator};
-use candle_checkpoint::direct_backward_with;
+use candle_checkpoint::Sequential;
 use candle_lean_optim::LeanAdamW;
 use workbook_accumulation::Params as AccumulationParams;
 use workbook_models::{cross_entropy, grads_max_abs_diff, param_grads, Activation, Mlp, Rng};
@@ -46,7 +46,9 @@ pub fn accumulate(
         let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, yb, weight);
         // Each layer's gradients go into the sum as the backward makes them.
         acc.add_weighted_with(xb.dim(0)?, |add| {
-            direct_backward_with(&layers, xb, &vars, head, add, &Marks::new(region))
+            Sequential::direct(&layers)
+                .observer(&Marks::new(region))
+                .backward_with(xb, &vars, head, add)
         })?;
         region.mark("after backward");
     }

@@ -6,9 +6,7 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::{
-    checkpoint_direct, checkpoint_sequential, direct_backward, lean_backward, Policy, Sequential,
-};
+use candle_checkpoint::{Policy, Sequential};
 use candle_toolkit_testbench::{batch, Config as TransformerConfig, Transformer};
 use workbook_checkpointing::Params as CheckpointingParams;
 use workbook_models::{
@@ -146,7 +144,10 @@ pub fn framework_cost(
     let lean_head = |h: &Tensor| candle_lean_nn::cross_entropy(h, y);
     let name = "fused layers, lean backward";
     let layered = measure_backprop(ctx, name, p.repeats, |region| {
-        Ok(lean_backward(&layers, x, &vars, lean_head, &Marks::new(region))?.grads)
+        Ok(Sequential::new(&layers)
+            .observer(&Marks::new(region))
+            .lean(x, &vars, lean_head)?
+            .grads)
     })?;
     let layered_diff = grads_max_abs_diff(&candle.grads, &layered.grads, &vars)?;
 
@@ -156,7 +157,10 @@ pub fn framework_cost(
     let direct_head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
     let name = "fused layers, direct backward";
     let lean = measure_backprop(ctx, name, p.repeats, |region| {
-        Ok(direct_backward(&layers, x, &vars, direct_head, &Marks::new(region))?.grads)
+        Ok(Sequential::direct(&layers)
+            .observer(&Marks::new(region))
+            .backward(x, &vars, direct_head)?
+            .grads)
     })?;
     let lean_diff = grads_max_abs_diff(&candle.grads, &lean.grads, &vars)?;
     framework_report(
@@ -285,7 +289,10 @@ pub fn sweep(
     for &segments in &p.segments {
         let name = format!("checkpointed, {segments} segment(s)");
         let run = measure_backprop(ctx, &name, p.repeats, |region| {
-            let out = checkpoint_direct(&layers, segments, x, &vars, head, &Marks::new(region))?;
+            let out = Sequential::direct(&layers)
+                .segments(segments)
+                .observer(&Marks::new(region))
+                .backward(x, &vars, head)?;
             region.mark("after backward");
             Ok(out.grads)
         })?;
@@ -411,14 +418,10 @@ pub fn heavy(ctx: &mut Context, p: &CheckpointingParams) -> anyhow::Result<()> {
 
     ctx.progress("heavy function, checkpointed");
     let mut region = ctx.region("heavy function, checkpointed");
-    let out = checkpoint_sequential(
-        &layers,
-        p.heavy_calls,
-        x0.as_tensor(),
-        std::slice::from_ref(&a),
-        head,
-        &Tags,
-    )?;
+    let out = Sequential::new(&layers)
+        .segments(p.heavy_calls)
+        .observer(&Tags)
+        .backward(x0.as_tensor(), std::slice::from_ref(&a), head)?;
     region.mark("after backward");
     let ckpt_grad = out.grads.get(a.as_tensor()).map(|g| g.detach());
     drop(out);
@@ -489,7 +492,10 @@ pub fn checkpointing_experiment(ctx: &mut Context, p: CheckpointingParams) -> an
     let plain = loss_of(&run_segment(&block_layers, input.as_tensor())?)?;
     let plain_store = plain.backward()?;
     let plain_input_grad = plain_store.get(input.as_tensor()).map(|g| g.detach());
-    let ckpt = checkpoint_sequential(&block_layers, 1, input.as_tensor(), &vars, loss_of, &Tags)?;
+    let ckpt = Sequential::new(&block_layers)
+        .segments(1)
+        .observer(&Tags)
+        .backward(input.as_tensor(), &vars, loss_of)?;
     let loss = ckpt.loss.to_scalar::<f32>()?;
     ctx.print(format!("{loss:.4}"));
     ctx.metric("loss", loss as f64);

@@ -2,7 +2,7 @@
 //! gradients for a parameter every segment shares. (The technique's own
 //! tests are in the candle-checkpoint crate.)
 
-use candle_checkpoint::checkpoint_sequential;
+use candle_checkpoint::Sequential;
 use candle_core::{Device, Module, Tensor, Var};
 use workbook_checkpointing::Heavy;
 use workbook_sdk::observe::Tags;
@@ -19,15 +19,11 @@ fn a_parameter_shared_by_every_segment_gets_the_sum_of_its_gradients() {
         .try_fold(x.as_tensor().clone(), |h, l| l.forward(&h))
         .unwrap();
     let plain = head(&y).unwrap().backward().unwrap();
-    let out = checkpoint_sequential(
-        &layers,
-        50,
-        x.as_tensor(),
-        std::slice::from_ref(&a),
-        head,
-        &Tags,
-    )
-    .unwrap();
+    let out = Sequential::new(&layers)
+        .segments(50)
+        .observer(&Tags)
+        .backward(x.as_tensor(), std::slice::from_ref(&a), head)
+        .unwrap();
     // y = x + 500 a, loss = y^2: d/da = 2 * y * 500 = 500,000 at a = 1, x = 0.
     let grad = |g: &candle_core::backprop::GradStore| {
         g.get(a.as_tensor()).unwrap().to_scalar::<f32>().unwrap()

@@ -5,7 +5,7 @@
 //! one's included, so that the same text compiles in a notebook cell.
 
 use candle_accumulate::{micro_batches, GradAccumulator};
-use candle_checkpoint::{checkpoint_sequential, segment_bounds};
+use candle_checkpoint::{segment_bounds, Sequential};
 use workbook_exercises::FitParams as FitExerciseParams;
 use workbook_models::{grads_max_abs_diff, param_grads, Activation, FusedLayer, Mlp, Rng};
 use workbook_sdk::anyhow;
@@ -86,7 +86,11 @@ pub fn step_with_plan(
     let mut sum = GradAccumulator::new(vars.to_vec(), rows).with_observer(Tags);
     for (xb, yb) in micro_batches(x, size)?.iter().zip(&micro_batches(y, size)?) {
         let head = |h: &Tensor| candle_lean_nn::cross_entropy(h, yb)? * weight;
-        let grads = checkpoint_sequential(layers, plan.segments, xb, vars, head, &Tags)?.grads;
+        let grads = Sequential::new(layers)
+            .segments(plan.segments)
+            .observer(&Tags)
+            .backward(xb, vars, head)?
+            .grads;
         sum.add_weighted(&grads, size)?;
     }
     Ok(sum.take()?)

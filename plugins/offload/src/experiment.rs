@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::layerwise_backward;
+use candle_checkpoint::Sequential;
 use candle_lean_optim::LeanAdamW;
 use candle_offload::{HostAdamW, StreamedLinear, Transfers};
 use workbook_models::{
@@ -316,19 +316,21 @@ pub fn gradients_offloaded(ctx: &mut Context, s: &OffloadSetup) -> anyhow::Resul
     let mut transfers = Transfers::default();
     let mut host_grads = GradStore::default();
     let mut region = ctx.region("backward, gradients offloaded layer by layer");
-    layerwise_backward(
-        &us,
-        x,
-        vars,
-        |h| cross_entropy(h, y),
-        |var, g| {
-            let _grads = Category::Gradients.enter();
-            let on_host = copy_to(&mut transfers, &g, &host, Residency::Host)?;
-            host_grads.insert(var.as_tensor(), on_host);
-            Ok(())
-        },
-        &Tags,
-    )?;
+    Sequential::new(&us)
+        .each_layer()
+        .observer(&Tags)
+        .backward_with(
+            x,
+            vars,
+            |h| cross_entropy(h, y),
+            |var, g| {
+                let _grads = Category::Gradients.enter();
+                let on_host = copy_to(&mut transfers, &g, &host, Residency::Host)?;
+                host_grads.insert(var.as_tensor(), on_host);
+                Ok(())
+            },
+        )
+        .map(|(loss, _)| loss)?;
     region.mark("after backward");
     let offload_grads = ctx.end_region(region);
     let offload_check = workbook_models::grads_max_abs_diff(
@@ -376,7 +378,6 @@ pub fn streamed_layers(us: &[Unit2], device: &Device) -> Result<Vec<(StreamedLin
             let layer = StreamedLinear::with_observer(
                 u.linear.weight().clone(),
                 Some(u.linear.bias().clone()),
-                &Device::Cpu,
                 device,
                 Tags,
             )?;

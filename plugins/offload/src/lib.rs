@@ -3,7 +3,7 @@
 //!
 //! The techniques are the toolkit's: `candle_offload::HostAdamW` (f32
 //! master weights and both moments on the host, twice the parameters' bytes
-//! moved per step), `candle_checkpoint::layerwise_backward` (each layer's
+//! moved per step), `candle_checkpoint::Sequential::each_layer` (each layer's
 //! gradients handed over as soon as they exist) and
 //! `candle_offload::StreamedLinear` (weights that visit the device for the
 //! forward and again for the backward).

@@ -2,7 +2,7 @@
 //! against candle_nn::AdamW and plain backprop, and where the meter files
 //! the bytes.
 
-use candle_checkpoint::layerwise_backward;
+use candle_checkpoint::Sequential;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
@@ -128,19 +128,21 @@ fn layerwise_gradients_equal_plain_backprop() {
     let layers = units(&model);
     let mut got = GradStore::default();
     let mut order = Vec::new();
-    let loss = layerwise_backward(
-        &layers,
-        &x,
-        &model.vars(),
-        |h| cross_entropy(h, &y),
-        |v, g| {
-            order.push(v.as_tensor().id());
-            got.insert(v.as_tensor(), g);
-            Ok(())
-        },
-        &Tags,
-    )
-    .unwrap();
+    let loss = Sequential::new(&layers)
+        .each_layer()
+        .observer(&Tags)
+        .backward_with(
+            &x,
+            &model.vars(),
+            |h| cross_entropy(h, &y),
+            |v, g| {
+                order.push(v.as_tensor().id());
+                got.insert(v.as_tensor(), g);
+                Ok(())
+            },
+        )
+        .map(|(loss, _)| loss)
+        .unwrap();
     assert_eq!(
         loss.to_scalar::<f32>().unwrap(),
         plain_loss.to_scalar::<f32>().unwrap()

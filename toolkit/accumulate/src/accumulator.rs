@@ -113,7 +113,7 @@ impl GradAccumulator {
     /// Adds gradients handed over one at a time, already weighted by
     /// `rows / batch_rows`: `f` gets a sink that adds each `(variable,
     /// gradient)` to the sum as it comes. With a backward that hands its
-    /// gradients over layer by layer (`candle_checkpoint::lean_backward_with`)
+    /// gradients over layer by layer (`candle_checkpoint::Sequential::lean_with`)
     /// a micro-batch's whole set of gradients never exists beside the sum,
     /// as PyTorch adds into `.grad`. The gradients handed over become the
     /// accumulator's: later micro-batches' are added into them in place

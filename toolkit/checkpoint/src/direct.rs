@@ -3,9 +3,9 @@
 
 use candle_core::{bail, Result, Tensor, Var};
 use candle_custom_grad::DirectBackward;
-use candle_observe::{scope, Kind, NoObserver, Observer, Place};
+use candle_observe::{scope, Kind, Observer, Place};
 
-use crate::sequential::{segment_bounds, Checkpointed, GradSink};
+use crate::sequential::{segment_bounds, GradSink};
 use crate::vjp::{recompute, Arg, Seed};
 
 /// Hands each parameter gradient of `params` whose tensor is one of `vars`
@@ -33,8 +33,8 @@ fn hand_over(
     Ok(())
 }
 
-/// A head written with candle's operations, as [`direct_backward`] takes
-/// one: the loss and its gradient with respect to the head's input, through
+/// A head written with candle's operations, as a direct backward
+/// ([`crate::Sequential::direct`]) takes one: the loss and its gradient with respect to the head's input, through
 /// candle's backward (which first copies the input, to make it a variable).
 /// A head with a backward of its own, such as
 /// `candle_lean_nn::cross_entropy_and_grad`, needs neither.
@@ -42,13 +42,7 @@ pub fn autograd_head(
     head: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)> {
     move |h| {
-        let vjp = recompute(
-            |a| head(&a[0]),
-            &[Arg::Grad(h)],
-            Seed::Loss,
-            &[],
-            &NoObserver,
-        )?;
+        let vjp = recompute(|a| head(&a[0]), &[Arg::Grad(h)], Seed::Loss, &[])?;
         match (vjp.loss, vjp.inputs.into_iter().next().flatten()) {
             (Some(loss), Some(grad)) => Ok((loss, grad)),
             _ => bail!("internal: the head's backward gave no loss or no gradient"),
@@ -56,63 +50,8 @@ pub fn autograd_head(
     }
 }
 
-/// [`crate::lean_backward`] for layers whose backward is written out
-/// ([`DirectBackward`], such as `candle_lean_nn`'s fused layers): the
-/// forward keeps each layer's input, output and what its backward needs,
-/// and the backward calls each layer's backward directly, last layer first,
-/// freeing each output once the layer before it is done with it.
-///
-/// Through candle's graph, even a layer whose backward is written out
-/// costs a zeros tensor and a sum for its output's gradient and another pair
-/// for its input's; here a layer's backward holds the gradient it is given,
-/// the one it passes on and its parameters', as PyTorch's does. The first
-/// layer's input gets a gradient only when candle tracks it (a variable, or
-/// computed from one: pull the gradient back through that graph yourself);
-/// a data batch needs none, which saves a matrix product. `head` maps the last output
-/// to the scalar loss and that loss's gradient with respect to the output:
-/// `candle_lean_nn::cross_entropy_and_grad`, or any loss written with
-/// candle's operations through [`autograd_head`]. A head with variables of
-/// its own is a layer: put it in `layers`.
-///
-/// ```
-/// use candle_checkpoint::{autograd_head, direct_backward, lean_backward};
-/// use candle_core::{Device, Result, Tensor, Var};
-/// use candle_lean_nn::{Activation, LeanLayer, LeanLinear};
-/// use candle_observe::NoObserver;
-/// let dev = Device::Cpu;
-/// let vars: Vec<Var> = (0..6).map(|i| Var::randn(0f32, 0.5, if i % 2 == 0 { vec![4, 4] } else { vec![4] }, &dev))
-///     .collect::<Result<_>>()?;
-/// let layers: Vec<LeanLayer> = vars.chunks(2)
-///     .map(|p| {
-///         let linear = LeanLinear::new(p[0].as_tensor().clone(), Some(p[1].as_tensor().clone()))?;
-///         Ok(LeanLayer::new(linear, Activation::Gelu))
-///     })
-///     .collect::<Result<_>>()?;
-/// let x = Tensor::randn(0f32, 1.0, (3, 4), &dev)?;
-/// let head = |h: &Tensor| h.sqr()?.mean_all();
-/// let direct = direct_backward(&layers, &x, &vars, autograd_head(head), &NoObserver)?;
-/// let lean = lean_backward(&layers, &x, &vars, head, &NoObserver)?;
-/// for v in &vars {
-///     let d = (direct.grads.get(v).unwrap() - lean.grads.get(v).unwrap())?.abs()?.max_all()?;
-///     assert_eq!(d.to_scalar::<f32>()?, 0.0);
-/// }
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn direct_backward<L: DirectBackward>(
-    layers: &[L],
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
-    observer: &dyn Observer,
-) -> Result<Checkpointed> {
-    Checkpointed::summing(|add| direct_backward_with(layers, input, vars, head, add, observer))
-}
-
-/// [`direct_backward`] handing each parameter gradient to `on_grad(var,
-/// gradient)` as soon as its layer's backward has made it, and keeping none
-/// (see [`crate::lean_backward_with`]). Returns the loss and the input's
-/// gradient.
-pub fn direct_backward_with<L: DirectBackward>(
+/// [`crate::Sequential::direct`]'s backward without segments: see there.
+pub(crate) fn direct_backward_with<L: DirectBackward>(
     layers: &[L],
     input: &Tensor,
     vars: &[Var],
@@ -121,7 +60,7 @@ pub fn direct_backward_with<L: DirectBackward>(
     observer: &dyn Observer,
 ) -> Result<(Tensor, Option<Tensor>)> {
     if layers.is_empty() {
-        bail!("direct_backward needs at least one layer");
+        bail!("a direct backward needs at least one layer");
     }
     // Forward: each layer's input and what its backward needs.
     let (mut saved, out) = {
@@ -185,7 +124,7 @@ fn run_head(
 fn backward_through<L: DirectBackward>(
     layers: &[L],
     saved: &mut Saved<L>,
-    mut out: Tensor,
+    mut _out: Tensor,
     mut grad: Tensor,
     vars: &[Var],
     want_first: bool,
@@ -197,9 +136,9 @@ fn backward_through<L: DirectBackward>(
         };
         let want_input = i > 0 || want_first;
         // The gradient is handed over: the layer frees it when done with it.
-        let step = layer.backward_saved(&x, &out, kept, grad, want_input)?;
+        let step = layer.backward_saved(&x, kept, grad, want_input)?;
         // This layer's output is done with.
-        out = x;
+        _out = x;
         hand_over(step.params, vars, on_grad)?;
         match step.input {
             Some(g) => grad = g,
@@ -210,51 +149,12 @@ fn backward_through<L: DirectBackward>(
     Ok(Some(grad))
 }
 
-/// [`crate::checkpoint_sequential`] for layers whose backward is written
-/// out ([`DirectBackward`]): the forward keeps each segment's input only;
-/// the backward runs each segment's forward again, keeping what its layers'
-/// backwards need, and calls them directly, last segment first. With no
-/// graph anywhere, a segment's backward holds what [`direct_backward`]'s
-/// holds for its layers, and a recomputed segment starts from its saved
-/// input itself, not a copy. `head` is as [`direct_backward`]'s.
-///
-/// ```
-/// use candle_checkpoint::{checkpoint_direct, direct_backward};
-/// use candle_core::{Device, Result, Tensor, Var};
-/// use candle_lean_nn::{cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
-/// use candle_observe::NoObserver;
-/// let dev = Device::Cpu;
-/// let vars: Vec<Var> = (0..4).map(|_| Var::randn(0f32, 0.5, (5, 5), &dev)).collect::<Result<_>>()?;
-/// let layers: Vec<LeanLayer> = vars.iter()
-///     .map(|v| Ok(LeanLayer::new(LeanLinear::new(v.as_tensor().clone(), None)?, Activation::Relu)))
-///     .collect::<Result<_>>()?;
-/// let x = Tensor::randn(0f32, 1.0, (3, 5), &dev)?;
-/// let y = Tensor::new(&[0u32, 4, 2], &dev)?;
-/// let head = |h: &Tensor| cross_entropy_and_grad(h, &y, 1.0);
-/// let plain = direct_backward(&layers, &x, &vars, head, &NoObserver)?;
-/// let ckpt = checkpoint_direct(&layers, 2, &x, &vars, head, &NoObserver)?;
-/// for v in &vars {
-///     let d = (plain.grads.get(v).unwrap() - ckpt.grads.get(v).unwrap())?.abs()?.max_all()?;
-///     assert_eq!(d.to_scalar::<f32>()?, 0.0);
-/// }
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn checkpoint_direct<L: DirectBackward>(
-    layers: &[L],
-    segments: usize,
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
-    observer: &dyn Observer,
-) -> Result<Checkpointed> {
-    Checkpointed::summing(|add| {
-        checkpoint_direct_with(layers, segments, input, vars, head, add, observer)
-    })
-}
-
-/// [`checkpoint_direct`] handing each parameter gradient to `on_grad`:
-/// the loss and the input's gradient.
-fn checkpoint_direct_with<L: DirectBackward>(
+/// [`crate::Sequential::direct`]'s backward in `segments` checkpoints:
+/// the forward keeps each segment's input only; the backward runs each
+/// segment's forward again, keeping what its layers' backward needs, then
+/// their backward. Hands each parameter gradient to `on_grad`; returns the
+/// loss and the input's gradient.
+pub(crate) fn checkpoint_direct_with<L: DirectBackward>(
     layers: &[L],
     segments: usize,
     input: &Tensor,

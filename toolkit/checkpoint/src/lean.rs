@@ -7,8 +7,7 @@ use candle_core::{bail, Module, Result, Tensor, TensorId, Var};
 use candle_observe::{scope, Kind, Observer, Place};
 
 use crate::grads::accumulate;
-use crate::sequential::Checkpointed;
-use crate::vjp::{recompute, seeded, Arg, Seed};
+use crate::vjp::{recompute_observed, seeded, Arg, Seed};
 
 /// What one layer's backward gave: its input's gradient and its parameters'.
 struct Step {
@@ -62,84 +61,14 @@ fn layer_backward(
     }
     step.input = None;
     if want_input && input.dtype().is_float() {
-        let vjp = recompute(|a| rerun(&a[0]), &[Arg::Grad(input)], seed, &[], observer)?;
+        let vjp = recompute_observed(|a| rerun(&a[0]), &[Arg::Grad(input)], seed, &[], observer)?;
         step.input = vjp.inputs.into_iter().next().flatten();
     }
     Ok(step)
 }
 
-/// Back-propagates through `layers` and `head` as `head(layers(input))
-/// .backward()` would, but one layer's graph at a time, so that each layer's
-/// activations and the gradient it consumed are freed as soon as the
-/// backward has passed it.
-///
-/// candle's own backward keeps the whole graph, every activation of the
-/// forward, until it returns, while PyTorch frees each saved tensor once its
-/// node has run. Here the forward keeps each layer's graph apart (its input
-/// detached from the layer before, sharing its storage: no copy), and the
-/// backward pulls the gradient back through the head and the last layer,
-/// then through each layer from the last, dropping each graph after its
-/// backward. The peak is the forward's activations plus one layer's
-/// backward, as in PyTorch.
-///
-/// The parameters' gradients come from that one pass, always whole. The
-/// gradient a layer's input gets is candle's, made through operations that
-/// use a variable (a Linear, a fused lean layer, a residual around them);
-/// when the layer also gives a gradient to a tensor without a graph (its
-/// input transformed without a variable first, or a plain constant such as
-/// an additive mask or a position table), that gradient could be partial,
-/// and the layer runs once more from its saved input made a variable, for
-/// the input's gradient only. So the gradients are exact whatever the
-/// layers do; only such layers cost a second forward and backward.
-///
-/// `head` maps the last layer's output to the scalar loss. The returned
-/// input gradient is the first layer's input's when candle's is whole
-/// without that second run (a plain data batch into a Linear); `None` when
-/// the input cannot have one (token ids) or would need it: ask
-/// [`recompute`] for it then.
-///
-/// ```
-/// use candle_checkpoint::lean_backward;
-/// use candle_core::{Device, Module, Result, Tensor, Var};
-/// use candle_observe::NoObserver;
-/// struct Dense(Var);
-/// impl Module for Dense {
-///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-///         x.matmul(self.0.as_tensor())?.gelu()
-///     }
-/// }
-/// let dev = Device::Cpu;
-/// let layers: Vec<Dense> = (0..3)
-///     .map(|_| Ok(Dense(Var::randn(0f32, 0.5, (4, 4), &dev)?)))
-///     .collect::<Result<_>>()?;
-/// let vars: Vec<Var> = layers.iter().map(|l| l.0.clone()).collect();
-/// let x = Tensor::randn(0f32, 1.0, (2, 4), &dev)?;
-/// let head = |h: &Tensor| h.sqr()?.mean_all();
-/// let lean = lean_backward(&layers, &x, &vars, head, &NoObserver)?;
-/// let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?)?.backward()?;
-/// for v in &vars {
-///     let d = (lean.grads.get(v).unwrap() - plain.get(v).unwrap())?.abs()?.max_all()?;
-///     assert_eq!(d.to_scalar::<f32>()?, 0.0);
-/// }
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn lean_backward<M: Module>(
-    layers: &[M],
-    input: &Tensor,
-    vars: &[Var],
-    head: impl Fn(&Tensor) -> Result<Tensor>,
-    observer: &dyn Observer,
-) -> Result<Checkpointed> {
-    Checkpointed::summing(|add| lean_backward_with(layers, input, vars, head, add, observer))
-}
-
-/// [`lean_backward`] handing each parameter gradient to `on_grad(var,
-/// gradient)` as soon as its layer's backward has made it, and keeping none:
-/// to add it to a running sum (gradient accumulation) or move it away, so
-/// that no more than one layer's gradients exist beside what `on_grad`
-/// keeps. A variable used by several layers is handed over once per layer.
-/// Returns the loss and the input's gradient.
-pub fn lean_backward_with<M: Module>(
+/// [`crate::Sequential::lean_with`]: see there.
+pub(crate) fn lean_backward_with<M: Module>(
     layers: &[M],
     input: &Tensor,
     vars: &[Var],
@@ -148,7 +77,7 @@ pub fn lean_backward_with<M: Module>(
     observer: &dyn Observer,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let Some((last, _)) = layers.split_last() else {
-        bail!("lean_backward needs at least one layer");
+        bail!("a lean backward needs at least one layer");
     };
     // Forward: each layer's input (detached) and its output with the
     // layer's graph.

@@ -11,17 +11,18 @@
 //! the inputs' gradients and the parameters' gradients (a vector-Jacobian
 //! product). On it:
 //!
-//! * [`checkpoint_sequential`]: a stack of layers in `k` segments, as
-//!   PyTorch's `checkpoint_sequential`;
-//! * [`layerwise_backward`]: one layer at a time, each parameter gradient
-//!   handed over as soon as it exists (to move it off the device);
-//! * [`Sequential`]: the same configured by name (segments, observer), and
-//!   on [`TapeModule`] layers with a [`Policy`]: selective checkpointing,
-//!   keeping the outputs of matrix products (or of named ones) so that only
-//!   the element-wise operations are recomputed;
-//! * [`lean_backward`]: no recomputation, but one layer's graph at a time,
-//!   each freed once the backward has passed it (as PyTorch's autograd
-//!   frees what it saved), where candle's `backward` keeps them all;
+//! * [`Sequential`]: a stack of layers in `k` segments, as PyTorch's
+//!   `checkpoint_sequential`, configured by name (segments, one per layer,
+//!   observer); on [`TapeModule`] layers with a [`Policy`]: selective
+//!   checkpointing, keeping the outputs of matrix products (or of named
+//!   ones) so that only the element-wise operations are recomputed;
+//! * its `_with` calls, which hand each parameter gradient over as soon as
+//!   it exists (to add it to a running sum, or move it off the device);
+//! * [`Sequential::lean`]: no recomputation, but one layer's graph at a
+//!   time, each freed once the backward has passed it (as PyTorch's
+//!   autograd frees what it saved), where candle's `backward` keeps them
+//!   all; and [`Sequential::direct`], for layers whose backward is written
+//!   out ([`DirectBackward`]), with no graph between the layers at all;
 //! * [`missing_grads`] / [`ensure_grads`]: that no trainable variable of a
 //!   `VarMap` was left without a gradient.
 //!
@@ -30,8 +31,9 @@
 //! recomputation, and its gradients would not be those of its forward.
 //! Give such a layer its mask or seed as an input ([`Arg::Const`]).
 //!
-//! Supports candle 0.11. Measurement attaches through a
-//! [`Observer`] (pass `&NoObserver` when none; both are re-exported here).
+//! Supports candle 0.11. Measurement attaches through an [`Observer`],
+//! set on the builder when wanted (both it and `NoObserver` are
+//! re-exported here).
 #![warn(missing_docs)]
 
 mod builder;
@@ -42,14 +44,14 @@ mod policy;
 mod sequential;
 mod vjp;
 
-pub use builder::{Plain, Sequential, Taped};
+pub use builder::{Direct, Plain, Sequential, Taped};
+pub use candle_custom_grad::DirectBackward;
 /// The measurement hook that calls here accept, and the one that does
 /// nothing (`&NoObserver`): re-exported, so that a caller needs no
 /// `candle-observe` of its own for them.
 pub use candle_observe::{NoObserver, Observer};
-pub use direct::{autograd_head, checkpoint_direct, direct_backward, direct_backward_with};
+pub use direct::autograd_head;
 pub use grads::{accumulate, add_grad, ensure_grads, missing_grads, named_vars};
-pub use lean::{lean_backward, lean_backward_with};
 pub use policy::{Policy, Tape, TapeModule};
-pub use sequential::{checkpoint_sequential, layerwise_backward, segment_bounds, Checkpointed};
-pub use vjp::{pull_back, recompute, Arg, Seed, Vjp};
+pub use sequential::{segment_bounds, Checkpointed};
+pub use vjp::{recompute, Arg, Seed, Vjp};

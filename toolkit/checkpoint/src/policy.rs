@@ -169,7 +169,7 @@ impl Tape {
                         b.dims()
                     );
                 }
-                with_backward2(out, a, b, Product)
+                with_backward2(out, [a, b], Product)
             }
             _ => a.matmul(b),
         }

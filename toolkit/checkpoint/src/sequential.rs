@@ -7,11 +7,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, Module, Result, Tensor, Var};
 use candle_observe::{within, Kind, Observer, Place};
 
-use crate::grads::{accumulate, add_grad};
+use crate::grads::add_grad;
 use crate::policy::{Policy, Tape, TapeModule};
-use crate::vjp::{recompute, Arg, Seed};
+use crate::vjp::{recompute_observed, Arg, Seed};
 
-/// What [`checkpoint_sequential`] returns. Everything is detached.
+/// What a [`crate::Sequential`] backward returns. Everything is detached.
 #[derive(Debug)]
 pub struct Checkpointed {
     /// The loss.
@@ -97,11 +97,11 @@ impl<L: TapeModule> Segment for TapeModules<'_, L> {
     }
 }
 
-/// The loop every public function is: a forward that keeps each segment's
+/// The checkpointed loop: a forward that keeps each segment's
 /// input (and what `policy` keeps), then each segment recomputed and pulled
 /// back, last first, its parameter gradients handed to `sink`.
 #[allow(clippy::too_many_arguments)]
-fn backward_by_segments(
+pub(crate) fn backward_by_segments(
     layers: &dyn Segment,
     bounds: &[Range<usize>],
     policy: &Policy,
@@ -147,14 +147,14 @@ fn backward_by_segments(
             Arg::Const(&x)
         };
         let vjp = match (upstream.take(), head.take()) {
-            (None, Some(head)) => recompute(
+            (None, Some(head)) => recompute_observed(
                 |a| head(&layers.run(range.clone(), &a[0], &tape)?),
                 &[arg],
                 Seed::Loss,
                 vars,
                 observer,
             )?,
-            (Some(g), _) => recompute(
+            (Some(g), _) => recompute_observed(
                 |a| layers.run(range.clone(), &a[0], &tape),
                 &[arg],
                 Seed::Grad(&g),
@@ -183,127 +183,18 @@ fn backward_by_segments(
     }
 }
 
-/// Runs `layers` on `input`, then `head` on the result to a scalar loss, and
-/// back-propagates in `segments` checkpoints: the gradients are those of
-/// plain backprop, while only one segment's activations (and the segments'
-/// inputs) are alive at a time. With `n` layers in `sqrt(n)` segments that
-/// is `O(sqrt(n))` activations for one extra forward (Chen et al., 2016).
-///
-/// `vars` are the variables whose gradients are wanted (`VarMap::all_vars`,
-/// say). `layers` may be any [`Module`]s, closures included; the input may
-/// be token ids for a first embedding layer. PyTorch's name and arguments;
-/// [`crate::Sequential`] sets the same by name, with a selective policy on
-/// taped layers and the observer optional.
-///
-/// ```
-/// use candle_checkpoint::checkpoint_sequential;
-/// use candle_core::{DType, Device, Module, Tensor};
-/// use candle_nn::{VarBuilder, VarMap};
-/// use candle_observe::NoObserver;
-/// let dev = Device::Cpu;
-/// let map = VarMap::new();
-/// let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);
-/// let layers = (0..4)
-///     .map(|i| candle_nn::linear(8, 8, vb.pp(i)))
-///     .collect::<candle_core::Result<Vec<_>>>()?;
-/// let x = Tensor::randn(0f32, 1.0, (2, 8), &dev)?;
-/// let head = |h: &Tensor| h.sqr()?.sum_all();
-///
-/// let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?)?.backward()?;
-/// let ckpt = checkpoint_sequential(&layers, 2, &x, &map.all_vars(), head, &NoObserver)?;
-/// for v in map.all_vars() {
-///     let a = plain.get(v.as_tensor()).unwrap();
-///     let b = ckpt.grads.get(v.as_tensor()).unwrap();
-///     assert!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
-/// }
-/// # Ok::<(), candle_core::Error>(())
-/// ```
-pub fn checkpoint_sequential<M: Module>(
-    layers: &[M],
-    segments: usize,
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-    observer: &dyn Observer,
-) -> Result<Checkpointed> {
-    checkpointed(
-        &Modules(layers),
-        layers.len(),
-        segments,
-        &Policy::Nothing,
-        input,
-        vars,
-        head,
-        observer,
-    )
-}
-
-/// [`checkpoint_sequential`] and [`crate::Sequential`]: gradients summed
-/// over the segments.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn checkpointed(
-    layers: &dyn Segment,
-    count: usize,
-    segments: usize,
-    policy: &Policy,
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-    observer: &dyn Observer,
-) -> Result<Checkpointed> {
-    let bounds = segment_bounds(count, segments)?;
-    let mut grads = GradStore::default();
-    let (loss, input_grad) = backward_by_segments(
-        layers,
-        &bounds,
-        policy,
-        input,
-        vars,
-        head,
-        |store| accumulate(&mut grads, &store, vars),
-        observer,
-    )?;
-    Ok(Checkpointed {
-        loss,
-        grads,
-        input_grad,
-    })
-}
-
-/// Back-propagates through `layers` one layer at a time, last first, handing
-/// `on_grad(var, gradient)` each parameter gradient of `vars` as soon as its
-/// layer is done, so that the device never holds more than one layer's
-/// gradients if the callback moves them away (to the host, for an offloaded
-/// optimizer). A variable used by several layers is handed over once per
-/// layer: sum in the callback. Returns the loss.
-///
-/// Each layer is checkpointed: the forward keeps the layers' inputs only.
-/// Any layer works, whatever its first operation.
-pub fn layerwise_backward<M: Module>(
-    layers: &[M],
-    input: &Tensor,
-    vars: &[Var],
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-    mut on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
-    observer: &dyn Observer,
-) -> Result<Tensor> {
-    let bounds = segment_bounds(layers.len(), layers.len())?;
-    let (loss, _) = backward_by_segments(
-        &Modules(layers),
-        &bounds,
-        &Policy::Nothing,
-        input,
-        vars,
-        head,
-        |mut store| {
-            for var in vars {
-                if let Some(g) = store.remove(var.as_tensor()) {
-                    on_grad(var, g)?;
-                }
+/// A sink for [`backward_by_segments`] that hands each gradient of `vars`
+/// in a segment's store to `on_grad`, keeping none.
+pub(crate) fn hand_each<'a>(
+    vars: &'a [Var],
+    mut on_grad: impl FnMut(&Var, Tensor) -> Result<()> + 'a,
+) -> impl FnMut(GradStore) -> Result<()> + 'a {
+    move |mut store| {
+        for var in vars {
+            if let Some(g) = store.remove(var.as_tensor()) {
+                on_grad(var, g)?;
             }
-            Ok(())
-        },
-        observer,
-    )?;
-    Ok(loss)
+        }
+        Ok(())
+    }
 }

@@ -3,7 +3,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{bail, Result, Tensor, Var};
 use candle_custom_grad::{with_backward2, Backward2};
-use candle_observe::{scope, Kind, Observer, Place};
+use candle_observe::{scope, Kind, NoObserver, Observer, Place};
 
 /// An input of a recomputed function.
 #[derive(Debug, Clone, Copy)]
@@ -31,7 +31,7 @@ pub enum Seed<'a> {
     Grad(&'a Tensor),
 }
 
-/// What [`recompute`] and [`pull_back`] return. Everything is detached.
+/// What [`recompute`] returns. Everything is detached.
 #[derive(Debug)]
 pub struct Vjp {
     /// The gradient of each input, in order: `None` for [`Arg::Const`].
@@ -64,7 +64,7 @@ pub(crate) fn seeded(output: &Tensor, grad: &Tensor) -> Result<Tensor> {
         }
     }
     let root = Tensor::zeros((), output.dtype(), output.device())?;
-    with_backward2(root, output, grad, Inject)
+    with_backward2(root, [output, grad], Inject)
 }
 
 /// Back-propagates `output`, whose graph starts at `inputs`, with `seed`:
@@ -75,7 +75,7 @@ pub(crate) fn seeded(output: &Tensor, grad: &Tensor) -> Result<Tensor> {
 /// does not depend on it; a plain tensor gets a gradient only where candle
 /// passed one (through an operation that also used a variable), else
 /// `None`. The output and its graph are dropped before this returns.
-pub fn pull_back(
+pub(crate) fn pull_back(
     output: Tensor,
     seed: Seed<'_>,
     inputs: &[Option<&Tensor>],
@@ -141,9 +141,8 @@ pub fn pull_back(
 /// Only `f`'s activations of this one call are alive meanwhile.
 ///
 /// ```
-/// use candle_checkpoint::{recompute, Arg, Seed};
+/// use candle_checkpoint::{Arg, Seed, recompute};
 /// use candle_core::{Device, Tensor, Var};
-/// use candle_observe::NoObserver;
 /// let dev = Device::Cpu;
 /// let w = Var::new(&[2f32, 3.0], &dev)?;
 /// let x = Tensor::new(&[1f32, 4.0], &dev)?;
@@ -151,13 +150,24 @@ pub fn pull_back(
 /// // f(x, mask) = (x * w * mask), pulled back with ones: d/dx = w * mask, d/dw = x * mask.
 /// let f = |a: &[Tensor]| (&a[0] * w.as_tensor())? * &a[1];
 /// let ones = Tensor::ones(2, candle_core::DType::F32, &dev)?;
-/// let vjp = recompute(f, &[Arg::Grad(&x), Arg::Const(&mask)], Seed::Grad(&ones), &[w.clone()], &NoObserver)?;
+/// let vjp = recompute(f, &[Arg::Grad(&x), Arg::Const(&mask)], Seed::Grad(&ones), &[w.clone()])?;
 /// assert_eq!(vjp.inputs[0].as_ref().unwrap().to_vec1::<f32>()?, [2.0, 0.0]);
 /// assert!(vjp.inputs[1].is_none());
 /// assert_eq!(vjp.params.get(w.as_tensor()).unwrap().to_vec1::<f32>()?, [1.0, 0.0]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn recompute(
+    f: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+    args: &[Arg<'_>],
+    seed: Seed<'_>,
+    vars: &[Var],
+) -> Result<Vjp> {
+    recompute_observed(f, args, seed, vars, &NoObserver)
+}
+
+/// [`recompute`], the recomputation's activations and gradients told to
+/// `observer`.
+pub(crate) fn recompute_observed(
     f: impl FnOnce(&[Tensor]) -> Result<Tensor>,
     args: &[Arg<'_>],
     seed: Seed<'_>,

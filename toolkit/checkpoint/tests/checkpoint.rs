@@ -1,14 +1,11 @@
 //! Checkpointing against plain backprop, on closures and candle-nn layers,
 //! and every misuse with its message.
 
-use candle_checkpoint::{
-    checkpoint_sequential, layerwise_backward, recompute, segment_bounds, Arg, Policy, Seed,
-    Sequential,
-};
+use candle_checkpoint::{recompute, segment_bounds, Arg, Policy, Seed, Sequential};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use candle_observe::{Kind, NoObserver, Observer, Place, Token};
+use candle_observe::{Kind, Observer, Place, Token};
 
 mod common;
 use common::{max_diff, worst};
@@ -51,7 +48,9 @@ fn every_segment_count_gives_plain_gradients() -> Result<()> {
     let run = |h: &Tensor| layers.iter().try_fold(h.clone(), |h, l| l.forward(&h));
     let plain = head(&run(xv.as_tensor())?)?.backward()?;
     for segments in 1..=5 {
-        let out = checkpoint_sequential(&layers, segments, &x, &vars, head, &NoObserver)?;
+        let out = Sequential::new(&layers)
+            .segments(segments)
+            .backward(&x, &vars, head)?;
         assert!(worst(&plain, &out.grads, &vars)? < 1e-6);
         let gx = out.input_grad.expect("a float input has a gradient");
         assert!(max_diff(plain.get(xv.as_tensor()).unwrap(), &gx)? < 1e-6);
@@ -60,7 +59,7 @@ fn every_segment_count_gives_plain_gradients() -> Result<()> {
 }
 
 #[test]
-fn layerwise_backward_needs_no_parameter_first() -> Result<()> {
+fn each_layer_backward_needs_no_parameter_first() -> Result<()> {
     let map = VarMap::new();
     let layers = stack(&map, 4)?;
     let vars = map.all_vars();
@@ -69,18 +68,14 @@ fn layerwise_backward_needs_no_parameter_first() -> Result<()> {
     let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?)?.backward()?;
     let mut got = GradStore::default();
     let mut order = Vec::new();
-    layerwise_backward(
-        &layers,
-        &x,
-        &vars,
-        head,
-        |v, g| {
+    Sequential::new(&layers)
+        .each_layer()
+        .backward_with(&x, &vars, head, |v, g| {
             order.push(v.as_tensor().id());
             got.insert(v.as_tensor(), g);
             Ok(())
-        },
-        &NoObserver,
-    )?;
+        })
+        .map(|(loss, _)| loss)?;
     assert!(worst(&plain, &got, &vars)? < 1e-6);
     assert_eq!(order.len(), vars.len());
     Ok(())
@@ -98,7 +93,9 @@ fn a_variable_shared_by_segments_gets_the_sum() -> Result<()> {
     let x = Tensor::new(&[1f32, -2.0], &Device::Cpu)?;
     let head = |h: &Tensor| h.sum_all();
     let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l(&h))?)?.backward()?;
-    let out = checkpoint_sequential(&layers, 3, &x, std::slice::from_ref(&a), head, &NoObserver)?;
+    let out = Sequential::new(&layers)
+        .segments(3)
+        .backward(&x, std::slice::from_ref(&a), head)?;
     assert!(worst(&plain, &out.grads, &[a])? < 1e-6);
     Ok(())
 }
@@ -119,7 +116,6 @@ fn recompute_takes_several_inputs_and_constants() -> Result<()> {
         &[Arg::Grad(&h), Arg::Grad(&r), Arg::Const(&mask)],
         Seed::Grad(&g),
         std::slice::from_ref(&w),
-        &NoObserver,
     )?;
     // The same through candle directly.
     let (hv, rv) = (Var::from_tensor(&h)?, Var::from_tensor(&r)?);
@@ -154,44 +150,21 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     let x = Tensor::new(&[1f32, 2.0], &dev)?;
     let ids = Tensor::new(&[1u32, 2], &dev)?;
     let id = |a: &[Tensor]| Ok(a[0].clone());
-    assert!(err(recompute(
-        id,
-        &[Arg::Grad(&ids)],
-        Seed::Loss,
-        &[],
-        &NoObserver
-    ))
-    .starts_with("argument 0 is U32: only a float input can have a gradient"));
-    assert!(err(recompute(
-        id,
-        &[Arg::Grad(&x)],
-        Seed::Loss,
-        &[],
-        &NoObserver
-    ))
-    .starts_with("Seed::Loss needs a scalar output, the function returned shape [2]"));
+    assert!(err(recompute(id, &[Arg::Grad(&ids)], Seed::Loss, &[]))
+        .starts_with("argument 0 is U32: only a float input can have a gradient"));
+    assert!(err(recompute(id, &[Arg::Grad(&x)], Seed::Loss, &[]))
+        .starts_with("Seed::Loss needs a scalar output, the function returned shape [2]"));
     let g = Tensor::new(&[1f32, 2.0, 3.0], &dev)?;
-    assert!(err(recompute(
-        id,
-        &[Arg::Grad(&x)],
-        Seed::Grad(&g),
-        &[],
-        &NoObserver
-    ))
-    .starts_with("the upstream gradient has shape [3], the function's output [2]"));
+    assert!(err(recompute(id, &[Arg::Grad(&x)], Seed::Grad(&g), &[]))
+        .starts_with("the upstream gradient has shape [3], the function's output [2]"));
     assert!(err(segment_bounds(0, 1)).starts_with("there are no layers to checkpoint"));
     assert!(err(segment_bounds(3, 0))
         .starts_with("segments is 0: it must be between 1 and the number of layers, 3"));
     assert!(err(segment_bounds(3, 4)).starts_with("segments is 4"));
     let layers = [|x: &Tensor| x.exp()];
-    assert!(err(checkpoint_sequential(
-        &layers,
-        2,
-        &x,
-        &[],
-        |h| h.sum_all(),
-        &NoObserver
-    ))
+    assert!(err(Sequential::new(&layers)
+        .segments(2)
+        .backward(&x, &[], |h| h.sum_all()))
     .starts_with("segments is 2: it must be between 1 and the number of layers, 1"));
     Ok(())
 }
@@ -219,7 +192,10 @@ fn the_observer_sees_each_segment() -> Result<()> {
     let layers = [|x: &Tensor| x.exp(), |x: &Tensor| x.sin()];
     let x = Tensor::new(&[0.5f32], &Device::Cpu)?;
     let log = Log::default();
-    checkpoint_sequential(&layers, 2, &x, &[], |h| h.sum_all(), &log)?;
+    Sequential::new(&layers)
+        .segments(2)
+        .observer(&log)
+        .backward(&x, &[], |h| h.sum_all())?;
     let log = log.0.into_inner();
     let marks: Vec<_> = log.iter().filter(|l| l.starts_with("segment")).collect();
     assert_eq!(
@@ -295,8 +271,11 @@ fn every_dtype_and_an_empty_batch() -> Result<()> {
             let x = Tensor::randn(0f32, 1.0, (rows, 6), &dev)?.to_dtype(dtype)?;
             let head = |h: &Tensor| h.sqr()?.sum_all();
             let plain = head(&layers.iter().try_fold(x.clone(), |h, l| l(&h))?)?.backward()?;
-            let out =
-                checkpoint_sequential(&layers, 2, &x, std::slice::from_ref(&w), head, &NoObserver)?;
+            let out = Sequential::new(&layers).segments(2).backward(
+                &x,
+                std::slice::from_ref(&w),
+                head,
+            )?;
             let (a, b) = (
                 plain.get(w.as_tensor()).unwrap(),
                 out.grads.get(w.as_tensor()).unwrap(),
@@ -337,7 +316,9 @@ fn the_builder_defaults_to_the_square_root_of_the_layers_in_segments() -> Result
         .filter(|l| *l == "segment backward")
         .count();
     assert_eq!(backwards, 3, "⌈√5⌉ segments");
-    let three = checkpoint_sequential(&layers, 3, &x, &vars, head, &NoObserver)?;
+    let three = Sequential::new(&layers)
+        .segments(3)
+        .backward(&x, &vars, head)?;
     assert_eq!(worst(&three.grads, &built.grads, &vars)?, 0.0);
     assert_eq!(
         built.loss.to_scalar::<f32>()?,

@@ -2,10 +2,9 @@
 //! backward through the same fused layers, in every dtype, and their
 //! errors.
 
-use candle_checkpoint::{autograd_head, checkpoint_direct, direct_backward, direct_backward_with};
+use candle_checkpoint::{autograd_head, Sequential};
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
-use candle_observe::NoObserver;
 
 mod common;
 use common::{max_diff, worst};
@@ -42,12 +41,14 @@ fn direct_gradients_equal_candles_backward_in_every_dtype() -> Result<()> {
         let out = layers.iter().try_fold(x.clone(), |h, l| l.forward(&h))?;
         let plain = cross_entropy(&out, &targets)?.backward()?;
         let head = |h: &Tensor| cross_entropy_and_grad(h, &targets, 1.0);
-        let direct = direct_backward(&layers, &x, &vars, head, &NoObserver)?;
+        let direct = Sequential::direct(&layers).backward(&x, &vars, head)?;
         assert!(direct.input_grad.is_none(), "a data batch gets no gradient");
         let d = worst(&plain, &direct.grads, &vars)?;
         assert!(d <= tol, "{dtype:?}: direct against candle's backward {d}");
         for segments in 1..=layers.len() {
-            let ckpt = checkpoint_direct(&layers, segments, &x, &vars, head, &NoObserver)?;
+            let ckpt = Sequential::direct(&layers)
+                .segments(segments)
+                .backward(&x, &vars, head)?;
             // The same operations on the same inputs: the same bits.
             let d = worst(&direct.grads, &ckpt.grads, &vars)?;
             assert_eq!(d, 0.0, "{dtype:?}, {segments} segment(s)");
@@ -72,10 +73,12 @@ fn an_input_variable_gets_its_gradient() -> Result<()> {
     )?;
     let plain = plain.backward()?;
     let expected = plain.get(x.as_tensor()).expect("the input's gradient");
-    let direct = direct_backward(&layers, &x, &vars, autograd_head(loss), &NoObserver)?;
+    let direct = Sequential::direct(&layers).backward(&x, &vars, autograd_head(loss))?;
     let got = direct.input_grad.expect("the input's gradient");
     assert!(max_diff(expected, &got)? <= 1e-6);
-    let ckpt = checkpoint_direct(&layers, 4, &x, &vars, autograd_head(loss), &NoObserver)?;
+    let ckpt = Sequential::direct(&layers)
+        .segments(4)
+        .backward(&x, &vars, autograd_head(loss))?;
     assert_eq!(max_diff(&got, &ckpt.input_grad.expect("a gradient"))?, 0.0);
     assert!(worst(&plain, &ckpt.grads, &vars)? <= 1e-6);
     Ok(())
@@ -86,8 +89,7 @@ fn each_gradient_is_handed_over_once_per_parameter() -> Result<()> {
     let (layers, vars) = stack(DType::F32)?;
     let x = Tensor::randn(0f32, 1.0, (5, 24), &Device::Cpu)?;
     let mut seen = Vec::new();
-    direct_backward_with(
-        &layers,
+    Sequential::direct(&layers).backward_with(
         &x,
         &vars[2..],
         autograd_head(|h: &Tensor| h.mean_all()),
@@ -95,7 +97,6 @@ fn each_gradient_is_handed_over_once_per_parameter() -> Result<()> {
             seen.push(var.as_tensor().id());
             Ok(())
         },
-        &NoObserver,
     )?;
     // Last layer first, each layer's weight then bias; the first layer's
     // variables were not passed in: not handed over.
@@ -116,24 +117,22 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     let x = Tensor::randn(0f32, 1.0, (5, 24), &Device::Cpu)?;
     let err = |r: Result<candle_checkpoint::Checkpointed>| r.unwrap_err().to_string();
     let none: &[LeanLayer] = &[];
-    assert!(err(direct_backward(
-        none,
+    assert!(err(Sequential::direct(none).backward(
         &x,
         &vars,
-        autograd_head(|h: &Tensor| h.mean_all()),
-        &NoObserver
+        autograd_head(|h: &Tensor| h.mean_all())
     ))
-    .starts_with("direct_backward needs at least one layer"));
+    .starts_with("a direct backward needs at least one layer"));
     // A head that returns the output itself, not a scalar loss.
     let bad = |h: &Tensor| Ok((h.clone(), h.clone()));
-    assert!(err(direct_backward(&layers, &x, &vars, bad, &NoObserver)).starts_with(
+    assert!(err(Sequential::direct(&layers).backward(&x, &vars, bad)).starts_with(
         "the head must return the scalar loss and its gradient of the output's shape [5, 24], got shapes [5, 24] and [5, 24]"
     ));
     let head = autograd_head(|h: &Tensor| h.mean_all());
-    assert!(
-        err(checkpoint_direct(&layers, 7, &x, &vars, head, &NoObserver))
-            .starts_with("segments is 7: it must be between 1 and the number of layers, 6")
-    );
+    assert!(err(Sequential::direct(&layers)
+        .segments(7)
+        .backward(&x, &vars, head))
+    .starts_with("segments is 7: it must be between 1 and the number of layers, 6"));
     // A layer built on a cast of the variable: its gradient cannot reach it.
     let w = Var::randn(0f32, 0.3, (24, 24), &Device::Cpu)?;
     let cast = LeanLayer::new(
@@ -143,7 +142,7 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     let half = x.to_dtype(DType::BF16)?;
     let head = autograd_head(|h: &Tensor| h.mean_all());
     assert!(
-        err(direct_backward(&[cast], &half, &[w], head, &NoObserver)).starts_with(
+        err(Sequential::direct(&[cast]).backward(&half, &[w], head)).starts_with(
             "a layer's parameter of shape [24, 24] is computed from a variable (a cast, say)"
         )
     );
@@ -151,7 +150,7 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     let wide = Tensor::randn(0f32, 1.0, (5, 25), &Device::Cpu)?;
     let head = autograd_head(|h: &Tensor| h.mean_all());
     assert!(
-        err(direct_backward(&layers, &wide, &vars, head, &NoObserver))
+        err(Sequential::direct(&layers).backward(&wide, &vars, head))
             .starts_with("the input has shape [5, 25], the layer takes 24 features")
     );
     Ok(())

@@ -2,10 +2,9 @@
 //! allocator: one test in its own binary, so no other test's allocations
 //! are counted.
 
-use candle_checkpoint::{direct_backward, lean_backward};
+use candle_checkpoint::Sequential;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
-use candle_observe::NoObserver;
 use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
@@ -36,19 +35,13 @@ fn the_direct_backward_holds_fewer_activation_sized_tensors() -> Result<()> {
     let lean_head = |h: &Tensor| cross_entropy(h, &y);
     let direct_head = |h: &Tensor| cross_entropy_and_grad(h, &y, 1.0);
     // Warm-up: candle's first operations allocate lasting buffers of their own.
-    drop(lean_backward(&layers, &x, &vars, lean_head, &NoObserver)?);
-    drop(direct_backward(
-        &layers,
-        &x,
-        &vars,
-        direct_head,
-        &NoObserver,
-    )?);
+    drop(Sequential::new(&layers).lean(&x, &vars, lean_head)?);
+    drop(Sequential::direct(&layers).backward(&x, &vars, direct_head)?);
 
-    let (lean, lean_usage) = measure(|| lean_backward(&layers, &x, &vars, lean_head, &NoObserver));
+    let (lean, lean_usage) = measure(|| Sequential::new(&layers).lean(&x, &vars, lean_head));
     drop(lean?);
     let (direct, direct_usage) =
-        measure(|| direct_backward(&layers, &x, &vars, direct_head, &NoObserver));
+        measure(|| Sequential::direct(&layers).backward(&x, &vars, direct_head));
     let direct = direct?;
     assert!(direct.grads.get(vars[0].as_tensor()).is_some());
     drop(direct);

@@ -1,7 +1,7 @@
 //! The lean backward against candle's own: equal gradients, recomputation
 //! only where candle's gradient of a layer's input could be incomplete.
 
-use candle_checkpoint::lean_backward;
+use candle_checkpoint::Sequential;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use candle_observe::{Kind, Observer, Place, Token};
@@ -65,7 +65,10 @@ fn compare<M: Module>(make: impl Fn(candle_nn::Linear) -> M) -> Result<(f64, Opt
     )?
     .backward()?;
     let forwards = Forwards::default();
-    let lean = lean_backward(&layers, &x.as_detached_tensor(), &vars, head, &forwards)?;
+    let lean =
+        Sequential::new(&layers)
+            .observer(&forwards)
+            .lean(&x.as_detached_tensor(), &vars, head)?;
     let input = match &lean.input_grad {
         Some(gx) => Some(max_diff(gx, plain.get(x.as_tensor()).unwrap())?),
         None => None,
@@ -130,7 +133,9 @@ fn token_ids_and_a_plain_position_table_first() -> Result<()> {
     let head = |h: &Tensor| h.sqr()?.mean_all();
     let plain = head(&layers.iter().try_fold(ids.clone(), |h, l| l.forward(&h))?)?.backward()?;
     let forwards = Forwards::default();
-    let lean = lean_backward(&layers, &ids, &vars, head, &forwards)?;
+    let lean = Sequential::new(&layers)
+        .observer(&forwards)
+        .lean(&ids, &vars, head)?;
     assert_eq!(worst(&plain, &lean.grads, &vars)?, 0.0);
     assert!(lean.input_grad.is_none());
     assert_eq!(forwards.0.get(), 1, "nothing run twice");
@@ -141,25 +146,21 @@ fn token_ids_and_a_plain_position_table_first() -> Result<()> {
 fn misuse_is_an_error_that_says_why() -> Result<()> {
     let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu)?;
     let none: [LinearGelu; 0] = [];
-    let err = lean_backward(&none, &x, &[], |h| h.sum_all(), &candle_observe::NoObserver)
+    let err = Sequential::new(&none)
+        .lean(&x, &[], |h| h.sum_all())
         .expect_err("no layers")
         .to_string();
     assert!(
-        err.starts_with("lean_backward needs at least one layer"),
+        err.starts_with("a lean backward needs at least one layer"),
         "{err}"
     );
     let map = VarMap::new();
     let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
     let layers = [LinearGelu(candle_nn::linear(3, 3, vb)?)];
-    let err = lean_backward(
-        &layers,
-        &x,
-        &map.all_vars(),
-        |h| h.sqr(),
-        &candle_observe::NoObserver,
-    )
-    .expect_err("not a scalar")
-    .to_string();
+    let err = Sequential::new(&layers)
+        .lean(&x, &map.all_vars(), |h| h.sqr())
+        .expect_err("not a scalar")
+        .to_string();
     assert!(
         err.starts_with("the head must return the scalar loss, got shape [2, 3]"),
         "{err}"

@@ -2,10 +2,9 @@
 //! allocator: one test in its own binary, so no other test's allocations
 //! are counted.
 
-use candle_checkpoint::lean_backward;
+use candle_checkpoint::Sequential;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use candle_observe::NoObserver;
 use candle_toolkit_alloc_count::{measure, Counting};
 
 #[global_allocator]
@@ -40,7 +39,7 @@ fn the_lean_backward_frees_each_layer_as_it_passes() -> Result<()> {
     });
     let plain_peak = plain_usage.peak;
     drop(plain?);
-    let (lean, lean_usage) = measure(|| lean_backward(&layers, &x, &vars, head, &NoObserver));
+    let (lean, lean_usage) = measure(|| Sequential::new(&layers).lean(&x, &vars, head));
     let lean_peak = lean_usage.peak;
     drop(lean?);
 

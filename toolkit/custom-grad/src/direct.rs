@@ -38,7 +38,7 @@ pub struct DirectGrads {
 ///     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, ())> {
 ///         Ok((x.matmul(&self.0.as_tensor().detach())?, ()))
 ///     }
-///     fn backward_saved(&self, x: &Tensor, _out: &Tensor, _: (), grad: Tensor, want_input: bool)
+///     fn backward_saved(&self, x: &Tensor, _: (), grad: Tensor, want_input: bool)
 ///         -> Result<DirectGrads> {
 ///         let w = self.0.as_tensor();
 ///         let input = if want_input { Some(grad.matmul(&w.t()?)?) } else { None };
@@ -50,27 +50,27 @@ pub struct DirectGrads {
 /// let x = Tensor::new(&[[1f32, 4.0]], &dev)?;
 /// let (out, saved) = layer.forward_saved(&x)?;
 /// assert_eq!(out.to_vec2::<f32>()?, [[14.0]]);
-/// let g = layer.backward_saved(&x, &out, saved, Tensor::new(&[[1f32]], &dev)?, true)?;
+/// let g = layer.backward_saved(&x, saved, Tensor::new(&[[1f32]], &dev)?, true)?;
 /// assert_eq!(g.input.unwrap().to_vec2::<f32>()?, [[2.0, 3.0]]);
 /// assert_eq!(g.params[0].1.to_vec2::<f32>()?, [[1.0], [4.0]]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub trait DirectBackward {
-    /// What the forward keeps for the backward beside its input and output.
+    /// What the forward keeps for the backward beside its input (a layer
+    /// whose backward reads its output keeps it here: a handle, no copy).
     type Saved;
 
     /// The output, with no graph behind it, and what the backward needs.
     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
 
-    /// From the forward's input `x`, its output `out`, what it saved, and
-    /// the output's gradient `grad`: the parameters' gradients, and the
+    /// From the forward's input `x`, what it saved, and the output's
+    /// gradient `grad`: the parameters' gradients, and the
     /// input's when `want_input`. `grad` is handed over, so that the layer
     /// can free it as soon as it is done with it, as PyTorch's autograd
     /// frees a gradient once the node that consumes it has.
     fn backward_saved(
         &self,
         x: &Tensor,
-        out: &Tensor,
         saved: Self::Saved,
         grad: Tensor,
         want_input: bool,

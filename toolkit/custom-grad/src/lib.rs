@@ -39,7 +39,7 @@
 //! let dev = Device::Cpu;
 //! let (a, b) = (Var::new(&[2f32], &dev)?, Var::new(&[3f32], &dev)?);
 //! let out = (a.as_tensor() * b.as_tensor())?.detach();
-//! let y = with_backward2(out, &a, &b, AsIfSum)?;
+//! let y = with_backward2(out, [&a, &b], AsIfSum)?;
 //! assert_eq!(y.to_vec1::<f32>()?, [6.0]);
 //! let grads = y.sum_all()?.backward()?;
 //! assert_eq!(grads.get(&a).unwrap().to_vec1::<f32>()?, [1.0]);
@@ -350,8 +350,7 @@ pub fn with_backward1(
 /// on the inputs' device; its graph, if any, is dropped.
 pub fn with_backward2(
     out: Tensor,
-    a: &Tensor,
-    b: &Tensor,
+    [a, b]: [&Tensor; 2],
     backward: impl Backward2 + 'static,
 ) -> Result<Tensor> {
     let kept = before_apply(&out, a, || backward.kept())?;
@@ -369,9 +368,7 @@ pub fn with_backward2(
 /// [`with_backward2`] for an operation of three inputs.
 pub fn with_backward3(
     out: Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    c: &Tensor,
+    [a, b, c]: [&Tensor; 3],
     backward: impl Backward3 + 'static,
 ) -> Result<Tensor> {
     let kept = before_apply(&out, a, || backward.kept())?;

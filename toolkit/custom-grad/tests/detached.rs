@@ -71,13 +71,13 @@ fn every_arity_hands_the_backward_detached_tensors() -> Result<()> {
     assert!(one.0.load(Ordering::SeqCst), "with_backward1");
 
     let two = Seen::default();
-    with_backward2(out.clone(), &a, &b, two.clone())?
+    with_backward2(out.clone(), [&a, &b], two.clone())?
         .sum_all()?
         .backward()?;
     assert!(two.0.load(Ordering::SeqCst), "with_backward2");
 
     let three = Seen::default();
-    with_backward3(out, &a, &b, vars[2].as_tensor(), three.clone())?
+    with_backward3(out, [&a, &b, vars[2].as_tensor()], three.clone())?
         .sum_all()?
         .backward()?;
     assert!(three.0.load(Ordering::SeqCst), "with_backward3");

@@ -26,7 +26,7 @@ impl Backward2 for Keeps {
 
 fn op(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let kept = Tensor::zeros(5, candle_core::DType::F32, &Device::Cpu)?;
-    with_backward2((a * b)?, a, b, Keeps(kept))
+    with_backward2((a * b)?, [a, b], Keeps(kept))
 }
 
 #[test]

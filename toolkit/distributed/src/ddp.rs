@@ -100,7 +100,7 @@ impl DataParallel {
 
     /// Averaging as the backward goes: hand each gradient to
     /// [`Bucketing::push`] as a layer-wise backward produces it
-    /// (`candle_checkpoint::lean_backward_with`), and a bucket is
+    /// (`candle_checkpoint::Sequential::lean_with`), and a bucket is
     /// all-reduced as soon as it holds `bucket_bytes` or more (the one that
     /// crosses the threshold included), at the points where DDP's hooks
     /// launch theirs; here the all-reduce blocks the backward rather than

@@ -38,7 +38,7 @@ struct Slot {
 /// * **Stage 2**: during the backward, [`reduce_gradient`](Self::reduce_gradient)
 ///   reduce-scatters each gradient as soon as it exists and keeps only this
 ///   rank's block (with a backward that hands gradients over one layer at a
-///   time, such as `candle_checkpoint::layerwise_backward`); then
+///   time, such as `candle_checkpoint::Sequential::each_layer`); then
 ///   [`step_reduced`](Self::step_reduced).
 ///
 /// A reduce-scatter and an all-gather per step move what DDP's all-reduce
@@ -191,7 +191,7 @@ impl ZeroAdamW {
             };
             {
                 let _state = scope(comm.observer(), Kind::OptimizerState, Place::Device);
-                adamw_update(&block, &slot.m, &slot.v, &g, &k)?;
+                adamw_update(&block, (&slot.m, &slot.v), &g, &k)?;
             }
             drop(g);
             let whole = all_gather_whole(

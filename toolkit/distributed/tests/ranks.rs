@@ -13,7 +13,7 @@
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 
-use candle_checkpoint::lean_backward_with;
+use candle_checkpoint::Sequential;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_distributed::{
@@ -292,13 +292,11 @@ fn ddp_during_backward(comm: &Arc<Comm>, want: &Reference, dev: &Device) -> Resu
         let (x, y) = batch(step, dev)?;
         let (x, y) = (shard(comm, &x)?, shard(comm, &y)?);
         let mut buckets = ddp.bucketing();
-        lean_backward_with(
-            &layers,
+        Sequential::new(&layers).lean_with(
             &x,
             &vars,
             |h| shard_mse(comm, h, &y),
             |var, g| buckets.push(var, g),
-            &NoObserver,
         )?;
         let grads = buckets.finish()?;
         let what = "DDP during the backward";
@@ -425,13 +423,11 @@ fn zero(
             }
             1 => opt.step(&shard_mse(comm, &forward(&layers, &x)?, &y)?.backward()?)?,
             _ => {
-                lean_backward_with(
-                    &layers,
+                Sequential::new(&layers).lean_with(
                     &x,
                     &vars,
                     |h| shard_mse(comm, h, &y),
                     |var, g| opt.reduce_gradient(var, &g),
-                    &NoObserver,
                 )?;
                 // This rank's gradient blocks, kept in f32.
                 let expected: usize = vars

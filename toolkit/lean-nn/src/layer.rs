@@ -3,11 +3,11 @@
 use candle_core::{Module, Result, Tensor};
 use candle_custom_grad::{DirectBackward, DirectGrads};
 
-use crate::linear::{Activation, LeanLinear};
+use crate::linear::{Activation, Kept, LeanLinear};
 
 /// A [`LeanLinear`] and its activation as one layer: a `Module`, whose
 /// backward runs through candle's graph, and a [`DirectBackward`], whose
-/// backward a driver such as `candle_checkpoint::direct_backward` calls
+/// backward a driver such as `candle_checkpoint::Sequential::direct` calls
 /// directly. The same gradients either way.
 ///
 /// ```
@@ -20,7 +20,7 @@ use crate::linear::{Activation, LeanLinear};
 /// let x = Tensor::new(&[[1f32, 2.0]], &dev)?;
 /// let (out, kept) = layer.forward_saved(&x)?;
 /// assert_eq!(out.to_vec2::<f32>()?, layer.forward(&x)?.to_vec2::<f32>()?);
-/// let g = layer.backward_saved(&x, &out, kept, Tensor::ones((1, 2), candle_core::DType::F32, &dev)?, true)?;
+/// let g = layer.backward_saved(&x, kept, Tensor::ones((1, 2), candle_core::DType::F32, &dev)?, true)?;
 /// // ReLU passes only the second output (the first is -1): d/dx = W's second row.
 /// assert_eq!(g.input.unwrap().to_vec2::<f32>()?, [[0.5, 2.0]]);
 /// # Ok::<(), candle_core::Error>(())
@@ -55,8 +55,8 @@ impl Module for LeanLayer {
 }
 
 impl DirectBackward for LeanLayer {
-    /// GELU's input, for a GELU layer.
-    type Saved = Option<Tensor>;
+    /// GELU's input, or a ReLU's output.
+    type Saved = Kept;
 
     fn forward_saved(&self, x: &Tensor) -> Result<(Tensor, Self::Saved)> {
         self.linear.forward_saved(x, self.act)
@@ -65,14 +65,11 @@ impl DirectBackward for LeanLayer {
     fn backward_saved(
         &self,
         x: &Tensor,
-        out: &Tensor,
-        kept: Self::Saved,
+        kept: Kept,
         grad: Tensor,
         want_input: bool,
     ) -> Result<DirectGrads> {
-        let (input, dw, db) = self
-            .linear
-            .backward_saved(self.act, kept, x, out, grad, want_input)?;
+        let (input, dw, db) = self.linear.backward_saved(x, kept, grad, want_input)?;
         let mut params = vec![(self.linear.weight().clone(), dw)];
         params.extend(self.linear.bias().cloned().zip(db));
         Ok(DirectGrads { input, params })

@@ -46,14 +46,14 @@ mod rope;
 mod swiglu;
 
 pub use layer::LeanLayer;
-pub use linear::{lean_linear, linear_backward, Activation, LeanLinear};
+pub use linear::{lean_linear, linear_backward, Activation, Kept, LeanLinear};
 pub use linear_loss::{linear_cross_entropy, LinearCrossEntropy, LossGrads};
 pub use loss::{cross_entropy, cross_entropy_and_grad};
 pub use norm::{
     layer_norm, layer_norm_backward, layer_norm_saved, lean_layer_norm, LeanLayerNorm, NormStats,
 };
 pub use rms_norm::{lean_rms_norm, rms_norm, rms_norm_backward, rms_norm_saved, LeanRmsNorm};
-pub use rope::{rope, rope_backward, rope_tables};
+pub use rope::{rope, rope_backward, RopeConfig};
 pub use swiglu::{swiglu, swiglu_backward};
 
 /// The dtype a layer sums and normalizes in: f64 for f64, f32 otherwise.

@@ -21,6 +21,53 @@ pub enum Activation {
     Gelu,
 }
 
+/// What [`LeanLinear::forward_saved`] keeps for the layer's direct backward
+/// beside its input: the activation, and the one tensor its derivative is
+/// read from.
+#[derive(Debug, Clone)]
+pub enum Kept {
+    /// No activation: the backward needs only the input.
+    Identity,
+    /// A ReLU's output, from which its derivative is read (shared with the
+    /// output the forward returned: no copy).
+    Relu(Tensor),
+    /// GELU's input, the product plus the bias.
+    Gelu(Tensor),
+}
+
+impl Kept {
+    /// What the backward of a layer with activation `act` reads: the
+    /// layer's `output` for a ReLU, GELU's input `gelu_input` for GELU
+    /// (which must then be given), nothing otherwise. For a layer in
+    /// candle's graph that keeps GELU's input itself and is handed its
+    /// output by the backward, as `candle-offload`'s streamed layer is.
+    pub fn new(act: Activation, output: &Tensor, gelu_input: Option<Tensor>) -> Result<Self> {
+        Ok(match (act, gelu_input) {
+            (Activation::Identity, _) => Kept::Identity,
+            (Activation::Relu, _) => Kept::Relu(output.clone()),
+            (Activation::Gelu, Some(z)) => Kept::Gelu(z),
+            (Activation::Gelu, None) => bail!("a GELU layer's backward needs GELU's input"),
+        })
+    }
+
+    /// The activation it was kept for.
+    pub fn activation(&self) -> Activation {
+        match self {
+            Kept::Identity => Activation::Identity,
+            Kept::Relu(_) => Activation::Relu,
+            Kept::Gelu(_) => Activation::Gelu,
+        }
+    }
+
+    /// The tensor the activation's derivative is read from, if any.
+    pub fn tensor(&self) -> Option<&Tensor> {
+        match self {
+            Kept::Identity => None,
+            Kept::Relu(t) | Kept::Gelu(t) => Some(t),
+        }
+    }
+}
+
 /// `act(x W^T + b)` as one autograd operation. See the crate's docs.
 ///
 /// ```
@@ -88,18 +135,28 @@ impl LeanLinear {
 
     /// `act(x W^T + b)` for `x` `(..., in)`.
     pub fn forward_act(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
-        let (out, kept) = self.forward_saved(x, act)?;
-        let backward = Linear { act, z: kept };
+        let (out, z) = self.forward_graphless(x, act)?;
+        // The graph's op keeps GELU's input only: a ReLU's output is handed
+        // to its backward by candle (keeping it in the op would be a cycle).
+        let backward = Linear { act, z };
         match &self.bias {
-            Some(b) => with_backward3(out, x, &self.weight, b, backward),
-            None => with_backward2(out, x, &self.weight, backward),
+            Some(b) => with_backward3(out, [x, &self.weight, b], backward),
+            None => with_backward2(out, [x, &self.weight], backward),
         }
     }
 
     /// [`LeanLinear::forward_act`] without a graph: the output, detached,
-    /// and for GELU its input, which [`LeanLinear::backward_saved`] needs
-    /// (ReLU's derivative is read from the output).
-    pub fn forward_saved(&self, x: &Tensor, act: Activation) -> Result<(Tensor, Option<Tensor>)> {
+    /// and what [`LeanLinear::backward_saved`] needs beside the input
+    /// (GELU's input, or a ReLU's output, which shares the returned
+    /// output's storage).
+    pub fn forward_saved(&self, x: &Tensor, act: Activation) -> Result<(Tensor, Kept)> {
+        let (out, z) = self.forward_graphless(x, act)?;
+        let kept = Kept::new(act, &out, z)?;
+        Ok((out, kept))
+    }
+
+    /// The output, detached, and GELU's input for a GELU layer.
+    fn forward_graphless(&self, x: &Tensor, act: Activation) -> Result<(Tensor, Option<Tensor>)> {
         let (out_f, in_f) = self.weight.dims2()?;
         if x.dims().last() != Some(&in_f) {
             bail!(
@@ -132,44 +189,40 @@ impl LeanLinear {
     }
 
     /// The backward of [`LeanLinear::forward_saved`], called directly: from
-    /// the input `x`, the output `out`, what the forward kept and the
-    /// output's gradient (handed over: freed before the matrix products),
-    /// the input's gradient (when `want_input`: the
-    /// first layer's data batch needs none, which saves a matrix product),
-    /// the weight's and the bias's. The same arithmetic as the backward of
-    /// [`LeanLinear::forward_act`] in candle's graph, so the same gradients.
+    /// the input `x`, what the forward kept and the output's gradient
+    /// (handed over: freed before the matrix products), the input's
+    /// gradient (when `want_input`: the first layer's data batch needs none,
+    /// which saves a matrix product), the weight's and the bias's. The same
+    /// arithmetic as the backward of [`LeanLinear::forward_act`] in candle's
+    /// graph, so the same gradients.
     pub fn backward_saved(
         &self,
-        act: Activation,
-        kept: Option<Tensor>,
         x: &Tensor,
-        out: &Tensor,
+        kept: Kept,
         grad: Tensor,
         want_input: bool,
     ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
         let w = self.weight.clone();
-        let (dx, dw, db) = linear_backward(act, kept, x, w, out, grad, want_input)?;
+        let (dx, dw, db) = grads(kept.activation(), kept.tensor(), x, w, grad, want_input)?;
         Ok((dx, dw, self.bias.as_ref().map(|_| db)))
     }
 }
 
 /// The backward of [`LeanLinear::forward_saved`] for a layer whose weight
 /// `w` is handed to it rather than kept (fetched again for the backward,
-/// as an offloaded or sharded layer's is): `(dx, dW, db)`, `dx` only when
-/// `want_input`, `db` whether or not the layer has a bias. `w` is handed
-/// over: dropped once the input's gradient is made, before the weight's,
-/// so a fetched weight is freed then. The arithmetic of
-/// [`LeanLinear::backward_saved`].
+/// as an offloaded or sharded layer's is): `(dx, dW, db)`, `db` whether or
+/// not the layer has a bias. `w` is handed over: dropped once the input's
+/// gradient is made, before the weight's, so a fetched weight is freed
+/// then. The arithmetic of [`LeanLinear::backward_saved`].
 pub fn linear_backward(
-    act: Activation,
-    kept: Option<Tensor>,
+    kept: Kept,
     x: &Tensor,
     w: Tensor,
-    out: &Tensor,
     grad: Tensor,
-    want_input: bool,
-) -> Result<(Option<Tensor>, Tensor, Tensor)> {
-    Linear { act, z: kept }.grads(x, w.detach(), out, grad, want_input)
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dx, dw, db) = grads(kept.activation(), kept.tensor(), x, w.detach(), grad, true)?;
+    let dx = dx.ok_or_else(|| candle_core::Error::Msg("internal: no input gradient".into()))?;
+    Ok((dx, dw, db))
 }
 
 impl Module for LeanLinear {
@@ -186,52 +239,63 @@ struct Linear {
 }
 
 impl Linear {
-    /// `(dx, dW, db)` from the output and its gradient; `dx` only when
-    /// `want_input`. The output's gradient is dropped once the product's is
-    /// made, before the matrix products, and the weight once the input's
-    /// gradient is made: each freed then when the caller handed it over.
-    fn grads(
-        &self,
-        x: &Tensor,
-        w: Tensor,
-        out: &Tensor,
-        grad: Tensor,
-        want_input: bool,
-    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
-        let (out_f, in_f) = w.dims2()?;
-        let (g, db) = {
-            let g = grad.reshape(((), out_f))?;
-            drop(grad);
-            let saved = match (self.act, &self.z) {
-                (Activation::Identity, _) => g.clone(),
-                (Activation::Relu, _) => out.reshape(((), out_f))?,
-                (Activation::Gelu, Some(z)) => z.clone(),
-                (Activation::Gelu, None) => bail!("internal: GELU's input was not kept"),
-            };
-            if crate::cpu::applies(&saved) && g.dtype() == DType::F32 {
-                crate::cpu::act_backward(&g, &saved, self.act)?
-            } else if crate::cpu_half::applies(&g, &saved) {
-                crate::cpu_half::act_backward(&g, &saved, self.act)?
-            } else {
-                let g = match self.act {
-                    Activation::Identity => g,
-                    Activation::Relu => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
-                    Activation::Gelu => (g * gelu_grad(&saved)?)?,
-                };
-                let db = g.sum(0)?;
-                (g, db)
-            }
-        };
-        let x2 = x.reshape(((), in_f))?;
-        let dx = if want_input {
-            Some(crate::product::matmul(&g, &w)?.reshape(x.shape())?)
-        } else {
-            None
-        };
-        drop(w);
-        let dw = crate::product::matmul(&g.t()?, &x2)?;
-        Ok((dx, dw, db))
+    /// What the activation's derivative is read from: the output for a
+    /// ReLU, the kept input for GELU.
+    fn saved<'a>(&'a self, out: &'a Tensor) -> Option<&'a Tensor> {
+        match self.act {
+            Activation::Identity => None,
+            Activation::Relu => Some(out),
+            Activation::Gelu => self.z.as_ref(),
+        }
     }
+}
+
+/// `(dx, dW, db)` of `act(x W^T + b)` from the output's gradient and what
+/// the activation's derivative is read from (`saved`: a ReLU's output,
+/// GELU's input); `dx` only when `want_input`. The output's gradient is
+/// dropped once the product's is made, before the matrix products, and the
+/// weight once the input's gradient is made: each freed then when the
+/// caller handed it over.
+fn grads(
+    act: Activation,
+    saved: Option<&Tensor>,
+    x: &Tensor,
+    w: Tensor,
+    grad: Tensor,
+    want_input: bool,
+) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+    let (out_f, in_f) = w.dims2()?;
+    let (g, db) = {
+        let g = grad.reshape(((), out_f))?;
+        drop(grad);
+        let saved = match (act, saved) {
+            (Activation::Identity, _) => g.clone(),
+            (_, Some(t)) => t.reshape(((), out_f))?,
+            (_, None) => bail!("internal: the {act:?} derivative's tensor was not kept"),
+        };
+        if crate::cpu::applies(&saved) && g.dtype() == DType::F32 {
+            crate::cpu::act_backward(&g, &saved, act)?
+        } else if crate::cpu_half::applies(&g, &saved) {
+            crate::cpu_half::act_backward(&g, &saved, act)?
+        } else {
+            let g = match act {
+                Activation::Identity => g,
+                Activation::Relu => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
+                Activation::Gelu => (g * gelu_grad(&saved)?)?,
+            };
+            let db = g.sum(0)?;
+            (g, db)
+        }
+    };
+    let x2 = x.reshape(((), in_f))?;
+    let dx = if want_input {
+        Some(crate::product::matmul(&g, &w)?.reshape(x.shape())?)
+    } else {
+        None
+    };
+    drop(w);
+    let dw = crate::product::matmul(&g.t()?, &x2)?;
+    Ok((dx, dw, db))
 }
 
 /// The derivative of candle's tanh-approximated GELU, in f32 for half
@@ -264,7 +328,7 @@ impl Backward3 for Linear {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w.clone(), out, grad.clone(), true)?;
+        let (dx, dw, db) = grads(self.act, self.saved(out), x, w.clone(), grad.clone(), true)?;
         Ok((dx, Some(dw), Some(db)))
     }
 }
@@ -281,7 +345,7 @@ impl Backward2 for Linear {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w.clone(), out, grad.clone(), true)?;
+        let (dx, dw, _) = grads(self.act, self.saved(out), x, w.clone(), grad.clone(), true)?;
         Ok((dx, Some(dw)))
     }
 }

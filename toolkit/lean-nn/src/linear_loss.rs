@@ -119,7 +119,7 @@ impl LinearCrossEntropy {
         let loss = total
             .affine(1.0 / shape.rows as f64, 0.0)?
             .to_dtype(hidden.dtype())?;
-        with_backward3(loss, hidden, weight, targets, Fused { chunk })
+        with_backward3(loss, [hidden, weight, targets], Fused { chunk })
     }
 
     /// `scale` times the mean loss and its gradients with respect to

@@ -28,12 +28,12 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         // On the CPU: a pass per row, no tensor the logits' size.
         let t = class_indices(targets, classes)?;
         let loss = cpu_mean(logits, &t)?;
-        return with_backward2(loss, logits, targets, CrossEntropy);
+        return with_backward2(loss, [logits, targets], CrossEntropy);
     }
     let loss = composed_sum(&logits.detach(), targets)?
         .affine(1.0 / rows as f64, 0.0)?
         .to_dtype(logits.dtype())?;
-    with_backward2(loss, logits, targets, CrossEntropy)
+    with_backward2(loss, [logits, targets], CrossEntropy)
 }
 
 /// The logits' rows and classes, once the targets are checked against
@@ -132,7 +132,7 @@ fn cpu_grad(logits: &Tensor, targets: &[u32], upstream: f32) -> Result<Tensor> {
 /// `scale` times the mean cross-entropy of `logits` against `targets` (see
 /// [`cross_entropy`]) and its gradient with respect to the logits, computed
 /// directly, with no graph: for a driver that calls each layer's backward
-/// itself (`candle_checkpoint::direct_backward`). `scale` is 1 for the loss
+/// itself (`candle_checkpoint::Sequential::direct`). `scale` is 1 for the loss
 /// itself, or a micro-batch's share of the batch in gradient accumulation.
 /// On the CPU the gradient is the one tensor the logits' size it
 /// allocates.

@@ -24,7 +24,7 @@ use candle_custom_grad::{with_backward3, Backward3, DirectBackward, DirectGrads}
 /// ```
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let (out, stats) = layer_norm_saved(x, weight, bias, eps)?;
-    with_backward3(out, x, weight, bias, Norm(stats))
+    with_backward3(out, [x, weight, bias], Norm(stats))
 }
 
 /// Each row's mean and reciprocal deviation (`(..., 1)`, in f32, or f64
@@ -232,7 +232,6 @@ impl DirectBackward for LeanLayerNorm {
     fn backward_saved(
         &self,
         x: &Tensor,
-        _out: &Tensor,
         stats: NormStats,
         grad: Tensor,
         want_input: bool,

@@ -26,7 +26,7 @@ use candle_custom_grad::{with_backward2, Backward2, DirectBackward, DirectGrads}
 /// ```
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let (out, rstd) = rms_norm_saved(x, weight, eps)?;
-    with_backward2(out, x, weight, Rms(rstd))
+    with_backward2(out, [x, weight], Rms(rstd))
 }
 
 /// [`rms_norm`]'s forward with no graph: the output and each row's
@@ -175,7 +175,6 @@ impl DirectBackward for LeanRmsNorm {
     fn backward_saved(
         &self,
         x: &Tensor,
-        _out: &Tensor,
         rstd: Tensor,
         grad: Tensor,
         want_input: bool,

@@ -6,7 +6,7 @@ use candle_custom_grad::{with_backward1, Backward1};
 /// Rotary position embeddings as Llama-family models apply them (the
 /// halves of each head rotated, `x * cos + rotate_half(x) * sin`), on `x`
 /// `(batch, heads, seq, head_dim)` with tables `cos` and `sin` `(seq,
-/// head_dim / 2)` ([`rope_tables`]). The forward is candle-nn's fused
+/// head_dim / 2)` ([`RopeConfig::tables`]). The forward is candle-nn's fused
 /// `rotary_emb::rope`, which has no backward of its own; the backward is
 /// the inverse rotation of the gradient (the same kernel with `-sin`), so
 /// nothing beyond the input and the shared tables is kept. candle-nn's
@@ -15,7 +15,7 @@ use candle_custom_grad::{with_backward1, Backward1};
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
 /// let dev = Device::Cpu;
-/// let (cos, sin) = candle_lean_nn::rope_tables(4, 8, 10_000.0, DType::F32, &dev)?;
+/// let (cos, sin) = candle_lean_nn::RopeConfig { positions: 4, head_dim: 8, theta: 10_000.0 }.tables(DType::F32, &dev)?;
 /// let x = Var::randn(0f32, 1.0, (1, 2, 4, 8), &dev)?;
 /// let lean = candle_lean_nn::rope(&x, &cos, &sin)?;
 /// let plain = candle_nn::rotary_emb::rope_slow(&x, &cos, &sin)?;
@@ -44,32 +44,44 @@ pub fn rope_backward(grad: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor
     candle_nn::rotary_emb::rope(&grad.contiguous()?, cos, &sin.neg()?)
 }
 
-/// The tables `cos` and `sin` `(seq, head_dim / 2)` for positions
-/// `0..seq` and base `theta`: angle `p / theta^(2i / head_dim)`, computed
-/// in f32 and given in `dtype`.
-pub fn rope_tables(
-    seq: usize,
-    head_dim: usize,
-    theta: f64,
-    dtype: DType,
-    device: &Device,
-) -> Result<(Tensor, Tensor)> {
-    if head_dim == 0 || !head_dim.is_multiple_of(2) {
-        bail!("rotary embeddings rotate pairs: head_dim {head_dim} must be even and positive");
+/// The rotation of [`rope`]: how many positions, the head size, and the
+/// base of the angles (`rope_theta` in a model's `config.json`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    /// Positions `0..positions` get a row of the tables.
+    pub positions: usize,
+    /// The head size: even, the halves rotated against each other.
+    pub head_dim: usize,
+    /// The base: angle `p / theta^(2i / head_dim)`.
+    pub theta: f64,
+}
+
+impl RopeConfig {
+    /// The tables `cos` and `sin` `(positions, head_dim / 2)`, computed in
+    /// f32 and given in `dtype`.
+    pub fn tables(&self, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+        let RopeConfig {
+            positions: seq,
+            head_dim,
+            theta,
+        } = *self;
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            bail!("rotary embeddings rotate pairs: head_dim {head_dim} must be even and positive");
+        }
+        let half = head_dim / 2;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32)
+            .collect();
+        let inv = Tensor::from_vec(inv, (1, half), device)?;
+        let pos = Tensor::arange(0u32, seq as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((seq, 1))?;
+        let angles = pos.broadcast_mul(&inv)?;
+        Ok((
+            angles.cos()?.to_dtype(dtype)?,
+            angles.sin()?.to_dtype(dtype)?,
+        ))
     }
-    let half = head_dim / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32)
-        .collect();
-    let inv = Tensor::from_vec(inv, (1, half), device)?;
-    let pos = Tensor::arange(0u32, seq as u32, device)?
-        .to_dtype(DType::F32)?
-        .reshape((seq, 1))?;
-    let angles = pos.broadcast_mul(&inv)?;
-    Ok((
-        angles.cos()?.to_dtype(dtype)?,
-        angles.sin()?.to_dtype(dtype)?,
-    ))
 }
 
 fn check(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<()> {

@@ -31,7 +31,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         );
     }
     let out = (gate.detach().silu()? * up.detach())?;
-    with_backward2(out, gate, up, SwiGlu)
+    with_backward2(out, [gate, up], SwiGlu)
 }
 
 /// The gradients of [`swiglu`]'s `gate` and `up` from the output's

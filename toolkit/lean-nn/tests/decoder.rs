@@ -89,7 +89,12 @@ fn rms_norm_equals_the_plain_composition_in_every_dtype() -> Result<()> {
 #[test]
 fn rope_equals_the_plain_composition_in_every_dtype() -> Result<()> {
     for (dtype, tol) in DTYPES {
-        let (cos, sin) = candle_lean_nn::rope_tables(6, 8, 10_000.0, dtype, &Device::Cpu)?;
+        let (cos, sin) = candle_lean_nn::RopeConfig {
+            positions: 6,
+            head_dim: 8,
+            theta: 10_000.0,
+        }
+        .tables(dtype, &Device::Cpu)?;
         let x = var(&[2, 3, 6, 8], 2.0, 7, dtype)?;
         let up = data(&[2, 3, 6, 8], 1.0, 13)?.to_dtype(dtype)?;
         let lean = candle_lean_nn::rope(&x, &cos, &sin)?;
@@ -275,14 +280,27 @@ fn bad_inputs_are_refused_with_what_was_given() -> Result<()> {
         assert_eq!(first_line(result.unwrap_err()), message);
     }
     let q = Tensor::zeros((1, 2, 6, 8), DType::F32, &dev)?;
-    let (cos, sin) = candle_lean_nn::rope_tables(4, 8, 1e4, DType::F32, &dev)?;
+    let (cos, sin) = candle_lean_nn::RopeConfig {
+        positions: 4,
+        head_dim: 8,
+        theta: 1e4,
+    }
+    .tables(DType::F32, &dev)?;
     assert_eq!(
         first_line(candle_lean_nn::rope(&q, &cos, &sin).unwrap_err()),
         "rotary embeddings of input [1, 2, 6, 8] (batch, heads, seq, head_dim) need tables of \
          (6.., 4), got cos [4, 4] and sin [4, 4]"
     );
     assert_eq!(
-        first_line(candle_lean_nn::rope_tables(4, 7, 1e4, DType::F32, &dev).unwrap_err()),
+        first_line(
+            candle_lean_nn::RopeConfig {
+                positions: 4,
+                head_dim: 7,
+                theta: 1e4
+            }
+            .tables(DType::F32, &dev)
+            .unwrap_err()
+        ),
         "rotary embeddings rotate pairs: head_dim 7 must be even and positive"
     );
     Ok(())
@@ -365,7 +383,12 @@ fn the_fused_loss_never_holds_the_logits() -> Result<()> {
 fn rope_tables_hold_hugging_faces_angles() -> Result<()> {
     // inv_freq = theta^(-2i / head_dim): 1 and 1/100 for head_dim 4 and
     // theta 10,000; position 2 turns by 2 and 0.02 radians.
-    let (cos, sin) = candle_lean_nn::rope_tables(3, 4, 10_000.0, DType::F64, &Device::Cpu)?;
+    let (cos, sin) = candle_lean_nn::RopeConfig {
+        positions: 3,
+        head_dim: 4,
+        theta: 10_000.0,
+    }
+    .tables(DType::F64, &Device::Cpu)?;
     let (cos, sin) = (cos.to_vec2::<f64>()?, sin.to_vec2::<f64>()?);
     assert_eq!(cos[0], [1.0, 1.0]);
     assert_eq!(sin[0], [0.0, 0.0]);

@@ -150,13 +150,13 @@ fn out_of_place(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> Resul
 /// let (m, v) = (Var::zeros(2, DType::F32, &dev)?, Var::zeros(2, DType::F32, &dev)?);
 /// let g = candle_core::Tensor::new(&[0.5f32, -0.5], &dev)?;
 /// let p = ParamsAdamW { lr: 0.1, weight_decay: 0.0, ..Default::default() };
-/// adamw_update(&w, &m, &v, &g, &AdamWStep::new(&p, 1))?;
+/// adamw_update(&w, (&m, &v), &g, &AdamWStep::new(&p, 1))?;
 /// // The first step moves each weight by about lr against its gradient's sign.
 /// let w = w.to_vec1::<f32>()?;
 /// assert!((w[0] - 0.9).abs() < 1e-6 && (w[1] - 2.1).abs() < 1e-6);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
-pub fn adamw_update(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> Result<()> {
+pub fn adamw_update(var: &Var, (m, v): (&Var, &Var), g: &Tensor, k: &AdamWStep) -> Result<()> {
     let g = if g.dtype() == var.dtype() {
         g.contiguous()?
     } else {
@@ -186,7 +186,7 @@ impl Optimizer for LeanAdamW {
         let _state = scope(&*self.observer, Kind::OptimizerState, Place::Device);
         for s in &self.slots {
             if let Some(g) = grads.get(s.var.as_tensor()) {
-                adamw_update(&s.var, &s.m, &s.v, g, &k)?;
+                adamw_update(&s.var, (&s.m, &s.v), g, &k)?;
             }
         }
         Ok(())

@@ -26,7 +26,7 @@ struct Slot {
 /// twice the parameters' bytes, where keeping the masters on the device
 /// would also move them. Gradients can also arrive one at a time during the
 /// backward ([`receive`](Self::receive), with
-/// `candle_checkpoint::layerwise_backward`), so the device never holds
+/// `candle_checkpoint::Sequential::each_layer`), so the device never holds
 /// them all.
 ///
 /// ```
@@ -159,7 +159,7 @@ impl HostAdamW {
             };
             {
                 let _state = scope(&*self.observer, Kind::OptimizerState, Place::Host);
-                adamw_update(&s.master, &s.m, &s.v, g, &k)?;
+                adamw_update(&s.master, (&s.m, &s.v), g, &k)?;
             }
             let back = {
                 let _params = scope(&*self.observer, Kind::Parameters, Place::Device);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_custom_grad::{with_backward2, Backward2};
-use candle_lean_nn::{linear_backward, Activation, LeanLinear};
+use candle_lean_nn::{linear_backward, Activation, Kept, LeanLinear};
 
 /// Where a linear layer's weights are kept between uses, and where its
 /// weight gradients go.
@@ -64,10 +64,16 @@ pub fn fetched_linear_act<S: WeightSource>(
         LeanLinear::new(w, b)?.forward_saved(x, act)?
         // The fetched weights are dropped here.
     };
+    // The op keeps GELU's input only: a ReLU's output is the graph's own
+    // output, which candle hands to the backward (kept here, it would be a
+    // cycle).
+    let kept = match kept {
+        Kept::Gelu(z) => Some(z),
+        Kept::Identity | Kept::Relu(_) => None,
+    };
     with_backward2(
         out,
-        x,
-        anchor.as_tensor(),
+        [x, anchor.as_tensor()],
         Fetch {
             source: Arc::clone(source),
             act,
@@ -96,11 +102,11 @@ impl<S: WeightSource> Backward2 for Fetch<S> {
         // The backward needs the weight only, not the bias.
         let w = self.source.fetch_weight(grad.dtype())?;
         // Handed over: freed once the input's gradient is made.
-        let (dx, dw, db) =
-            linear_backward(self.act, self.kept.clone(), x, w, out, grad.clone(), true)?;
+        let kept = Kept::new(self.act, out, self.kept.clone())?;
+        let (dx, dw, db) = linear_backward(kept, x, w, grad.clone())?;
         self.source
             .give_gradients(dw, self.source.has_bias().then_some(db))?;
-        Ok((dx, None))
+        Ok((Some(dx), None))
     }
 
     fn kept(&self) -> Vec<Tensor> {

@@ -37,7 +37,7 @@ fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
 /// use candle_offload::StreamedLinear;
 /// let dev = Device::Cpu;
 /// let w = Var::new(&[[1f32, 2.0], [3.0, 4.0]], &dev)?;
-/// let layer = StreamedLinear::new(w.clone(), None, &dev, &dev)?;
+/// let layer = StreamedLinear::new(w.clone(), None, &dev)?;
 /// let x = Var::new(&[[1f32, 1.0]], &dev)?;
 /// let y = layer.forward(&x)?;
 /// assert_eq!(y.to_vec2::<f32>()?, [[3.0, 7.0]]);
@@ -78,11 +78,11 @@ impl std::fmt::Debug for StreamedLinear {
 
 impl StreamedLinear {
     /// A layer computing on `device` from `weight` `(out, in)` and `bias`
-    /// `(out,)`, copied to `host` (a CPU device) where the copies stay (a
-    /// copy even when host and device are the same memory, so that what
-    /// streaming costs shows on a CPU-only run).
-    pub fn new(weight: Var, bias: Option<Var>, host: &Device, device: &Device) -> Result<Self> {
-        Self::with_observer(weight, bias, host, device, NoObserver)
+    /// `(out,)`, copied to the host's memory (candle's CPU device) where the
+    /// copies stay (a copy even when the device is the CPU too, so that
+    /// what streaming costs shows on a CPU-only run).
+    pub fn new(weight: Var, bias: Option<Var>, device: &Device) -> Result<Self> {
+        Self::with_observer(weight, bias, device, NoObserver)
     }
 
     /// [`new`](Self::new), reporting memory to `observer`: the host copies
@@ -91,14 +91,12 @@ impl StreamedLinear {
     pub fn with_observer(
         weight: Var,
         bias: Option<Var>,
-        host: &Device,
         device: &Device,
         observer: impl Observer + Send + Sync + 'static,
     ) -> Result<Self> {
         Self::from_tensors(
             weight.as_tensor(),
             bias.as_ref().map(Var::as_tensor),
-            host,
             device,
             observer,
         )
@@ -107,13 +105,9 @@ impl StreamedLinear {
     fn from_tensors(
         weight: &Tensor,
         bias: Option<&Tensor>,
-        host: &Device,
         device: &Device,
         observer: impl Observer + Send + Sync + 'static,
     ) -> Result<Self> {
-        if !host.is_cpu() {
-            bail!("the host of a StreamedLinear must be a CPU device, got {host:?}");
-        }
         if weight.rank() != 2 {
             bail!(
                 "the weight must be (out, in), got shape {:?}",
@@ -132,7 +126,7 @@ impl StreamedLinear {
         let mut shared = Shared::default();
         let (weight, bias) = {
             let _host = scope(&observer, Kind::Parameters, Place::Host);
-            let mut to_host = |t: &Tensor| shared.transfers.to_host_var(t, host);
+            let mut to_host = |t: &Tensor| shared.transfers.to_host_var(t, &Device::Cpu);
             (to_host(weight)?, bias.map(&mut to_host).transpose()?)
         };
         Ok(Self {
@@ -147,12 +141,11 @@ impl StreamedLinear {
         })
     }
 
-    /// A streamed copy of a candle-nn layer.
-    pub fn from_linear(layer: &candle_nn::Linear, host: &Device) -> Result<Self> {
+    /// A streamed copy of a candle-nn layer, computing on its device.
+    pub fn from_linear(layer: &candle_nn::Linear) -> Result<Self> {
         Self::from_tensors(
             layer.weight(),
             layer.bias(),
-            host,
             layer.weight().device(),
             NoObserver,
         )

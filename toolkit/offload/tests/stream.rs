@@ -25,7 +25,7 @@ fn streamed_stack_equals_the_resident_one() -> Result<()> {
         .collect::<Result<_>>()?;
     let streamed: Vec<StreamedLinear> = resident
         .iter()
-        .map(|l| StreamedLinear::from_linear(l, &dev))
+        .map(StreamedLinear::from_linear)
         .collect::<Result<_>>()?;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 5, 8), &dev)?)?;
     let run = |layers: &[&dyn Module]| -> Result<Tensor> {
@@ -62,7 +62,7 @@ fn streamed_stack_equals_the_resident_one() -> Result<()> {
 fn weights_get_gradients_when_the_input_needs_none() -> Result<()> {
     let dev = Device::Cpu;
     let w = Var::new(&[[2f32, 0.0], [0.0, 3.0]], &dev)?;
-    let layer = StreamedLinear::new(w, None, &dev, &dev)?;
+    let layer = StreamedLinear::new(w, None, &dev)?;
     let x = Tensor::new(&[[1f32, 2.0]], &dev)?;
     layer.forward(&x)?.sum_all()?.backward()?;
     let g = layer.take_grads();
@@ -81,7 +81,7 @@ fn copies_are_counted_twice_per_step() -> Result<()> {
     let dev = Device::Cpu;
     let w = Var::from_tensor(&Tensor::ones((4, 3), DType::F32, &dev)?)?;
     let b = Var::from_tensor(&Tensor::ones(4, DType::F32, &dev)?)?;
-    let layer = StreamedLinear::new(w, Some(b), &dev, &dev)?;
+    let layer = StreamedLinear::new(w, Some(b), &dev)?;
     let bytes = layer.bytes();
     assert_eq!(bytes, (12 + 4) * 4);
     let x = Var::from_tensor(&Tensor::ones((2, 3), DType::F32, &dev)?)?;
@@ -100,16 +100,15 @@ fn bad_shapes_are_refused() -> Result<()> {
     let w = Var::zeros((4, 3), DType::F32, &dev)?;
     let err = |r: Result<StreamedLinear>| r.unwrap_err().to_string();
     let bad_bias = Some(Var::zeros(3, DType::F32, &dev)?);
-    assert!(err(StreamedLinear::new(w.clone(), bad_bias, &dev, &dev))
+    assert!(err(StreamedLinear::new(w.clone(), bad_bias, &dev))
         .starts_with("the bias has shape [3], the weight [4, 3]"));
     assert!(err(StreamedLinear::new(
         Var::zeros(4, DType::F32, &dev)?,
         None,
-        &dev,
         &dev
     ))
     .starts_with("the weight must be (out, in), got shape [4]"));
-    let layer = StreamedLinear::new(w, None, &dev, &dev)?;
+    let layer = StreamedLinear::new(w, None, &dev)?;
     assert!(layer
         .forward(&Tensor::zeros((2, 5), DType::F32, &dev)?)
         .is_err());
@@ -122,7 +121,7 @@ fn bad_shapes_are_refused() -> Result<()> {
 fn half_precision_compute_fetches_half_the_bytes() -> Result<()> {
     let dev = Device::Cpu;
     let w = Var::from_tensor(&Tensor::ones((4, 3), DType::F32, &dev)?)?;
-    let layer = StreamedLinear::new(w, None, &dev, &dev)?;
+    let layer = StreamedLinear::new(w, None, &dev)?;
     let before = layer.transfers();
     let x = Tensor::ones((2, 3), DType::F16, &dev)?;
     let y = layer.forward(&x)?;

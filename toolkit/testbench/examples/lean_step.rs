@@ -1,6 +1,6 @@
 //! One forward and backward of a stack of Linear + activation layers, on
 //! candle-nn's layers under candle's backward and on the toolkit's lean path
-//! (fused layers, one-operation cross-entropy, `lean_backward`): median wall
+//! (fused layers, one-operation cross-entropy, `Sequential::lean`): median wall
 //! time of each.
 //!
 //! ```text
@@ -10,11 +10,10 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::lean_backward;
+use candle_checkpoint::Sequential;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_lean_nn::{Activation, LeanLinear};
 use candle_nn::{VarBuilder, VarMap};
-use candle_observe::NoObserver;
 
 struct Fused(LeanLinear, Activation);
 impl Module for Fused {
@@ -82,7 +81,7 @@ fn main() -> Result<()> {
     };
     let lean_step = || -> Result<()> {
         let head = |h: &Tensor| candle_lean_nn::cross_entropy(h, &y);
-        lean_backward(&fused, &x, &vars, head, &NoObserver).map(drop)
+        Sequential::new(&fused).lean(&x, &vars, head).map(drop)
     };
     let steps = [
         ("candle-nn", &candle_step as &dyn Fn() -> Result<()>),

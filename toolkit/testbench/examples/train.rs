@@ -16,11 +16,10 @@
 
 use candle_accumulate::GradAccumulator;
 use candle_amp::{GradScaler, MasterWeights, ScalerConfig, StepOutcome};
-use candle_checkpoint::{checkpoint_sequential, ensure_grads};
+use candle_checkpoint::{ensure_grads, Sequential};
 use candle_core::{DType, Device, Result, Var};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarMap};
-use candle_observe::NoObserver;
 use candle_offload::HostAdamW;
 use candle_toolkit_testbench::{batch, Config, Transformer};
 
@@ -96,14 +95,9 @@ fn main() -> Result<()> {
             let (x, y) = (ids.narrow(0, start, rows)?, targets.narrow(0, start, rows)?);
             start += rows;
             let weight = rows as f64 / BATCH as f64;
-            let out = checkpoint_sequential(
-                model.layers(),
-                2,
-                &x,
-                &vars,
-                |h| scaler.scale(&(model.loss(h, &y)? * weight)?),
-                &NoObserver,
-            )?;
+            let out = Sequential::new(model.layers())
+                .segments(2)
+                .backward(&x, &vars, |h| scaler.scale(&(model.loss(h, &y)? * weight)?))?;
             loss += f64::from(out.loss.to_scalar::<f32>()?) / scaler.scale_factor();
             acc.add_weighted(&out.grads, rows)?;
         }

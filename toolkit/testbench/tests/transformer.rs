@@ -4,11 +4,10 @@
 
 use candle_accumulate::GradAccumulator;
 use candle_amp::MasterWeights;
-use candle_checkpoint::{checkpoint_sequential, ensure_grads, layerwise_backward};
+use candle_checkpoint::{ensure_grads, Sequential};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use candle_observe::NoObserver;
 use candle_offload::HostAdamW;
 use candle_toolkit_testbench::{batch, max_abs_diff, Config, Transformer};
 
@@ -57,14 +56,10 @@ fn checkpointed_transformer_has_plain_gradients() -> Result<()> {
         let plain = m.forward_loss(&ids, &targets)?.backward()?;
         ensure_grads(&map, &plain)?;
         for segments in 1..=m.layers().len() {
-            let out = checkpoint_sequential(
-                m.layers(),
-                segments,
-                &ids,
-                &vars,
-                |h| m.loss(h, &targets),
-                &NoObserver,
-            )?;
+            let out =
+                Sequential::new(m.layers())
+                    .segments(segments)
+                    .backward(&ids, &vars, |h| m.loss(h, &targets))?;
             ensure_grads(&map, &out.grads)?;
             assert!(out.input_grad.is_none(), "token ids have no gradient");
             let d = worst(&plain, &out.grads, &vars)?;
@@ -100,17 +95,18 @@ fn layerwise_offload_steps_like_adamw() -> Result<()> {
     let mut host = HostAdamW::new(vars.clone(), p)?;
     let before = host.transfers();
     let mut handed = 0;
-    layerwise_backward(
-        b.layers(),
-        &ids,
-        &vars,
-        |h| b.loss(h, &targets),
-        |var, g| {
-            handed += 1;
-            host.receive(var, &g)
-        },
-        &NoObserver,
-    )?;
+    Sequential::new(b.layers())
+        .each_layer()
+        .backward_with(
+            &ids,
+            &vars,
+            |h| b.loss(h, &targets),
+            |var, g| {
+                handed += 1;
+                host.receive(var, &g)
+            },
+        )
+        .map(|(loss, _)| loss)?;
     host.step_received()?;
     assert_eq!(
         handed,

@@ -175,6 +175,6 @@ pub fn materialized_attention(
     let (dims, scale) = checked(q, k, v, cfg)?;
     let (k, v) = (repeat_kv(k, dims.group())?, repeat_kv(v, dims.group())?);
     let p = probabilities(&q.detach(), &k.detach(), scale, cfg.causal)?;
-    let p = with_backward2(p, q, &k, Probabilities { scale })?;
+    let p = with_backward2(p, [q, &k], Probabilities { scale })?;
     p.matmul(&v.contiguous()?)
 }

@@ -59,5 +59,5 @@ impl Backward3 for Flash {
 /// ```
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> Result<Tensor> {
     let Forward { out, lse, .. } = flash_forward(q, k, v, cfg)?;
-    with_backward3(out, q, k, v, Flash { cfg: *cfg, lse })
+    with_backward3(out, [q, k, v], Flash { cfg: *cfg, lse })
 }

@@ -1,6 +1,6 @@
 //! The GPT's backward without candle's graph: each stage's forward keeps
 //! what its backward needs and the backward runs stage by stage from the
-//! loss down (`candle_checkpoint::direct_backward_with`), freeing each
+//! loss down (`candle_checkpoint::Sequential::direct` (`backward_with`)), freeing each
 //! saved tensor once it is used and handing each parameter's gradient over
 //! as soon as it exists.
 //!
@@ -12,11 +12,11 @@
 //! what PyTorch's autograd keeps for the same block, where candle's graph
 //! also sums every gradient into a zeros tensor of its own.
 
-use candle_checkpoint::{checkpoint_direct, direct_backward_with, Checkpointed, Observer};
+use candle_checkpoint::{Checkpointed, Observer, Sequential};
 use candle_core::{bail, Result, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
 use candle_lean_nn::{
-    cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, Activation, LeanLinear,
+    cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, Activation, Kept, LeanLinear,
     NormStats,
 };
 use candle_tiled_attention::{
@@ -68,7 +68,7 @@ pub struct BlockSaved {
     ln2: NormStats,
     n2: Tensor,
     /// GELU's input.
-    gelu_in: Option<Tensor>,
+    gelu_in: Kept,
     /// The MLP's hidden activations, `fc2`'s input.
     m: Tensor,
 }
@@ -124,18 +124,13 @@ fn norm_backward(
 /// input's gradient, the weight's and bias's pushed to `params`.
 fn dense_backward(
     dense: &Dense,
-    act: Activation,
-    kept: Option<Tensor>,
+    kept: Kept,
     x: &Tensor,
     grad: Tensor,
     params: &mut Vec<(Tensor, Tensor)>,
 ) -> Result<Tensor> {
-    if act == Activation::Relu {
-        bail!("internal: a ReLU's backward reads its output, which a GPT block does not keep");
-    }
     let layer = lean(dense)?;
-    // Only a ReLU's backward reads the layer's output: `x` stands in.
-    let (dx, dw, db) = layer.backward_saved(act, kept, x, x, grad, true)?;
+    let (dx, dw, db) = layer.backward_saved(x, kept, grad, true)?;
     params.push((layer.weight().clone(), dw));
     if let (Some(b), Some(db)) = (layer.bias(), db) {
         params.push((b.clone(), db));
@@ -146,7 +141,7 @@ fn dense_backward(
 }
 
 impl Gpt {
-    /// The model as stages for [`candle_checkpoint::direct_backward`]: the
+    /// The model as stages for [`candle_checkpoint::Sequential::direct`]: the
     /// embeddings, each block, the final norm and head.
     pub fn direct_stages(&self) -> Vec<DirectStage<'_>> {
         std::iter::once(DirectStage::Embedding(self))
@@ -176,13 +171,14 @@ impl Gpt {
         let targets = targets.flatten_all()?;
         let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
         let stages = self.direct_stages();
-        let (loss, _) =
-            direct_backward_with(&stages, tokens, &self.vars(), head, on_grad, observer)?;
+        let (loss, _) = Sequential::direct(&stages)
+            .observer(observer)
+            .backward_with(tokens, &self.vars(), head, on_grad)?;
         Ok(loss)
     }
 
     /// [`Gpt::direct_loss_with`] with every stage checkpointed
-    /// (`candle_checkpoint::checkpoint_direct`): the forward keeps each
+    /// (`candle_checkpoint::Sequential::direct` with `segments`): the forward keeps each
     /// stage's input only, the backward runs each stage again and calls
     /// its backward directly. The loss and the gradients, summed.
     pub fn direct_checkpointed(
@@ -196,7 +192,10 @@ impl Gpt {
         let targets = targets.flatten_all()?;
         let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
         let stages = self.direct_stages();
-        checkpoint_direct(&stages, stages.len(), tokens, &self.vars(), head, observer)
+        Sequential::direct(&stages)
+            .segments(stages.len())
+            .observer(observer)
+            .backward(tokens, &self.vars(), head)
     }
 
     fn check_direct(&self) -> Result<()> {
@@ -288,28 +287,14 @@ impl Gpt {
             m,
         } = s;
         // The MLP: fc2, then fc with GELU, then the second norm.
-        let dm = dense_backward(
-            &blk.fc2,
-            Activation::Identity,
-            None,
-            &m,
-            grad.clone(),
-            &mut params,
-        )?;
+        let dm = dense_backward(&blk.fc2, Kept::Identity, &m, grad.clone(), &mut params)?;
         drop(m);
-        let dn2 = dense_backward(&blk.fc, Activation::Gelu, gelu_in, &n2, dm, &mut params)?;
+        let dn2 = dense_backward(&blk.fc, gelu_in, &n2, dm, &mut params)?;
         drop(n2);
         let dx2 = (grad + norm_backward(&blk.ln2, &x2, &ln2, &dn2, &mut params)?)?;
         drop((dn2, x2));
         // The attention: the projection, the attention's own backward, qkv.
-        let dy = dense_backward(
-            &blk.proj,
-            Activation::Identity,
-            None,
-            &y,
-            dx2.clone(),
-            &mut params,
-        )?;
+        let dy = dense_backward(&blk.proj, Kept::Identity, &y, dx2.clone(), &mut params)?;
         drop(y);
         let d_out = dy.reshape((b, sq, a, d))?.transpose(1, 2)?.contiguous()?;
         drop(dy);
@@ -324,7 +309,7 @@ impl Gpt {
         let stacked = Tensor::stack(&[dq, dk, dv], 0)?;
         let dqkv = stacked.permute((1, 3, 0, 2, 4))?.reshape((b, sq, 3 * h))?;
         drop(stacked);
-        let dn1 = dense_backward(&blk.qkv, Activation::Identity, None, &n1, dqkv, &mut params)?;
+        let dn1 = dense_backward(&blk.qkv, Kept::Identity, &n1, dqkv, &mut params)?;
         drop(n1);
         let dx = (dx2 + norm_backward(&blk.ln1, x, &ln1, &dn1, &mut params)?)?;
         Ok(DirectGrads {
@@ -369,7 +354,6 @@ impl DirectBackward for DirectStage<'_> {
     fn backward_saved(
         &self,
         x: &Tensor,
-        _out: &Tensor,
         saved: DirectSaved,
         grad: Tensor,
         want_input: bool,

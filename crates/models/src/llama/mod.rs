@@ -9,7 +9,7 @@ mod config;
 
 pub use config::{ConfigError, Family, LlamaConfig};
 
-use candle_checkpoint::{add_grad, layerwise_backward, Checkpointed, Observer};
+use candle_checkpoint::{add_grad, Checkpointed, Observer, Sequential};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_nn::{Activation, LeanLinear, LinearCrossEntropy};
@@ -362,7 +362,7 @@ impl Llama {
     }
 
     /// [`Llama::checkpointed_backward`], each gradient handed to `on_grad`
-    /// as soon as its layer's backward is done ([`layerwise_backward`]), so
+    /// as soon as its layer's backward is done ([`candle_checkpoint::Sequential::each_layer`]), so
     /// that the device never holds more than one layer's gradients when
     /// `on_grad` moves them away (ZeRO-2's reduce-scatter, an offloaded
     /// optimizer). A tied embedding's gradient is handed over twice, for
@@ -387,7 +387,11 @@ impl Llama {
             self.head_loss(&self.final_norm(x, options)?, targets, options)?
                 .affine(weight, 0.)
         };
-        layerwise_backward(&layers, tokens, &self.vars(), head, on_grad, observer)
+        Sequential::new(&layers)
+            .each_layer()
+            .observer(observer)
+            .backward_with(tokens, &self.vars(), head, on_grad)
+            .map(|(loss, _)| loss)
     }
 
     /// Logits `(batch * seq, vocab)` of `tokens`, for checking the model
@@ -420,13 +424,12 @@ impl Pass {
                  this model does not apply: use at most {window}"
             );
         }
-        let (cos, sin) = candle_lean_nn::rope_tables(
-            s,
-            c.head_dim,
-            c.rope_theta,
-            options.compute,
-            tokens.device(),
-        )?;
+        let (cos, sin) = candle_lean_nn::RopeConfig {
+            positions: s,
+            head_dim: c.head_dim,
+            theta: c.rope_theta,
+        }
+        .tables(options.compute, tokens.device())?;
         Ok(Self {
             cos,
             sin,

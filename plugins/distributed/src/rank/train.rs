@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_checkpoint::lean_backward_with;
+use candle_checkpoint::Sequential;
 use candle_distributed::{Comm, DataParallel, Shard, ShardedLinear, Split, ZeroAdamW};
 use candle_lean_optim::LeanAdamW;
 use workbook_models::Rng;
@@ -116,8 +116,11 @@ fn layerwise_backward(
     on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
 ) -> Result<f32> {
     let loss = |h: &Tensor| shard.weigh(&mse(h, y)?);
-    let (l, _) =
-        Category::Gradients.scope(|| lean_backward_with(layers, x, vars, loss, on_grad, &Tags))?;
+    let (l, _) = Category::Gradients.scope(|| {
+        Sequential::new(layers)
+            .observer(&Tags)
+            .lean_with(x, vars, loss, on_grad)
+    })?;
     scalar(&l)
 }
 
