@@ -5,8 +5,16 @@ use candle_custom_grad::{with_backward2, with_backward3, Backward2, Backward3};
 
 use crate::bias::add_bias;
 
-/// The activation applied to a [`LeanLinear`]'s output.
+/// The activation applied to a [`LeanLinear`]'s output; alone, a
+/// [`Module`] (candle's `relu` and `gelu`). With the `serde` feature it
+/// reads and writes as `"identity"`, `"relu"`, `"gelu"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
+#[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 pub enum Activation {
     /// None.
     Identity,
@@ -19,6 +27,16 @@ pub enum Activation {
     /// GELU, tanh approximation (candle's `gelu`); its gradient needs its
     /// input, which the layer keeps.
     Gelu,
+}
+
+impl Module for Activation {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Activation::Identity => Ok(x.clone()),
+            Activation::Relu => x.relu(),
+            Activation::Gelu => x.gelu(),
+        }
+    }
 }
 
 /// What [`LeanLinear::forward_saved`] keeps for the layer's direct backward
@@ -202,7 +220,9 @@ impl LeanLinear {
         grad: Tensor,
         want_input: bool,
     ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
-        let w = self.weight.clone();
+        // Detached: products with a variable would record a graph, which
+        // would keep the gradient alive.
+        let w = self.weight.detach();
         let (dx, dw, db) = grads(kept.activation(), kept.tensor(), x, w, grad, want_input)?;
         Ok((dx, dw, self.bias.as_ref().map(|_| db)))
     }

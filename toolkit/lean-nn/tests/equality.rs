@@ -387,3 +387,26 @@ fn lean_linear_makes_candle_nns_variables() -> candle_core::Result<()> {
     assert_eq!(a.to_vec2::<f32>()?, b.to_vec2::<f32>()?);
     Ok(())
 }
+
+/// The direct backward of a layer built on variables hands back plain
+/// gradients: a product with the variable itself would record a graph, and
+/// that graph would keep the output's gradient alive as long as the input's
+/// gradient lives (a whole activation per layer in a deep stack).
+#[test]
+fn direct_backward_on_variables_records_no_graph() -> Result<()> {
+    for act in [Activation::Identity, Activation::Relu, Activation::Gelu] {
+        let w = Var::from_tensor(&data(&[6, 5], 0.3, 21)?)?;
+        let b = Var::from_tensor(&data(&[6], 0.3, 22)?)?;
+        let layer = LeanLinear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))?;
+        let x = data(&[4, 5], 1.0, 23)?;
+        let (_, kept) = layer.forward_saved(&x, act)?;
+        let grad = data(&[4, 6], 1.0, 24)?;
+        let (dx, dw, db) = layer.backward_saved(&x, kept, grad, true)?;
+        let dx = dx.expect("the input's gradient was asked for");
+        let db = db.expect("the layer has a bias");
+        for (name, t) in [("input", &dx), ("weight", &dw), ("bias", &db)] {
+            assert!(!t.track_op(), "{act:?}: the {name}'s gradient has a graph");
+        }
+    }
+    Ok(())
+}
