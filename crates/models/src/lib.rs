@@ -13,13 +13,14 @@
 pub mod corpus;
 pub mod gpt;
 pub mod llama;
+pub mod taped;
 
 pub use gpt::{AttentionKind, DirectStage, Gpt, GptConfig, GptLayer, Recipe};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
-use candle_lean_nn::{Activation as FusedActivation, LeanLayer, LeanLinear};
+use candle_lean_nn::{LeanLayer, LeanLinear};
 use rand::{Rng as _, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
@@ -124,26 +125,9 @@ impl Module for Linear {
     }
 }
 
-/// An element-wise activation. Both are differentiable in candle.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum Activation {
-    /// `max(x, 0)`.
-    Relu,
-    /// GELU, tanh approximation.
-    Gelu,
-}
-
-impl Module for Activation {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Activation::Relu => x.relu(),
-            Activation::Gelu => x.gelu(),
-        }
-    }
-}
+/// An element-wise activation, a chapter parameter (`"identity"`,
+/// `"relu"`, `"gelu"`): the toolkit's, which its fused layers take.
+pub use candle_lean_nn::Activation;
 
 /// A layer of an [`Mlp`].
 #[derive(Debug, Clone)]
@@ -283,14 +267,15 @@ impl Mlp {
         while let Some(layer) = it.next() {
             match layer {
                 Layer::Linear(l) => {
+                    // The activation after a Linear is fused into it.
                     let act = match it.peek() {
-                        Some(Layer::Activation(Activation::Relu)) => FusedActivation::Relu,
-                        Some(Layer::Activation(Activation::Gelu)) => FusedActivation::Gelu,
-                        _ => FusedActivation::Identity,
+                        Some(Layer::Activation(a)) => {
+                            let a = *a;
+                            it.next();
+                            a
+                        }
+                        _ => Activation::Identity,
                     };
-                    if act != FusedActivation::Identity {
-                        it.next();
-                    }
                     let linear = LeanLinear::new(cast(l.weight())?, Some(cast(l.bias())?))?;
                     layers.push(FusedLayer::Linear(LeanLayer::new(linear, act)));
                 }

@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use candle_checkpoint::{Policy, Sequential};
-use candle_toolkit_testbench::{batch, Config as TransformerConfig, Transformer};
 use workbook_checkpointing::Params as CheckpointingParams;
+use workbook_models::taped::{batch, Config as TransformerConfig, Transformer};
 use workbook_models::{
     cross_entropy, grads_max_abs_diff, max_abs_diff, param_grads, Activation, Mlp, Rng,
 };

@@ -5,8 +5,8 @@
 //! one's included, so that the same text compiles in a notebook cell.
 
 use candle_checkpoint::{Policy, Sequential};
-use candle_toolkit_testbench::{batch, Config as TransformerConfig, Transformer};
 use workbook_exercises::{fewest_recomputed, PolicyParams as PolicyExerciseParams};
+use workbook_models::taped::{batch, Config as TransformerConfig, Transformer};
 use workbook_models::{grads_max_abs_diff, param_grads};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::backprop::GradStore;
