@@ -75,7 +75,7 @@ pub use notebook::{CellView, Notebook, NotebookError};
 pub use registry::{DuplicatePlugin, Registry};
 pub use report::{CellReport, ChapterReport, Status};
 #[cfg(feature = "runner")]
-pub use runner::{DeviceChoice, Isolation, Observer, RunError, RunOptions, WorkerCommand};
+pub use runner::{DeviceChoice, Isolation, RunError, RunObserver, RunOptions, WorkerCommand};
 pub use workbook_sdk as sdk;
 
 /// Plugins and the folders chapters are found in.
@@ -147,7 +147,7 @@ impl Workbook {
         &self,
         chapter: &Chapter,
         options: &RunOptions,
-        observer: &mut dyn Observer,
+        observer: &mut dyn RunObserver,
     ) -> Result<ChapterReport, RunError> {
         runner::run(&self.registry, chapter, options, observer)
     }

@@ -9,7 +9,7 @@ use workbook::chapter::Cell;
 use workbook::render::html::ReportWriter as HtmlWriter;
 use workbook::report::{CellReport, ChapterReport};
 use workbook::terminal::printable;
-use workbook::Observer;
+use workbook::RunObserver;
 
 /// A spinner on stderr while a cell runs; hidden when stderr is not a terminal.
 pub struct Spinner {
@@ -89,7 +89,7 @@ pub struct WithSpinner<'a, O> {
     pub inner: O,
 }
 
-impl<O: Observer> Observer for WithSpinner<'_, O> {
+impl<O: RunObserver> RunObserver for WithSpinner<'_, O> {
     fn started(&mut self, report: &ChapterReport) {
         self.first.started(report);
         self.inner.started(report);

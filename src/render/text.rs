@@ -225,7 +225,7 @@ fn write_cell(out: &mut dyn Write, c: &CellReport) -> std::io::Result<()> {
 }
 
 #[cfg(feature = "runner")]
-impl<W: Write> crate::runner::Observer for TextRenderer<W> {
+impl<W: Write> crate::runner::RunObserver for TextRenderer<W> {
     fn started(&mut self, r: &ChapterReport) {
         let result = self.emit(|out| {
             writeln!(

@@ -1,5 +1,5 @@
 //! The runner: turns a validated chapter into a [`ChapterReport`], one cell
-//! at a time. It formats nothing; an [`Observer`] sees each cell as it ends,
+//! at a time. It formats nothing; an [`RunObserver`] sees each cell as it ends,
 //! so renderers can stream results and nothing shown is lost if a later cell
 //! fails.
 
@@ -128,8 +128,9 @@ impl RunError {
     }
 }
 
-/// Sees a run as it goes.
-pub trait Observer {
+/// Sees a chapter run as it goes (cell by cell; the toolkit's
+/// `candle_observe::Observer` sees memory instead).
+pub trait RunObserver {
     /// Before the first cell.
     fn started(&mut self, _report: &ChapterReport) {}
     /// Before a cell runs.
@@ -143,14 +144,14 @@ pub trait Observer {
 /// An observer that does nothing.
 #[derive(Debug, Default)]
 pub struct Quiet;
-impl Observer for Quiet {}
+impl RunObserver for Quiet {}
 
 /// Runs `chapter` with `registry`'s plugins.
 pub fn run(
     registry: &Registry,
     chapter: &Chapter,
     options: &RunOptions,
-    observer: &mut dyn Observer,
+    observer: &mut dyn RunObserver,
 ) -> Result<ChapterReport, RunError> {
     for id in &options.cells {
         if !chapter.cells.iter().any(|c| &c.id == id) {
@@ -215,7 +216,7 @@ fn run_in_process(
     selected: &[(usize, &Cell)],
     options: &RunOptions,
     report: &mut ChapterReport,
-    observer: &mut dyn Observer,
+    observer: &mut dyn RunObserver,
 ) -> Result<(), RunError> {
     let device = select_device(options.device)?;
     let meter = select_meter(&device)?;
@@ -307,7 +308,7 @@ fn run_in_workers(
     selected: &[(usize, &Cell)],
     options: &RunOptions,
     report: &mut ChapterReport,
-    observer: &mut dyn Observer,
+    observer: &mut dyn RunObserver,
 ) -> Result<(), RunError> {
     let mut started = false;
     let mut stop = false;
@@ -391,7 +392,7 @@ fn in_worker(command: &WorkerCommand, cell: &Cell, options: &RunOptions) -> proc
 }
 
 /// Tells the observer the run has started, once.
-fn begin(started: &mut bool, observer: &mut dyn Observer, report: &ChapterReport) {
+fn begin(started: &mut bool, observer: &mut dyn RunObserver, report: &ChapterReport) {
     if !*started {
         observer.started(report);
         *started = true;

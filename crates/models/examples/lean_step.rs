@@ -22,11 +22,6 @@ impl Module for Fused {
     }
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let (mut width, mut depth, mut batch, mut relu, mut repeats) = (1024, 16, 1024, false, 5);
@@ -98,7 +93,7 @@ fn main() -> Result<()> {
         println!(
             "{name}: {depth} x Linear({width}) + {}, batch {batch}: forward + backward median {:.3} s over {repeats} runs",
             if relu { "ReLU" } else { "GELU" },
-            median(times)
+            workbook_sdk::median(times)
         );
     }
     Ok(())
