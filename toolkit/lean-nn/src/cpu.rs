@@ -306,7 +306,7 @@ fn rows_grad<T: Row>(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Ten
 
 /// An element type the cross-entropy's row kernels read and write: f32
 /// rows as they are, half-precision ones through an f32 row.
-trait Row: WithDType {
+pub(crate) trait Row: WithDType {
     /// The row `z` as f32: itself, or widened into `wide`.
     fn as_f32<'a>(z: &'a [Self], wide: &'a mut Vec<f32>) -> &'a [f32];
     /// Runs `f` on an f32 row that ends up in `d`: `d` itself, or `row`

@@ -40,6 +40,7 @@ mod linear;
 mod linear_loss;
 mod loss;
 mod norm;
+mod norm_cpu;
 mod product;
 mod rms_norm;
 mod rope;

@@ -1,7 +1,7 @@
 //! Layer normalization as one operation.
 
 use crate::accumulation;
-use candle_core::{bail, Module, Result, Tensor, D};
+use candle_core::{bail, DType, Module, Result, Tensor, D};
 use candle_custom_grad::{with_backward3, Backward3, DirectBackward, DirectGrads};
 
 /// Layer normalization over the last dimension, `(x - mean) / sqrt(var +
@@ -51,6 +51,10 @@ pub fn layer_norm_saved(
             bias.dims()
         );
     }
+    if crate::norm_cpu::applies(x) {
+        let (out, mean, rstd) = crate::norm_cpu::forward(x, weight, bias, eps)?;
+        return Ok((out, NormStats { mean, rstd }));
+    }
     let dtype = x.dtype();
     let acc = accumulation(dtype);
     let xf = x.detach().to_dtype(acc)?;
@@ -78,6 +82,17 @@ pub fn layer_norm_backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dtype = x.dtype();
     let acc = stats.rstd.dtype();
+    if crate::norm_cpu::applies(x) && grad.dtype() == dtype && acc == DType::F32 {
+        let grad = grad.contiguous()?;
+        if grad.dims() != x.dims() {
+            bail!(
+                "the layer norm's input has shape {:?}, the output's gradient {:?}",
+                x.dims(),
+                grad.dims()
+            );
+        }
+        return crate::norm_cpu::backward(x, weight, (&stats.mean, &stats.rstd), &grad);
+    }
     let h = x.dim(D::Minus1)?;
     let rows = x.elem_count() / h.max(1);
     let xhat = x

@@ -173,3 +173,77 @@ fn the_direct_backward_equals_the_graphs_to_the_bit_in_every_dtype() -> Result<(
     }
     Ok(())
 }
+
+/// The CPU kernels (f32, bf16, f16) against the same arithmetic in f64
+/// (candle's operations): rows past one task's share, widths with and
+/// without a remainder past the kernels' eight lanes, an offset mean (no
+/// cancellation: the variance is taken about the mean), and the direct
+/// halves as the graph operation calls them.
+#[test]
+fn the_cpu_kernels_equal_the_f64_computation() -> Result<()> {
+    for h in [1usize, 7, 19, 64] {
+        let rows = 37;
+        let x64 = (data(&[rows, h], 2.0, 3)? + 100.0)?.to_dtype(DType::F64)?;
+        let w64 = data(&[h], 2.0, 5)?.to_dtype(DType::F64)?;
+        let b64 = data(&[h], 2.0, 7)?.to_dtype(DType::F64)?;
+        let up64 = data(&[rows, h], 2.0, 11)?.to_dtype(DType::F64)?;
+        // Relative to each tensor's size: f32 sums in another order; the
+        // half types round the input, the output and the gradients.
+        for (dtype, tol) in [(DType::F32, 2e-5), (DType::F16, 4e-3), (DType::BF16, 3e-2)] {
+            let cast = |t: &Tensor| t.to_dtype(dtype);
+            let (x, w, b, up) = (cast(&x64)?, cast(&w64)?, cast(&b64)?, cast(&up64)?);
+            let (got, stats) = candle_lean_nn::layer_norm_saved(&x, &w, &b, 1e-5)?;
+            assert_eq!(got.dtype(), dtype);
+            let scale = |t: &Tensor| -> Result<f64> {
+                Ok(t.abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f64>()?
+                    .max(1e-30))
+            };
+            // The half types' input is rounded before it is normalised:
+            // compare with the f64 norm of the rounded input.
+            let x_rounded = x.to_dtype(DType::F64)?;
+            let (want_rounded, stats_rounded) = candle_lean_nn::layer_norm_saved(
+                &x_rounded,
+                &w.to_dtype(DType::F64)?,
+                &b.to_dtype(DType::F64)?,
+                1e-5,
+            )?;
+            let d = max_diff(&got, &want_rounded)? / scale(&want_rounded)?;
+            assert!(d <= tol, "{dtype:?}, h {h}: values {d}");
+            let (dx, dw, db) = candle_lean_nn::layer_norm_backward(&x, &w, &stats, &up)?;
+            let want_g = candle_lean_nn::layer_norm_backward(
+                &x_rounded,
+                &w.to_dtype(DType::F64)?,
+                &stats_rounded,
+                &up.to_dtype(DType::F64)?,
+            )?;
+            for (name, got, want) in [
+                ("x", &dx, &want_g.0),
+                ("weight", &dw, &want_g.1),
+                ("bias", &db, &want_g.2),
+            ] {
+                assert_eq!(got.dims(), want.dims(), "{dtype:?}, h {h}: {name}");
+                let d = max_diff(got, want)? / scale(want)?;
+                assert!(d <= tol, "{dtype:?}, h {h}: gradient of {name}: {d}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_gradient_of_another_shape_is_refused() -> Result<()> {
+    let x = data(&[4, 8], 2.0, 1)?;
+    let (w, b) = (data(&[8], 1.0, 2)?, data(&[8], 1.0, 3)?);
+    let (_, stats) = candle_lean_nn::layer_norm_saved(&x, &w, &b, 1e-5)?;
+    let err = candle_lean_nn::layer_norm_backward(&x, &w, &stats, &data(&[8, 4], 1.0, 4)?)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err.lines().next().unwrap_or_default(),
+        "the layer norm's input has shape [4, 8], the output's gradient [8, 4]"
+    );
+    Ok(())
+}
