@@ -121,3 +121,115 @@ fn the_direct_backward_refuses_what_it_does_not_run() -> Result<()> {
     }
     Ok(())
 }
+
+/// No tensor of the direct step records candle's graph: a stage's output
+/// or gradient that did (the embedding's product with the token table, a
+/// variable, once did) keeps every tensor it was computed from alive
+/// through its operation, which held a copy of each block's two residual
+/// branches to the end of the forward and the head's temporaries through
+/// the backward.
+#[test]
+fn the_direct_step_records_no_graph() -> Result<()> {
+    use candle_custom_grad::DirectBackward;
+    let dev = Device::Cpu;
+    for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
+        let model = Gpt::new(
+            config(attention, true),
+            DType::F32,
+            &mut Rng::seeded(1),
+            &dev,
+        )?;
+        let (x, y) = batch(&mut Rng::seeded(2), 2, 16, 24, &dev)?;
+        let mut h = x.clone();
+        for (i, stage) in model.direct_stages().iter().enumerate() {
+            let (out, _) = stage.forward_saved(&h)?;
+            assert!(
+                !out.track_op(),
+                "{attention:?}: stage {i}'s output has a graph"
+            );
+            h = out;
+        }
+        let mut graphs = Vec::new();
+        let loss = model.direct_loss_with(
+            &x,
+            &y,
+            1.0,
+            |var, g| {
+                if g.track_op() {
+                    graphs.push(var.dims().to_vec());
+                }
+                Ok(())
+            },
+            &NoObserver,
+        )?;
+        assert!(!loss.track_op(), "{attention:?}: the loss has a graph");
+        assert!(
+            graphs.is_empty(),
+            "{attention:?}: gradients with a graph: {graphs:?}"
+        );
+    }
+    Ok(())
+}
+
+/// The direct step against candle-nn's GPT (candle-nn's Linear, GELU,
+/// layer norm and cross-entropy, the attention composed of candle's
+/// operations, candle's backward), built from the same seed: the same
+/// parameters, so the same loss and gradients up to the two GELUs (candle's
+/// `tanh` from libm, the toolkit's a polynomial within 3 ulp) and the
+/// orders of the sums.
+#[test]
+fn the_direct_backward_gives_candle_nns_gradients() -> Result<()> {
+    let dev = Device::Cpu;
+    let reference = Gpt::new(
+        config(AttentionKind::Naive, false),
+        DType::F32,
+        &mut Rng::seeded(1),
+        &dev,
+    )?;
+    let (x, y) = batch(&mut Rng::seeded(2), 3, 16, 24, &dev)?;
+    let want_loss = reference.loss(&x, &y, &Labeller::default())?;
+    let want = want_loss.backward()?;
+    for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
+        let model = Gpt::new(
+            config(attention, true),
+            DType::F32,
+            &mut Rng::seeded(1),
+            &dev,
+        )?;
+        let mut got: HashMap<_, Tensor> = HashMap::new();
+        let loss = model.direct_loss_with(
+            &x,
+            &y,
+            1.0,
+            |var, g| {
+                let sum = match got.remove(&var.id()) {
+                    Some(before) => (before + g)?,
+                    None => g,
+                };
+                got.insert(var.id(), sum);
+                Ok(())
+            },
+            &NoObserver,
+        )?;
+        let (a, b) = (
+            loss.to_scalar::<f32>()? as f64,
+            want_loss.to_scalar::<f32>()? as f64,
+        );
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "{attention:?}: loss {a} vs {b}"
+        );
+        for (i, (var, reference_var)) in model.vars().iter().zip(reference.vars()).enumerate() {
+            let r = relative(
+                &got[&var.id()],
+                want.get(&reference_var).expect("a gradient"),
+            )?;
+            assert!(
+                r <= 1e-5,
+                "{attention:?}: parameter {i} of {:?}: {r}",
+                var.dims()
+            );
+        }
+    }
+    Ok(())
+}

@@ -70,16 +70,10 @@ pub(crate) fn direct_backward_with<L: DirectBackward>(
     observer.mark("after forward");
     let _grads = scope(observer, Kind::Gradients, Place::Device);
     let (loss, grad) = run_head(head, &out)?;
+    // No backward reads the last output (the logits, for a language model).
+    drop(out);
     let want_first = input.track_op();
-    let grad = backward_through(
-        layers,
-        &mut saved,
-        out,
-        grad,
-        vars,
-        want_first,
-        &mut on_grad,
-    )?;
+    let grad = backward_through(layers, &mut saved, grad, vars, want_first, &mut on_grad)?;
     Ok((loss, grad))
 }
 
@@ -117,14 +111,14 @@ fn run_head(
 }
 
 /// Calls the backward of each of `layers`, last first, from what
-/// [`forward_saving`] kept (taken from `saved`), their last output `out`
-/// and its gradient, handing the parameters' gradients to `on_grad` and
-/// freeing each output once the layer before it is done with it. Returns
-/// the first layer's input's gradient when `want_first`.
+/// [`forward_saving`] kept (taken from `saved`) and the last output's
+/// gradient, handing the parameters' gradients to `on_grad` and freeing
+/// each layer's input (the output of the layer before) and what it kept as
+/// soon as its backward is done. Returns the first layer's input's gradient
+/// when `want_first`.
 fn backward_through<L: DirectBackward>(
     layers: &[L],
     saved: &mut Saved<L>,
-    mut _out: Tensor,
     mut grad: Tensor,
     vars: &[Var],
     want_first: bool,
@@ -137,8 +131,7 @@ fn backward_through<L: DirectBackward>(
         let want_input = i > 0 || want_first;
         // The gradient is handed over: the layer frees it when done with it.
         let step = layer.backward_saved(&x, kept, grad, want_input)?;
-        // This layer's output is done with.
-        _out = x;
+        drop(x);
         hand_over(step.params, vars, on_grad)?;
         match step.input {
             Some(g) => grad = g,
@@ -187,13 +180,14 @@ pub(crate) fn checkpoint_direct_with<L: DirectBackward>(
     let mut input_grad = None;
     for (range, x) in bounds.iter().zip(inputs).rev() {
         let segment = &layers[range.clone()];
-        let (mut saved, out) = {
+        let mut saved = {
             let _acts = scope(observer, Kind::Activations, Place::Device);
-            forward_saving(segment, x)?
+            // The segment's output is the next one's input, done with.
+            forward_saving(segment, x)?.0
         };
         let _grads = scope(observer, Kind::Gradients, Place::Device);
         let want = range.start > 0 || want_first;
-        match backward_through(segment, &mut saved, out, grad, vars, want, &mut on_grad)? {
+        match backward_through(segment, &mut saved, grad, vars, want, &mut on_grad)? {
             Some(g) if range.start > 0 => grad = g,
             g => {
                 input_grad = g;

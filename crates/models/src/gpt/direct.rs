@@ -225,8 +225,14 @@ impl Gpt {
         let cfg = FlashConfig::for_length(true, s);
         let (out, attention) = match self.config.attention {
             AttentionKind::Tiled => {
-                let fwd = flash_forward(&q, &k, &v, &cfg)?;
-                (fwd.out.clone(), Attention::Tiled(fwd))
+                let mut fwd = flash_forward(&q, &k, &v, &cfg)?;
+                // The backward reads the output once more: a view of the
+                // projection's input stands in for it, so that one tensor,
+                // not two, holds it until then.
+                let y = fwd.out.transpose(1, 2)?.reshape((b, s, h))?;
+                let view = y.reshape((b, s, a, d))?.transpose(1, 2)?;
+                drop(std::mem::replace(&mut fwd.out, view));
+                (y, Attention::Tiled(fwd))
             }
             _ => {
                 let mut fwd = materialized_forward(&q, &k, &v, &cfg)?;
@@ -239,8 +245,12 @@ impl Gpt {
                 (out, Attention::Materialized(fwd))
             }
         };
-        let y = out.transpose(1, 2)?.reshape((b, s, h))?;
-        drop(out);
+        // The projection's input, `(b, s, h)` (the tiled attention's output
+        // is that already).
+        let y = match &attention {
+            Attention::Tiled(_) => out,
+            Attention::Materialized(_) => out.transpose(1, 2)?.reshape((b, s, h))?,
+        };
         let (p, _) = lean(&blk.proj)?.forward_saved(&y, Activation::Identity)?;
         let x2 = (x + p)?;
         let (n2, ln2) = norm_saved(&blk.ln2, &x2)?;
@@ -330,8 +340,11 @@ impl DirectBackward for DirectStage<'_> {
                 if s > c.seq {
                     bail!("{s} tokens, the model's positions stop at {}", c.seq);
                 }
-                let positions = whole(&m.wpe)?.narrow(0, 0, s)?;
+                let positions = whole(&m.wpe)?.detach().narrow(0, 0, s)?;
+                // Detached: on the variables themselves candle would record
+                // a graph that keeps every later tensor's inputs alive.
                 let out = whole(&m.wte)?
+                    .detach()
                     .embedding(&x.flatten_all()?)?
                     .reshape((b, s, c.hidden))?
                     .broadcast_add(&positions)?;
@@ -345,7 +358,7 @@ impl DirectBackward for DirectStage<'_> {
                 let (b, s, h) = x.dims3()?;
                 let (normed, stats) = norm_saved(&m.ln_f, x)?;
                 let normed = normed.reshape((b * s, h))?;
-                let logits = normed.matmul(&whole(&m.wte)?.t()?)?;
+                let logits = normed.matmul(&whole(&m.wte)?.detach().t()?)?;
                 Ok((logits, DirectSaved::Head { stats, normed }))
             }
         }
@@ -389,7 +402,7 @@ impl DirectBackward for DirectStage<'_> {
                 let wte = whole(&m.wte)?;
                 let dwte = grad.t()?.matmul(&normed)?;
                 drop(normed);
-                let dnormed = grad.matmul(&wte)?.reshape((b, s, h))?;
+                let dnormed = grad.matmul(&wte.detach())?.reshape((b, s, h))?;
                 drop(grad);
                 let mut params = vec![(wte, dwte)];
                 let dx = norm_backward(&m.ln_f, x, &stats, &dnormed, &mut params)?;
