@@ -48,28 +48,20 @@ impl Plugin for SavedTensors {
     }
 
     fn description(&self) -> &str {
-        "every tensor a GPT's graph holds for the backward, per part, beside Korthikanti's terms"
+        "every tensor a GPT holds for the backward (its graph's, or a direct recipe's saved \
+         ones), per part, beside Korthikanti's terms"
     }
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
         check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
         if p.recipes.is_empty() {
+            let names: Vec<&str> = Recipe::ALL.iter().map(|r| r.name()).collect();
             r.violation(
                 "recipes",
                 "[]",
-                "allowed: a list of at least 1 of candle, lean, tiled",
+                format!("allowed: a list of at least 1 of {}", names.join(", ")),
             );
-        }
-        for (i, recipe) in p.recipes.iter().enumerate() {
-            if recipe.direct() {
-                r.violation(
-                    format!("recipes[{i}]"),
-                    format!("{:?}", recipe.name()),
-                    "allowed: candle, lean, tiled (this cell walks the graph a backward keeps; \
-                     the direct recipes keep none)",
-                );
-            }
         }
         r.into_violations()
     }
@@ -78,7 +70,8 @@ impl Plugin for SavedTensors {
         vec![
             MetricSpec::bytes(
                 "ledger_{recipe}",
-                "bytes the graph holds at the end of the forward, from the ledger, per recipe",
+                "bytes held for the backward at the end of the forward, from the ledger (the \
+                 graph's; a direct recipe's stages' saved tensors), per recipe",
             ),
             MetricSpec::bytes(
                 "measured_{recipe}",

@@ -35,6 +35,18 @@ pub struct NormStats {
     rstd: Tensor,
 }
 
+impl NormStats {
+    /// Each row's mean, `(..., 1)`.
+    pub fn mean(&self) -> &Tensor {
+        &self.mean
+    }
+
+    /// Each row's reciprocal deviation, `(..., 1)`.
+    pub fn rstd(&self) -> &Tensor {
+        &self.rstd
+    }
+}
+
 /// [`layer_norm`]'s forward with no graph: the output and the statistics
 /// its backward ([`layer_norm_backward`]) needs beside the input.
 pub fn layer_norm_saved(

@@ -53,6 +53,50 @@ pub enum DirectSaved {
     },
 }
 
+impl DirectSaved {
+    /// Every tensor it holds, each once, with the part of the model that
+    /// made it (as [`Gpt::logits`] labels its graph's): the direct step's
+    /// ledger. The views the backward reads (q, k and v of the stacked
+    /// projection, the tiled attention's output as the projection's input)
+    /// share these tensors' storage and are not listed again.
+    pub fn parts(&self) -> Vec<(&'static str, &Tensor)> {
+        match self {
+            DirectSaved::Embedding => Vec::new(),
+            DirectSaved::Block(s) => {
+                let mut parts = vec![
+                    ("ln1", s.ln1.mean()),
+                    ("ln1", s.ln1.rstd()),
+                    ("ln1", &s.n1),
+                    ("qkv", &s.qkv),
+                ];
+                parts.push(match &s.attention {
+                    Attention::Materialized(m) => ("attention", &m.probs),
+                    Attention::Tiled(f) => ("attention", &f.lse),
+                });
+                parts.extend([
+                    ("attention", &s.y),
+                    ("residual", &s.x2),
+                    ("ln2", s.ln2.mean()),
+                    ("ln2", s.ln2.rstd()),
+                    ("ln2", &s.n2),
+                ]);
+                if let Some(z) = s.gelu_in.tensor() {
+                    parts.push(("fc", z));
+                }
+                parts.push(("fc+gelu", &s.m));
+                parts
+            }
+            DirectSaved::Head { stats, normed } => {
+                vec![
+                    ("ln_f", stats.mean()),
+                    ("ln_f", stats.rstd()),
+                    ("ln_f", normed),
+                ]
+            }
+        }
+    }
+}
+
 /// What a block's forward keeps.
 #[derive(Debug)]
 pub struct BlockSaved {

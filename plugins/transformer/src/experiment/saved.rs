@@ -3,7 +3,8 @@
 //! `workbook_sdk::notebook`). Crates are named by their names, this one's
 //! included, so that the same text compiles in a notebook cell.
 
-use candle_ledger::{Labeller, Ledger};
+use candle_custom_grad::DirectBackward;
+use candle_ledger::{Held, Label, Labeller, Ledger};
 use workbook_models::Rng;
 use workbook_models::{corpus, Gpt, Recipe};
 use workbook_sdk::anyhow;
@@ -57,6 +58,65 @@ pub fn recipe_graph(
     Ok((ledger, measured))
 }
 
+// notebook cell
+/// The GPT under a direct recipe, which keeps no graph: one forward through
+/// its stages (`Gpt::direct_stages`: the embeddings, each block, the final
+/// norm and head), each keeping what its backward needs, as the direct
+/// backward's driver runs them, counted by the allocator. Its ledger lists
+/// what the stages saved (`DirectSaved::parts`) and each stage's output,
+/// which the next stage keeps as its input.
+pub fn recipe_direct(
+    ctx: &mut Context,
+    p: &SavedTensorsParams,
+    recipe: Recipe,
+    dtype: DType,
+) -> anyhow::Result<(Ledger, u64)> {
+    let (device, c, name) = (ctx.device().clone(), p.model, recipe.name());
+    let mut rng = Rng::seeded(p.seed);
+    let model = Gpt::new(recipe.apply(c), dtype, &mut rng, &device)?;
+    let (x, _) =
+        Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
+    let stages = model.direct_stages();
+    let region = ctx.region(format!("forward, {name}"));
+    let kept = Category::Activations.scope(|| -> anyhow::Result<_> {
+        let (mut h, mut kept) = (x.clone(), Vec::with_capacity(stages.len()));
+        for stage in &stages {
+            let (out, saved) = stage.forward_saved(&h)?;
+            kept.push((out.clone(), saved));
+            h = out;
+        }
+        Ok(kept)
+    })?;
+    let measured = region.current_above_baseline().get(Category::Activations);
+    let mut ledger = Ledger::default();
+    let last = stages.len() - 1;
+    for (i, (out, saved)) in kept.iter().enumerate() {
+        // Stage 0 is the embeddings, the last the head; block `i - 1` between.
+        let layer = (i > 0 && i < last).then(|| i - 1);
+        let output = match i {
+            0 => "embedding",
+            _ if i == last => "head",
+            _ => "residual",
+        };
+        for (part, t) in saved.parts().into_iter().chain([(output, out)]) {
+            ledger.held.push(Held {
+                label: Some(Label {
+                    layer,
+                    part: part.into(),
+                }),
+                shape: t.dims().to_vec(),
+                dtype: t.dtype(),
+                bytes: (t.elem_count() * t.dtype().size_in_bytes()) as u64,
+                nodes: 1,
+            });
+        }
+    }
+    drop(kept);
+    ctx.end_region(region);
+    Ok((ledger, measured))
+}
+
+// notebook cell
 /// What the middle block holds for the backward, part by part, as a
 /// table: its bytes linear in the sequence, its bytes quadratic in it, and
 /// its tensors.
@@ -99,8 +159,9 @@ pub fn block_table(
 }
 
 // notebook cell
-/// The experiment: for each recipe, the tensors one block's graph holds for
-/// the backward, part by part, in the units of Korthikanti et al.'s terms,
+/// The experiment: for each recipe, the tensors one block holds for the
+/// backward (in its graph, or saved by a direct recipe's stages), part by
+/// part, in the units of Korthikanti et al.'s terms,
 /// and the whole graph's bytes beside what the allocator counted.
 pub fn saved_tensors_experiment(ctx: &mut Context, p: SavedTensorsParams) -> anyhow::Result<()> {
     let dtype = parse_dtype(&p.dtype)?;
@@ -137,8 +198,12 @@ pub fn saved_tensors_experiment(ctx: &mut Context, p: SavedTensorsParams) -> any
     );
     for recipe in &p.recipes {
         let name = recipe.name();
-        ctx.progress(&format!("the {name} recipe's graph"));
-        let (ledger, measured) = recipe_graph(ctx, &p, *recipe, dtype)?;
+        ctx.progress(&format!("what the {name} recipe keeps"));
+        let (ledger, measured) = if recipe.direct() {
+            recipe_direct(ctx, &p, *recipe, dtype)?
+        } else {
+            recipe_graph(ctx, &p, *recipe, dtype)?
+        };
         let (linear, quadratic, count) = block_table(ctx, &p, &ledger, name);
         let total = ledger.total_bytes();
         ctx.metric(format!("ledger_{name}"), total as f64);
