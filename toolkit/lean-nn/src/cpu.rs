@@ -136,8 +136,14 @@ pub(crate) fn act_backward(
 ) -> Result<(Tensor, Tensor)> {
     let (rows, n) = grad.dims2()?;
     if act == Activation::Identity {
-        let db = grad.sum(0)?;
-        return Ok((grad.clone(), db));
+        // The bias's gradient as below; candle's `sum(0)` adds the same
+        // rows in the same order a column at a time, strided and on one
+        // thread: 4% of a GPT's training step.
+        if !grad.is_contiguous() {
+            return Ok((grad.clone(), grad.sum(0)?));
+        }
+        let db = with_slice::<f32, _>(grad, |g| column_sums(g, n))?;
+        return Ok((grad.clone(), Tensor::from_vec(db, n, &Device::Cpu)?));
     }
     let grad = grad.contiguous()?;
     let gelu_input = act == Activation::Gelu;
@@ -162,14 +168,20 @@ pub(crate) fn act_backward(
     // the same rounding, so that the layer's gradients equal candle-nn's
     // (an optimizer such as AdamW turns any difference near zero into a
     // visible one). One vectorised pass, cheap beside the products.
-    let mut db = vec![0f32; n];
-    for row in dz.chunks_exact(n) {
-        add_row(&mut db, row);
-    }
+    let db = column_sums(&dz, n);
     Ok((
         Tensor::from_vec(dz, (rows, n), &Device::Cpu)?,
         Tensor::from_vec(db, n, &Device::Cpu)?,
     ))
+}
+
+/// The sums of the columns of `rows` rows of `n`, adding the rows in order.
+fn column_sums(rows: &[f32], n: usize) -> Vec<f32> {
+    let mut sums = vec![0f32; n];
+    for row in rows.chunks_exact(n) {
+        add_row(&mut sums, row);
+    }
+    sums
 }
 
 /// Lanes of the partial maxima and sums, so that the row loops vectorise.
