@@ -13,6 +13,8 @@ batch 1, 2 and 4). Prints one JSON object:
         "first_time_materialized", ...}}         seconds, the first step (as the
                                                  workbook's calibrations time it)
 
+Times are measured in a run of their own, outside the profiler.
+
 The peak is measured from before the model exists to the end of the last
 step, so it holds the parameters, the gradients, AdamW's state, the batch,
 the activations and every temporary, as the workbook's step region does:
@@ -85,30 +87,39 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.float(), targets.flatten())
 
 
+def train(args, device, dtype, attention):
+    """`--steps` steps of a new model: each step's time."""
+    torch.manual_seed(11)
+    model = Gpt(args.layers, args.hidden, args.heads, args.seq, args.vocab, attention)
+    model = model.to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq), device=device)
+    targets = torch.randint(args.vocab, (args.batch, args.seq), device=device)
+    times = []
+    for _ in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del model, opt, tokens, targets
+    return times
+
+
 def step_peak(args, device, dtype, attention):
     """The whole training run's peak (model, optimizer, `--steps` steps), the
-    first step's time and the median time of the steps after it."""
-    torch.manual_seed(11)
-    times = []
+    first step's time and the median time of the steps after it. The times
+    come from a second run outside the memory meter: on the CPU the profiler
+    that counts the bytes also slows every operation down."""
     with Meter(device) as m:
-        model = Gpt(args.layers, args.hidden, args.heads, args.seq, args.vocab, attention)
-        model = model.to(device=device, dtype=dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(args.vocab, (args.batch, args.seq), device=device)
-        targets = torch.randint(args.vocab, (args.batch, args.seq), device=device)
-        for _ in range(args.steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss = model(tokens, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del loss
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        del model, opt, tokens, targets
+        train(args, device, dtype, attention)
+    times = train(args, device, dtype, attention)
     return m.peak, times[0], statistics.median(times[1:] or times)
 
 
