@@ -11,6 +11,7 @@
 //! sees them there (`gemm`'s own small packing buffers are allocated by the
 //! worker threads).
 
+pub(crate) mod materialized;
 mod matmul;
 pub(crate) mod rows;
 

@@ -54,20 +54,22 @@ impl InplaceOp1 for SoftmaxInPlace {
         s[start..end]
             .par_chunks_mut(nk)
             .enumerate()
-            .for_each(|(r, row)| {
-                rows::scale(row, scale);
-                if causal {
-                    let i = r % nq;
-                    if i + 1 < nk {
-                        row[i + 1..].fill(f32::NEG_INFINITY);
-                    }
-                }
-                let max = rows::max(row);
-                let sum = rows::exp_sub_sum(row, max);
-                rows::scale(row, 1.0 / sum);
-            });
+            .for_each(|(r, row)| softmax_row(row, r % nq, scale, causal));
         Ok(())
     }
+}
+
+/// Row `i` of the scores turned into probabilities in place: scaled, the
+/// keys after query `i` masked out when causal (top-left aligned), then
+/// the softmax.
+pub(crate) fn softmax_row(row: &mut [f32], i: usize, scale: f32, causal: bool) {
+    rows::scale(row, scale);
+    if causal && i + 1 < row.len() {
+        row[i + 1..].fill(f32::NEG_INFINITY);
+    }
+    let max = rows::max(row);
+    let sum = rows::exp_sub_sum(row, max);
+    rows::scale(row, 1.0 / sum);
 }
 
 /// The probabilities `softmax(q k^T * scale + mask)`, `(.., nq, nk)`.

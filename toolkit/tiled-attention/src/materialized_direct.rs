@@ -1,12 +1,15 @@
 //! The materialized attention's two halves, for a training loop of one's
 //! own: no graph, so the backward frees what it no longer needs as it goes.
-//! The forward keeps the probabilities; the backward writes the softmax's
-//! gradient over the probabilities' gradient and lets the probabilities go
-//! before the two products that follow, so on the CPU in f32 it holds two
-//! `n x n` matrices at most where an autograd graph holds three (PyTorch:
-//! the probabilities, their gradient and the scores' gradient). Elsewhere
-//! (other devices, other dtypes) the scores' gradient is a new tensor, made
-//! of candle's operations, and the peak is higher.
+//! The forward keeps the probabilities; the backward makes the scores'
+//! gradient from them. On the CPU in f32, with a key/value head per query
+//! head, both halves are kernels that take one (batch, head) pair at a time
+//! (`cpu::materialized`): the backward holds the probabilities and one
+//! pair's gradient block per thread, less than two `n x n` matrices where
+//! an autograd graph holds three (PyTorch: the probabilities, their
+//! gradient and the scores' gradient). Otherwise the softmax's gradient is
+//! written over the probabilities' gradient where it can be (the CPU in
+//! f32), and elsewhere it is a new tensor made of candle's operations, and
+//! the peak is higher.
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, D};
 use rayon::prelude::*;
@@ -58,6 +61,15 @@ pub fn materialized_forward(
     cfg: &FlashConfig,
 ) -> Result<Materialized> {
     let (dims, scale) = checked(q, k, v, cfg)?;
+    if crate::cpu::materialized::applies(q, &dims) {
+        let (out, probs) = crate::cpu::materialized::forward(q, k, v, &dims, scale, cfg.causal)?;
+        return Ok(Materialized {
+            out,
+            probs,
+            scale,
+            cfg: *cfg,
+        });
+    }
     let (k, v) = (
         repeat_kv(&k.detach(), dims.group())?,
         repeat_kv(&v.detach(), dims.group())?,
@@ -130,6 +142,9 @@ fn backward(
              {asked}: pass the forward's inputs",
             dims.d
         );
+    }
+    if crate::cpu::materialized::applies(q, &dims) {
+        return crate::cpu::materialized::backward((q, k, v), &probs, d_out, &dims, scale);
     }
     let group = dims.group();
     let d_out = d_out.detach().contiguous()?;
