@@ -371,10 +371,65 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
     let measured = v["verification"]["peak"].as_u64().unwrap();
     let error = measured as f64 / predicted as f64 - 1.0;
     assert!(error.abs() <= 0.05, "{measured} against {predicted}");
-    let refused = plan(&["--budget", "1GiB", "--ranks", "2", "--recipes", "direct"]);
+    // Over ranks, rehearsed: DDP, ZeRO-1 and ZeRO-2 run the direct step,
+    // stage 2 reduce-scattering each gradient as it is made; ZeRO-3, which
+    // partitions the parameters the direct stages read whole, is not
+    // weighed for them.
+    let o = plan(&[
+        "--budget",
+        "1GiB",
+        "--ranks",
+        "2",
+        "--recipes",
+        "lean,direct",
+        "--dtypes",
+        "f32",
+        "--no-checkpointing",
+        "--json",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v = json(&o);
+    let weighed: Vec<(String, String)> = v["plan"]["calibrations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["recipe"].as_str().unwrap().into(),
+                c["stage"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    for stage in ["ddp", "zero1", "zero2", "zero3"] {
+        assert!(
+            weighed.contains(&("lean".into(), stage.into())),
+            "{weighed:?}"
+        );
+        assert_eq!(
+            weighed.contains(&("direct".into(), stage.into())),
+            stage != "zero3",
+            "{weighed:?}"
+        );
+    }
+    let refused = plan(&[
+        "--budget",
+        "1GiB",
+        "--ranks",
+        "2",
+        "--recipes",
+        "direct",
+        "--stages",
+        "zero3",
+    ]);
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains(
-        "the direct recipe trains on one rank; with --ranks, allowed: candle, lean, tiled"
+        "nothing to weigh: the direct recipes read whole parameters, which ZeRO stage 3 \
+         partitions; with them, allowed stages: ddp, zero1, zero2"
     ));
 }
 

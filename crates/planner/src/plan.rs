@@ -237,13 +237,20 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         anyhow::bail!("a batch of 0 sequences: nothing to plan");
     }
     req.batch_per_rank()?;
-    if req.ranks > 1 {
-        if let Some(r) = req.recipes.iter().find(|r| r.direct()) {
-            anyhow::bail!(
-                "the {} recipe trains on one rank; with --ranks, allowed: candle, lean, tiled",
-                r.name()
-            );
-        }
+    // The direct recipes read whole parameters: ZeRO stage 3 is weighed
+    // for the others only.
+    let weighed =
+        |stage: Option<Stage>, recipe: Recipe| !(recipe.direct() && stage == Some(Stage::Zero3));
+    if req.ranks > 1
+        && !req
+            .sharings()
+            .iter()
+            .any(|&stage| req.recipes.iter().any(|&r| weighed(stage, r)))
+    {
+        anyhow::bail!(
+            "nothing to weigh: the direct recipes read whole parameters, which ZeRO stage 3 \
+             partitions; with them, allowed stages: ddp, zero1, zero2"
+        );
     }
     if req.ranks > 1 && req.stages.is_empty() {
         anyhow::bail!(
@@ -258,7 +265,7 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         &[false]
     };
     for stage in req.sharings() {
-        for &recipe in &req.recipes {
+        for &recipe in req.recipes.iter().filter(|&&r| weighed(stage, r)) {
             for &dtype in &req.dtypes {
                 for &checkpointed in checkpointing {
                     let config = recipe.apply(req.model);

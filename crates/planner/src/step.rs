@@ -156,6 +156,15 @@ impl Update {
         matches!(self, Update::Zero(_, Stage::Zero2) | Update::Sharded(..))
     }
 
+    /// Stage 2: reduce-scatters one gradient as soon as a direct backward
+    /// hands it over (the tied table's twice: the blocks are summed).
+    fn reduce_one(&mut self, var: &Var, grad: Tensor) -> anyhow::Result<()> {
+        match self {
+            Update::Zero(opt, Stage::Zero2) => Ok(opt.reduce_gradient(var, &grad)?),
+            _ => anyhow::bail!("internal: only ZeRO stage 2 reduces each gradient as it is made"),
+        }
+    }
+
     /// Stage 2: reduce-scatters every gradient in `grads`, dropping each
     /// whole one as soon as its block is kept. Stage 3: adds the gradient
     /// blocks in `grads` to the sum.
@@ -269,10 +278,10 @@ pub fn measured_step(
         let rows = micro.min(shape.batch - start_row);
         let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
         if shape.direct {
-            if parallel.is_some() {
+            if parallel.is_some_and(|p| p.stage == Stage::Zero3) {
                 anyhow::bail!(
-                    "the direct recipes train on one rank: ranks share their gradients through \
-                     the graph's backward"
+                    "the direct recipes read whole parameters, which ZeRO stage 3 partitions; \
+                     with them, allowed: ddp, zero1, zero2"
                 );
             }
             let weight = if micro < shape.batch {
@@ -284,6 +293,9 @@ pub fn measured_step(
                 (true, acc) => {
                     let out = model.direct_checkpointed(&xm, &ym, weight, &Tags)?;
                     match acc {
+                        _ if opt.reduces_each_gradient() => {
+                            Category::Gradients.scope(|| opt.reduce_all(out.grads, &vars))?
+                        }
                         Some(acc) => {
                             Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?
                         }
@@ -291,6 +303,17 @@ pub fn measured_step(
                     }
                     out.loss
                 }
+                // Stage 2: each gradient reduce-scattered as it is made.
+                (false, None) if opt.reduces_each_gradient() => model.direct_loss_with(
+                    &xm,
+                    &ym,
+                    weight,
+                    |var, g| {
+                        opt.reduce_one(var, g)
+                            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+                    },
+                    &Tags,
+                )?,
                 (false, Some(acc)) => acc.add_weighted_with(rows, |add| {
                     model.direct_loss_with(&xm, &ym, weight, add, &Tags)
                 })?,
