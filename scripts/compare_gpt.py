@@ -3,8 +3,8 @@
 
     python3 scripts/compare_gpt.py [--sweep] [--runs 3] [--steps 5] [--recipes direct,direct_tiled]
 
-runs `cargo run --release -p workbook-models --example gpt_step` for each
-recipe and `scripts/torch_gpt.py` (with the Python that runs this script),
+builds `cargo build --release -p workbook-models --example gpt_step`, runs
+it for each recipe and `scripts/torch_gpt.py` (with the Python that runs this script),
 one after the other, `--runs` times, at chapter 3's base model (4 blocks,
 hidden 256, 4 heads, 256 tokens, vocabulary 512, batch 4, f32) and with
 `--sweep` at each of the chapter's sweep points too (seq 512, batch 8,
@@ -58,9 +58,23 @@ def run_json(cmd, cwd=None):
     return json.loads(done.stdout)
 
 
-def workbook(recipe, config, steps):
-    cmd = ["cargo", "run", "--quiet", "--release", "-p", "workbook-models", "--example", "gpt_step", "--"]
-    return run_json(cmd + ["--recipe", recipe] + flags(config, steps), cwd=ROOT)
+def build():
+    """Builds the workbook's side once and returns its executable: every run
+    then times the same binary, whatever happens to the sources meanwhile."""
+    cmd = ["cargo", "build", "--release", "-p", "workbook-models", "--example", "gpt_step",
+           "--message-format=json-render-diagnostics"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    for line in done.stdout.splitlines():
+        message = json.loads(line)
+        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "gpt_step":
+            return message["executable"]
+    sys.exit("cargo built no gpt_step executable")
+
+
+def workbook(binary, recipe, config, steps):
+    return run_json([binary, "--recipe", recipe] + flags(config, steps))
 
 
 def torch(config, steps):
@@ -73,13 +87,13 @@ def describe(config):
     return ", ".join(changed) or "base"
 
 
-def compare(config, recipes, runs, steps):
+def compare(binary, config, recipes, runs, steps):
     """One config's rows: (recipe, peaks, times) per side."""
     ours = {r: [] for r in recipes}
     theirs = []
     for _ in range(runs):
         for r in recipes:
-            ours[r].append(workbook(r, config, steps))
+            ours[r].append(workbook(binary, r, config, steps))
         theirs.append(torch(config, steps))
     rows = []
     for r in recipes:
@@ -116,10 +130,11 @@ def main():
     if unknown or args.runs < 1 or args.steps < 2:
         ap.error(f"recipes are among {', '.join(PAIRED)}; --runs at least 1, --steps at least 2")
     configs = [BASE] + ([{**BASE, **point} for point in SWEEP] if args.sweep else [])
+    binary = build()
     print("| model | workbook | PyTorch | peak (MB) | PyTorch (MB) | ratio | step (ms) | PyTorch (ms) | paired ratio |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for config in configs:
-        for name, r, kind, po, pt, to, tt, paired in compare(config, recipes, args.runs, args.steps):
+        for name, r, kind, po, pt, to, tt, paired in compare(binary, config, recipes, args.runs, args.steps):
             print(
                 f"| {name} | {r} | {kind} | {po / 1e6:.1f} | {pt / 1e6:.1f} | {po / pt:.3f} "
                 f"| {to * 1e3:.0f} | {tt * 1e3:.0f} | {paired:.2f} |",
