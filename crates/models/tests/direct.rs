@@ -33,6 +33,31 @@ fn relative(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(diff / size.max(1e-30))
 }
 
+/// The direct step's loss and each variable's gradient, the tied table's
+/// two parts summed.
+fn direct_step(
+    model: &Gpt,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<(Tensor, HashMap<candle_core::TensorId, Tensor>)> {
+    let mut grads: HashMap<_, Tensor> = HashMap::new();
+    let loss = model.direct_loss_with(
+        x,
+        y,
+        1.0,
+        |var, g| {
+            let sum = match grads.remove(&var.id()) {
+                Some(before) => (before + g)?,
+                None => g,
+            };
+            grads.insert(var.id(), sum);
+            Ok(())
+        },
+        &NoObserver,
+    )?;
+    Ok((loss, grads))
+}
+
 #[test]
 fn the_direct_backward_gives_the_graphs_loss_and_gradients() -> Result<()> {
     let dev = Device::Cpu;
@@ -47,21 +72,7 @@ fn the_direct_backward_gives_the_graphs_loss_and_gradients() -> Result<()> {
             let (x, y) = batch(&mut Rng::seeded(2), 3, 12, 24, &dev)?;
             let graph_loss = model.loss(&x, &y, &Labeller::default())?;
             let graph = graph_loss.backward()?;
-            let mut direct: HashMap<_, Tensor> = HashMap::new();
-            let loss = model.direct_loss_with(
-                &x,
-                &y,
-                1.0,
-                |var, g| {
-                    let sum = match direct.remove(&var.id()) {
-                        Some(before) => (before + g)?,
-                        None => g,
-                    };
-                    direct.insert(var.id(), sum);
-                    Ok(())
-                },
-                &NoObserver,
-            )?;
+            let (loss, direct) = direct_step(&model, &x, &y)?;
             let (a, b) = (
                 loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
                 graph_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
@@ -196,21 +207,7 @@ fn the_direct_backward_gives_candle_nns_gradients() -> Result<()> {
             &mut Rng::seeded(1),
             &dev,
         )?;
-        let mut got: HashMap<_, Tensor> = HashMap::new();
-        let loss = model.direct_loss_with(
-            &x,
-            &y,
-            1.0,
-            |var, g| {
-                let sum = match got.remove(&var.id()) {
-                    Some(before) => (before + g)?,
-                    None => g,
-                };
-                got.insert(var.id(), sum);
-                Ok(())
-            },
-            &NoObserver,
-        )?;
+        let (loss, got) = direct_step(&model, &x, &y)?;
         let (a, b) = (
             loss.to_scalar::<f32>()? as f64,
             want_loss.to_scalar::<f32>()? as f64,

@@ -24,6 +24,15 @@ const CONFIG: GptConfig = GptConfig {
     lean: true,
 };
 
+/// [`CONFIG`] with `attention`, in `dtype`.
+fn model(attention: AttentionKind, dtype: DType) -> Result<Gpt> {
+    let config = GptConfig {
+        attention,
+        ..CONFIG
+    };
+    Gpt::new(config, dtype, &mut Rng::seeded(1), &Device::Cpu)
+}
+
 /// Block 0's input for `b` sequences: the embeddings' output.
 fn block_input(model: &Gpt, b: usize) -> Result<Tensor> {
     let c = model.config();
@@ -47,12 +56,7 @@ fn a_block_saves_what_pytorch_saves_to_the_byte() -> Result<()> {
     let (h, a, s) = (c.hidden, c.heads, c.seq);
     for dtype in [DType::F32, DType::BF16] {
         for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
-            let model = Gpt::new(
-                GptConfig { attention, ..c },
-                dtype,
-                &mut Rng::seeded(1),
-                &Device::Cpu,
-            )?;
+            let model = model(attention, dtype)?;
             // Once first: the thread pool and the matrix library's buffers.
             held_by_block(&model, 2)?;
             let one = held_by_block(&model, 1)?;
@@ -94,12 +98,7 @@ fn a_blocks_backward_works_in_its_gradients_and_one_wide_tensor() -> Result<()> 
     let (h, b, s) = (c.hidden, 4, c.seq);
     for dtype in [DType::F32, DType::BF16] {
         for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
-            let model = Gpt::new(
-                GptConfig { attention, ..c },
-                dtype,
-                &mut Rng::seeded(1),
-                &Device::Cpu,
-            )?;
+            let model = model(attention, dtype)?;
             let stage = DirectStage::Block(&model, 0);
             let x = block_input(&model, b)?;
             let grad = Tensor::randn(0f32, 1.0, (b, s, h), &Device::Cpu)?.to_dtype(dtype)?;

@@ -8,7 +8,7 @@ use candle_ledger::{Held, Label, Labeller, Ledger};
 use workbook_models::Rng;
 use workbook_models::{corpus, Gpt, Recipe};
 use workbook_sdk::anyhow;
-use workbook_sdk::candle::DType;
+use workbook_sdk::candle::{DType, Tensor};
 use workbook_sdk::parse_dtype;
 use workbook_sdk::{Category, Context, Table, Unit};
 use workbook_transformer::predict::Run;
@@ -18,6 +18,21 @@ use workbook_transformer::saved::Params as SavedTensorsParams;
 /// Whether a held tensor is one of the attention's `(b, a, s, s)` matrices.
 pub fn is_quadratic(shape: &[usize], batch: usize, heads: usize, seq: usize) -> bool {
     shape == [batch, heads, seq, seq]
+}
+
+/// The GPT under `recipe` in `dtype`, and a batch of token ids and targets.
+pub fn model_and_batch(
+    ctx: &Context,
+    p: &SavedTensorsParams,
+    recipe: Recipe,
+    dtype: DType,
+) -> anyhow::Result<(Gpt, Tensor, Tensor)> {
+    let (device, c) = (ctx.device().clone(), p.model);
+    let mut rng = Rng::seeded(p.seed);
+    let model = Gpt::new(recipe.apply(c), dtype, &mut rng, &device)?;
+    let (x, y) =
+        Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
+    Ok((model, x, y))
 }
 
 /// The GPT under `recipe`, one forward measured by the allocator (without
@@ -30,11 +45,8 @@ pub fn recipe_graph(
     recipe: Recipe,
     dtype: DType,
 ) -> anyhow::Result<(Ledger, u64)> {
-    let (device, c, name) = (ctx.device().clone(), p.model, recipe.name());
-    let mut rng = Rng::seeded(p.seed);
-    let model = Gpt::new(recipe.apply(c), dtype, &mut rng, &device)?;
-    let (x, y) =
-        Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
+    let name = recipe.name();
+    let (model, x, y) = model_and_batch(ctx, p, recipe, dtype)?;
     // The allocator's count, from a forward without labels.
     let region = ctx.region(format!("forward, {name}"));
     let notes = Labeller::unlabelled();
@@ -71,11 +83,8 @@ pub fn recipe_direct(
     recipe: Recipe,
     dtype: DType,
 ) -> anyhow::Result<(Ledger, u64)> {
-    let (device, c, name) = (ctx.device().clone(), p.model, recipe.name());
-    let mut rng = Rng::seeded(p.seed);
-    let model = Gpt::new(recipe.apply(c), dtype, &mut rng, &device)?;
-    let (x, _) =
-        Category::Inputs.scope(|| corpus::batch(&mut rng, p.batch, c.seq, c.vocab, &device))?;
+    let name = recipe.name();
+    let (model, x, _) = model_and_batch(ctx, p, recipe, dtype)?;
     let stages = model.direct_stages();
     let region = ctx.region(format!("forward, {name}"));
     let kept = Category::Activations.scope(|| -> anyhow::Result<_> {
