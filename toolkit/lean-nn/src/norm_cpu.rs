@@ -25,37 +25,32 @@ pub(crate) fn applies(x: &Tensor) -> bool {
 const LANES: usize = 8;
 
 candle_cpu_math::dispatch! {
-    /// The sum of `a[i] * b[i]`, in [`LANES`] partial sums.
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = [0f32; LANES];
-        let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-        let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-        for (x, y) in ac.zip(bc) {
+    /// The sum of `a[i]`, in [`LANES`] partial sums.
+    fn sum(a: &[f32]) -> f32 {
+        let mut s = [0f32; LANES];
+        let chunks = a.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for x in chunks {
             for l in 0..LANES {
-                acc[l] += x[l] * y[l];
+                s[l] += x[l];
             }
         }
-        acc.iter().sum::<f32>() + tail
+        s.iter().sum::<f32>() + tail
     }
 }
 
 candle_cpu_math::dispatch! {
-    /// The sum of `a[i]`, and of `(a[i] - shift)^2`, in [`LANES`] partial sums.
-    fn sum_and_squares(a: &[f32], shift: f32) -> (f32, f32) {
-        let (mut s, mut q) = ([0f32; LANES], [0f32; LANES]);
+    /// The sum of `(a[i] - shift)^2`, in [`LANES`] partial sums.
+    fn squares_about(a: &[f32], shift: f32) -> f32 {
+        let mut q = [0f32; LANES];
         let chunks = a.chunks_exact(LANES);
-        let (mut ts, mut tq) = (0f32, 0f32);
-        for &x in chunks.remainder() {
-            ts += x;
-            tq += (x - shift) * (x - shift);
-        }
+        let tail: f32 = chunks.remainder().iter().map(|&x| (x - shift) * (x - shift)).sum();
         for x in chunks {
             for l in 0..LANES {
-                s[l] += x[l];
                 q[l] += (x[l] - shift) * (x[l] - shift);
             }
         }
-        (s.iter().sum::<f32>() + ts, q.iter().sum::<f32>() + tq)
+        q.iter().sum::<f32>() + tail
     }
 }
 
@@ -170,9 +165,8 @@ fn forward_typed<T: Row>(
                     let x = T::as_f32(x, &mut wide);
                     // Two passes, as the composed form: the mean, then the
                     // squares about it (no cancellation).
-                    let (sum, _) = sum_and_squares(x, 0.0);
-                    *m = sum / h as f32;
-                    let (_, squares) = sum_and_squares(x, *m);
+                    *m = sum(x) / h as f32;
+                    let squares = squares_about(x, *m);
                     *r = 1.0 / (squares / h as f32 + eps).sqrt();
                     T::write(out, &mut row, |o| normalise(x, *m, *r, &w, &b, o));
                 }
