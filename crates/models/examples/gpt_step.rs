@@ -17,7 +17,7 @@
 
 use std::time::Instant;
 
-use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var};
+use candle_core::{backprop::GradStore, DType, Device, Result, Tensor};
 use candle_lean_optim::LeanAdamW;
 use candle_ledger::Labeller;
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -92,23 +92,11 @@ fn parse() -> std::result::Result<Args, String> {
     })
 }
 
-/// Adds `g` to the gradient held for `var`.
-fn add(store: &mut GradStore, var: &Var, g: Tensor) -> Result<()> {
-    let sum = match store.remove(var.as_tensor()) {
-        Some(held) => (held + g)?,
-        None => g,
-    };
-    store.insert(var.as_tensor(), sum);
-    Ok(())
-}
-
 /// One step's gradients.
 fn grads(model: &Gpt, recipe: Recipe, x: &Tensor, y: &Tensor) -> Result<GradStore> {
     if recipe.direct() {
-        let mut store = GradStore::default();
         let observer = candle_observe::NoObserver;
-        model.direct_loss_with(x, y, 1.0, |v, g| add(&mut store, v, g), &observer)?;
-        return Ok(store);
+        return Ok(model.direct_loss(x, y, 1.0, &observer)?.grads);
     }
     let loss = model.loss(x, y, &Labeller::unlabelled())?;
     let all = loss.backward()?;

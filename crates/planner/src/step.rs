@@ -318,16 +318,9 @@ pub fn measured_step(
                     model.direct_loss_with(&xm, &ym, weight, add, &Tags)
                 })?,
                 (false, None) => {
-                    let mut store = GradStore::default();
-                    let loss = model.direct_loss_with(
-                        &xm,
-                        &ym,
-                        weight,
-                        |var, g| add_grad(&mut store, var, g),
-                        &Tags,
-                    )?;
-                    grads = Some(store);
-                    loss
+                    let out = model.direct_loss(&xm, &ym, weight, &Tags)?;
+                    grads = Some(out.grads);
+                    out.loss
                 }
             };
             loss_value = (loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 / weight) as f32;

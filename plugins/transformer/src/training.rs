@@ -5,14 +5,19 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use workbook_models::{AttentionKind, GptConfig};
+use workbook_models::{AttentionKind, GptConfig, Recipe};
 
 /// Parameters of the `gpt_training` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// The model.
+    /// The model (its `attention` and `lean` set by `recipe`).
     pub model: GptConfig,
+    /// How its step is computed: `direct_tiled` and `direct` with no graph
+    /// (each stage's backward called directly, PyTorch's saved tensors),
+    /// `tiled` and `lean` through candle's graph on the toolkit's layers,
+    /// `candle` on candle-nn's.
+    pub recipe: Recipe,
     /// Sequences per batch.
     pub batch: usize,
     /// Training steps.
@@ -36,6 +41,7 @@ impl Default for Params {
                 attention: AttentionKind::Tiled,
                 ..GptConfig::default()
             },
+            recipe: Recipe::DirectTiled,
             batch: 16,
             steps: 60,
             lr: 3e-3,

@@ -221,6 +221,25 @@ impl Gpt {
         Ok(loss)
     }
 
+    /// [`Gpt::direct_loss_with`] collecting the gradients: the loss and
+    /// every parameter's gradient (the token table's two summed), as a
+    /// training loop hands them to its optimizer.
+    pub fn direct_loss(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        observer: &dyn Observer,
+    ) -> Result<Checkpointed> {
+        self.check_direct()?;
+        let targets = targets.flatten_all()?;
+        let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
+        let stages = self.direct_stages();
+        Sequential::direct(&stages)
+            .observer(observer)
+            .backward(tokens, &self.vars(), head)
+    }
+
     /// [`Gpt::direct_loss_with`] with every stage checkpointed
     /// (`candle_checkpoint::Sequential::direct` with `segments`): the forward keeps each
     /// stage's input only, the backward runs each stage again and calls

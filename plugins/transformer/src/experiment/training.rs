@@ -10,6 +10,7 @@ use workbook_models::{corpus, Gpt};
 use workbook_sdk::anyhow;
 use workbook_sdk::candle::DType;
 use workbook_sdk::candle_nn::{Optimizer, ParamsAdamW};
+use workbook_sdk::candle_observe::NoObserver;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{median, parse_dtype};
 use workbook_sdk::{Context, Figure, Unit};
@@ -23,14 +24,21 @@ pub fn gpt_training_experiment(ctx: &mut Context, p: GptTrainingParams) -> anyho
     let dtype = parse_dtype(&p.dtype)?;
     let device = ctx.device().clone();
     let mut rng = Rng::seeded(p.seed);
-    let model = Gpt::new(p.model, dtype, &mut rng, &device)?;
+    let config = p.recipe.apply(p.model);
+    let model = Gpt::new(config, dtype, &mut rng, &device)?;
     let counted = model.param_count();
     ctx.print(format!(
-        "{} blocks, hidden {}, {} heads, {} positions, vocabulary {}: {counted} parameters",
-        p.model.layers, p.model.hidden, p.model.heads, p.model.seq, p.model.vocab
+        "{} blocks, hidden {}, {} heads, {} positions, vocabulary {}: {counted} parameters, \
+         trained with the {} recipe",
+        config.layers,
+        config.hidden,
+        config.heads,
+        config.seq,
+        config.vocab,
+        p.recipe.name()
     ));
     ctx.metric("params_counted", counted as f64);
-    ctx.metric("params_formula", p.model.param_count() as f64);
+    ctx.metric("params_formula", config.param_count() as f64);
     let mut opt = LeanAdamW::new(
         model.vars(),
         ParamsAdamW {
@@ -45,9 +53,18 @@ pub fn gpt_training_experiment(ctx: &mut Context, p: GptTrainingParams) -> anyho
             ctx.progress(&format!("training step {step} of {}", p.steps));
         }
         let start = std::time::Instant::now();
-        let (x, y) = corpus::batch(&mut rng, p.batch, p.model.seq, p.model.vocab, &device)?;
-        let loss = model.loss(&x, &y, &Labeller::default())?;
-        opt.backward_step(&loss)?;
+        let (x, y) = corpus::batch(&mut rng, p.batch, config.seq, config.vocab, &device)?;
+        let loss = if p.recipe.direct() {
+            // No graph: each stage's backward called directly, the
+            // gradients collected for the optimizer.
+            let step = model.direct_loss(&x, &y, 1.0, &NoObserver)?;
+            opt.step(&step.grads)?;
+            step.loss
+        } else {
+            let loss = model.loss(&x, &y, &Labeller::default())?;
+            opt.backward_step(&loss)?;
+            loss
+        };
         losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64);
         times.push(start.elapsed().as_secs_f64());
     }
@@ -56,11 +73,11 @@ pub fn gpt_training_experiment(ctx: &mut Context, p: GptTrainingParams) -> anyho
     ctx.print(format!(
         "loss {:.3} at the first step, {last:.3} over the last five (a uniform guess: {:.3})",
         losses[0],
-        (p.model.vocab as f64).ln()
+        (config.vocab as f64).ln()
     ));
     ctx.metric("loss_first", losses[0]);
     ctx.metric("loss_last", last);
-    ctx.metric("loss_uniform", (p.model.vocab as f64).ln());
+    ctx.metric("loss_uniform", (config.vocab as f64).ln());
     ctx.metric("step_seconds", median(times));
     ctx.figure(Figure {
         id: "gpt-loss".into(),
