@@ -1,7 +1,7 @@
 //! A GPT's plan in words and as a figure: the calibrations, every option
 //! with its predicted peak and time, the choice, and its verification.
 
-use workbook_planner::plan::{Calibration, Candidate, Plan, Verification};
+use workbook_planner::plan::{Candidate, Plan, Verification};
 use workbook_planner::Stage;
 use workbook_sdk::output::{Axis, Series};
 use workbook_sdk::{Figure, Unit};
@@ -126,31 +126,9 @@ pub fn text(plan: &Plan, batch: usize) -> String {
 pub fn nothing_fits(plan: &Plan, batch: usize) -> String {
     // On N ranks, each holds its share of the batch.
     let batch = plan.batch_per_rank.min(batch);
-    // The least each calibration can need: one sequence at a time, or the
-    // whole batch for the direct recipes, which are weighed at it only.
-    let least = |c: &Calibration| if c.recipe.direct() { batch } else { 1 };
-    let smallest = plan
-        .calibrations
-        .iter()
-        .min_by_key(|c| c.peak(batch, least(c)));
+    // The least each calibration can need: one sequence at a time.
+    let smallest = plan.calibrations.iter().min_by_key(|c| c.peak(batch, 1));
     match smallest {
-        Some(c) if least(c) > 1 => format!(
-            "Nothing fits in {}{}: the smallest option, {} layers in {}{} the whole batch of \
-             {batch}, needs {} (the direct recipes are weighed at the whole batch only), and \
-             {:.0}% more as a margin for the prediction. Another recipe with micro-batches, a \
-             smaller model, a shorter sequence or more memory would fit.",
-            bytes(plan.budget),
-            if plan.ranks > 1 { " per rank" } else { "" },
-            c.recipe.name(),
-            c.dtype,
-            if c.checkpointed {
-                ", checkpointed,"
-            } else {
-                ""
-            },
-            bytes(c.peak(batch, batch)),
-            100.0 * plan.margin,
-        ),
         Some(c) => {
             let sum = if batch > 1 {
                 format!(

@@ -364,8 +364,7 @@ fn largest_micro(c: &Calibration, batch: usize, fits: impl Fn(u64) -> bool) -> O
 }
 
 /// The options from calibrations: for each, the whole batch and the
-/// largest micro-batch that fits (the direct recipes: the whole batch
-/// only); the fastest that fits is chosen.
+/// largest micro-batch that fits; the fastest that fits is chosen.
 /// `req`'s batch must split evenly over its ranks ([`plan`] checks it).
 pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     let mut candidates = Vec::new();
@@ -375,10 +374,7 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
         let mut micros = vec![batch];
         let fits = |peak: u64| peak as f64 * (1.0 + req.margin) <= req.budget as f64;
         let largest_fitting = largest_micro(c, batch, fits);
-        // The direct recipes are weighed at the whole batch only: with
-        // micro-batches their peak was measured 14-21% above this model's
-        // prediction, which a plan must not promise.
-        if !fits(c.peak(batch, batch)) && batch > 1 && !c.recipe.direct() {
+        if !fits(c.peak(batch, batch)) && batch > 1 {
             // The largest micro-batch that fits, or, when none does, one
             // sequence at a time: the least this recipe and dtype can need.
             micros.push(largest_fitting.unwrap_or(1));
