@@ -256,8 +256,8 @@ fn killing_the_runner_leaves_no_worker_mpirun_or_rank_behind() {
     assert_eq!(leftovers(91_005), 0);
 }
 
-/// `workbook plan` on the small model with `args`, as JSON.
-fn plan(args: &[&str]) -> Value {
+/// `workbook plan` on the small model with `recipes` and `args`, as JSON.
+fn plan(recipes: &str, args: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_workbook"))
         .args([
             "plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
@@ -268,7 +268,7 @@ fn plan(args: &[&str]) -> Value {
             "--batch",
             "8",
             "--recipes",
-            "tiled",
+            recipes,
             "--dtypes",
             "f32",
         ])
@@ -284,20 +284,29 @@ fn plan(args: &[&str]) -> Value {
 #[test]
 fn a_plan_for_ranks_is_verified_on_real_ranks() {
     let _one = one_job();
-    verified_on_real_ranks(&[]);
+    verified_on_real_ranks("tiled", &[]);
 }
 
 #[test]
 fn a_stage_3_plan_is_verified_on_real_ranks() {
     let _one = one_job();
-    verified_on_real_ranks(&["--stages", "zero3"]);
+    verified_on_real_ranks("tiled", &["--stages", "zero3"]);
 }
 
-/// For 2 and 4 ranks, a plan among `stages` (every stage when empty) under
-/// a budget that makes it accumulate micro-batches, run on real ranks.
-fn verified_on_real_ranks(stages: &[&str]) {
+/// The direct backward under stage 3: each stage gathers its parameters
+/// for its forward and again for its backward, on real ranks.
+#[test]
+fn a_direct_stage_3_plan_is_verified_on_real_ranks() {
+    let _one = one_job();
+    verified_on_real_ranks("direct_tiled", &["--stages", "zero3"]);
+}
+
+/// For 2 and 4 ranks, a plan of `recipes` among `stages` (every stage when
+/// empty) under a budget that makes it accumulate micro-batches, run on
+/// real ranks.
+fn verified_on_real_ranks(recipes: &str, stages: &[&str]) {
     for ranks in ["2", "4"] {
-        let with = |args: &[&str]| plan(&[args, stages].concat());
+        let with = |args: &[&str]| plan(recipes, &[args, stages].concat());
         // A budget below every whole batch's predicted peak: the plan
         // must accumulate micro-batches, whose peak holds the gradient sum.
         let options = with(&["--budget", "1GiB", "--ranks", ranks]);
@@ -314,6 +323,7 @@ fn verified_on_real_ranks(stages: &[&str]) {
         if let [_, stage] = stages {
             assert_eq!(chosen["stage"], *stage, "{chosen}");
         }
+        assert_eq!(chosen["recipe"], recipes, "{chosen}");
         assert!(chosen["micro_steps"].as_u64().unwrap() > 1, "{chosen}");
         let verified = &v["verification"];
         assert_eq!(verified["ranks"].as_u64(), Some(ranks.parse().unwrap()));

@@ -396,10 +396,10 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
             "{recipe}: {measured} against {predicted}"
         );
     }
-    // Over ranks, rehearsed: DDP, ZeRO-1 and ZeRO-2 run the direct step,
-    // stage 2 reduce-scattering each gradient as it is made; ZeRO-3, which
-    // partitions the parameters the direct stages read whole, is not
-    // weighed for them.
+    // Over ranks, rehearsed: every stage runs the direct step, stage 2
+    // reduce-scattering each gradient as it is made, stage 3 gathering
+    // each stage's parameters for its forward and again for its backward;
+    // at every stage it holds less than the lean step through the graph.
     let o = plan(&[
         "--budget",
         "1GiB",
@@ -419,43 +419,19 @@ fn the_direct_recipes_hold_less_and_keep_their_plans() {
         String::from_utf8_lossy(&o.stderr)
     );
     let v = json(&o);
-    let weighed: Vec<(String, String)> = v["plan"]["calibrations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            (
-                c["recipe"].as_str().unwrap().into(),
-                c["stage"].as_str().unwrap().into(),
-            )
-        })
-        .collect();
+    let peak = |recipe: &str, stage: &str| -> u64 {
+        let c = v["plan"]["calibrations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["recipe"] == recipe && c["stage"] == stage)
+            .unwrap_or_else(|| panic!("{recipe} under {stage} was not weighed"));
+        c["peaks"][2].as_u64().unwrap()
+    };
     for stage in ["ddp", "zero1", "zero2", "zero3"] {
-        assert!(
-            weighed.contains(&("lean".into(), stage.into())),
-            "{weighed:?}"
-        );
-        assert_eq!(
-            weighed.contains(&("direct".into(), stage.into())),
-            stage != "zero3",
-            "{weighed:?}"
-        );
+        let (direct, lean) = (peak("direct", stage), peak("lean", stage));
+        assert!(direct < lean, "{stage}: direct {direct}, lean {lean}");
     }
-    let refused = plan(&[
-        "--budget",
-        "1GiB",
-        "--ranks",
-        "2",
-        "--recipes",
-        "direct",
-        "--stages",
-        "zero3",
-    ]);
-    assert_eq!(refused.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&refused.stderr).contains(
-        "nothing to weigh: the direct recipes read whole parameters, which ZeRO stage 3 \
-         partitions; with them, allowed stages: ddp, zero1, zero2"
-    ));
 }
 
 #[test]

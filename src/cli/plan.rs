@@ -50,7 +50,7 @@ pub struct PlanArgs {
     /// (candle-nn's layers, naive attention), lean (the toolkit's lean
     /// layers, the probabilities kept), tiled (lean, tiled attention),
     /// direct and direct_tiled (lean or tiled with no graph: each stage's
-    /// backward called directly; with --ranks, under ddp, zero1 and zero2).
+    /// backward called directly).
     #[arg(long, value_delimiter = ',', default_value = "candle,lean,tiled", value_parser = parse_recipe)]
     pub recipes: Vec<workbook_models::Recipe>,
     /// Leave checkpointing out of the options.

@@ -237,21 +237,6 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         anyhow::bail!("a batch of 0 sequences: nothing to plan");
     }
     req.batch_per_rank()?;
-    // The direct recipes read whole parameters: ZeRO stage 3 is weighed
-    // for the others only.
-    let weighed =
-        |stage: Option<Stage>, recipe: Recipe| !(recipe.direct() && stage == Some(Stage::Zero3));
-    if req.ranks > 1
-        && !req
-            .sharings()
-            .iter()
-            .any(|&stage| req.recipes.iter().any(|&r| weighed(stage, r)))
-    {
-        anyhow::bail!(
-            "nothing to weigh: the direct recipes read whole parameters, which ZeRO stage 3 \
-             partitions; with them, allowed stages: ddp, zero1, zero2"
-        );
-    }
     if req.ranks > 1 && req.stages.is_empty() {
         anyhow::bail!(
             "{} ranks and no stage to weigh; allowed: ddp, zero1, zero2, zero3",
@@ -265,7 +250,7 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         &[false]
     };
     for stage in req.sharings() {
-        for &recipe in req.recipes.iter().filter(|&&r| weighed(stage, r)) {
+        for &recipe in &req.recipes {
             for &dtype in &req.dtypes {
                 for &checkpointed in checkpointing {
                     let config = recipe.apply(req.model);

@@ -158,10 +158,15 @@ impl Update {
 
     /// Stage 2: reduce-scatters one gradient as soon as a direct backward
     /// hands it over (the tied table's twice: the blocks are summed).
+    /// Stage 3: adds one gradient block, which the direct backward has
+    /// reduce-scattered already, to the sum.
     fn reduce_one(&mut self, var: &Var, grad: Tensor) -> anyhow::Result<()> {
         match self {
             Update::Zero(opt, Stage::Zero2) => Ok(opt.reduce_gradient(var, &grad)?),
-            _ => anyhow::bail!("internal: only ZeRO stage 2 reduces each gradient as it is made"),
+            Update::Sharded(_, sum) => Ok(add_grad(sum, var, grad)?),
+            _ => anyhow::bail!(
+                "internal: only ZeRO stages 2 and 3 reduce each gradient as it is made"
+            ),
         }
     }
 
@@ -278,12 +283,6 @@ pub fn measured_step(
         let rows = micro.min(shape.batch - start_row);
         let (xm, ym) = (x.narrow(0, start_row, rows)?, y.narrow(0, start_row, rows)?);
         if shape.direct {
-            if parallel.is_some_and(|p| p.stage == Stage::Zero3) {
-                anyhow::bail!(
-                    "the direct recipes read whole parameters, which ZeRO stage 3 partitions; \
-                     with them, allowed: ddp, zero1, zero2"
-                );
-            }
             let weight = if micro < shape.batch {
                 rows as f64 / shape.batch as f64
             } else {
@@ -303,7 +302,9 @@ pub fn measured_step(
                     }
                     out.loss
                 }
-                // Stage 2: each gradient reduce-scattered as it is made.
+                // Stage 2: each gradient reduce-scattered as it is made;
+                // stage 3: each block, reduce-scattered by the backward,
+                // summed.
                 (false, None) if opt.reduces_each_gradient() => model.direct_loss_with(
                     &xm,
                     &ym,
@@ -500,11 +501,15 @@ mod tests {
     /// each gradient by its own size, so a gradient that is zero but for
     /// rounding, as the key bias's is, moves its parameter by the
     /// rounding's sign.)
+    /// With `direct`, each micro-batch runs the direct backward
+    /// ([`Gpt::direct_loss_with`]), which gathers each stage's parameters
+    /// and hands over each gradient block as soon as it is reduced.
     fn stage3_rank(
         comm: Arc<Comm>,
         x: &Tensor,
         y: &Tensor,
         micro: usize,
+        direct: bool,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
         let parallel = Parallel::new(Arc::clone(&comm), Stage::Zero3);
         let model = Gpt::sharded(
@@ -524,12 +529,23 @@ mod tests {
         );
         for start in (0..rows).step_by(micro) {
             let m = micro.min(rows - start);
-            let loss = model.loss(
-                &x.narrow(0, start, m)?,
-                &y.narrow(0, start, m)?,
-                &Labeller::default(),
-            )?;
-            let store = (loss * (m as f64 / rows as f64))?.backward()?;
+            let (xm, ym) = (x.narrow(0, start, m)?, y.narrow(0, start, m)?);
+            let weight = m as f64 / rows as f64;
+            if direct {
+                model.direct_loss_with(
+                    &xm,
+                    &ym,
+                    weight,
+                    |var, g| {
+                        opt.reduce_one(var, g)
+                            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+                    },
+                    &Tags,
+                )?;
+                continue;
+            }
+            let loss = model.loss(&xm, &ym, &Labeller::default())?;
+            let store = (loss * weight)?.backward()?;
             opt.reduce_all(param_grads(&store, &vars), &vars)?;
         }
         let Update::Sharded(_, sum) = &mut opt else {
@@ -550,8 +566,9 @@ mod tests {
 
     /// ZeRO stage 3 on 2 and 4 ranks (threads of this process, exchanging
     /// real values), whole and in micro-batches (3 then 1 of a rank's 4
-    /// rows: unequal weights), gives the gradients of one process on the
-    /// whole batch: every block the mean over the ranks.
+    /// rows: unequal weights), through candle's graph or the direct
+    /// backward, gives the gradients of one process on the whole batch:
+    /// every block the mean over the ranks.
     #[test]
     fn stage_3_on_ranks_has_the_gradients_of_one_process_on_the_whole_batch() -> anyhow::Result<()>
     {
@@ -563,13 +580,16 @@ mod tests {
             &Device::Cpu,
         )?;
         let want = one_process(&x, &y)?;
-        for (ranks, micro) in [(2, 4), (2, 3), (4, 1)] {
+        let cases = [(2, 4), (2, 3), (4, 1)]
+            .into_iter()
+            .flat_map(|(ranks, micro)| [(ranks, micro, false), (ranks, micro, true)]);
+        for (ranks, micro, direct) in cases {
             let got = std::thread::scope(|s| {
                 let handles: Vec<_> = Threads::world(ranks)
                     .into_iter()
                     .map(|t| {
                         let (x, y) = (&x, &y);
-                        s.spawn(move || stage3_rank(Arc::new(Comm::new(t)), x, y, micro))
+                        s.spawn(move || stage3_rank(Arc::new(Comm::new(t)), x, y, micro, direct))
                     })
                     .collect();
                 handles
@@ -578,7 +598,9 @@ mod tests {
                     .collect::<anyhow::Result<Vec<_>>>()
             })?;
             for (rank, grads) in got.iter().enumerate() {
-                let what = format!("{ranks} ranks, micro-batches of {micro}, rank {rank}");
+                let what = format!(
+                    "{ranks} ranks, micro-batches of {micro}, direct {direct}, rank {rank}"
+                );
                 assert_close(grads, &want, &what);
             }
         }

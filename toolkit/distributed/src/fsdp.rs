@@ -12,7 +12,7 @@ use candle_observe::{scope, Kind, Place};
 use candle_offload::{fetched_linear, fetched_linear_act, WeightSource};
 
 use crate::split::{all_gather_whole, own_block, reduce_scatter_mean, Split};
-use crate::Comm;
+use crate::{Comm, ShardedParam};
 
 /// One partitioned parameter: this rank's block, in f32.
 #[derive(Debug)]
@@ -54,8 +54,8 @@ impl Block {
 /// the gradients are reduce-scattered back into blocks.
 struct Peers {
     comm: Arc<Comm>,
-    weight: Block,
-    bias: Option<Block>,
+    weight: Arc<Block>,
+    bias: Option<Arc<Block>>,
     device: Device,
     grads: Mutex<GradStore>,
 }
@@ -152,7 +152,7 @@ impl ShardedLinear {
                 );
             }
         }
-        let block = |t: &Tensor| Block::new(&comm, t, device);
+        let block = |t: &Tensor| Block::new(&comm, t, device).map(Arc::new);
         let (weight, bias) = (block(weight)?, bias.map(block).transpose()?);
         Ok(Self {
             peers: Arc::new(Peers {
@@ -189,6 +189,29 @@ impl ShardedLinear {
                 store.insert(var.as_tensor(), g);
             }
         }
+    }
+
+    /// The weight as a [`ShardedParam`]: this layer's block of it, to
+    /// gather and reduce by hand (a backward written out, with no graph).
+    /// Its gradients go to the optimizer from there, not through
+    /// [`take_grads`](Self::take_grads).
+    pub fn weight_param(&self) -> ShardedParam {
+        ShardedParam::of_block(
+            Arc::clone(&self.peers.comm),
+            Arc::clone(&self.peers.weight),
+            &self.peers.device,
+        )
+    }
+
+    /// The bias as a [`ShardedParam`], as [`weight_param`](Self::weight_param).
+    pub fn bias_param(&self) -> Option<ShardedParam> {
+        self.peers.bias.as_ref().map(|b| {
+            ShardedParam::of_block(
+                Arc::clone(&self.peers.comm),
+                Arc::clone(b),
+                &self.peers.device,
+            )
+        })
     }
 
     /// The whole weight, all-gathered (for checking; it costs a gather).

@@ -66,6 +66,15 @@ impl ShardedParam {
         })
     }
 
+    /// A block another holder made (a [`ShardedLinear`](crate::ShardedLinear)'s).
+    pub(crate) fn of_block(comm: Arc<Comm>, block: Arc<Block>, device: &Device) -> Self {
+        Self {
+            comm,
+            block,
+            device: device.clone(),
+        }
+    }
+
     /// This rank's block, in f32 (padded with zeros past the parameter's
     /// end on the last ranks).
     pub fn var(&self) -> &Var {
@@ -95,6 +104,46 @@ impl ShardedParam {
                 device: self.device.clone(),
             },
         )
+    }
+
+    /// The whole parameter in `dtype`, all-gathered, with no graph: for a
+    /// backward written out by hand, which gathers it again when it needs
+    /// it and hands its gradient to [`reduce_gradient`](Self::reduce_gradient).
+    /// The same order on every rank, as [`gather`](Self::gather).
+    pub fn gather_detached(&self, dtype: DType) -> Result<Tensor> {
+        self.block.gather(&self.comm, dtype, &self.device)
+    }
+
+    /// This rank's block of the mean over the ranks of `grad`, a gradient
+    /// of the whole parameter: reduce-scattered, in f32, the gradient of
+    /// [`var`](Self::var) an optimizer takes.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_distributed::{Comm, ShardedParam};
+    ///
+    /// let dev = Device::Cpu;
+    /// let scale = ShardedParam::new(Arc::new(Comm::solo()), &Tensor::new(&[1f32, 2.0], &dev)?, &dev)?;
+    /// let whole = scale.gather_detached(DType::F32)?;
+    /// assert!(!whole.track_op());
+    /// let x = Tensor::new(&[3f32, 4.0], &dev)?;
+    /// // d(sum(scale * x)) / d scale = x, by hand; one rank's mean is itself.
+    /// let block = scale.reduce_gradient(&x)?;
+    /// assert_eq!(block.to_vec1::<f32>()?, [3.0, 4.0]);
+    /// let wrong = scale.reduce_gradient(&Tensor::new(&[1f32, 2.0, 3.0], &dev)?).unwrap_err();
+    /// assert!(wrong.to_string().contains("a gradient of shape [3] for a parameter of shape [2]"));
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn reduce_gradient(&self, grad: &Tensor) -> Result<Tensor> {
+        if grad.shape() != &self.block.shape {
+            candle_core::bail!(
+                "a gradient of shape {:?} for a parameter of shape {:?}",
+                grad.dims(),
+                self.block.shape.dims()
+            );
+        }
+        reduce_scatter_mean(&self.comm, grad, self.block.split, &self.device)
     }
 
     /// The bytes of this rank's block.

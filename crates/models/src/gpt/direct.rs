@@ -11,9 +11,12 @@
 //! (materialized) or its output and log-sum-exp (tiled), and GELU's input:
 //! what PyTorch's autograd keeps for the same block, where candle's graph
 //! also sums every gradient into a zeros tensor of its own.
+//!
+//! Under ZeRO stage 3 no stage keeps a parameter: each gathers its own for
+//! the forward and again for the backward, as FSDP does.
 
 use candle_checkpoint::{Checkpointed, Observer, Sequential};
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
 use candle_lean_nn::{
     cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, Activation, Kept, LeanLinear,
@@ -124,33 +127,61 @@ enum Attention {
     Tiled(Forward),
 }
 
-/// A linear layer on its variables, for the direct halves.
-fn lean(dense: &Dense) -> Result<LeanLinear> {
-    match dense {
-        Dense::Whole { weight, bias } => {
-            LeanLinear::new(weight.as_tensor().clone(), Some(bias.as_tensor().clone()))
+impl Param {
+    /// The whole parameter in `dtype` with no graph: the variable's tensor,
+    /// or under ZeRO stage 3 gathered from the ranks (and dropped by the
+    /// caller once used: the backward gathers it again).
+    fn whole(&self, dtype: DType) -> Result<Tensor> {
+        match self {
+            Param::Whole(v) => Ok(v.as_tensor().clone()),
+            Param::Sharded(p) => p.gather_detached(dtype),
         }
-        Dense::Sharded(_) => {
-            bail!("the direct backward trains a whole model; under ZeRO stage 3 use the graph's")
+    }
+
+    /// Hands `grad`, the whole parameter's gradient, to the driver: as it
+    /// is, or under ZeRO stage 3 reduce-scattered into this rank's block
+    /// (the mean over the ranks), the block's variable's gradient.
+    fn give(&self, grad: Tensor, params: &mut Vec<(Tensor, Tensor)>) -> Result<()> {
+        match self {
+            Param::Whole(v) => params.push((v.as_tensor().clone(), grad)),
+            Param::Sharded(p) => {
+                let block = p.reduce_gradient(&grad)?;
+                drop(grad);
+                params.push((p.var().as_tensor().clone(), block));
+            }
         }
+        Ok(())
     }
 }
 
-fn whole(p: &Param) -> Result<Tensor> {
-    match p {
-        Param::Whole(v) => Ok(v.as_tensor().clone()),
-        Param::Sharded(_) => {
-            bail!("the direct backward trains a whole model; under ZeRO stage 3 use the graph's")
+/// A linear layer's weight and bias as parameters.
+fn dense_params(dense: &Dense) -> Result<(Param, Param)> {
+    Ok(match dense {
+        Dense::Whole { weight, bias } => (Param::Whole(weight.clone()), Param::Whole(bias.clone())),
+        Dense::Sharded(layer) => {
+            let Some(bias) = layer.bias_param() else {
+                bail!("internal: a sharded linear layer of the GPT without its bias");
+            };
+            (Param::Sharded(layer.weight_param()), Param::Sharded(bias))
         }
-    }
+    })
+}
+
+/// A linear layer on its whole weights in `dtype`, for the direct halves,
+/// with its parameters (to hand the gradients to).
+fn lean(dense: &Dense, dtype: DType) -> Result<(LeanLinear, Param, Param)> {
+    let (w, b) = dense_params(dense)?;
+    let layer = LeanLinear::new(w.whole(dtype)?, Some(b.whole(dtype)?))?;
+    Ok((layer, w, b))
 }
 
 fn norm_saved(n: &Norm, x: &Tensor) -> Result<(Tensor, NormStats)> {
-    layer_norm_saved(x, &whole(&n.weight)?, &whole(&n.bias)?, 1e-5)
+    let dtype = x.dtype();
+    layer_norm_saved(x, &n.weight.whole(dtype)?, &n.bias.whole(dtype)?, 1e-5)
 }
 
 /// A layer norm's backward: the input's gradient, the weight's and bias's
-/// pushed to `params`.
+/// handed to `params`.
 fn norm_backward(
     n: &Norm,
     x: &Tensor,
@@ -158,14 +189,16 @@ fn norm_backward(
     grad: &Tensor,
     params: &mut Vec<(Tensor, Tensor)>,
 ) -> Result<Tensor> {
-    let (w, b) = (whole(&n.weight)?, whole(&n.bias)?);
+    let w = n.weight.whole(x.dtype())?;
     let (dx, dw, db) = layer_norm_backward(x, &w, stats, grad)?;
-    params.extend([(w, dw), (b, db)]);
+    drop(w);
+    n.weight.give(dw, params)?;
+    n.bias.give(db, params)?;
     Ok(dx)
 }
 
 /// A linear layer's backward (identity, or GELU from its kept input): the
-/// input's gradient, the weight's and bias's pushed to `params`.
+/// input's gradient, the weight's and bias's handed to `params`.
 fn dense_backward(
     dense: &Dense,
     kept: Kept,
@@ -173,11 +206,12 @@ fn dense_backward(
     grad: Tensor,
     params: &mut Vec<(Tensor, Tensor)>,
 ) -> Result<Tensor> {
-    let layer = lean(dense)?;
+    let (layer, w, b) = lean(dense, x.dtype())?;
     let (dx, dw, db) = layer.backward_saved(x, kept, grad, true)?;
-    params.push((layer.weight().clone(), dw));
-    if let (Some(b), Some(db)) = (layer.bias(), db) {
-        params.push((b.clone(), db));
+    drop(layer);
+    w.give(dw, params)?;
+    if let Some(db) = db {
+        b.give(db, params)?;
     }
     dx.ok_or_else(|| {
         candle_core::Error::Msg("internal: a linear layer gave no input gradient".into())
@@ -199,8 +233,12 @@ impl Gpt {
     /// direct backward: each parameter's gradient is handed to `on_grad`
     /// as soon as its stage's backward has made it (the token table's
     /// twice, once from the head and once from the embedding: sum them).
-    /// Needs the lean layers and a whole model (not ZeRO stage 3), with
-    /// materialized or tiled attention. `observer` is told what each
+    /// Needs the lean layers with materialized or tiled attention. Under
+    /// ZeRO stage 3 ([`Gpt::sharded`]) each stage gathers the parameters it
+    /// uses for its forward and again for its backward, dropping them once
+    /// used, and what `on_grad` gets is each block's gradient (the mean
+    /// over the ranks, reduce-scattered), keyed by the block's variable;
+    /// every rank must run the same steps. `observer` is told what each
     /// allocation is for (activations in the forward, gradients in the
     /// backward).
     pub fn direct_loss_with(
@@ -279,7 +317,9 @@ impl Gpt {
         let d = h / a;
         let blk = &self.blocks[i];
         let (n1, ln1) = norm_saved(&blk.ln1, x)?;
-        let (qkv, _) = lean(&blk.qkv)?.forward_saved(&n1, Activation::Identity)?;
+        let (qkv, _) = lean(&blk.qkv, n1.dtype())?
+            .0
+            .forward_saved(&n1, Activation::Identity)?;
         let qkv = qkv
             .reshape((b, s, 3, a, d))?
             .permute((2, 0, 3, 1, 4))?
@@ -314,11 +354,17 @@ impl Gpt {
             Attention::Tiled(_) => out,
             Attention::Materialized(_) => out.transpose(1, 2)?.reshape((b, s, h))?,
         };
-        let (p, _) = lean(&blk.proj)?.forward_saved(&y, Activation::Identity)?;
+        let (p, _) = lean(&blk.proj, y.dtype())?
+            .0
+            .forward_saved(&y, Activation::Identity)?;
         let x2 = (x + p)?;
         let (n2, ln2) = norm_saved(&blk.ln2, &x2)?;
-        let (m, gelu_in) = lean(&blk.fc)?.forward_saved(&n2, Activation::Gelu)?;
-        let (m2, _) = lean(&blk.fc2)?.forward_saved(&m, Activation::Identity)?;
+        let (m, gelu_in) = lean(&blk.fc, n2.dtype())?
+            .0
+            .forward_saved(&n2, Activation::Gelu)?;
+        let (m2, _) = lean(&blk.fc2, m.dtype())?
+            .0
+            .forward_saved(&m, Activation::Identity)?;
         let out = (&x2 + m2)?;
         let saved = BlockSaved {
             ln1,
@@ -403,10 +449,12 @@ impl DirectBackward for DirectStage<'_> {
                 if s > c.seq {
                     bail!("{s} tokens, the model's positions stop at {}", c.seq);
                 }
-                let positions = whole(&m.wpe)?.detach().narrow(0, 0, s)?;
+                let positions = m.wpe.whole(m.dtype)?.detach().narrow(0, 0, s)?;
                 // Detached: on the variables themselves candle would record
                 // a graph that keeps every later tensor's inputs alive.
-                let out = whole(&m.wte)?
+                let out = m
+                    .wte
+                    .whole(m.dtype)?
                     .detach()
                     .embedding(&x.flatten_all()?)?
                     .reshape((b, s, c.hidden))?
@@ -421,7 +469,7 @@ impl DirectBackward for DirectStage<'_> {
                 let (b, s, h) = x.dims3()?;
                 let (normed, stats) = norm_saved(&m.ln_f, x)?;
                 let normed = normed.reshape((b * s, h))?;
-                let logits = normed.matmul(&whole(&m.wte)?.detach().t()?)?;
+                let logits = normed.matmul(&m.wte.whole(m.dtype)?.detach().t()?)?;
                 Ok((logits, DirectSaved::Head { stats, normed }))
             }
         }
@@ -437,10 +485,14 @@ impl DirectBackward for DirectStage<'_> {
         match (*self, saved) {
             (DirectStage::Embedding(m), DirectSaved::Embedding) => {
                 let (b, s) = x.dims2()?;
-                let (wte, wpe) = (whole(&m.wte)?, whole(&m.wpe)?);
-                let h = m.config.hidden;
+                let (v, h) = (m.config.vocab, m.config.hidden);
                 let g = grad.reshape((b * s, h))?;
-                let dwte = wte.zeros_like()?.index_add(&x.flatten_all()?, &g, 0)?;
+                let dwte = Tensor::zeros((v, h), grad.dtype(), grad.device())?.index_add(
+                    &x.flatten_all()?,
+                    &g,
+                    0,
+                )?;
+                drop(g);
                 let dpos = grad.sum(0)?;
                 let dwpe = if s == m.config.seq {
                     dpos
@@ -448,9 +500,12 @@ impl DirectBackward for DirectStage<'_> {
                     let rest = Tensor::zeros((m.config.seq - s, h), dpos.dtype(), dpos.device())?;
                     Tensor::cat(&[&dpos, &rest], 0)?
                 };
+                let mut params = Vec::with_capacity(2);
+                m.wte.give(dwte, &mut params)?;
+                m.wpe.give(dwpe, &mut params)?;
                 Ok(DirectGrads {
                     input: None,
-                    params: vec![(wte, dwte), (wpe, dwpe)],
+                    params,
                 })
             }
             (DirectStage::Block(m, i), DirectSaved::Block(saved)) => {
@@ -462,12 +517,13 @@ impl DirectBackward for DirectStage<'_> {
             }
             (DirectStage::Head(m), DirectSaved::Head { stats, normed }) => {
                 let (b, s, h) = x.dims3()?;
-                let wte = whole(&m.wte)?;
                 let dwte = grad.t()?.matmul(&normed)?;
                 drop(normed);
-                let dnormed = grad.matmul(&wte.detach())?.reshape((b, s, h))?;
-                drop(grad);
-                let mut params = vec![(wte, dwte)];
+                let mut params = Vec::with_capacity(3);
+                m.wte.give(dwte, &mut params)?;
+                let wte = m.wte.whole(m.dtype)?.detach();
+                let dnormed = grad.matmul(&wte)?.reshape((b, s, h))?;
+                drop((grad, wte));
                 let dx = norm_backward(&m.ln_f, x, &stats, &dnormed, &mut params)?;
                 Ok(DirectGrads {
                     input: want_input.then_some(dx),
