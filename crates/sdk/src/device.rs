@@ -6,11 +6,32 @@ use crate::meter::Category;
 
 /// Runs a few matrix products of each float dtype so that one-time
 /// allocations (gemm's per-thread packing buffers, thread pools) happen
-/// before anything is measured.
+/// before anything is measured. On the CPU every thread of the pool runs
+/// its own: gemm keeps a packing buffer per thread (the size of the L2
+/// cache, 1 MiB on a recent core), made the first time that thread
+/// multiplies, and a pool thread the warm-up missed would otherwise make
+/// it inside the first measured step (seen: a step's peak 1 MiB above its
+/// prediction, when a loaded machine left one thread idle until then).
 pub fn warm_up(device: &Device) -> Result<()> {
     let _other = Category::Other.enter();
+    products(device, &[8, 64, 512])?;
+    if device.is_cpu() {
+        // Below gemm's threading threshold, each thread's own products
+        // run on that thread.
+        rayon::broadcast(|_| {
+            let _other = Category::Other.enter();
+            products(device, &[8, 64])
+        })
+        .into_iter()
+        .collect::<Result<Vec<()>>>()?;
+    }
+    Ok(())
+}
+
+/// `n x n` products of ones in each float dtype, for each `n` of `sizes`.
+fn products(device: &Device, sizes: &[usize]) -> Result<()> {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for n in [8, 64, 512] {
+        for &n in sizes {
             let a = Tensor::ones((n, n), dtype, device)?;
             let _ = a
                 .matmul(&a)?
