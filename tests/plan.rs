@@ -723,3 +723,47 @@ fn a_decoder_plan_is_verified_on_this_machine_and_keeps_its_promise() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("it cannot be verified here"), "{err}");
 }
+
+/// `--untied-head` gives the head a table of its own: the parameters grow
+/// by exactly h·v elements (4 bytes each in f32), and the plan, run, keeps
+/// its promise.
+#[test]
+fn an_untied_head_adds_its_table_and_keeps_the_plan() {
+    let param_bytes = |extra: &[&str]| -> u64 {
+        let args = [
+            &[
+                "--budget",
+                "1GiB",
+                "--recipes",
+                "direct_tiled",
+                "--dtypes",
+                "f32",
+                "--no-checkpointing",
+                "--verify",
+                "--json",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let o = plan(&args);
+        let said =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{extra:?}: {said}");
+        let v = json(&o);
+        let predicted = v["plan"]["chosen"]["peak"].as_u64().unwrap();
+        let measured = v["verification"]["peak"].as_u64().unwrap();
+        let error = measured as f64 / predicted as f64 - 1.0;
+        assert!(
+            error.abs() <= 0.05,
+            "{extra:?}: {measured} against {predicted}"
+        );
+        v["plan"]["calibrations"][0]["param_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    // SMALL's hidden 64 and vocabulary 128.
+    assert_eq!(
+        param_bytes(&["--untied-head"]) - param_bytes(&[]),
+        4 * 64 * 128
+    );
+}

@@ -46,6 +46,10 @@ pub struct PlanArgs {
     /// Vocabulary.
     #[arg(long, default_value_t = 512)]
     pub vocab: usize,
+    /// Give the head a table of its own (h·v parameters more, as Llama's)
+    /// instead of sharing the token embedding's (GPT-2's).
+    #[arg(long)]
+    pub untied_head: bool,
     /// Ways of computing the layers to consider, comma-separated: candle
     /// (candle-nn's layers, naive attention), lean (the toolkit's lean
     /// layers, the probabilities kept), tiled (lean, tiled attention),
@@ -115,6 +119,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         heads,
         seq,
         vocab,
+        untied_head,
         recipes,
         no_checkpointing,
         dtypes,
@@ -150,6 +155,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             heads: *heads,
             seq: *seq,
             vocab: *vocab,
+            tied_head: !*untied_head,
         },
     };
     let config = file.config()?;

@@ -24,6 +24,7 @@ pub use gpt::{figure, nothing_fits, text, verified};
 /// heads = 4
 /// seq = 256
 /// vocab = 512
+/// tied_head = true   # the default; false: the head has a table of its own
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +39,15 @@ pub struct ModelFile {
     pub seq: usize,
     /// Vocabulary.
     pub vocab: usize,
+    /// The head shares the token embedding's table (the default); `false`
+    /// gives it its own.
+    #[serde(default = "tied")]
+    pub tied_head: bool,
+}
+
+/// serde's default for [`ModelFile::tied_head`].
+fn tied() -> bool {
+    true
 }
 
 /// The largest model file read: a few lines of TOML are a few hundred
@@ -109,6 +119,7 @@ impl ModelFile {
             vocab: self.vocab,
             attention: AttentionKind::Tiled,
             lean: true,
+            tied_head: self.tied_head,
         })
     }
 }

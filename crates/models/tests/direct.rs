@@ -21,8 +21,17 @@ fn config(attention: AttentionKind, lean: bool) -> GptConfig {
         vocab: 24,
         attention,
         lean,
+        tied_head: true,
     }
 }
+
+/// `c` with the head tied to the token table or with a table of its own.
+fn head(c: GptConfig, tied_head: bool) -> GptConfig {
+    GptConfig { tied_head, ..c }
+}
+
+/// The two heads, for each case of a test.
+const HEADS: [bool; 2] = [true, false];
 
 /// The largest difference between `a` and `b`, relative to `b`'s largest
 /// magnitude.
@@ -65,9 +74,13 @@ fn the_direct_backward_gives_the_graphs_loss_and_gradients() -> Result<()> {
     // orders), bf16 and f16 within one unit in the last place (3.9e-3,
     // 4.9e-4); the bounds allow twice that.
     for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3), (DType::F16, 1e-3)] {
-        for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
-            let what = format!("{dtype:?}, {attention:?}");
-            let model = Gpt::new(config(attention, true), dtype, &mut Rng::seeded(1), &dev)?;
+        for (attention, tied) in [AttentionKind::Materialized, AttentionKind::Tiled]
+            .into_iter()
+            .flat_map(|a| HEADS.map(|t| (a, t)))
+        {
+            let what = format!("{dtype:?}, {attention:?}, tied head {tied}");
+            let c = head(config(attention, true), tied);
+            let model = Gpt::new(c, dtype, &mut Rng::seeded(1), &dev)?;
             // 12 of the 16 positions: the unused positions' gradient is 0.
             let (x, y) = batch(&mut Rng::seeded(2), 3, 12, 24, &dev)?;
             let graph_loss = model.loss(&x, &y, &Labeller::default())?;
@@ -191,41 +204,39 @@ fn the_direct_step_records_no_graph() -> Result<()> {
 #[test]
 fn the_direct_backward_gives_candle_nns_gradients() -> Result<()> {
     let dev = Device::Cpu;
-    let reference = Gpt::new(
-        config(AttentionKind::Naive, false),
-        DType::F32,
-        &mut Rng::seeded(1),
-        &dev,
-    )?;
     let (x, y) = batch(&mut Rng::seeded(2), 3, 16, 24, &dev)?;
-    let want_loss = reference.loss(&x, &y, &Labeller::default())?;
-    let want = want_loss.backward()?;
-    for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
-        let model = Gpt::new(
-            config(attention, true),
+    for tied in HEADS {
+        let reference = Gpt::new(
+            head(config(AttentionKind::Naive, false), tied),
             DType::F32,
             &mut Rng::seeded(1),
             &dev,
         )?;
-        let (loss, got) = direct_step(&model, &x, &y)?;
-        let (a, b) = (
-            loss.to_scalar::<f32>()? as f64,
-            want_loss.to_scalar::<f32>()? as f64,
-        );
-        assert!(
-            (a - b).abs() <= 1e-6 * b.abs(),
-            "{attention:?}: loss {a} vs {b}"
-        );
-        for (i, (var, reference_var)) in model.vars().iter().zip(reference.vars()).enumerate() {
-            let r = relative(
-                &got[&var.id()],
-                want.get(&reference_var).expect("a gradient"),
+        let want_loss = reference.loss(&x, &y, &Labeller::default())?;
+        let want = want_loss.backward()?;
+        for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
+            let what = format!("{attention:?}, tied head {tied}");
+            let model = Gpt::new(
+                head(config(attention, true), tied),
+                DType::F32,
+                &mut Rng::seeded(1),
+                &dev,
             )?;
-            assert!(
-                r <= 1e-5,
-                "{attention:?}: parameter {i} of {:?}: {r}",
-                var.dims()
+            let (loss, got) = direct_step(&model, &x, &y)?;
+            let (a, b) = (
+                loss.to_scalar::<f32>()? as f64,
+                want_loss.to_scalar::<f32>()? as f64,
             );
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{what}: loss {a} vs {b}");
+            let vars = model.vars();
+            assert_eq!(vars.len(), reference.vars().len(), "{what}");
+            for (i, (var, reference_var)) in vars.iter().zip(reference.vars()).enumerate() {
+                let r = relative(
+                    &got[&var.id()],
+                    want.get(&reference_var).expect("a gradient"),
+                )?;
+                assert!(r <= 1e-5, "{what}: parameter {i} of {:?}: {r}", var.dims());
+            }
         }
     }
     Ok(())
@@ -247,7 +258,8 @@ fn without_key_bias(var: &candle_core::Var) -> Result<Tensor> {
 }
 
 /// Training, not one gradient: three steps of the direct backward (plain
-/// and checkpointed) with the toolkit's in-place AdamW against candle-nn's
+/// and checkpointed; the head tied, and plain with a head of its own) with
+/// the toolkit's in-place AdamW against candle-nn's
 /// GPT trained by candle-nn's own `AdamW`, each on the same batches. The
 /// parameters after the updates are the same up to the two GELUs and the
 /// gradients' rounding, which AdamW's normalisation (each element's step
@@ -265,58 +277,59 @@ fn the_direct_step_trains_as_candle_nns_gpt_with_candles_adamw() -> Result<()> {
         weight_decay: 0.1,
         ..Default::default()
     };
-    for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
-        for checkpointed in [false, true] {
-            let what = format!("{attention:?}, checkpointed {checkpointed}");
-            let reference = Gpt::new(
-                config(AttentionKind::Naive, false),
-                DType::F32,
-                &mut Rng::seeded(1),
-                &dev,
-            )?;
-            let model = Gpt::new(
-                config(attention, true),
-                DType::F32,
-                &mut Rng::seeded(1),
-                &dev,
-            )?;
-            let mut want_opt = AdamW::new(reference.vars(), params.clone())?;
-            let mut opt = LeanAdamW::new(model.vars(), params.clone())?;
-            let mut data = Rng::seeded(2);
-            for step in 0..3 {
-                let (x, y) = batch(&mut data, 3, 16, 24, &dev)?;
-                let want = reference.loss(&x, &y, &Labeller::default())?;
-                want_opt.backward_step(&want)?;
-                let got = if checkpointed {
-                    model.direct_checkpointed(&x, &y, 1.0, &NoObserver)?
-                } else {
-                    model.direct_loss(&x, &y, 1.0, &NoObserver)?
-                };
-                opt.step(&got.grads)?;
-                let (a, b) = (
-                    got.loss.to_scalar::<f32>()? as f64,
-                    want.to_scalar::<f32>()? as f64,
-                );
-                assert!(
-                    (a - b).abs() <= 1e-5 * b.abs(),
-                    "{what}: step {step}: loss {a} vs {b}"
-                );
-            }
-            for (i, (var, want)) in model.vars().iter().zip(reference.vars()).enumerate() {
-                let (got, want) = (without_key_bias(var)?, without_key_bias(&want)?);
-                let steps = (&got - &want)?
-                    .abs()?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_scalar::<f32>()? as f64
-                    / params.lr;
-                assert!(
-                    steps <= 5e-3,
-                    "{what}: parameter {i} of {:?} after three updates is {steps} of a step \
-                     (lr) from candle-nn's",
-                    var.dims()
-                );
-            }
+    let cases = [AttentionKind::Materialized, AttentionKind::Tiled]
+        .into_iter()
+        .flat_map(|a| [(a, false, true), (a, true, true), (a, false, false)]);
+    for (attention, checkpointed, tied) in cases {
+        let what = format!("{attention:?}, checkpointed {checkpointed}, tied head {tied}");
+        let reference = Gpt::new(
+            head(config(AttentionKind::Naive, false), tied),
+            DType::F32,
+            &mut Rng::seeded(1),
+            &dev,
+        )?;
+        let model = Gpt::new(
+            head(config(attention, true), tied),
+            DType::F32,
+            &mut Rng::seeded(1),
+            &dev,
+        )?;
+        let mut want_opt = AdamW::new(reference.vars(), params.clone())?;
+        let mut opt = LeanAdamW::new(model.vars(), params.clone())?;
+        let mut data = Rng::seeded(2);
+        for step in 0..3 {
+            let (x, y) = batch(&mut data, 3, 16, 24, &dev)?;
+            let want = reference.loss(&x, &y, &Labeller::default())?;
+            want_opt.backward_step(&want)?;
+            let got = if checkpointed {
+                model.direct_checkpointed(&x, &y, 1.0, &NoObserver)?
+            } else {
+                model.direct_loss(&x, &y, 1.0, &NoObserver)?
+            };
+            opt.step(&got.grads)?;
+            let (a, b) = (
+                got.loss.to_scalar::<f32>()? as f64,
+                want.to_scalar::<f32>()? as f64,
+            );
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{what}: step {step}: loss {a} vs {b}"
+            );
+        }
+        for (i, (var, want)) in model.vars().iter().zip(reference.vars()).enumerate() {
+            let (got, want) = (without_key_bias(var)?, without_key_bias(&want)?);
+            let steps = (&got - &want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()? as f64
+                / params.lr;
+            assert!(
+                steps <= 5e-3,
+                "{what}: parameter {i} of {:?} after three updates is {steps} of a step \
+                 (lr) from candle-nn's",
+                var.dims()
+            );
         }
     }
     Ok(())

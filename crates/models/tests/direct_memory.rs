@@ -22,6 +22,7 @@ const CONFIG: GptConfig = GptConfig {
     vocab: 96,
     attention: AttentionKind::Materialized,
     lean: true,
+    tied_head: true,
 };
 
 /// [`CONFIG`] with `attention`, in `dtype`.

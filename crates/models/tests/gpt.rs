@@ -16,6 +16,7 @@ fn config(attention: AttentionKind, lean: bool) -> GptConfig {
         vocab: 24,
         attention,
         lean,
+        tied_head: true,
     }
 }
 

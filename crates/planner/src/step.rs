@@ -483,12 +483,12 @@ mod tests {
     use candle_ledger::Labeller;
 
     use super::*;
-    use workbook_models::gpt::testing::{assert_close, flat, gradients, SMALL as CONFIG};
+    use workbook_models::gpt::testing::{assert_close, flat, gradients, SMALL};
     const BATCH: usize = 8;
 
     /// The gradients of one process on the whole batch, in `vars` order.
-    fn one_process(x: &Tensor, y: &Tensor) -> anyhow::Result<Vec<Vec<f32>>> {
-        let model = Gpt::new(CONFIG, DType::F32, &mut Rng::seeded(3), &Device::Cpu)?;
+    fn one_process(config: GptConfig, x: &Tensor, y: &Tensor) -> anyhow::Result<Vec<Vec<f32>>> {
+        let model = Gpt::new(config, DType::F32, &mut Rng::seeded(3), &Device::Cpu)?;
         let store = model.loss(x, y, &Labeller::default())?.backward()?;
         Ok(gradients(&model, store)?)
     }
@@ -506,14 +506,14 @@ mod tests {
     /// and hands over each gradient block as soon as it is reduced.
     fn stage3_rank(
         comm: Arc<Comm>,
-        x: &Tensor,
-        y: &Tensor,
+        config: GptConfig,
+        (x, y): (&Tensor, &Tensor),
         micro: usize,
         direct: bool,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
         let parallel = Parallel::new(Arc::clone(&comm), Stage::Zero3);
         let model = Gpt::sharded(
-            CONFIG,
+            config,
             DType::F32,
             &mut Rng::seeded(3),
             &Device::Cpu,
@@ -552,7 +552,7 @@ mod tests {
             anyhow::bail!("stage 3's update is not the sharded one");
         };
         model.take_grads_into(sum);
-        let sizes = CONFIG.param_sizes();
+        let sizes = config.param_sizes();
         let mut whole = Vec::new();
         for (var, &len) in vars.iter().zip(&sizes) {
             let block = flat(sum.get(var.as_tensor()).expect("a gradient block"))?;
@@ -567,29 +567,37 @@ mod tests {
     /// ZeRO stage 3 on 2 and 4 ranks (threads of this process, exchanging
     /// real values), whole and in micro-batches (3 then 1 of a rank's 4
     /// rows: unequal weights), through candle's graph or the direct
-    /// backward, gives the gradients of one process on the whole batch:
-    /// every block the mean over the ranks.
+    /// backward, the head tied or with its own table, gives the gradients
+    /// of one process on the whole batch: every block the mean over the
+    /// ranks.
     #[test]
     fn stage_3_on_ranks_has_the_gradients_of_one_process_on_the_whole_batch() -> anyhow::Result<()>
     {
         let (x, y) = corpus::batch(
             &mut Rng::seeded(4),
             BATCH,
-            CONFIG.seq,
-            CONFIG.vocab,
+            SMALL.seq,
+            SMALL.vocab,
             &Device::Cpu,
         )?;
-        let want = one_process(&x, &y)?;
+        let untied = GptConfig {
+            tied_head: false,
+            ..SMALL
+        };
         let cases = [(2, 4), (2, 3), (4, 1)]
             .into_iter()
-            .flat_map(|(ranks, micro)| [(ranks, micro, false), (ranks, micro, true)]);
-        for (ranks, micro, direct) in cases {
+            .flat_map(|(ranks, micro)| [(ranks, micro, false), (ranks, micro, true)])
+            .map(|(ranks, micro, direct)| (SMALL, ranks, micro, direct))
+            .chain([(untied, 2, 3, false), (untied, 2, 3, true)]);
+        for (config, ranks, micro, direct) in cases {
+            let want = one_process(config, &x, &y)?;
             let got = std::thread::scope(|s| {
                 let handles: Vec<_> = Threads::world(ranks)
                     .into_iter()
                     .map(|t| {
                         let (x, y) = (&x, &y);
-                        s.spawn(move || stage3_rank(Arc::new(Comm::new(t)), x, y, micro, direct))
+                        let comm = Arc::new(Comm::new(t));
+                        s.spawn(move || stage3_rank(comm, config, (x, y), micro, direct))
                     })
                     .collect();
                 handles
@@ -599,7 +607,9 @@ mod tests {
             })?;
             for (rank, grads) in got.iter().enumerate() {
                 let what = format!(
-                    "{ranks} ranks, micro-batches of {micro}, direct {direct}, rank {rank}"
+                    "{ranks} ranks, micro-batches of {micro}, direct {direct}, tied head {}, \
+                     rank {rank}",
+                    config.tied_head
                 );
                 assert_close(grads, &want, &what);
             }

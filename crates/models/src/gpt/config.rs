@@ -51,6 +51,16 @@ pub struct GptConfig {
     /// The toolkit's lean layers (fused bias and GELU, one-operation layer
     /// norm and cross-entropy) instead of candle-nn's.
     pub lean: bool,
+    /// The head shares the token embedding's table, as GPT-2's does (the
+    /// default); `false` gives it a table of its own, `h·v` parameters more,
+    /// as Llama's.
+    #[serde(default = "tied")]
+    pub tied_head: bool,
+}
+
+/// serde's default for [`GptConfig::tied_head`].
+fn tied() -> bool {
+    true
 }
 
 impl Default for GptConfig {
@@ -66,20 +76,23 @@ impl Default for GptConfig {
             vocab: 512,
             attention: AttentionKind::Materialized,
             lean: true,
+            tied_head: true,
         }
     }
 }
 
 impl GptConfig {
-    /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` (the
-    /// head is tied to the token embedding).
+    /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` with the
+    /// head tied to the token embedding, `h·v` more with a head of its own.
     ///
     /// ```
     /// use workbook_models::{AttentionKind, GptConfig};
     /// // GPT-2 small: 124,439,808 parameters with its 1024 positions.
     /// let c = GptConfig { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257,
-    ///                     attention: AttentionKind::Naive, lean: false };
+    ///                     attention: AttentionKind::Naive, lean: false, tied_head: true };
     /// assert_eq!(c.param_count(), 124_439_808);
+    /// let untied = GptConfig { tied_head: false, ..c };
+    /// assert_eq!(untied.param_count(), 124_439_808 + 768 * 50257);
     /// ```
     pub fn param_count(&self) -> u64 {
         self.checked_param_count().unwrap_or(u64::MAX)
@@ -98,7 +111,9 @@ impl GptConfig {
             .checked_mul(h)?
             .checked_mul(12)?
             .checked_add(h.checked_mul(13)?)?;
+        let tables = if self.tied_head { 1u64 } else { 2 };
         h.checked_mul(v)?
+            .checked_mul(tables)?
             .checked_add(s.checked_mul(h)?)?
             .checked_add(l.checked_mul(block)?)?
             .checked_add(h.checked_mul(2)?)
@@ -126,6 +141,9 @@ impl GptConfig {
             sizes.extend(block);
         }
         sizes.extend([h, h]);
+        if !self.tied_head {
+            sizes.push(v * h);
+        }
         sizes
     }
 }

@@ -29,14 +29,14 @@ use candle_tiled_attention::{
 use super::{AttentionKind, Dense, Gpt, Norm, Param};
 
 /// One stage of a [`Gpt`] for the direct backward: the embeddings (token
-/// ids in), a block, or the final norm with the tied head (logits out).
+/// ids in), a block, or the final norm with the head (logits out).
 #[derive(Debug, Clone, Copy)]
 pub enum DirectStage<'a> {
     /// Token and position embeddings.
     Embedding(&'a Gpt),
     /// Block `i`.
     Block(&'a Gpt, usize),
-    /// The final layer norm and the head tied to the token table.
+    /// The final layer norm and the head (on the token table when tied).
     Head(&'a Gpt),
 }
 
@@ -231,7 +231,7 @@ impl Gpt {
     /// The mean next-token cross-entropy of `tokens` against `targets`
     /// (both `(b, s)`) times `scale`, and its gradients, through the
     /// direct backward: each parameter's gradient is handed to `on_grad`
-    /// as soon as its stage's backward has made it (the token table's
+    /// as soon as its stage's backward has made it (a tied token table's
     /// twice, once from the head and once from the embedding: sum them).
     /// Needs the lean layers with materialized or tiled attention. Under
     /// ZeRO stage 3 ([`Gpt::sharded`]) each stage gathers the parameters it
@@ -260,7 +260,7 @@ impl Gpt {
     }
 
     /// [`Gpt::direct_loss_with`] collecting the gradients: the loss and
-    /// every parameter's gradient (the token table's two summed), as a
+    /// every parameter's gradient (a tied token table's two summed), as a
     /// training loop hands them to its optimizer.
     pub fn direct_loss(
         &self,
@@ -469,7 +469,8 @@ impl DirectBackward for DirectStage<'_> {
                 let (b, s, h) = x.dims3()?;
                 let (normed, stats) = norm_saved(&m.ln_f, x)?;
                 let normed = normed.reshape((b * s, h))?;
-                let logits = normed.matmul(&m.wte.whole(m.dtype)?.detach().t()?)?;
+                let table = m.head_table().whole(m.dtype)?.detach();
+                let logits = normed.matmul(&table.t()?)?;
                 Ok((logits, DirectSaved::Head { stats, normed }))
             }
         }
@@ -517,13 +518,14 @@ impl DirectBackward for DirectStage<'_> {
             }
             (DirectStage::Head(m), DirectSaved::Head { stats, normed }) => {
                 let (b, s, h) = x.dims3()?;
-                let dwte = grad.t()?.matmul(&normed)?;
+                let head = m.head_table();
+                let dtable = grad.t()?.matmul(&normed)?;
                 drop(normed);
                 let mut params = Vec::with_capacity(3);
-                m.wte.give(dwte, &mut params)?;
-                let wte = m.wte.whole(m.dtype)?.detach();
-                let dnormed = grad.matmul(&wte)?.reshape((b, s, h))?;
-                drop((grad, wte));
+                head.give(dtable, &mut params)?;
+                let table = head.whole(m.dtype)?.detach();
+                let dnormed = grad.matmul(&table)?.reshape((b, s, h))?;
+                drop((grad, table));
                 let dx = norm_backward(&m.ln_f, x, &stats, &dnormed, &mut params)?;
                 Ok(DirectGrads {
                     input: want_input.then_some(dx),

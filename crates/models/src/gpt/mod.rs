@@ -227,6 +227,8 @@ pub struct Gpt {
     wpe: Param,
     blocks: Vec<Block>,
     ln_f: Norm,
+    /// The head's own table `(v, h)`; `None` when it is tied to `wte`.
+    lm_head: Option<Param>,
     dtype: DType,
 }
 
@@ -293,12 +295,16 @@ impl Gpt {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let ln_f = Norm::new(h, dtype, device, &place)?;
+        // Drawn last: a tied model's weights are the same whatever follows.
+        let lm_head = (!config.tied_head).then(|| table(rng, v)).transpose()?;
         Ok(Self {
             config,
             wte,
             wpe,
             blocks,
-            ln_f: Norm::new(h, dtype, device, &place)?,
+            ln_f,
+            lm_head,
             dtype,
         })
     }
@@ -314,7 +320,8 @@ impl Gpt {
     }
 
     /// Every parameter as the model holds it, in one order: the tables,
-    /// each block's norms and linear layers, the final norm.
+    /// each block's norms and linear layers, the final norm, the head's
+    /// table when it has its own.
     fn parts(&self) -> Vec<Part<'_>> {
         let mut parts = vec![Part::Param(&self.wte), Part::Param(&self.wpe)];
         for b in &self.blocks {
@@ -330,7 +337,23 @@ impl Gpt {
             ]);
         }
         parts.extend([Part::Param(&self.ln_f.weight), Part::Param(&self.ln_f.bias)]);
+        parts.extend(self.lm_head.as_ref().map(Part::Param));
         parts
+    }
+
+    /// The head's table: its own, or the token embedding's.
+    fn head_table(&self) -> &Param {
+        self.lm_head.as_ref().unwrap_or(&self.wte)
+    }
+
+    /// The head's weight for a forward through the graph: `wte` itself
+    /// when tied (the table the embedding used, gathered once under ZeRO
+    /// stage 3), else the head's own.
+    fn head_weight(&self, wte: &Tensor) -> Result<Tensor> {
+        match &self.lm_head {
+            None => Ok(wte.clone()),
+            Some(table) => table.tensor(self.dtype),
+        }
     }
 
     /// Every trainable variable (under ZeRO stage 3, this rank's blocks).
@@ -367,13 +390,13 @@ impl Gpt {
     /// The logits `(b·s, v)` for `tokens` `(b, s)`, each part labelled in
     /// `labels` (block index and part; embeddings and head have no block).
     pub fn logits(&self, tokens: &Tensor, labels: &Labeller) -> Result<Tensor> {
-        // The tied table, gathered once under ZeRO stage 3 for both uses.
+        // A tied table, gathered once under ZeRO stage 3 for both uses.
         let wte = self.wte.tensor(self.dtype)?;
         let mut x = self.embed(tokens, labels, &wte)?;
         for i in 0..self.blocks.len() {
             x = self.block(i, &x, labels, None)?;
         }
-        self.head(&x, labels, &wte)
+        self.head(&x, labels, &self.head_weight(&wte)?)
     }
 
     /// [`Gpt::logits`] with the blocks' products through `tape` (see
@@ -384,7 +407,7 @@ impl Gpt {
         for i in 0..self.blocks.len() {
             x = self.block(i, &x, labels, Some(tape))?;
         }
-        self.head(&x, labels, &wte)
+        self.head(&x, labels, &self.head_weight(&wte)?)
     }
 
     /// The token and position embeddings of `tokens` `(b, s)`: `(b, s, h)`,
@@ -473,11 +496,12 @@ impl Gpt {
         Ok(labels.label((x + m)?, l, "residual"))
     }
 
-    /// The final norm and the head tied to `wte`: the logits `(b·s, v)`.
-    fn head(&self, x: &Tensor, labels: &Labeller, wte: &Tensor) -> Result<Tensor> {
+    /// The final norm and the head on the table `table` `(v, h)`: the
+    /// logits `(b·s, v)`.
+    fn head(&self, x: &Tensor, labels: &Labeller, table: &Tensor) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let x = labels.label(self.ln_f.forward(x, self.config.lean)?, None, "ln_f");
-        let logits = x.reshape((b * s, h))?.matmul(&wte.t()?)?;
+        let logits = x.reshape((b * s, h))?.matmul(&table.t()?)?;
         Ok(labels.label(logits, None, "head"))
     }
 
@@ -490,10 +514,11 @@ impl Gpt {
     }
 
     /// The final norm, the head and the loss on the last block's output.
-    /// Under ZeRO stage 3 it gathers the tied table again: the stack's
+    /// Under ZeRO stage 3 it gathers a tied table again: the stack's
     /// embedding layer and the head are computed apart.
     pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let logits = self.head(x, &Labeller::default(), &self.wte.tensor(self.dtype)?)?;
+        let table = self.head_table().tensor(self.dtype)?;
+        let logits = self.head(x, &Labeller::default(), &table)?;
         self.cross_entropy(&logits, targets)
     }
 

@@ -12,6 +12,7 @@ pub const SMALL: GptConfig = GptConfig {
     vocab: 13,
     attention: AttentionKind::Tiled,
     lean: true,
+    tied_head: true,
 };
 
 /// `t`'s values in f32.
