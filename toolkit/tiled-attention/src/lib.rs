@@ -54,6 +54,7 @@ mod forward;
 mod materialized;
 mod materialized_direct;
 mod op;
+mod pack;
 mod shapes;
 
 pub use config::FlashConfig;
@@ -61,6 +62,7 @@ pub use forward::{flash_forward, naive_attention, Forward};
 pub use materialized::materialized_attention;
 pub use materialized_direct::{materialized_forward, Materialized};
 pub use op::flash_attention;
+pub use pack::pack_heads;
 
 /// Bytes of the score matrices a naive attention materialises: `heads`
 /// matrices of `n x n` elements of `dtype`.

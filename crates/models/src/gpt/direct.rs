@@ -23,7 +23,7 @@ use candle_lean_nn::{
     NormStats,
 };
 use candle_tiled_attention::{
-    flash_forward, materialized_forward, FlashConfig, Forward, Materialized,
+    flash_forward, materialized_forward, pack_heads, FlashConfig, Forward, Materialized,
 };
 
 use super::{AttentionKind, Dense, Gpt, Norm, Param};
@@ -423,11 +423,8 @@ impl Gpt {
             Attention::Tiled(fwd) => fwd.backward(&q, &k, &v, &d_out)?,
         };
         drop((q, k, v, qkv, d_out));
-        // One at a time: the stack, then its copy in the product's layout,
-        // each freed once the next exists.
-        let stacked = Tensor::stack(&[dq, dk, dv], 0)?;
-        let dqkv = stacked.permute((1, 3, 0, 2, 4))?.reshape((b, sq, 3 * h))?;
-        drop(stacked);
+        // In the product's layout, in one pass.
+        let dqkv = pack_heads(&[dq, dk, dv])?;
         let dn1 = dense_backward(&blk.qkv, Kept::Identity, &n1, dqkv, &mut params)?;
         drop(n1);
         let dx = (dx2 + norm_backward(&blk.ln1, x, &ln1, &dn1, &mut params)?)?;
