@@ -195,6 +195,20 @@ fn the_direct_step_records_no_graph() -> Result<()> {
     Ok(())
 }
 
+/// candle-nn's GPT in f32 (naive attention), from the seed every test's
+/// models start from.
+fn candle_nns(tied: bool) -> Result<Gpt> {
+    let c = head(config(AttentionKind::Naive, false), tied);
+    Gpt::new(c, DType::F32, &mut Rng::seeded(1), &Device::Cpu)
+}
+
+/// The lean GPT in f32 with `attention`, from the same seed: the same
+/// parameters as [`candle_nns`]'s.
+fn lean_model(attention: AttentionKind, tied: bool) -> Result<Gpt> {
+    let c = head(config(attention, true), tied);
+    Gpt::new(c, DType::F32, &mut Rng::seeded(1), &Device::Cpu)
+}
+
 /// The direct step against candle-nn's GPT (candle-nn's Linear, GELU,
 /// layer norm and cross-entropy, the attention composed of candle's
 /// operations, candle's backward), built from the same seed: the same
@@ -206,22 +220,12 @@ fn the_direct_backward_gives_candle_nns_gradients() -> Result<()> {
     let dev = Device::Cpu;
     let (x, y) = batch(&mut Rng::seeded(2), 3, 16, 24, &dev)?;
     for tied in HEADS {
-        let reference = Gpt::new(
-            head(config(AttentionKind::Naive, false), tied),
-            DType::F32,
-            &mut Rng::seeded(1),
-            &dev,
-        )?;
+        let reference = candle_nns(tied)?;
         let want_loss = reference.loss(&x, &y, &Labeller::default())?;
         let want = want_loss.backward()?;
         for attention in [AttentionKind::Materialized, AttentionKind::Tiled] {
             let what = format!("{attention:?}, tied head {tied}");
-            let model = Gpt::new(
-                head(config(attention, true), tied),
-                DType::F32,
-                &mut Rng::seeded(1),
-                &dev,
-            )?;
+            let model = lean_model(attention, tied)?;
             let (loss, got) = direct_step(&model, &x, &y)?;
             let (a, b) = (
                 loss.to_scalar::<f32>()? as f64,
@@ -282,18 +286,7 @@ fn the_direct_step_trains_as_candle_nns_gpt_with_candles_adamw() -> Result<()> {
         .flat_map(|a| [(a, false, true), (a, true, true), (a, false, false)]);
     for (attention, checkpointed, tied) in cases {
         let what = format!("{attention:?}, checkpointed {checkpointed}, tied head {tied}");
-        let reference = Gpt::new(
-            head(config(AttentionKind::Naive, false), tied),
-            DType::F32,
-            &mut Rng::seeded(1),
-            &dev,
-        )?;
-        let model = Gpt::new(
-            head(config(attention, true), tied),
-            DType::F32,
-            &mut Rng::seeded(1),
-            &dev,
-        )?;
+        let (reference, model) = (candle_nns(tied)?, lean_model(attention, tied)?);
         let mut want_opt = AdamW::new(reference.vars(), params.clone())?;
         let mut opt = LeanAdamW::new(model.vars(), params.clone())?;
         let mut data = Rng::seeded(2);

@@ -170,6 +170,22 @@ impl Update {
         }
     }
 
+    /// Stages 2 and 3: the direct step of `model` on `(x, y)`, its loss
+    /// weighted by `weight`, each gradient reduced as it is made
+    /// ([`Update::reduce_one`]): the loss.
+    fn direct_reduced(
+        &mut self,
+        model: &Gpt,
+        (x, y): (&Tensor, &Tensor),
+        weight: f64,
+    ) -> anyhow::Result<Tensor> {
+        let reduce = |var: &Var, g: Tensor| {
+            self.reduce_one(var, g)
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+        };
+        Ok(model.direct_loss_with(x, y, weight, reduce, &Tags)?)
+    }
+
     /// Stage 2: reduce-scatters every gradient in `grads`, dropping each
     /// whole one as soon as its block is kept. Stage 3: adds the gradient
     /// blocks in `grads` to the sum.
@@ -305,16 +321,9 @@ pub fn measured_step(
                 // Stage 2: each gradient reduce-scattered as it is made;
                 // stage 3: each block, reduce-scattered by the backward,
                 // summed.
-                (false, None) if opt.reduces_each_gradient() => model.direct_loss_with(
-                    &xm,
-                    &ym,
-                    weight,
-                    |var, g| {
-                        opt.reduce_one(var, g)
-                            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-                    },
-                    &Tags,
-                )?,
+                (false, None) if opt.reduces_each_gradient() => {
+                    opt.direct_reduced(&model, (&xm, &ym), weight)?
+                }
                 (false, Some(acc)) => acc.add_weighted_with(rows, |add| {
                     model.direct_loss_with(&xm, &ym, weight, add, &Tags)
                 })?,
@@ -532,16 +541,7 @@ mod tests {
             let (xm, ym) = (x.narrow(0, start, m)?, y.narrow(0, start, m)?);
             let weight = m as f64 / rows as f64;
             if direct {
-                model.direct_loss_with(
-                    &xm,
-                    &ym,
-                    weight,
-                    |var, g| {
-                        opt.reduce_one(var, g)
-                            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-                    },
-                    &Tags,
-                )?;
+                opt.direct_reduced(&model, (&xm, &ym), weight)?;
                 continue;
             }
             let loss = model.loss(&xm, &ym, &Labeller::default())?;

@@ -269,13 +269,7 @@ impl Gpt {
         scale: f64,
         observer: &dyn Observer,
     ) -> Result<Checkpointed> {
-        self.check_direct()?;
-        let targets = targets.flatten_all()?;
-        let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
-        let stages = self.direct_stages();
-        Sequential::direct(&stages)
-            .observer(observer)
-            .backward(tokens, &self.vars(), head)
+        self.direct_summed(tokens, targets, scale, observer, false)
     }
 
     /// [`Gpt::direct_loss_with`] with every stage checkpointed
@@ -289,14 +283,30 @@ impl Gpt {
         scale: f64,
         observer: &dyn Observer,
     ) -> Result<Checkpointed> {
+        self.direct_summed(tokens, targets, scale, observer, true)
+    }
+
+    /// The direct step, each stage its own segment when `checkpointed`,
+    /// the gradients summed.
+    fn direct_summed(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        observer: &dyn Observer,
+        checkpointed: bool,
+    ) -> Result<Checkpointed> {
         self.check_direct()?;
         let targets = targets.flatten_all()?;
         let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
         let stages = self.direct_stages();
-        Sequential::direct(&stages)
-            .segments(stages.len())
-            .observer(observer)
-            .backward(tokens, &self.vars(), head)
+        let direct = Sequential::direct(&stages).observer(observer);
+        let direct = if checkpointed {
+            direct.each_layer()
+        } else {
+            direct
+        };
+        direct.backward(tokens, &self.vars(), head)
     }
 
     fn check_direct(&self) -> Result<()> {
