@@ -323,7 +323,6 @@ fn verified_on_real_ranks(recipes: &str, stages: &[&str]) {
         if let [_, stage] = stages {
             assert_eq!(chosen["stage"], *stage, "{chosen}");
         }
-        assert_eq!(chosen["recipe"], recipes, "{chosen}");
         assert!(chosen["micro_steps"].as_u64().unwrap() > 1, "{chosen}");
         let verified = &v["verification"];
         assert_eq!(verified["ranks"].as_u64(), Some(ranks.parse().unwrap()));

@@ -26,10 +26,11 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
     /// A TOML file with the model's `layers`, `hidden`, `heads`, `seq`
-    /// and `vocab` (the flags below then are not used), or a Hugging Face
-    /// `config.json` of a Llama, Qwen2 or Mistral decoder (chapter 5's),
-    /// whose step's peak is predicted in closed form for `--seq` tokens.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "vocab"])]
+    /// and `vocab`, and optionally `tied_head = false` (the flags below
+    /// then are not used), or a Hugging Face `config.json` of a Llama,
+    /// Qwen2 or Mistral decoder (chapter 5's), whose step's peak is
+    /// predicted in closed form for `--seq` tokens.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "vocab", "untied_head"])]
     pub model: Option<PathBuf>,
     /// Transformer blocks.
     #[arg(long, default_value_t = 4)]

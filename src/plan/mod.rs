@@ -74,7 +74,7 @@ impl ModelFile {
         if text.len() as u64 > MAX_MODEL_FILE {
             anyhow::bail!(
                 "{} is larger than a model file may be ({} bytes at most): a model file holds \
-                 `layers`, `hidden`, `heads`, `seq` and `vocab`",
+                 `layers`, `hidden`, `heads`, `seq` and `vocab` (and `tied_head`)",
                 path.display(),
                 MAX_MODEL_FILE
             );

@@ -69,7 +69,7 @@ pub struct StepShape {
     pub checkpointed: bool,
     /// The backward with no graph: each stage's backward called directly
     /// ([`Gpt::direct_loss_with`]; checkpointed,
-    /// [`Gpt::direct_checkpointed`]). The lean layers, one rank.
+    /// [`Gpt::direct_checkpointed`]). The lean layers, under any stage.
     pub direct: bool,
 }
 
@@ -170,20 +170,25 @@ impl Update {
         }
     }
 
-    /// Stages 2 and 3: the direct step of `model` on `(x, y)`, its loss
-    /// weighted by `weight`, each gradient reduced as it is made
-    /// ([`Update::reduce_one`]): the loss.
+    /// Stages 2 and 3: the direct step of `model` on `(x, y)`, every stage
+    /// checkpointed or none, its loss weighted by `weight`, each gradient
+    /// reduced as it is made ([`Update::reduce_one`]): the loss.
     fn direct_reduced(
         &mut self,
         model: &Gpt,
         (x, y): (&Tensor, &Tensor),
         weight: f64,
+        checkpointed: bool,
     ) -> anyhow::Result<Tensor> {
         let reduce = |var: &Var, g: Tensor| {
             self.reduce_one(var, g)
                 .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
         };
-        Ok(model.direct_loss_with(x, y, weight, reduce, &Tags)?)
+        Ok(if checkpointed {
+            model.direct_checkpointed_with(x, y, weight, reduce, &Tags)?
+        } else {
+            model.direct_loss_with(x, y, weight, reduce, &Tags)?
+        })
     }
 
     /// Stage 2: reduce-scatters every gradient in `grads`, dropping each
@@ -305,24 +310,21 @@ pub fn measured_step(
                 1.0
             };
             let loss = match (shape.checkpointed, accumulator.as_mut()) {
+                // Stage 2: each gradient reduce-scattered as it is made;
+                // stage 3: each block, reduce-scattered by the backward,
+                // summed. Checkpointed or not.
+                (checkpointed, _) if opt.reduces_each_gradient() => {
+                    opt.direct_reduced(&model, (&xm, &ym), weight, checkpointed)?
+                }
                 (true, acc) => {
                     let out = model.direct_checkpointed(&xm, &ym, weight, &Tags)?;
                     match acc {
-                        _ if opt.reduces_each_gradient() => {
-                            Category::Gradients.scope(|| opt.reduce_all(out.grads, &vars))?
-                        }
                         Some(acc) => {
                             Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?
                         }
                         None => grads = Some(out.grads),
                     }
                     out.loss
-                }
-                // Stage 2: each gradient reduce-scattered as it is made;
-                // stage 3: each block, reduce-scattered by the backward,
-                // summed.
-                (false, None) if opt.reduces_each_gradient() => {
-                    opt.direct_reduced(&model, (&xm, &ym), weight)?
                 }
                 (false, Some(acc)) => acc.add_weighted_with(rows, |add| {
                     model.direct_loss_with(&xm, &ym, weight, add, &Tags)
@@ -510,15 +512,17 @@ mod tests {
     /// each gradient by its own size, so a gradient that is zero but for
     /// rounding, as the key bias's is, moves its parameter by the
     /// rounding's sign.)
-    /// With `direct`, each micro-batch runs the direct backward
-    /// ([`Gpt::direct_loss_with`]), which gathers each stage's parameters
-    /// and hands over each gradient block as soon as it is reduced.
+    /// With `direct` `Some(checkpointed)`, each micro-batch runs the direct
+    /// backward ([`Gpt::direct_loss_with`], or checkpointed
+    /// [`Gpt::direct_checkpointed_with`]), which gathers each stage's
+    /// parameters and hands over each gradient block as soon as it is
+    /// reduced.
     fn stage3_rank(
         comm: Arc<Comm>,
         config: GptConfig,
         (x, y): (&Tensor, &Tensor),
         micro: usize,
-        direct: bool,
+        direct: Option<bool>,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
         let parallel = Parallel::new(Arc::clone(&comm), Stage::Zero3);
         let model = Gpt::sharded(
@@ -540,8 +544,8 @@ mod tests {
             let m = micro.min(rows - start);
             let (xm, ym) = (x.narrow(0, start, m)?, y.narrow(0, start, m)?);
             let weight = m as f64 / rows as f64;
-            if direct {
-                opt.direct_reduced(&model, (&xm, &ym), weight)?;
+            if let Some(checkpointed) = direct {
+                opt.direct_reduced(&model, (&xm, &ym), weight, checkpointed)?;
                 continue;
             }
             let loss = model.loss(&xm, &ym, &Labeller::default())?;
@@ -586,9 +590,10 @@ mod tests {
         };
         let cases = [(2, 4), (2, 3), (4, 1)]
             .into_iter()
-            .flat_map(|(ranks, micro)| [(ranks, micro, false), (ranks, micro, true)])
-            .map(|(ranks, micro, direct)| (SMALL, ranks, micro, direct))
-            .chain([(untied, 2, 3, false), (untied, 2, 3, true)]);
+            .flat_map(|(ranks, micro)| {
+                [None, Some(false), Some(true)].map(|direct| (SMALL, ranks, micro, direct))
+            })
+            .chain([None, Some(false), Some(true)].map(|direct| (untied, 2, 3, direct)));
         for (config, ranks, micro, direct) in cases {
             let want = one_process(config, &x, &y)?;
             let got = std::thread::scope(|s| {
@@ -607,7 +612,8 @@ mod tests {
             })?;
             for (rank, grads) in got.iter().enumerate() {
                 let what = format!(
-                    "{ranks} ranks, micro-batches of {micro}, direct {direct}, tied head {}, \
+                    "{ranks} ranks, micro-batches of {micro}, direct (checkpointed) {direct:?}, \
+                     tied head {}, \
                      rank {rank}",
                     config.tied_head
                 );

@@ -104,7 +104,8 @@ impl Plugin for GptTraining {
             ),
             MetricSpec::count(
                 "params_formula",
-                "parameters by the formula h·v + s·h + L·(12h² + 13h) + 2h",
+                "parameters by the formula h·v + s·h + L·(12h² + 13h) + 2h (with an untied \
+                 head, h·v more)",
             ),
             MetricSpec::number("loss_first", "the loss of the first step"),
             MetricSpec::number("loss_last", "the mean loss of the last five steps"),

@@ -83,15 +83,28 @@ pub fn pack_heads(parts: &[Tensor]) -> Result<Tensor> {
 mod tests {
     use super::*;
 
-    /// The one pass against the stack and copy it replaces, in f32 (the
-    /// pass) and bf16 (the copy), with an odd number of parts and heads.
+    /// The one pass (f32, contiguous parts and transposed views of others)
+    /// against the stack and copy it replaces, with an odd number of parts
+    /// and heads; bf16 runs the stack and copy itself, its shape checked.
     #[test]
     fn packing_is_the_stack_and_permute() -> Result<()> {
         let dev = Device::Cpu;
-        for dtype in [DType::F32, DType::BF16] {
-            let parts = (0..3)
-                .map(|_| Tensor::randn(0f32, 1.0, (2, 3, 7, 5), &dev)?.to_dtype(dtype))
-                .collect::<Result<Vec<_>>>()?;
+        for (dtype, strided) in [
+            (DType::F32, false),
+            (DType::F32, true),
+            (DType::BF16, false),
+        ] {
+            let part = || -> Result<Tensor> {
+                let t = if strided {
+                    // (b, a, s, d) as a view of a (b, s, a, d) tensor.
+                    Tensor::randn(0f32, 1.0, (2, 7, 3, 5), &dev)?.transpose(1, 2)?
+                } else {
+                    Tensor::randn(0f32, 1.0, (2, 3, 7, 5), &dev)?
+                };
+                t.to_dtype(dtype)
+            };
+            let parts = (0..3).map(|_| part()).collect::<Result<Vec<_>>>()?;
+            assert_eq!(parts[0].is_contiguous(), !strided || dtype != DType::F32);
             let want = Tensor::stack(&parts, 0)?
                 .permute((1, 3, 0, 2, 4))?
                 .reshape((2, 7, 45))?;

@@ -19,8 +19,8 @@ use candle_checkpoint::{Checkpointed, Observer, Sequential};
 use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
 use candle_lean_nn::{
-    cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, Activation, Kept, LeanLinear,
-    NormStats,
+    cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, linear_backward, Activation,
+    Kept, LeanLinear, NormStats,
 };
 use candle_tiled_attention::{
     flash_forward, materialized_forward, pack_heads, FlashConfig, Forward, Materialized,
@@ -128,9 +128,10 @@ enum Attention {
 }
 
 impl Param {
-    /// The whole parameter in `dtype` with no graph: the variable's tensor,
-    /// or under ZeRO stage 3 gathered from the ranks (and dropped by the
-    /// caller once used: the backward gathers it again).
+    /// The whole parameter with no graph: the variable's tensor (in the
+    /// model's dtype), or under ZeRO stage 3 gathered from the ranks in
+    /// `dtype` (and dropped by the caller once used: the backward gathers
+    /// it again).
     fn whole(&self, dtype: DType) -> Result<Tensor> {
         match self {
             Param::Whole(v) => Ok(v.as_tensor().clone()),
@@ -206,16 +207,13 @@ fn dense_backward(
     grad: Tensor,
     params: &mut Vec<(Tensor, Tensor)>,
 ) -> Result<Tensor> {
-    let (layer, w, b) = lean(dense, x.dtype())?;
-    let (dx, dw, db) = layer.backward_saved(x, kept, grad, true)?;
-    drop(layer);
+    let (w, b) = dense_params(dense)?;
+    // The weight alone (the bias's gradient needs no bias), dropped once
+    // the input's gradient exists: under ZeRO stage 3 a gathered one.
+    let (dx, dw, db) = linear_backward(kept, x, w.whole(x.dtype())?, grad)?;
     w.give(dw, params)?;
-    if let Some(db) = db {
-        b.give(db, params)?;
-    }
-    dx.ok_or_else(|| {
-        candle_core::Error::Msg("internal: a linear layer gave no input gradient".into())
-    })
+    b.give(db, params)?;
+    Ok(dx)
 }
 
 impl Gpt {
@@ -249,13 +247,46 @@ impl Gpt {
         on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
         observer: &dyn Observer,
     ) -> Result<Tensor> {
+        self.direct_with(tokens, targets, scale, on_grad, observer, false)
+    }
+
+    /// [`Gpt::direct_loss_with`] with every stage checkpointed: each
+    /// stage's gradients handed over as soon as its backward, after its
+    /// forward is run again, has made them (as ZeRO's stage 2 and 3 take
+    /// them).
+    pub fn direct_checkpointed_with(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+        observer: &dyn Observer,
+    ) -> Result<Tensor> {
+        self.direct_with(tokens, targets, scale, on_grad, observer, true)
+    }
+
+    /// The direct step handing each gradient to `on_grad`, each stage its
+    /// own segment when `checkpointed`: the loss.
+    fn direct_with(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        on_grad: impl FnMut(&Var, Tensor) -> Result<()>,
+        observer: &dyn Observer,
+        checkpointed: bool,
+    ) -> Result<Tensor> {
         self.check_direct()?;
         let targets = targets.flatten_all()?;
         let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
         let stages = self.direct_stages();
-        let (loss, _) = Sequential::direct(&stages)
-            .observer(observer)
-            .backward_with(tokens, &self.vars(), head, on_grad)?;
+        let direct = Sequential::direct(&stages).observer(observer);
+        let direct = if checkpointed {
+            direct.each_layer()
+        } else {
+            direct
+        };
+        let (loss, _) = direct.backward_with(tokens, &self.vars(), head, on_grad)?;
         Ok(loss)
     }
 
@@ -273,7 +304,8 @@ impl Gpt {
     }
 
     /// [`Gpt::direct_loss_with`] with every stage checkpointed
-    /// (`candle_checkpoint::Sequential::direct` with `segments`): the forward keeps each
+    /// (`candle_checkpoint::Sequential::direct`, each layer its own
+    /// segment): the forward keeps each
     /// stage's input only, the backward runs each stage again and calls
     /// its backward directly. The loss and the gradients, summed.
     pub fn direct_checkpointed(

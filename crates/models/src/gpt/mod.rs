@@ -1,6 +1,7 @@
 //! A GPT-style decoder: token and position embeddings, blocks of layer norm,
 //! causal multi-head attention and a GELU MLP with residuals, a final layer
-//! norm and a head tied to the token embedding.
+//! norm and a head tied to the token embedding (or, with
+//! [`GptConfig::tied_head`] false, a table of its own).
 
 use std::sync::Arc;
 
@@ -247,8 +248,11 @@ impl Gpt {
     /// for the backward and hand their gradient blocks to
     /// [`Gpt::take_grads_into`]; the embeddings and norms are gathered for
     /// the forward and held by the graph until the backward, which puts
-    /// their gradient blocks in candle's store. Each parameter is made
-    /// whole (in `dtype`) and partitioned before the next is made.
+    /// their gradient blocks in candle's store. The direct backward
+    /// ([`Gpt::direct_loss_with`]) instead gathers each stage's parameters
+    /// for its forward and again for its backward and hands every block's
+    /// gradient to its caller. Each parameter is made whole (in `dtype`)
+    /// and partitioned before the next is made.
     pub fn sharded(
         config: GptConfig,
         dtype: DType,
@@ -376,9 +380,10 @@ impl Gpt {
     }
 
     /// Under ZeRO stage 3, moves the linear layers' gradient blocks reduced
-    /// by the backwards since the last call into `store` (the other
-    /// parameters' are in the store candle's backward returns); nothing for
-    /// a whole model.
+    /// by candle's backwards since the last call into `store` (the other
+    /// parameters' are in the store candle's backward returns), replacing
+    /// any held there; nothing for a whole model, nor after a direct
+    /// backward, which hands every block to its caller.
     pub fn take_grads_into(&self, store: &mut GradStore) {
         for part in self.parts() {
             if let Part::Dense(Dense::Sharded(linear)) = part {
@@ -584,10 +589,17 @@ mod tests {
             vocab: 11,
             ..GptConfig::default()
         };
-        let model = Gpt::new(config, DType::F32, &mut Rng::seeded(1), &Device::Cpu)?;
-        let made: Vec<usize> = model.vars().iter().map(|v| v.elem_count()).collect();
-        assert_eq!(config.param_sizes(), made);
-        assert_eq!(made.iter().sum::<usize>() as u64, config.param_count());
+        for tied_head in [true, false] {
+            let config = GptConfig {
+                tied_head,
+                ..config
+            };
+            let model = Gpt::new(config, DType::F32, &mut Rng::seeded(1), &Device::Cpu)?;
+            let made: Vec<usize> = model.vars().iter().map(|v| v.elem_count()).collect();
+            assert_eq!(config.param_sizes(), made, "tied head {tied_head}");
+            assert_eq!(made.iter().sum::<usize>() as u64, config.param_count());
+            assert_eq!(model.param_count(), config.param_count());
+        }
         // Sizes whose count passes u64 are `None`, never a wrapped count.
         let huge = GptConfig {
             layers: usize::MAX,
