@@ -15,7 +15,8 @@
 //! Under ZeRO stage 3 no stage keeps a parameter: each gathers its own for
 //! the forward and again for the backward, as FSDP does.
 
-use candle_checkpoint::{Checkpointed, Observer, Sequential};
+use candle_checkpoint::{add_grad, Checkpointed, Observer, Sequential};
+use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
 use candle_lean_nn::{
@@ -168,12 +169,10 @@ fn dense_params(dense: &Dense) -> Result<(Param, Param)> {
     })
 }
 
-/// A linear layer on its whole weights in `dtype`, for the direct halves,
-/// with its parameters (to hand the gradients to).
-fn lean(dense: &Dense, dtype: DType) -> Result<(LeanLinear, Param, Param)> {
+/// A linear layer on its whole weights in `dtype`, for a direct forward.
+fn lean(dense: &Dense, dtype: DType) -> Result<LeanLinear> {
     let (w, b) = dense_params(dense)?;
-    let layer = LeanLinear::new(w.whole(dtype)?, Some(b.whole(dtype)?))?;
-    Ok((layer, w, b))
+    LeanLinear::new(w.whole(dtype)?, Some(b.whole(dtype)?))
 }
 
 fn norm_saved(n: &Norm, x: &Tensor) -> Result<(Tensor, NormStats)> {
@@ -328,17 +327,15 @@ impl Gpt {
         observer: &dyn Observer,
         checkpointed: bool,
     ) -> Result<Checkpointed> {
-        self.check_direct()?;
-        let targets = targets.flatten_all()?;
-        let head = |logits: &Tensor| cross_entropy_and_grad(logits, &targets, scale);
-        let stages = self.direct_stages();
-        let direct = Sequential::direct(&stages).observer(observer);
-        let direct = if checkpointed {
-            direct.each_layer()
-        } else {
-            direct
-        };
-        direct.backward(tokens, &self.vars(), head)
+        let mut grads = GradStore::default();
+        let add = |var: &Var, g: Tensor| add_grad(&mut grads, var, g);
+        let loss = self.direct_with(tokens, targets, scale, add, observer, checkpointed)?;
+        Ok(Checkpointed {
+            loss,
+            grads,
+            // Token ids have no gradient.
+            input_grad: None,
+        })
     }
 
     fn check_direct(&self) -> Result<()> {
@@ -359,9 +356,7 @@ impl Gpt {
         let d = h / a;
         let blk = &self.blocks[i];
         let (n1, ln1) = norm_saved(&blk.ln1, x)?;
-        let (qkv, _) = lean(&blk.qkv, n1.dtype())?
-            .0
-            .forward_saved(&n1, Activation::Identity)?;
+        let (qkv, _) = lean(&blk.qkv, n1.dtype())?.forward_saved(&n1, Activation::Identity)?;
         let qkv = qkv
             .reshape((b, s, 3, a, d))?
             .permute((2, 0, 3, 1, 4))?
@@ -396,17 +391,11 @@ impl Gpt {
             Attention::Tiled(_) => out,
             Attention::Materialized(_) => out.transpose(1, 2)?.reshape((b, s, h))?,
         };
-        let (p, _) = lean(&blk.proj, y.dtype())?
-            .0
-            .forward_saved(&y, Activation::Identity)?;
+        let (p, _) = lean(&blk.proj, y.dtype())?.forward_saved(&y, Activation::Identity)?;
         let x2 = (x + p)?;
         let (n2, ln2) = norm_saved(&blk.ln2, &x2)?;
-        let (m, gelu_in) = lean(&blk.fc, n2.dtype())?
-            .0
-            .forward_saved(&n2, Activation::Gelu)?;
-        let (m2, _) = lean(&blk.fc2, m.dtype())?
-            .0
-            .forward_saved(&m, Activation::Identity)?;
+        let (m, gelu_in) = lean(&blk.fc, n2.dtype())?.forward_saved(&n2, Activation::Gelu)?;
+        let (m2, _) = lean(&blk.fc2, m.dtype())?.forward_saved(&m, Activation::Identity)?;
         let out = (&x2 + m2)?;
         let saved = BlockSaved {
             ln1,
