@@ -27,14 +27,31 @@ static ALLOCATED: AtomicU64 = AtomicU64::new(0);
 /// The system allocator, counting.
 pub struct Counting;
 
-// SAFETY: every call is forwarded to the system allocator unchanged.
+/// Counts `size` new bytes live.
+fn count_alloc(size: usize) {
+    let size = size as isize;
+    PEAK.fetch_max(LIVE.fetch_add(size, Relaxed) + size, Relaxed);
+    ALLOCATED.fetch_add(size as u64, Relaxed);
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged, so a
+// program measured does what it does without the count: a zeroed block is
+// the system's (`calloc`, which can take fresh pages already zero instead
+// of writing zeros over a plain block) and a block that grows is the
+// system's `realloc`.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            let size = layout.size() as isize;
-            PEAK.fetch_max(LIVE.fetch_add(size, Relaxed) + size, Relaxed);
-            ALLOCATED.fetch_add(layout.size() as u64, Relaxed);
+            count_alloc(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            count_alloc(layout.size());
         }
         p
     }
@@ -42,6 +59,25 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         LIVE.fetch_sub(layout.size() as isize, Relaxed);
         unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if p.is_null() {
+            return p;
+        }
+        if p == ptr {
+            // Grown or shrunk in place: one block throughout.
+            let change = new_size as isize - layout.size() as isize;
+            PEAK.fetch_max(LIVE.fetch_add(change, Relaxed) + change, Relaxed);
+            ALLOCATED.fetch_add(new_size.saturating_sub(layout.size()) as u64, Relaxed);
+        } else {
+            // Moved: the new block was made while the old one held its
+            // contents, as `alloc`, copy and `dealloc` would.
+            count_alloc(new_size);
+            LIVE.fetch_sub(layout.size() as isize, Relaxed);
+        }
+        p
     }
 }
 
