@@ -65,8 +65,8 @@ pub enum Command {
     /// Choose how to train a GPT within a memory budget: recipe (candle-nn
     /// or lean layers; naive, materialized or tiled attention), dtype,
     /// checkpointing and micro-batch, each option's peak predicted from
-    /// measured steps at batch 1, 2 and 4;
-    /// with --verify, run the plan and check its peak. Exit code 1 when
+    /// measured steps at batch 1, 2 and 4 (and larger in bf16 on the CPU
+    /// when sequences are short); with --verify, run the plan and check its peak. Exit code 1 when
     /// nothing fits or the plan did not keep its promise.
     Plan(plan::PlanArgs),
     /// Run one cell for a runner (the worker process; reads a request on

@@ -49,7 +49,7 @@ pub fn text(plan: &Plan, batch: usize) -> String {
         out.push_str(&format!(
             "Budget {} per rank for a step of {batch} sequences on {} ranks, {} each.\n\n\
              Calibration (one rank's measured steps at batch 1, 2 and 4, its {} peers rehearsed \
-             in this process; the line through 2 and 4):\n",
+             in this process; then the line through its last two batches):\n",
             bytes(plan.budget),
             plan.ranks,
             plan.batch_per_rank,
@@ -58,7 +58,7 @@ pub fn text(plan: &Plan, batch: usize) -> String {
     } else {
         out.push_str(&format!(
             "Budget {} for a step of {batch} sequences.\n\nCalibration (measured steps at batch 1, \
-             2 and 4; the line through 2 and 4):\n",
+             2 and 4; then the line through its last two batches):\n",
             bytes(plan.budget)
         ));
     }
@@ -71,8 +71,23 @@ pub fn text(plan: &Plan, batch: usize) -> String {
         .unwrap_or(0)
         .max(6);
     for c in &plan.calibrations {
+        // Batches past 4 (bf16 on the CPU) are named with their peaks.
+        let more: String = c
+            .batches
+            .iter()
+            .zip(&c.peaks)
+            .skip(3)
+            .map(|(b, p)| format!(", at {b} {}", bytes(*p)))
+            .collect();
+        let (from, to) = c.last_line();
+        let line = if (from, to) == (2, 4) {
+            String::new()
+        } else {
+            format!(" (through {from} and {to})")
+        };
         out.push_str(&format!(
-            "  {}{:<width$} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}: fixed {:>9}, per sequence {:>9}\n",
+            "  {}{:<width$} {:<4} {:<12}  peaks {:>9} {:>9} {:>9}{more}: fixed {:>9}, per \
+             sequence {:>9}{line}\n",
             c.stage
                 .map(|s| format!("{:<6}", s.name()))
                 .unwrap_or_default(),

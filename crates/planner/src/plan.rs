@@ -10,8 +10,16 @@
 //! working set), so it grows in steps of a slope that can only rise with
 //! the batch; from batch 2 on, the line through batch 2 and 4 held within
 //! a few percent in every case measured, where the one through 1 and 2 fell
-//! 8% short at batch 16. A micro-batch of `m >= 2` sequences is predicted
-//! on that line, one sequence at a time is measured; when gradients are
+//! 8% short at batch 16. One working set grows more slowly past a size:
+//! bf16's products on the CPU widen to f32 at most
+//! [`BF16_SLICE`](candle_lean_nn::BF16_SLICE) rows at once, so where batch
+//! 2 is still below that many rows the line through 2 and 4 is too steep
+//! (8 to 11% over at batch 8 on a 64-token model). There the calibration
+//! goes on doubling the batch, up to the batch to plan, until its last two
+//! batches are past that size. A micro-batch of `m >= 2` sequences is
+//! predicted on the line through the two calibrated batches around it, or
+//! past the last on the line through the last two; one sequence at a time
+//! is measured; when gradients are
 //! accumulated over several micro-batches, the later micro-batches hold the
 //! sum they are added into beside their own peak (the parameters' size, or
 //! under ZeRO stages 2 and 3 the rank's f32 blocks of it), and the step's
@@ -98,8 +106,8 @@ impl PlanRequest {
     }
 }
 
-/// Two measured steps of one recipe in one dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// The measured steps of one recipe in one dtype.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Calibration {
     /// The recipe.
     pub recipe: Recipe,
@@ -109,10 +117,13 @@ pub struct Calibration {
     pub dtype: &'static str,
     /// How the ranks share the training (none: one process).
     pub stage: Option<Stage>,
-    /// Peak at batch 1, 2 and 4 (per rank).
-    pub peaks: [u64; 3],
-    /// Step time at batch 1, 2 and 4, seconds.
-    pub seconds: [f64; 3],
+    /// The batches measured: 1, 2, 4 and the doublings that follow where
+    /// bf16's products need them (see the module).
+    pub batches: Vec<usize>,
+    /// Peak at each of `batches` (per rank).
+    pub peaks: Vec<u64>,
+    /// Step time at each of `batches`, seconds.
+    pub seconds: Vec<f64>,
     /// Bytes of the whole model's parameters in the dtype (what DDP and
     /// stages 1 and 2 hold on each rank; under stage 3 a rank holds its f32
     /// blocks of them instead).
@@ -127,21 +138,54 @@ pub struct Calibration {
 }
 
 impl Calibration {
-    /// What each sequence adds to the peak, from batch 2 on.
-    pub fn per_sequence(&self) -> u64 {
-        self.peaks[2].saturating_sub(self.peaks[1]) / 2
+    /// The indices in `batches` of the two calibrated batches whose line
+    /// predicts a micro-batch of `m >= 2`: the pair around it, or past the
+    /// last, the last two.
+    fn segment(&self, m: usize) -> (usize, usize) {
+        let last = self.batches.len().saturating_sub(1).max(2);
+        let mut i = 1;
+        while i + 1 < last && self.batches.get(i + 1).is_some_and(|&b| b < m) {
+            i += 1;
+        }
+        (i, i + 1)
     }
 
-    /// What the peak's line from batch 2 on holds whatever the batch.
+    /// The peak's line through the calibrated batches `i` and `j`: what it
+    /// holds whatever the batch, and what each sequence adds.
+    fn line(&self, (i, j): (usize, usize)) -> (u64, u64) {
+        let span = (self.batches[j] - self.batches[i]).max(1) as u64;
+        let per = self.peaks[j].saturating_sub(self.peaks[i]) / span;
+        let fixed = self.peaks[i].saturating_sub(self.batches[i] as u64 * per);
+        (fixed, per)
+    }
+
+    /// What each sequence adds to the peak past the last calibrated batch
+    /// (on the line through the last two).
+    pub fn per_sequence(&self) -> u64 {
+        self.line(self.segment(usize::MAX)).1
+    }
+
+    /// What the peak's line past the last calibrated batch holds whatever
+    /// the batch.
     pub fn fixed(&self) -> u64 {
-        self.peaks[1].saturating_sub(2 * self.per_sequence())
+        self.line(self.segment(usize::MAX)).0
+    }
+
+    /// The two batches whose line [`fixed`](Self::fixed) and
+    /// [`per_sequence`](Self::per_sequence) give.
+    pub fn last_line(&self) -> (usize, usize) {
+        let (i, j) = self.segment(usize::MAX);
+        (self.batches[i], self.batches[j])
     }
 
     /// The predicted peak of one micro-batch of `micro` sequences.
     fn micro_peak(&self, micro: usize) -> u64 {
         match micro {
             0 | 1 => self.peaks[0],
-            m => self.fixed() + m as u64 * self.per_sequence(),
+            m => {
+                let (fixed, per) = self.line(self.segment(m));
+                fixed.saturating_add((m as u64).saturating_mul(per))
+            }
         }
     }
 
@@ -167,16 +211,21 @@ impl Calibration {
     }
 
     /// The predicted time of such a step: each micro-batch's time on the
-    /// line through batch 2 and 4 (measured for one sequence), the update's
+    /// line through the calibrated batches around it, as its peak (measured
+    /// for one sequence), the update's
     /// share of the fixed time counted each time, which errs on the slow
     /// side.
     pub fn seconds(&self, batch: usize, micro: usize) -> f64 {
         let micro = micro.clamp(1, batch.max(1));
-        let per_sequence = ((self.seconds[2] - self.seconds[1]) / 2.0).max(0.0);
-        let fixed = (self.seconds[1] - 2.0 * per_sequence).max(0.0);
         let time = |m: usize| match m {
             1 => self.seconds[0],
-            m => fixed + per_sequence * m as f64,
+            m => {
+                let (i, j) = self.segment(m);
+                let span = (self.batches[j] - self.batches[i]).max(1) as f64;
+                let per = ((self.seconds[j] - self.seconds[i]) / span).max(0.0);
+                let fixed = (self.seconds[i] - self.batches[i] as f64 * per).max(0.0);
+                fixed + per * m as f64
+            }
         };
         let (whole, rest) = (batch / micro, batch % micro);
         whole as f64 * time(micro) + if rest > 0 { time(rest) } else { 0.0 }
@@ -264,12 +313,17 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
                         if checkpointed { ", checkpointed" } else { "" }
                     );
                     let parallel = stage.map(|s| rehearsal(req.ranks, s)).transpose()?;
+                    let batches = calibration_batches(
+                        config.seq,
+                        dtype == DType::BF16 && ctx.device().is_cpu(),
+                        req.batch_per_rank()?,
+                    );
                     let steps = calibrate(
                         ctx,
                         &what,
                         config,
                         dtype,
-                        &StepShape::wholes(&[1, 2, 4], checkpointed)
+                        &StepShape::wholes(&batches, checkpointed)
                             .into_iter()
                             .map(|s| StepShape {
                                 direct: recipe.direct(),
@@ -285,8 +339,9 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
                         checkpointed,
                         dtype: dtype.as_str(),
                         stage,
-                        peaks: [steps[0].peak(), steps[1].peak(), steps[2].peak()],
-                        seconds: [steps[0].seconds, steps[1].seconds, steps[2].seconds],
+                        peaks: steps.iter().map(|s| s.peak()).collect(),
+                        seconds: steps.iter().map(|s| s.seconds).collect(),
+                        batches,
                         param_bytes,
                         sum_bytes: match stage {
                             Some(Stage::Zero2 | Stage::Zero3) => config
@@ -304,6 +359,26 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
         }
     }
     Ok(weigh(req, calibrations))
+}
+
+/// The batches to calibrate at for sequences of `seq` tokens and a batch
+/// per rank of `batch`: 1, 2 and 4; where bf16's products slice (`sliced`:
+/// bf16 on the CPU), doubled on while the last line would start at or
+/// below [`BF16_SLICE`](candle_lean_nn::BF16_SLICE) rows and the batch is
+/// not yet reached, so that the line the larger micro-batches are
+/// predicted on lies where the products' working set has stopped growing.
+fn calibration_batches(seq: usize, sliced: bool, batch: usize) -> Vec<usize> {
+    let mut batches: Vec<usize> = vec![1, 2, 4];
+    if !sliced {
+        return batches;
+    }
+    loop {
+        let (before, last) = (batches[batches.len() - 2], batches[batches.len() - 1]);
+        if before.saturating_mul(seq) > candle_lean_nn::BF16_SLICE || last >= batch {
+            return batches;
+        }
+        batches.push(last * 2);
+    }
 }
 
 /// Rank 0 of a rehearsed job of `ranks`, sharing the training as `stage`.
@@ -543,8 +618,9 @@ mod tests {
             dtype: "f32",
             stage: None,
             // Fixed 100, 10 a sequence from batch 2 on; 115 for one.
-            peaks: [115, 120, 140],
-            seconds: [1.0, 2.0, 4.0],
+            batches: vec![1, 2, 4],
+            peaks: vec![115, 120, 140],
+            seconds: vec![1.0, 2.0, 4.0],
             param_bytes: 50,
             sum_bytes,
             batch_bytes_per_sequence: 1,
@@ -584,11 +660,19 @@ mod tests {
             let per = 20 + next(400);
             let token = 1 + next(per / 2);
             let mut c = calibration(next(4000));
-            c.peaks = [
+            c.peaks = vec![
                 fixed + per - next(per / 2 + 1),
                 fixed + 2 * per,
                 fixed + 4 * per,
             ];
+            if next(2) == 1 {
+                // Calibrated on (bf16's products): the slope falls past 4
+                // and rises again, still growing.
+                let at8 = fixed + 4 * per + 4 * (per / 2 + next(per / 2 + 1));
+                c.batches = vec![1, 2, 4, 8, 16];
+                c.peaks.extend([at8, at8 + 8 * (per / 2 + next(per))]);
+                c.seconds = vec![1.0, 2.0, 4.0, 8.0, 16.0];
+            }
             c.batch_bytes_per_sequence = token;
             let batch = 1 + next(120) as usize;
             let budget = fixed + next(per * batch as u64 + 6000);
@@ -611,6 +695,55 @@ mod tests {
             largest_micro(&c, 100_000_000_000, |p| p <= 1 << 62),
             Some(99_999_999_999)
         );
+    }
+
+    #[test]
+    fn bf16_on_the_cpu_is_calibrated_past_the_products_slice() {
+        // 64 tokens: batch 4 is 256 rows, the slice; then 8 and 16, up to
+        // the batch, until the last line starts past it.
+        assert_eq!(calibration_batches(64, true, 8), [1, 2, 4, 8]);
+        assert_eq!(calibration_batches(64, true, 5), [1, 2, 4, 8]);
+        assert_eq!(calibration_batches(64, true, 16), [1, 2, 4, 8, 16]);
+        assert_eq!(calibration_batches(64, true, 1000), [1, 2, 4, 8, 16]);
+        assert_eq!(calibration_batches(64, true, 4), [1, 2, 4]);
+        assert_eq!(calibration_batches(128, true, 1000), [1, 2, 4, 8]);
+        // 16 tokens: batch 16 is the slice, so the line starts at 32.
+        assert_eq!(
+            calibration_batches(16, true, 1000),
+            [1, 2, 4, 8, 16, 32, 64]
+        );
+        // Past the slice at batch 2 already, or not sliced.
+        assert_eq!(calibration_batches(256, true, 1000), [1, 2, 4]);
+        assert_eq!(calibration_batches(64, false, 1000), [1, 2, 4]);
+    }
+
+    #[test]
+    fn a_micro_batch_is_predicted_on_the_line_through_the_batches_around_it() {
+        let c = Calibration {
+            batches: vec![1, 2, 4, 8, 16],
+            // 10 a sequence from 2 to 4, then 5.
+            peaks: vec![115, 120, 140, 160, 200],
+            seconds: vec![1.0, 2.0, 4.0, 6.0, 10.0],
+            ..calibration(0)
+        };
+        let at = |m: usize| c.peak(m, m);
+        assert_eq!([at(1), at(2), at(3), at(4)], [115, 120, 130, 140]);
+        assert_eq!([at(6), at(8), at(12), at(16)], [150, 160, 180, 200]);
+        // Past the last, on the line through the last two.
+        assert_eq!(at(32), 120 + 32 * 5);
+        assert_eq!(
+            (c.fixed(), c.per_sequence(), c.last_line()),
+            (120, 5, (8, 16))
+        );
+        assert_eq!(c.seconds(6, 6), 5.0);
+        assert_eq!(c.seconds(32, 32), 18.0);
+        // Three batches: the line through 2 and 4 throughout.
+        let three = calibration(0);
+        assert_eq!(
+            (three.fixed(), three.per_sequence(), three.last_line()),
+            (100, 10, (2, 4))
+        );
+        assert_eq!(three.peak(64, 64), 100 + 640);
     }
 
     #[test]

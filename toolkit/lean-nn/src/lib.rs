@@ -53,6 +53,7 @@ pub use loss::{cross_entropy, cross_entropy_and_grad};
 pub use norm::{
     layer_norm, layer_norm_backward, layer_norm_saved, lean_layer_norm, LeanLayerNorm, NormStats,
 };
+pub use product::BF16_SLICE;
 pub use rms_norm::{lean_rms_norm, rms_norm, rms_norm_backward, rms_norm_saved, LeanRmsNorm};
 pub use rope::{rope, rope_backward, RopeConfig};
 pub use swiglu::{swiglu, swiglu_backward};

@@ -21,10 +21,14 @@ use half::{bf16, slice::HalfFloatSliceExt, vec::HalfFloatVecExt};
 
 use crate::cpu::with_slice;
 
-/// Rows, or shared-dimension entries, widened at once: 256 of 512 features
-/// are half a MiB in f32, small beside the operands and large enough for
-/// `gemm` to run at full speed.
-const SLICE: usize = 256;
+/// Rows, or shared-dimension entries, of a bf16 product on the CPU widened
+/// to f32 at once: 256 of 512 features are half a MiB in f32, small beside
+/// the operands and large enough for `gemm` to run at full speed. A product
+/// whose operands are no longer is candle's, whole, so its f32 working set
+/// grows with its rows up to this size and then stays the same: what a
+/// planner predicting a bf16 step's peak from small batches needs to know.
+pub const BF16_SLICE: usize = 256;
+const SLICE: usize = BF16_SLICE;
 
 /// `a b` for 2-D `a` `(m, k)` and `b` `(k, n)`, either may be a transposed
 /// view. bf16 on the CPU goes slice by slice (see the module); any other
