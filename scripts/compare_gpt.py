@@ -58,19 +58,19 @@ def run_json(cmd, cwd=None):
     return json.loads(done.stdout)
 
 
-def build():
+def build(example="gpt_step"):
     """Builds the workbook's side once and returns its executable: every run
     then times the same binary, whatever happens to the sources meanwhile."""
-    cmd = ["cargo", "build", "--release", "-p", "workbook-models", "--example", "gpt_step",
+    cmd = ["cargo", "build", "--release", "-p", "workbook-models", "--example", example,
            "--message-format=json-render-diagnostics"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
     for line in done.stdout.splitlines():
         message = json.loads(line)
-        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "gpt_step":
+        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == example:
             return message["executable"]
-    sys.exit("cargo built no gpt_step executable")
+    sys.exit(f"cargo built no {example} executable")
 
 
 def workbook(binary, recipe, config, steps):
