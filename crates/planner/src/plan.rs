@@ -18,8 +18,14 @@
 //! goes on doubling the batch, up to the batch to plan, until its last two
 //! batches are past that size. A micro-batch of `m >= 2` sequences is
 //! predicted on the line through the two calibrated batches around it, or
-//! past the last on the line through the last two; one sequence at a time
-//! is measured; when gradients are
+//! past the last on the line through the last two. A checkpointed or direct
+//! step marks each stage's backward, and each stretch between two marks has
+//! a line of its own: the prediction is the highest of them and the whole
+//! step's. The moments differ in what they hold: the last block's backward
+//! holds fewer gradients than the first block's and more activations, so
+//! at a larger batch it overtakes them (chapter 3's model, checkpointed
+//! direct step: the whole step's line fell 9% short at batch 16 and 15% at
+//! 32). One sequence at a time is measured; when gradients are
 //! accumulated over several micro-batches, the later micro-batches hold the
 //! sum they are added into beside their own peak (the parameters' size, or
 //! under ZeRO stages 2 and 3 the rank's f32 blocks of it), and the step's
@@ -124,6 +130,11 @@ pub struct Calibration {
     pub peaks: Vec<u64>,
     /// Step time at each of `batches`, seconds.
     pub seconds: Vec<f64>,
+    /// At each of `batches`, the peak of each stretch of the step between
+    /// two of its backward's marks
+    /// ([`StepReport::phases`](crate::step::StepReport::phases)): a moment whose
+    /// own line is steeper overtakes the step's peak at a larger batch.
+    pub phase_peaks: Vec<Vec<u64>>,
     /// Bytes of the whole model's parameters in the dtype (what DDP and
     /// stages 1 and 2 hold on each rank; under stage 3 a rank holds its f32
     /// blocks of them instead).
@@ -153,10 +164,34 @@ impl Calibration {
     /// The peak's line through the calibrated batches `i` and `j`: what it
     /// holds whatever the batch, and what each sequence adds.
     fn line(&self, (i, j): (usize, usize)) -> (u64, u64) {
+        self.line_of(&self.peaks, (i, j))
+    }
+
+    /// The line through `peaks[i]` at batch `i`'s size and `peaks[j]`.
+    fn line_of(&self, peaks: &[u64], (i, j): (usize, usize)) -> (u64, u64) {
         let span = (self.batches[j] - self.batches[i]).max(1) as u64;
-        let per = self.peaks[j].saturating_sub(self.peaks[i]) / span;
-        let fixed = self.peaks[i].saturating_sub(self.batches[i] as u64 * per);
+        let per = peaks[j].saturating_sub(peaks[i]) / span;
+        let fixed = peaks[i].saturating_sub(self.batches[i] as u64 * per);
         (fixed, per)
+    }
+
+    /// The highest of the step's stretches' own lines at `m` sequences
+    /// (through the same calibrated batches), where every calibrated step
+    /// had the same stretches.
+    fn phases_at(&self, m: usize, segment: (usize, usize)) -> Option<u64> {
+        let count = self.phase_peaks.first()?.len();
+        if self.phase_peaks.len() != self.batches.len()
+            || self.phase_peaks.iter().any(|p| p.len() != count)
+        {
+            return None;
+        }
+        (0..count)
+            .map(|k| {
+                let peaks: Vec<u64> = self.phase_peaks.iter().map(|p| p[k]).collect();
+                let (fixed, per) = self.line_of(&peaks, segment);
+                fixed.saturating_add((m as u64).saturating_mul(per))
+            })
+            .max()
     }
 
     /// What each sequence adds to the peak past the last calibrated batch
@@ -183,8 +218,10 @@ impl Calibration {
         match micro {
             0 | 1 => self.peaks[0],
             m => {
-                let (fixed, per) = self.line(self.segment(m));
-                fixed.saturating_add((m as u64).saturating_mul(per))
+                let segment = self.segment(m);
+                let (fixed, per) = self.line(segment);
+                let whole = fixed.saturating_add((m as u64).saturating_mul(per));
+                whole.max(self.phases_at(m, segment).unwrap_or(0))
             }
         }
     }
@@ -341,6 +378,7 @@ pub fn plan(ctx: &mut Context, req: &PlanRequest) -> anyhow::Result<Plan> {
                         stage,
                         peaks: steps.iter().map(|s| s.peak()).collect(),
                         seconds: steps.iter().map(|s| s.seconds).collect(),
+                        phase_peaks: steps.iter().map(|s| s.phases.clone()).collect(),
                         batches,
                         param_bytes,
                         sum_bytes: match stage {
@@ -621,6 +659,7 @@ mod tests {
             batches: vec![1, 2, 4],
             peaks: vec![115, 120, 140],
             seconds: vec![1.0, 2.0, 4.0],
+            phase_peaks: Vec::new(),
             param_bytes: 50,
             sum_bytes,
             batch_bytes_per_sequence: 1,
@@ -744,6 +783,26 @@ mod tests {
             (100, 10, (2, 4))
         );
         assert_eq!(three.peak(64, 64), 100 + 640);
+    }
+
+    #[test]
+    fn a_moment_whose_line_is_steeper_sets_the_larger_batches_peak() {
+        // Two stretches: the first holds 100 + 10 a sequence, the second
+        // 90 + 12. At batch 2 and 4 the first is the step's peak (120,
+        // 140); past 5 the second overtakes it.
+        let c = Calibration {
+            peaks: vec![115, 120, 140],
+            phase_peaks: vec![vec![110, 102], vec![120, 114], vec![140, 138]],
+            ..calibration(0)
+        };
+        assert_eq!(c.peak(4, 4), 140);
+        assert_eq!(c.peak(16, 16), 90 + 16 * 12);
+        // Stretches that differ in number from batch to batch are not read.
+        let uneven = Calibration {
+            phase_peaks: vec![vec![110, 102], vec![120], vec![140, 138]],
+            ..c.clone()
+        };
+        assert_eq!(uneven.peak(16, 16), 100 + 16 * 10);
     }
 
     #[test]

@@ -44,6 +44,10 @@ pub struct StepReport {
     /// Wall time of the step itself: forwards, backwards and the update,
     /// without building the model and the batch.
     pub seconds: f64,
+    /// The peak of each stretch of the forwards and backwards between two
+    /// marks of the technique (each stage's backward, checkpointed or
+    /// direct), above the region's start: one stretch where it makes none.
+    pub phases: Vec<u64>,
 }
 
 impl StepReport {
@@ -289,6 +293,9 @@ pub fn measured_step(
         )
     })?;
     region.mark("model, optimizer state, batch");
+    // The step's peak stretch by stretch, between the marks the direct and
+    // checkpointed backwards make (one stretch where there are none).
+    let phases = region.phases();
     let start = Instant::now();
     let micro = shape.micro_batch.clamp(1, shape.batch.max(1));
     let vars = model.vars();
@@ -317,7 +324,7 @@ pub fn measured_step(
                     opt.direct_reduced(&model, (&xm, &ym), weight, checkpointed)?
                 }
                 (true, acc) => {
-                    let out = model.direct_checkpointed(&xm, &ym, weight, &Tags)?;
+                    let out = model.direct_checkpointed(&xm, &ym, weight, &phases)?;
                     match acc {
                         Some(acc) => {
                             Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?
@@ -330,7 +337,7 @@ pub fn measured_step(
                     model.direct_loss_with(&xm, &ym, weight, add, &Tags)
                 })?,
                 (false, None) => {
-                    let out = model.direct_loss(&xm, &ym, weight, &Tags)?;
+                    let out = model.direct_loss(&xm, &ym, weight, &phases)?;
                     grads = Some(out.grads);
                     out.loss
                 }
@@ -350,7 +357,7 @@ pub fn measured_step(
             let out = Category::Activations.scope(|| {
                 Sequential::taped(&stack)
                     .segments(stack.len())
-                    .observer(&Tags)
+                    .observer(&phases)
                     .backward(&xm, &vars, head)
             })?;
             loss_value =
@@ -407,6 +414,9 @@ pub fn measured_step(
         }
         drop((loss, labels));
     }
+    // Closed before the region's next mark, whose peak so far is then the
+    // region's (the update's own peak is in the region's, not among them).
+    let phases = phases.finish();
     region.mark("after backward");
     let whole = match accumulator.as_mut() {
         Some(acc) => Some(acc.take()?),
@@ -421,7 +431,9 @@ pub fn measured_step(
     drop((accumulator, opt, x, y, model));
     let region = ctx.end_region(region);
     let (after_forward, ledger_bytes, largest_held) = first.unwrap_or_default();
+    let baseline = region.baseline.total();
     Ok(StepReport {
+        phases: phases.iter().map(|p| p.saturating_sub(baseline)).collect(),
         region,
         after_forward,
         ledger_bytes,

@@ -419,6 +419,12 @@ impl Region {
         region
     }
 
+    /// Peaks stretch by stretch from now on, between the marks of a
+    /// technique given it as its observer ([`Phases`](crate::observe::Phases)).
+    pub fn phases(&self) -> crate::observe::Phases {
+        crate::observe::Phases::start(Arc::clone(&self.meter))
+    }
+
     /// Records a point of the timeline, such as `after forward`. A literal
     /// label allocates nothing; past the first 64 marks the timeline's own
     /// growth is counted (as `other`).
