@@ -769,6 +769,33 @@ fn bf16_plans_of_short_sequences_keep_their_promise() {
     }
 }
 
+/// A calibration's peaks are the same to the byte run after run: nothing a
+/// process makes once (gemm's packing buffer of each thread) lands inside
+/// one of its measured steps.
+#[test]
+fn calibrations_repeat_to_the_byte() {
+    let peaks = || {
+        let o = plan(&[
+            "--budget",
+            "1GiB",
+            "--recipes",
+            "direct_tiled",
+            "--dtypes",
+            "f32",
+            "--no-checkpointing",
+            "--untied-head",
+            "--json",
+        ]);
+        assert_eq!(o.status.code(), Some(0));
+        let c = &json(&o)["plan"]["calibrations"][0];
+        (c["peaks"].clone(), c["phase_peaks"].clone())
+    };
+    let first = peaks();
+    for _ in 0..3 {
+        assert_eq!(peaks(), first);
+    }
+}
+
 #[test]
 fn an_untied_head_adds_its_table_and_keeps_the_plan() {
     let param_bytes = |extra: &[&str]| -> u64 {

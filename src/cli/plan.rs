@@ -407,9 +407,6 @@ fn verify_decoder(
         );
     }
     let meter = workbook_sdk::device::meter_for(&Device::Cpu)?;
-    // gemm's packing buffers are this thread's from its first product on:
-    // made before the measurement, as a chapter's cells have them.
-    workbook_sdk::device::warm_up(&Device::Cpu)?;
     let progress = Spinner::new(0).bar;
     progress.enable_steady_tick(Duration::from_millis(120));
     let mut ctx = {

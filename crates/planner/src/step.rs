@@ -445,12 +445,15 @@ pub fn measured_step(
 }
 
 /// Measured steps of `config` in `dtype`, one of each shape in `shapes`,
-/// named `what`, after a step of the smallest and of the largest batch
-/// whose peaks are not used: what a process sets up once for these shapes
-/// (thread pools, the matrix products' buffers) is not a part of a step's
-/// peak. The largest batch's warm-up alone left some: on the planner's test
-/// model (hidden 64) the first step of one sequence then held 0.5 MiB more
-/// than every later one.
+/// named `what`, after the device's warm-up and a step of the smallest and
+/// of the largest batch whose peaks are not used: what a process sets up
+/// once for these shapes (thread pools, the matrix products' buffers) is
+/// not a part of a step's peak. The largest batch's warm-up step alone left
+/// some: on the planner's test model (hidden 64) the first step of one
+/// sequence then held 0.5 MiB more than every later one. The warm-up steps
+/// alone left some too: a pool thread they happened not to give a product
+/// made gemm's packing buffer (the size of its L2 cache) inside a measured
+/// step, 2 MiB on one of them in about half the runs.
 pub fn calibrate(
     ctx: &mut Context,
     what: &str,
@@ -467,6 +470,7 @@ pub fn calibrate(
         return Ok(Vec::new());
     };
     ctx.progress(&format!("warming up {what}"));
+    workbook_sdk::device::warm_up(ctx.device())?;
     let warm_ups = if smallest == largest {
         vec![largest]
     } else {

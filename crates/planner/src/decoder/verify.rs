@@ -29,6 +29,9 @@ pub fn verify(
         lr: 1e-3,
         recipe,
     };
+    // gemm's packing buffers are each thread's from its first product on:
+    // made before the measurement, as a chapter's cells have them.
+    workbook_sdk::device::warm_up(ctx.device())?;
     let measured = train_measured(ctx, &run)?;
     Ok(Verification {
         peak: measured.report.device_total_peak_above_baseline(),
