@@ -229,7 +229,11 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             let v = VerifyRequest::new(&request, chosen, *steps)?;
             Some(if *ranks > 1 {
                 progress.set_message(format!("verifying on {ranks} ranks"));
-                verify_on_ranks(v, *ranks, Duration::from_secs(*timeout))?
+                workbook_distributed::launch::verify_on_ranks(
+                    v,
+                    *ranks,
+                    Duration::from_secs(*timeout),
+                )?
             } else {
                 run_plan(&mut ctx, &v, None)?
             })
@@ -424,33 +428,4 @@ fn verify_decoder(
     );
     progress.finish_and_clear();
     v
-}
-
-/// Runs a plan's verification on `ranks` MPI ranks and gathers what each
-/// measured.
-fn verify_on_ranks(
-    mut v: workbook_planner::plan::VerifyRequest,
-    ranks: usize,
-    timeout: Duration,
-) -> anyhow::Result<workbook_planner::plan::Verification> {
-    use anyhow::Context as _;
-    use workbook_planner::plan::{of_ranks, Verification};
-    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
-    v.out = Some(dir.path().to_path_buf());
-    let args = [
-        "rank".to_string(),
-        "--verify".into(),
-        serde_json::to_string(&v)?,
-    ];
-    let ran = workbook_distributed::launch::run_ranks(ranks, timeout, dir.path(), &args)?;
-    let (each, unread): (Vec<Verification>, _) =
-        workbook_distributed::launch::gather(dir.path(), ranks, |dir, rank| {
-            dir.join(format!("verify-{rank}.json"))
-        });
-    let mut problems = ran.problems();
-    problems.extend(unread);
-    if let Some(error) = ran.error(&problems) {
-        anyhow::bail!("the verification on {ranks} ranks failed: {error}");
-    }
-    of_ranks(&each).context("no rank reported")
 }

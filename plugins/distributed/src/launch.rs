@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use workbook_sdk::anyhow::{self, Context as _};
 
+use workbook_planner::plan::{of_ranks, Verification, VerifyRequest};
+
 use crate::rank::{report_path, RankReport, RankRequest};
 
 /// One MPI job.
@@ -300,4 +302,31 @@ pub fn launch(job: &Job) -> anyhow::Result<Outcome> {
     }
     outcome.error = ran.error(&problems);
     Ok(outcome)
+}
+
+/// Runs a plan's verification on `ranks` MPI ranks (`workbook rank
+/// --verify`, each rank measured by its own counting allocator) and gathers
+/// what each measured: the highest peak, the slowest rank's time.
+pub fn verify_on_ranks(
+    mut v: VerifyRequest,
+    ranks: usize,
+    timeout: Duration,
+) -> anyhow::Result<Verification> {
+    let dir = tempfile::tempdir().context("making a folder for the ranks' reports")?;
+    v.out = Some(dir.path().to_path_buf());
+    let args = [
+        "rank".to_string(),
+        "--verify".into(),
+        serde_json::to_string(&v)?,
+    ];
+    let ran = run_ranks(ranks, timeout, dir.path(), &args)?;
+    let (each, unread): (Vec<Verification>, _) = gather(dir.path(), ranks, |dir, rank| {
+        dir.join(format!("verify-{rank}.json"))
+    });
+    let mut problems = ran.problems();
+    problems.extend(unread);
+    if let Some(error) = ran.error(&problems) {
+        anyhow::bail!("the verification on {ranks} ranks failed: {error}");
+    }
+    of_ranks(&each).context("no rank reported")
 }

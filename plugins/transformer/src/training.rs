@@ -54,23 +54,9 @@ impl Default for Params {
 /// Checks what every cell of this crate takes: the model, a batch of at
 /// least `least` sequences, and a dtype by name.
 pub(crate) fn check_run(r: &mut Rules, model: &GptConfig, batch: usize, least: usize, dtype: &str) {
-    check_model(r, "model", model);
+    model.check(r, "model");
     r.at_least("batch", batch, least);
     r.one_of("dtype", dtype, &workbook_sdk::DTYPES);
-}
-
-/// Checks a model configuration's fields.
-pub(crate) fn check_model(r: &mut Rules, field: &str, m: &GptConfig) {
-    r.at_least(&format!("{field}.layers"), m.layers, 1)
-        .at_least(&format!("{field}.heads"), m.heads, 1)
-        .at_least(&format!("{field}.seq"), m.seq, 1)
-        .at_least(&format!("{field}.vocab"), m.vocab, 2);
-    r.require(
-        m.heads > 0 && m.hidden > 0 && m.hidden.is_multiple_of(m.heads),
-        &format!("{field}.hidden"),
-        m.hidden.to_string(),
-        &format!("allowed: a positive multiple of heads ({})", m.heads),
-    );
 }
 
 /// The `gpt_training` plugin.

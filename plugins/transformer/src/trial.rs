@@ -6,7 +6,7 @@ use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
 use crate::predict::Predictor;
-use crate::training::{check_model, check_run};
+use crate::training::check_run;
 use workbook_models::GptConfig;
 use workbook_models::Recipe;
 
@@ -97,7 +97,7 @@ impl Plugin for Predictors {
                 seq: v.seq.unwrap_or(p.model.seq),
                 ..p.model
             };
-            check_model(&mut r, &format!("variants[{i}]"), &c);
+            c.check(&mut r, &format!("variants[{i}]"));
             if let Some(b) = v.batch {
                 r.at_least(&format!("variants[{i}].batch"), b, 3);
             }

@@ -82,6 +82,21 @@ impl Default for GptConfig {
 }
 
 impl GptConfig {
+    /// Checks the fields a cell's parameters give for the model, each named
+    /// under `field` (`model.layers`, ...).
+    pub fn check(&self, r: &mut workbook_sdk::Rules, field: &str) {
+        r.at_least(&format!("{field}.layers"), self.layers, 1)
+            .at_least(&format!("{field}.heads"), self.heads, 1)
+            .at_least(&format!("{field}.seq"), self.seq, 1)
+            .at_least(&format!("{field}.vocab"), self.vocab, 2);
+        r.require(
+            self.heads > 0 && self.hidden > 0 && self.hidden.is_multiple_of(self.heads),
+            &format!("{field}.hidden"),
+            self.hidden.to_string(),
+            &format!("allowed: a positive multiple of heads ({})", self.heads),
+        );
+    }
+
     /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` with the
     /// head tied to the token embedding, `h·v` more with a head of its own.
     ///
