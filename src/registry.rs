@@ -215,6 +215,7 @@ fn builtin_plugins() -> Vec<Box<dyn DynPlugin>> {
         Box::new(workbook_transformer::GptCheckpointing),
         Box::new(workbook_transformer::Predictors),
         Box::new(workbook_distributed::ZeroStages),
+        Box::new(workbook_distributed::GptRanks),
         Box::new(workbook_exercises::PolicyExercise),
         Box::new(workbook_exercises::FitExercise),
         Box::new(workbook_decoder::DecoderShapes),

@@ -2,7 +2,8 @@
 //! that crashes, one that hangs past the time limit, and `--ranks`. Each
 //! failure is the cell's error, with what the ranks reported before it kept,
 //! and leaves no rank running. And `workbook plan --ranks N --verify`: the
-//! peak predicted from one rank rehearsed, measured on N real ranks.
+//! peak predicted from one rank rehearsed, measured on N real ranks, as the
+//! `gpt_ranks` cell does for every stage.
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -254,6 +255,61 @@ fn killing_the_runner_leaves_no_worker_mpirun_or_rank_behind() {
     runner.wait().unwrap();
     none_left(&mark, std::time::Duration::from_secs(20));
     assert_eq!(leftovers(91_005), 0);
+}
+
+/// A chapter of one `gpt_ranks` cell: a tiny GPT on 1 and 2 ranks, batch 4,
+/// `seed` marking its ranks' command lines.
+fn gpt_chapter(dir: &std::path::Path, seed: u64) -> std::path::PathBuf {
+    let path = dir.join("gpt.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "format_version = 1\nid = \"gpt\"\ntitle = \"t\"\n\n[[cells]]\nid = \"gpt\"\n\
+             title = \"g\"\nplugin = \"gpt_ranks\"\nassertions = [\"single_peak > 0\"]\n\
+             [cells.params]\nbatch = 4\nranks = [1, 2]\nseed = {seed}\n\
+             timeout_seconds = 120\n[cells.params.model]\nlayers = 1\nhidden = 32\nheads = 2\n\
+             seq = 16\nvocab = 32\nattention = \"tiled\"\nlean = true\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn the_gpt_on_ranks_keeps_its_plan_at_every_stage_and_takes_ranks() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let path = gpt_chapter(dir.path(), 91_010);
+    let (cell, code) = run(&path, &["--ranks", "4"], &[]);
+    assert_eq!(code, 0, "{cell}");
+    let metric = |cell: &Value, name: &str| {
+        cell["metrics"][name]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no {name}: {cell}"))
+    };
+    for n in [2, 4] {
+        for stage in ["ddp", "zero1", "zero2", "zero3"] {
+            let error = metric(&cell, &format!("{stage}_n{n}_error"));
+            assert!(error.abs() < 0.05, "{stage} on {n} ranks: {error}");
+        }
+        // Stage 3 holds a rank's share of every model state.
+        assert!(
+            metric(&cell, &format!("zero3_n{n}_peak")) < metric(&cell, &format!("ddp_n{n}_peak"))
+        );
+    }
+    assert!(metric(&cell, "single_error").abs() < 0.05);
+    // A count that does not split the batch: the cell's error, what the
+    // chapter's own counts measured kept.
+    let (cell, code) = run(&path, &["--ranks", "3"], &[]);
+    assert_eq!(code, 1, "{cell}");
+    assert_eq!(
+        cell["error"],
+        "--ranks is 3, which does not divide this cell's batch of 4 sequences; allowed: a \
+         count that divides it (each rank trains on as many)",
+        "{cell}"
+    );
+    assert!(metric(&cell, "zero3_n2_peak") > 0.0);
+    assert_eq!(leftovers(91_010), 0);
 }
 
 /// `workbook plan` on the small model with `recipes` and `args`, as JSON.

@@ -8,11 +8,16 @@
 //! past the time limit, makes the cell's error; what the other ranks
 //! reported is kept.
 //!
-//! The techniques are the toolkit's `candle-distributed`.
+//! The techniques are the toolkit's `candle-distributed`. The second
+//! plugin, [`GptRanks`], runs chapter 3's GPT on the ranks the same way,
+//! planned and then measured ([`gpt`]).
 #![warn(missing_docs)]
 
+pub mod gpt;
 pub mod launch;
 pub mod rank;
+
+pub use gpt::GptRanks;
 
 use serde::{Deserialize, Serialize};
 use workbook_sdk::anyhow;
@@ -72,7 +77,6 @@ impl Default for Params {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ZeroStages;
 
-/// The most ranks a cell may ask for.
 /// The most ranks a cell may ask for (`--ranks` included).
 pub const MAX_RANKS: usize = 64;
 

@@ -1,0 +1,97 @@
+//! The `gpt_ranks` cell's parameters: what it refuses, and with what
+//! message.
+
+use workbook_distributed::gpt::Params;
+use workbook_distributed::GptRanks;
+use workbook_models::GptConfig;
+use workbook_sdk::Plugin;
+
+fn refusals(p: Params) -> Vec<String> {
+    GptRanks
+        .validate(&p)
+        .iter()
+        .map(|v| format!("{}: {} ({})", v.field, v.given, v.allowed))
+        .collect()
+}
+
+#[test]
+fn the_defaults_are_valid() {
+    assert_eq!(refusals(Params::default()), Vec::<String>::new());
+}
+
+#[test]
+fn rank_counts_must_divide_the_batch() {
+    let p = Params {
+        batch: 12,
+        ranks: vec![1, 0, 8, 3, 65],
+        ..Params::default()
+    };
+    assert_eq!(
+        refusals(p),
+        [
+            "ranks[1]: 0 (allowed: at least 1)",
+            "ranks[2]: 8 (allowed: a count that divides the batch of 12 sequences (each rank \
+             trains on as many))",
+            "ranks[4]: 65 (allowed: at most 64)",
+        ]
+    );
+}
+
+#[test]
+fn an_empty_list_of_ranks_is_refused() {
+    let p = Params {
+        ranks: vec![],
+        ..Params::default()
+    };
+    assert_eq!(
+        refusals(p),
+        ["ranks: [] (allowed: a list of at least 1 entry)"]
+    );
+}
+
+#[test]
+fn the_model_the_dtype_and_the_limits_are_checked() {
+    let p = Params {
+        model: GptConfig {
+            layers: 0,
+            hidden: 10,
+            heads: 4,
+            ..GptConfig::default()
+        },
+        dtype: "f64".into(),
+        steps: 0,
+        timeout_seconds: f64::NAN,
+        ..Params::default()
+    };
+    assert_eq!(
+        refusals(p),
+        [
+            "model.layers: 0 (allowed: at least 1)",
+            "model.hidden: 10 (allowed: a positive multiple of heads (4))",
+            "dtype: \"f64\" (allowed: one of f32, f16, bf16)",
+            "steps: 0 (allowed: at least 1)",
+            "timeout_seconds: NaN (allowed: a finite number from 1 to 604800)",
+        ]
+    );
+}
+
+#[test]
+fn sizes_past_what_a_tensor_may_hold_are_refused() {
+    let p = Params {
+        model: GptConfig {
+            hidden: 1 << 20,
+            heads: 1,
+            vocab: 1 << 22,
+            ..GptConfig::default()
+        },
+        ..Params::default()
+    };
+    let r = refusals(p);
+    assert_eq!(
+        r,
+        [
+            "model.vocab: hidden × vocab = 1048576 × 4194304 (allowed: a product of at most \
+             1099511627776 elements (2^40))",
+        ]
+    );
+}
