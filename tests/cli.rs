@@ -7,7 +7,7 @@ mod common;
 use common::{heavy, light, text, CELLS};
 
 /// The built-in plugins, in registration order.
-const PLUGINS: [&str; 16] = [
+const PLUGINS: [&str; 17] = [
     "footprint",
     "accumulation",
     "checkpointing",
@@ -20,6 +20,7 @@ const PLUGINS: [&str; 16] = [
     "gpt_checkpointing",
     "predictors",
     "zero_stages",
+    "gpt_ranks",
     "policy_exercise",
     "fit_exercise",
     "decoder_shapes",
