@@ -1,5 +1,7 @@
 //! Getting a device ready before anything is measured.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::meter::Category;
@@ -12,10 +14,19 @@ use crate::meter::Category;
 /// multiplies, and a pool thread the warm-up missed would otherwise make
 /// it inside the first measured step (seen: a step's peak 1 MiB above its
 /// prediction, when a loaded machine left one thread idle until then).
+///
+/// The pool's threads live as long as the process, so their part runs
+/// once per process; the calling thread's small products run at every
+/// call, since the caller may be a thread the first call never saw.
 pub fn warm_up(device: &Device) -> Result<()> {
     let _other = Category::Other.enter();
-    products(device, &[8, 64, 512])?;
-    if device.is_cpu() {
+    if !device.is_cpu() {
+        return products(device, &[8, 64, 512]);
+    }
+    products(device, &[8, 64])?;
+    if !POOL_WARMED.load(Ordering::Acquire) {
+        // Wide enough for gemm to split the work over the pool.
+        products(device, &[512])?;
         // Below gemm's threading threshold, each thread's own products
         // run on that thread.
         rayon::broadcast(|_| {
@@ -24,9 +35,13 @@ pub fn warm_up(device: &Device) -> Result<()> {
         })
         .into_iter()
         .collect::<Result<Vec<()>>>()?;
+        POOL_WARMED.store(true, Ordering::Release);
     }
     Ok(())
 }
+
+/// Set once every thread of the CPU pool has made its packing buffers.
+static POOL_WARMED: AtomicBool = AtomicBool::new(false);
 
 /// `n x n` products of ones in each float dtype, for each `n` of `sizes`.
 fn products(device: &Device, sizes: &[usize]) -> Result<()> {

@@ -52,4 +52,15 @@ fn the_warm_up_makes_every_threads_packing_buffer() {
         "every thread of the pool ({}) and the caller have theirs",
         rayon::current_num_threads()
     );
+    // A later warm-up, on a thread the first never saw (the pool's part
+    // has run): that caller's buffer too.
+    let made = std::thread::spawn(|| {
+        workbook_sdk::device::warm_up(&Device::Cpu).unwrap();
+        let before = probe_bytes();
+        touch();
+        probe_bytes() - before
+    })
+    .join()
+    .unwrap();
+    assert_eq!(made, 0, "a new caller's buffer is made by its warm-up");
 }
