@@ -177,6 +177,8 @@ fn ranks_adds_a_rank_count_even_one_that_splits_the_batch_unevenly() {
          trains on one row at least)",
         "{cell}"
     );
+    // The chapter's own count ran first, and is kept.
+    assert_eq!(cell["metrics"]["zero3_n2_ranks_reported"], 2.0, "{cell}");
 }
 
 #[test]
@@ -298,18 +300,83 @@ fn the_gpt_on_ranks_keeps_its_plan_at_every_stage_and_takes_ranks() {
         );
     }
     assert!(metric(&cell, "single_error").abs() < 0.05);
-    // A count that does not split the batch: the cell's error, what the
-    // chapter's own counts measured kept.
-    let (cell, code) = run(&path, &["--ranks", "3"], &[]);
+    // A count that does not split the batch (here more ranks than
+    // sequences): the cell's error, what the chapter's own counts measured
+    // kept.
+    let (cell, code) = run(&path, &["--ranks", "8"], &[]);
     assert_eq!(code, 1, "{cell}");
     assert_eq!(
         cell["error"],
-        "--ranks is 3, which does not divide this cell's batch of 4 sequences; allowed: a \
+        "--ranks is 8, which does not divide this cell's batch of 4 sequences; allowed: a \
          count that divides it (each rank trains on as many)",
         "{cell}"
     );
     assert!(metric(&cell, "zero3_n2_peak") > 0.0);
     assert_eq!(leftovers(91_010), 0);
+}
+
+/// Runs `workbook rank --verify` on 2 ranks for a tiny GPT under stage 3,
+/// with `max_memory`: whether mpirun succeeded, and what the job wrote.
+fn verify_ranks_capped(max_memory: Option<u64>) -> (bool, String) {
+    use workbook_models::{GptConfig, Recipe};
+    use workbook_planner::plan::VerifyRequest;
+    use workbook_planner::stage::Stage;
+    let dir = tempfile::tempdir().unwrap();
+    let request = VerifyRequest {
+        model: GptConfig {
+            layers: 1,
+            hidden: 32,
+            heads: 2,
+            seq: 16,
+            vocab: 32,
+            ..GptConfig::default()
+        },
+        recipe: Recipe::DirectTiled,
+        dtype: "f32".into(),
+        checkpointed: false,
+        stage: Some(Stage::Zero3),
+        batch: 2,
+        micro_batch: 2,
+        predicted: 1,
+        budget: 1 << 30,
+        steps: 1,
+        seed: 91_011,
+        out: Some(dir.path().to_path_buf()),
+        max_memory,
+    };
+    let out = Command::new("mpirun")
+        .args(["--oversubscribe", "-n", "2"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .env("RAYON_NUM_THREADS", "1")
+        .arg(env!("CARGO_BIN_EXE_workbook"))
+        .args([
+            "rank",
+            "--verify",
+            &serde_json::to_string(&request).unwrap(),
+        ])
+        .output()
+        .expect("mpirun runs");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reported = (0..2).all(|r| dir.path().join(format!("verify-{r}.json")).exists());
+    (out.status.success() && reported, said)
+}
+
+#[test]
+fn a_verifying_rank_is_held_to_the_cells_cap() {
+    let _one = one_job();
+    let (ok, said) = verify_ranks_capped(None);
+    assert!(ok, "{said}");
+    // Below what the warm-up alone takes (a 512 × 512 f32 product).
+    let (ok, said) = verify_ranks_capped(Some(512 << 10));
+    assert!(!ok, "{said}");
+    assert!(said.contains("memory allocation of"), "{said}");
+    assert_eq!(leftovers(91_011), 0);
 }
 
 /// `workbook plan` on the small model with `recipes` and `args`, as JSON.

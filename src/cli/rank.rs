@@ -46,6 +46,8 @@ fn verify_rank(request: &str) -> anyhow::Result<ExitCode> {
         use std::sync::Arc;
         use workbook_planner::plan::verify;
         use workbook_planner::step::Parallel;
+        // Held to the cell's cap, as the cell's own process is.
+        workbook_sdk::meter::set_limit(request.max_memory);
         let comm = candle_distributed::Comm::mpi()?;
         workbook_distributed::rank::serve(comm, &out, |comm| {
             let stage = request

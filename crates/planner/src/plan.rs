@@ -573,6 +573,9 @@ pub struct VerifyRequest {
     pub seed: u64,
     /// Where each rank writes its `verify-R.json` (ranks only).
     pub out: Option<PathBuf>,
+    /// The most heap each rank may hold at once (a cell's cap), if any.
+    #[serde(default)]
+    pub max_memory: Option<u64>,
 }
 
 impl VerifyRequest {
@@ -591,6 +594,7 @@ impl VerifyRequest {
             steps: steps.max(1),
             seed: req.seed,
             out: None,
+            max_memory: None,
         })
     }
 }

@@ -12,12 +12,13 @@ use serde::{Deserialize, Serialize};
 use workbook_models::{GptConfig, Recipe};
 use workbook_planner::plan::{plan, verify, Candidate, PlanRequest, Verification, VerifyRequest};
 use workbook_planner::stage::Stage;
+use workbook_sdk::candle::Device;
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::{anyhow, Context, Figure, Plugin, Rules, Table, Violation};
 
-use crate::launch::verify_on_ranks;
-use crate::MAX_RANKS;
+use crate::counts::{self, Split};
+use crate::launch::{self, verify_on_ranks, CannotStart};
 
 /// The budget each option is weighed against: none binds, so every stage
 /// keeps its whole batch per rank.
@@ -102,37 +103,22 @@ impl Plugin for GptRanks {
                 "batch × heads × seq × seq",
                 &[b, m.heads as u64, s, s],
             );
-        r.list("ranks", &p.ranks, 1, 1);
-        for (i, &n) in p.ranks.iter().enumerate() {
-            let field = format!("ranks[{i}]");
-            if n > MAX_RANKS {
-                r.violation(
-                    field,
-                    n.to_string(),
-                    format!("allowed: at most {MAX_RANKS}"),
-                );
-            } else if n > 0 && !p.batch.is_multiple_of(n) {
-                r.violation(
-                    field,
-                    n.to_string(),
-                    format!(
-                        "allowed: a count that divides the batch of {} sequences (each rank \
-                         trains on as many)",
-                        p.batch
-                    ),
-                );
-            }
-        }
+        counts::check(&mut r, "ranks", &p.ranks, Split::Sequences(p.batch));
         r.into_violations()
     }
 
     fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
-        // DDP holds the whole model's states on each rank: 16 bytes a
-        // parameter in f32 (4 + 4 + 8) and in mixed precision (2 + 2 + 12).
+        // DDP holds the whole model's states on each rank: parameters,
+        // gradients and AdamW's two moments, all in the cell's dtype (4
+        // bytes each in f32, 2 in bf16 and f16).
         let psi = p.model.checked_param_count()?;
+        let size = workbook_sdk::parse_dtype(&p.dtype).ok()?.size_in_bytes() as u64;
         Some((
-            psi.saturating_mul(16),
-            format!("each rank's DDP model states, 16 bytes for each of {psi} parameters"),
+            psi.saturating_mul(4 * size),
+            format!(
+                "each rank's DDP model states, {} bytes for each of {psi} parameters",
+                4 * size
+            ),
         ))
     }
 
@@ -172,29 +158,26 @@ impl Plugin for GptRanks {
         let dtype = workbook_sdk::parse_dtype(&p.dtype)?;
         ctx.metric("psi", p.model.param_count() as f64);
         let timeout = Duration::from_secs_f64(p.timeout_seconds);
-        // The planner's steps are measured in a context of their own: the
+        // A `--ranks` that cannot split the batch is the cell's error once
+        // its own counts have run.
+        let (to_run, refused) = counts::with_flag(&p.ranks, Split::Sequences(p.batch))?;
+        let mut failures: Vec<String> = refused.into_iter().collect();
+        // The ranks compute on the CPU whatever the cell's device, so the
+        // plan rehearses its rank there too, in a context of its own: the
         // cell's outcome is the plans and the ranks' peaks, not each
         // calibration step.
-        let meter = workbook_sdk::device::meter_for(ctx.device())?;
-        let mut own = Context::new(ctx.device().clone(), meter, ctx.is_check());
+        let meter = workbook_sdk::device::meter_for(&Device::Cpu)?;
+        let mut own = Context::new(Device::Cpu, meter, ctx.is_check());
         let mut rows: Vec<Row> = Vec::new();
-        let mut failures = Vec::new();
-        let mut counts = p.ranks.clone();
-        // `workbook run --ranks N` adds a count where it splits the batch
-        // evenly; where it does not, the cell says so after the others ran.
-        match crate::extra_ranks(p.batch)? {
-            Some(n) if !p.batch.is_multiple_of(n) => failures.push(format!(
-                "--ranks is {n}, which does not divide this cell's batch of {} sequences; \
-                 allowed: a count that divides it (each rank trains on as many)",
-                p.batch
-            )),
-            Some(n) if !counts.contains(&n) => {
-                counts.push(n);
-                counts.sort_unstable();
+        // Why no job can start (no MPI), once known: the counts above one
+        // are then skipped, and it is said once.
+        let mut cannot_start = launch::cannot_start().map(|e| e.to_string());
+        let mut skipped = Vec::new();
+        for &n in &to_run {
+            if n > 1 && cannot_start.is_some() {
+                skipped.push(n);
+                continue;
             }
-            _ => {}
-        }
-        for &n in &counts {
             let req = PlanRequest {
                 model: p.model,
                 batch: p.batch,
@@ -208,20 +191,34 @@ impl Plugin for GptRanks {
                 stages: Stage::ALL.to_vec(),
             };
             ctx.progress(&format!("planning {n} rank(s) from one rehearsed"));
-            let planned = plan(&mut own, &req)?;
+            // A plan that fails loses only its own count's rows.
+            let planned = match plan(&mut own, &req) {
+                Ok(planned) => planned,
+                Err(e) => {
+                    failures.push(format!("planning {n} rank(s): {e:#}"));
+                    continue;
+                }
+            };
             let stages: Vec<Option<Stage>> = if n == 1 {
                 vec![None]
             } else {
                 Stage::ALL.into_iter().map(Some).collect()
             };
             for stage in stages {
+                let name = stage.map_or("one process", |s| s.name());
+                if stage.is_some() && cannot_start.is_some() {
+                    break;
+                }
                 let Some(option) = whole_batch(&planned.candidates, stage, planned.batch_per_rank)
                 else {
-                    failures.push(format!("{n} ranks: no plan of the whole batch per rank"));
+                    failures.push(format!("{name} on {n} rank(s): no plan of the whole batch"));
                     continue;
                 };
-                let v = VerifyRequest::new(&req, option, p.steps)?;
-                let name = stage.map_or("one process", |s| s.name());
+                let v = VerifyRequest {
+                    // Each rank is held to the cell's cap, as this process is.
+                    max_memory: workbook_sdk::meter::limit(),
+                    ..VerifyRequest::new(&req, option, p.steps)?
+                };
                 ctx.progress(&format!("{name} on {n} rank(s)"));
                 let measured = match stage {
                     None => {
@@ -233,8 +230,8 @@ impl Plugin for GptRanks {
                                 ..v.clone()
                             },
                             None,
-                        )?;
-                        verify(&mut own, &v, None)
+                        )
+                        .and_then(|_| verify(&mut own, &v, None))
                     }
                     Some(_) => verify_on_ranks(v, n, timeout),
                 };
@@ -254,9 +251,17 @@ impl Plugin for GptRanks {
                             measured: m,
                         });
                     }
-                    Err(e) => failures.push(format!("{name} on {n} ranks: {e:#}")),
+                    Err(e) if e.is::<CannotStart>() => {
+                        skipped.push(n);
+                        cannot_start = Some(e.to_string());
+                    }
+                    Err(e) => failures.push(format!("{name} on {n} rank(s): {e:#}")),
                 }
             }
+        }
+        if let (Some(why), false) = (&cannot_start, skipped.is_empty()) {
+            let listed: Vec<String> = skipped.iter().map(|n| n.to_string()).collect();
+            failures.push(format!("{} rank(s): {why}", listed.join(", ")));
         }
         if !rows.is_empty() {
             table(ctx, &rows, &p);

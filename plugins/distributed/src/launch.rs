@@ -53,6 +53,29 @@ pub fn built_with_mpi() -> bool {
     cfg!(feature = "mpi")
 }
 
+/// Why a job could not start at all (no MPI in this build, no `mpirun`),
+/// as against a job that started and failed: a cell tries no more jobs.
+#[derive(Debug)]
+pub struct CannotStart(String);
+
+impl std::fmt::Display for CannotStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CannotStart {}
+
+/// Why this build cannot start ranks, if it cannot.
+pub fn cannot_start() -> Option<CannotStart> {
+    (!built_with_mpi()).then(|| {
+        CannotStart(format!(
+            "this runs MPI ranks, and this workbook was built without the `mpi` feature: \
+             {INSTALL}"
+        ))
+    })
+}
+
 /// The executable that serves as a rank: `$WORKBOOK_BIN`, else this one.
 fn rank_executable() -> anyhow::Result<PathBuf> {
     if let Some(bin) = std::env::var_os("WORKBOOK_BIN") {
@@ -178,10 +201,8 @@ pub fn run_ranks(
     dir: &Path,
     args: &[String],
 ) -> anyhow::Result<Ran> {
-    if !built_with_mpi() {
-        anyhow::bail!(
-            "this runs MPI ranks, and this workbook was built without the `mpi` feature: {INSTALL}"
-        );
+    if let Some(why) = cannot_start() {
+        return Err(why.into());
     }
     let exe = rank_executable()?;
     let log = dir.join("mpirun.log");
@@ -213,7 +234,7 @@ pub fn run_ranks(
         .stdout(log_file.try_clone()?)
         .stderr(log_file)
         .spawn()
-        .map_err(|e| anyhow::anyhow!("mpirun could not be started ({e}): {INSTALL}"))?;
+        .map_err(|e| CannotStart(format!("mpirun could not be started ({e}): {INSTALL}")))?;
     let start = Instant::now();
     let status = loop {
         match child.try_wait() {

@@ -13,10 +13,12 @@
 //! planned and then measured ([`gpt`]).
 #![warn(missing_docs)]
 
+pub mod counts;
 pub mod gpt;
 pub mod launch;
 pub mod rank;
 
+pub use counts::MAX_RANKS;
 pub use gpt::GptRanks;
 
 use serde::{Deserialize, Serialize};
@@ -25,6 +27,7 @@ use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::output::{mib, Axis, Series, Unit};
 use workbook_sdk::{Context, Figure, Plugin, Rules, Table, Violation};
 
+use crate::counts::Split;
 use crate::launch::{launch, Job};
 use crate::rank::{RankReport, StageReport};
 use workbook_planner::stage::{ModelState, Precision, Stage};
@@ -77,9 +80,6 @@ impl Default for Params {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ZeroStages;
 
-/// The most ranks a cell may ask for (`--ranks` included).
-pub const MAX_RANKS: usize = 64;
-
 impl Plugin for ZeroStages {
     type Params = Params;
 
@@ -103,27 +103,7 @@ impl Plugin for ZeroStages {
         let w = p.width as u64;
         r.elements("width", "layers × width × width", &[p.layers as u64, w, w])
             .elements("batch", "batch × width", &[p.batch as u64, w]);
-        r.list("ranks", &p.ranks, 1, 1);
-        for (i, &n) in p.ranks.iter().enumerate() {
-            let field = format!("ranks[{i}]");
-            if n > MAX_RANKS {
-                r.violation(
-                    &field,
-                    n.to_string(),
-                    format!("allowed: at most {MAX_RANKS}"),
-                );
-            } else if n > p.batch {
-                r.violation(
-                    &field,
-                    n.to_string(),
-                    format!(
-                        "allowed: at most the batch, {} rows (each rank trains on one row at \
-                         least)",
-                        p.batch
-                    ),
-                );
-            }
-        }
+        counts::check(&mut r, "ranks", &p.ranks, Split::Rows(p.batch));
         r.into_violations()
     }
 
@@ -192,19 +172,15 @@ impl Plugin for ZeroStages {
 
     fn run(&self, ctx: &mut Context, p: Params) -> anyhow::Result<()> {
         let budget = p.budget_mib * 1_048_576.0;
-        let mut failures = Vec::new();
+        // A `--ranks` that cannot split the batch is the cell's error once
+        // its own counts have run.
+        let (to_run, refused) = counts::with_flag(&p.ranks, Split::Rows(p.batch))?;
+        let mut failures: Vec<String> = refused.into_iter().collect();
         let mut rows: Vec<(usize, Vec<StageReport>)> = Vec::new();
         // Every rank's reports of the largest job that ran, for the table
         // rank by rank.
         let mut largest: Vec<RankReport> = Vec::new();
-        let mut counts = p.ranks.clone();
-        if let Some(n) = extra_ranks(p.batch)? {
-            if !counts.contains(&n) {
-                counts.push(n);
-                counts.sort_unstable();
-            }
-        }
-        for &n in &counts {
+        for &n in &to_run {
             ctx.progress(&format!("{n} rank(s)"));
             let job = Job {
                 ranks: n,
@@ -323,28 +299,6 @@ fn scaled_excess(s: &StageReport, stage: Stage, precision: Precision) -> Option<
     let formula = stage.formula(s.psi, s.block, precision).total() as i64
         - stage.formula(m.psi, m.block, precision).total() as i64;
     Some(grown - formula)
-}
-
-/// The rank count that `workbook run --ranks N` adds to every cell's
-/// (passed on as `WORKBOOK_RANKS`).
-fn extra_ranks(batch: usize) -> anyhow::Result<Option<usize>> {
-    let Ok(text) = std::env::var("WORKBOOK_RANKS") else {
-        return Ok(None);
-    };
-    let n: usize = text
-        .trim()
-        .parse()
-        .map_err(|_| anyhow::anyhow!("--ranks is `{text}`; expected a whole number of ranks"))?;
-    if n == 0 || n > MAX_RANKS {
-        anyhow::bail!("--ranks is {n}; allowed: 1 to {MAX_RANKS}");
-    }
-    if n > batch {
-        anyhow::bail!(
-            "--ranks is {n}, more than this cell's batch of {batch} rows; allowed: at most \
-             {batch} (each rank trains on one row at least)"
-        );
-    }
-    Ok(Some(n))
 }
 
 fn table(ctx: &mut Context, rows: &[(usize, Vec<StageReport>)], precision: Precision) {

@@ -4,19 +4,13 @@
 use workbook_distributed::gpt::Params;
 use workbook_distributed::GptRanks;
 use workbook_models::GptConfig;
-use workbook_sdk::Plugin;
 
-fn refusals(p: Params) -> Vec<String> {
-    GptRanks
-        .validate(&p)
-        .iter()
-        .map(|v| format!("{}: {} ({})", v.field, v.given, v.allowed))
-        .collect()
-}
+mod common;
+use common::refusals;
 
 #[test]
 fn the_defaults_are_valid() {
-    assert_eq!(refusals(Params::default()), Vec::<String>::new());
+    assert_eq!(refusals(&GptRanks, Params::default()), Vec::<String>::new());
 }
 
 #[test]
@@ -27,7 +21,7 @@ fn rank_counts_must_divide_the_batch() {
         ..Params::default()
     };
     assert_eq!(
-        refusals(p),
+        refusals(&GptRanks, p),
         [
             "ranks[1]: 0 (allowed: at least 1)",
             "ranks[2]: 8 (allowed: a count that divides the batch of 12 sequences (each rank \
@@ -44,7 +38,7 @@ fn an_empty_list_of_ranks_is_refused() {
         ..Params::default()
     };
     assert_eq!(
-        refusals(p),
+        refusals(&GptRanks, p),
         ["ranks: [] (allowed: a list of at least 1 entry)"]
     );
 }
@@ -64,7 +58,7 @@ fn the_model_the_dtype_and_the_limits_are_checked() {
         ..Params::default()
     };
     assert_eq!(
-        refusals(p),
+        refusals(&GptRanks, p),
         [
             "model.layers: 0 (allowed: at least 1)",
             "model.hidden: 10 (allowed: a positive multiple of heads (4))",
@@ -86,7 +80,7 @@ fn sizes_past_what_a_tensor_may_hold_are_refused() {
         },
         ..Params::default()
     };
-    let r = refusals(p);
+    let r = refusals(&GptRanks, p);
     assert_eq!(
         r,
         [
@@ -94,4 +88,34 @@ fn sizes_past_what_a_tensor_may_hold_are_refused() {
              1099511627776 elements (2^40))",
         ]
     );
+}
+
+#[test]
+fn a_rank_count_listed_twice_is_refused() {
+    let p = Params {
+        ranks: vec![1, 2, 4, 2],
+        ..Params::default()
+    };
+    assert_eq!(
+        refusals(&GptRanks, p),
+        ["ranks[3]: 2 (allowed: a count not listed before (ranks[1] is 2))"]
+    );
+}
+
+#[test]
+fn the_memory_floor_is_ddps_four_states_in_the_cells_dtype() {
+    use workbook_sdk::Plugin;
+    let psi = GptConfig::default().checked_param_count().unwrap();
+    for (dtype, bytes) in [("f32", 16), ("bf16", 8), ("f16", 8)] {
+        let p = Params {
+            dtype: dtype.into(),
+            ..Params::default()
+        };
+        let (floor, why) = GptRanks.memory_floor(&p).unwrap();
+        assert_eq!(floor, psi * bytes, "{dtype}");
+        assert_eq!(
+            why,
+            format!("each rank's DDP model states, {bytes} bytes for each of {psi} parameters")
+        );
+    }
 }

@@ -2,19 +2,16 @@
 //! message; and what a build without MPI says.
 
 use workbook_distributed::{Params, ZeroStages};
-use workbook_sdk::Plugin;
 
-fn refusals(p: Params) -> Vec<String> {
-    ZeroStages
-        .validate(&p)
-        .iter()
-        .map(|v| format!("{}: {} ({})", v.field, v.given, v.allowed))
-        .collect()
-}
+mod common;
+use common::refusals;
 
 #[test]
 fn the_defaults_are_valid() {
-    assert_eq!(refusals(Params::default()), Vec::<String>::new());
+    assert_eq!(
+        refusals(&ZeroStages, Params::default()),
+        Vec::<String>::new()
+    );
 }
 
 #[test]
@@ -25,7 +22,7 @@ fn rank_counts_may_split_the_batch_unevenly_but_not_past_its_rows() {
         ..Params::default()
     };
     assert_eq!(
-        refusals(p),
+        refusals(&ZeroStages, p),
         [
             "ranks[1]: 0 (allowed: at least 1)",
             "ranks[3]: 13 (allowed: at most the batch, 12 rows (each rank trains on one row \
@@ -42,7 +39,7 @@ fn an_empty_list_of_ranks_is_refused() {
         ..Params::default()
     };
     assert_eq!(
-        refusals(p),
+        refusals(&ZeroStages, p),
         ["ranks: [] (allowed: a list of at least 1 entry)"]
     );
 }
@@ -55,7 +52,7 @@ fn sizes_and_limits_are_checked() {
         timeout_seconds: 0.0,
         ..Params::default()
     };
-    let r = refusals(p);
+    let r = refusals(&ZeroStages, p);
     assert_eq!(r.len(), 3, "{r:?}");
     assert!(r[0].starts_with("layers: 0"), "{r:?}");
     assert!(r[1].starts_with("steps: 0"), "{r:?}");
@@ -68,7 +65,7 @@ fn a_width_that_cannot_be_halved_is_refused() {
         width: 1,
         ..Params::default()
     };
-    assert_eq!(refusals(p), ["width: 1 (allowed: at least 2)"]);
+    assert_eq!(refusals(&ZeroStages, p), ["width: 1 (allowed: at least 2)"]);
 }
 
 #[cfg(not(feature = "mpi"))]
