@@ -769,23 +769,25 @@ fn bf16_plans_of_short_sequences_keep_their_promise() {
     }
 }
 
+/// A plan of the direct tiled recipe alone, in f32, no checkpointing,
+/// under a budget nothing reaches.
+const DIRECT_TILED_F32: &[&str] = &[
+    "--budget",
+    "1GiB",
+    "--recipes",
+    "direct_tiled",
+    "--dtypes",
+    "f32",
+    "--no-checkpointing",
+];
+
 /// A calibration's peaks are the same to the byte run after run: nothing a
 /// process makes once (gemm's packing buffer of each thread) lands inside
 /// one of its measured steps.
 #[test]
 fn calibrations_repeat_to_the_byte() {
     let peaks = || {
-        let o = plan(&[
-            "--budget",
-            "1GiB",
-            "--recipes",
-            "direct_tiled",
-            "--dtypes",
-            "f32",
-            "--no-checkpointing",
-            "--untied-head",
-            "--json",
-        ]);
+        let o = plan(&[DIRECT_TILED_F32, &["--untied-head", "--json"]].concat());
         assert_eq!(o.status.code(), Some(0));
         let c = &json(&o)["plan"]["calibrations"][0];
         (c["peaks"].clone(), c["phase_peaks"].clone())
@@ -799,21 +801,7 @@ fn calibrations_repeat_to_the_byte() {
 #[test]
 fn an_untied_head_adds_its_table_and_keeps_the_plan() {
     let param_bytes = |extra: &[&str]| -> u64 {
-        let args = [
-            &[
-                "--budget",
-                "1GiB",
-                "--recipes",
-                "direct_tiled",
-                "--dtypes",
-                "f32",
-                "--no-checkpointing",
-                "--verify",
-                "--json",
-            ][..],
-            extra,
-        ]
-        .concat();
+        let args = [DIRECT_TILED_F32, &["--verify", "--json"], extra].concat();
         let o = plan(&args);
         let said =
             String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
