@@ -25,7 +25,11 @@
 //! holds fewer gradients than the first block's and more activations, so
 //! at a larger batch it overtakes them (chapter 3's model, checkpointed
 //! direct step: the whole step's line fell 9% short at batch 16 and 15% at
-//! 32). One sequence at a time is measured; when gradients are
+//! 32). Checkpointed, the head and each segment's recompute are stretches
+//! apart from the segment's backward: the recompute's line is the steeper,
+//! the backward's the higher at batch 4, and with the two in one stretch
+//! the prediction fell 3.4% short at batch 16. One sequence at a time is
+//! measured; when gradients are
 //! accumulated over several micro-batches, the later micro-batches hold the
 //! sum they are added into beside their own peak (the parameters' size, or
 //! under ZeRO stages 2 and 3 the rank's f32 blocks of it), and the step's

@@ -176,6 +176,11 @@ pub(crate) fn checkpoint_direct_with<L: DirectBackward>(
         run_head(head, &out)?
     };
     drop(out);
+    // The head, each recompute and each backward are stretches of their
+    // own: an observer taking each stretch's peak (a planner drawing its
+    // line in the batch) sees the recompute, whose peak grows faster, apart
+    // from the backward, whose peak is higher at small batches.
+    observer.mark("head");
     let want_first = input.track_op();
     let mut input_grad = None;
     for (range, x) in bounds.iter().zip(inputs).rev() {
@@ -185,6 +190,7 @@ pub(crate) fn checkpoint_direct_with<L: DirectBackward>(
             // The segment's output is the next one's input, done with.
             forward_saving(segment, x)?.0
         };
+        observer.mark("segment recompute");
         let _grads = scope(observer, Kind::Gradients, Place::Device);
         let want = range.start > 0 || want_first;
         match backward_through(segment, &mut saved, grad, vars, want, &mut on_grad)? {

@@ -5,10 +5,9 @@ use candle_checkpoint::{recompute, segment_bounds, Arg, Policy, Seed, Sequential
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use candle_observe::{Kind, Observer, Place, Token};
 
 mod common;
-use common::{max_diff, worst};
+use common::{max_diff, worst, Log};
 
 fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
     r.expect_err("must fail").to_string()
@@ -167,24 +166,6 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
         .backward(&x, &[], |h| h.sum_all()))
     .starts_with("segments is 2: it must be between 1 and the number of layers, 1"));
     Ok(())
-}
-
-/// What the observer is told: segment forwards and backwards in order, and
-/// scopes that nest.
-#[derive(Default)]
-struct Log(std::cell::RefCell<Vec<String>>);
-
-impl Observer for Log {
-    fn enter(&self, kind: Kind, place: Place) -> Token {
-        self.0.borrow_mut().push(format!("{kind:?}/{place:?}"));
-        Token(self.0.borrow().len() as u64)
-    }
-    fn leave(&self, _: Token) {
-        self.0.borrow_mut().push("leave".into());
-    }
-    fn mark(&self, label: &'static str) {
-        self.0.borrow_mut().push(label.into());
-    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_lean_nn::{cross_entropy, cross_entropy_and_grad, Activation, LeanLayer, LeanLinear};
 
 mod common;
-use common::{max_diff, worst};
+use common::{max_diff, worst, Log};
 
 /// Six layers of width 24 in `dtype`, the activations in turn, and their
 /// variables.
@@ -152,6 +152,41 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     assert!(
         err(Sequential::direct(&layers).backward(&wide, &vars, head))
             .starts_with("the input has shape [5, 25], the layer takes 24 features")
+    );
+    Ok(())
+}
+
+/// A checkpointed direct backward marks the head, and each segment's
+/// recompute apart from its backward: a planner draws a line for each
+/// stretch, and the recompute (every saved tensor of the segment, the
+/// incoming gradient beside) and the backward grow at different rates in
+/// the batch.
+#[test]
+fn the_checkpointed_direct_backward_marks_each_recompute_and_backward() -> Result<()> {
+    let (layers, vars) = stack(DType::F32)?;
+    let x = Tensor::randn(0f32, 1.0, (5, 24), &Device::Cpu)?;
+    let log = Log::default();
+    Sequential::direct(&layers)
+        .segments(3)
+        .observer(&log)
+        .backward(&x, &vars, autograd_head(|h: &Tensor| h.mean_all()))?;
+    let log = log.0.into_inner();
+    let marks: Vec<&str> = log
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.contains('/') && *l != "leave")
+        .collect();
+    assert_eq!(
+        marks,
+        [
+            "segment forward",
+            "head",
+            "segment recompute",
+            "segment backward",
+            "segment recompute",
+            "segment backward",
+            "segment recompute",
+        ]
     );
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
+use candle_observe::{Kind, Observer, Place, Token};
 
 /// The largest absolute difference of two tensors, in f64.
 pub fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -20,4 +21,22 @@ pub fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
         w = w.max(max_diff(x.expect("a gradient"), y.expect("a gradient"))?);
     }
     Ok(w)
+}
+
+/// What the observer is told: marks in order, and scopes that nest.
+#[derive(Default)]
+#[allow(dead_code)] // Not every test file watches a backward.
+pub struct Log(pub std::cell::RefCell<Vec<String>>);
+
+impl Observer for Log {
+    fn enter(&self, kind: Kind, place: Place) -> Token {
+        self.0.borrow_mut().push(format!("{kind:?}/{place:?}"));
+        Token(self.0.borrow().len() as u64)
+    }
+    fn leave(&self, _: Token) {
+        self.0.borrow_mut().push("leave".into());
+    }
+    fn mark(&self, label: &'static str) {
+        self.0.borrow_mut().push(label.into());
+    }
 }
