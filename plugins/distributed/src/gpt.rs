@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use workbook_models::{GptConfig, Recipe};
+use workbook_models::{AttentionKind, GptConfig, Recipe};
 use workbook_planner::plan::{plan, verify, Candidate, PlanRequest, Verification, VerifyRequest};
 use workbook_planner::stage::Stage;
 use workbook_sdk::candle::Device;
@@ -97,12 +97,15 @@ impl Plugin for GptRanks {
         let (b, s, h) = (p.batch as u64, m.seq as u64, m.hidden as u64);
         r.elements("model.vocab", "hidden × vocab", &[h, m.vocab as u64])
             .elements("batch", "batch × seq × hidden", &[b, s, h])
-            .elements("batch", "batch × seq × vocab", &[b, s, m.vocab as u64])
-            .elements(
+            .elements("batch", "batch × seq × vocab", &[b, s, m.vocab as u64]);
+        // Tiled attention never holds a sequence's whole score matrix.
+        if p.recipe.apply(p.model).attention != AttentionKind::Tiled {
+            r.elements(
                 "batch",
                 "batch × heads × seq × seq",
                 &[b, m.heads as u64, s, s],
             );
+        }
         counts::check(&mut r, "ranks", &p.ranks, Split::Sequences(p.batch));
         r.into_violations()
     }

@@ -3,7 +3,7 @@
 
 use workbook_distributed::gpt::Params;
 use workbook_distributed::GptRanks;
-use workbook_models::GptConfig;
+use workbook_models::{GptConfig, Recipe};
 
 mod common;
 use common::refusals;
@@ -118,4 +118,35 @@ fn the_memory_floor_is_ddps_four_states_in_the_cells_dtype() {
             format!("each rank's DDP model states, {bytes} bytes for each of {psi} parameters")
         );
     }
+}
+
+#[test]
+fn a_score_matrix_past_a_tensors_size_is_refused_only_where_it_is_held() {
+    // 2^21 tokens: batch × heads × seq × seq is 2^44 elements.
+    let model = GptConfig {
+        layers: 1,
+        hidden: 8,
+        heads: 2,
+        seq: 1 << 21,
+        vocab: 8,
+        ..GptConfig::default()
+    };
+    let p = |recipe| Params {
+        model,
+        recipe,
+        batch: 2,
+        ranks: vec![1, 2],
+        ..Params::default()
+    };
+    assert_eq!(
+        refusals(&GptRanks, p(Recipe::Direct)),
+        [
+            "batch: batch × heads × seq × seq = 2 × 2 × 2097152 × 2097152 (allowed: a product \
+          of at most 1099511627776 elements (2^40))"
+        ]
+    );
+    assert_eq!(
+        refusals(&GptRanks, p(Recipe::DirectTiled)),
+        Vec::<String>::new()
+    );
 }
