@@ -318,19 +318,12 @@ fn the_gpt_on_ranks_keeps_its_plan_at_every_stage_and_takes_ranks() {
 /// Runs `workbook rank --verify` on 2 ranks for a tiny GPT under stage 3,
 /// with `max_memory`: whether mpirun succeeded, and what the job wrote.
 fn verify_ranks_capped(max_memory: Option<u64>) -> (bool, String) {
-    use workbook_models::{GptConfig, Recipe};
+    use workbook_models::Recipe;
     use workbook_planner::plan::VerifyRequest;
     use workbook_planner::stage::Stage;
     let dir = tempfile::tempdir().unwrap();
     let request = VerifyRequest {
-        model: GptConfig {
-            layers: 1,
-            hidden: 32,
-            heads: 2,
-            seq: 16,
-            vocab: 32,
-            ..GptConfig::default()
-        },
+        model: workbook_models::gpt::testing::SMALL,
         recipe: Recipe::DirectTiled,
         dtype: "f32".into(),
         checkpointed: false,

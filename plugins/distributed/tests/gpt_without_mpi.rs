@@ -9,7 +9,7 @@ use std::sync::Arc;
 use workbook_distributed::gpt::Params;
 use workbook_distributed::launch::INSTALL;
 use workbook_distributed::GptRanks;
-use workbook_models::GptConfig;
+use workbook_models::gpt::testing::SMALL;
 use workbook_sdk::candle::Device;
 use workbook_sdk::meter::{CountingAllocator, CpuMeter};
 use workbook_sdk::{Context, Plugin};
@@ -20,14 +20,7 @@ static ALLOC: CountingAllocator = CountingAllocator;
 #[test]
 fn one_process_is_measured_and_the_install_is_said_once() {
     let p = Params {
-        model: GptConfig {
-            layers: 1,
-            hidden: 32,
-            heads: 2,
-            seq: 16,
-            vocab: 32,
-            ..GptConfig::default()
-        },
+        model: SMALL,
         batch: 4,
         ranks: vec![1, 2, 4],
         ..Params::default()
