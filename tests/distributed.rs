@@ -337,13 +337,9 @@ fn verify_ranks_capped(max_memory: Option<u64>) -> (bool, String) {
         out: Some(dir.path().to_path_buf()),
         max_memory,
     };
-    let out = Command::new("mpirun")
-        .args(["--oversubscribe", "-n", "2"])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        .env("RAYON_NUM_THREADS", "1")
-        .arg(env!("CARGO_BIN_EXE_workbook"))
+    let mut mpirun = Command::new("mpirun");
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_workbook"));
+    let out = workbook_distributed::launch::mpirun_args(&mut mpirun, 2, exe)
         .args([
             "rank",
             "--verify",

@@ -85,8 +85,7 @@ pub fn with_flag(ranks: &[usize], split: Split) -> anyhow::Result<(Vec<usize>, O
         }
         match split.flag_refusal(n) {
             Some(why) => refused = Some(why),
-            None if !counts.contains(&n) => counts.push(n),
-            None => {}
+            None => counts.push(n),
         }
     }
     counts.sort_unstable();

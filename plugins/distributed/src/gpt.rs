@@ -115,13 +115,10 @@ impl Plugin for GptRanks {
         // gradients and AdamW's two moments, all in the cell's dtype (4
         // bytes each in f32, 2 in bf16 and f16).
         let psi = p.model.checked_param_count()?;
-        let size = workbook_sdk::parse_dtype(&p.dtype).ok()?.size_in_bytes() as u64;
+        let per = 4 * workbook_sdk::parse_dtype(&p.dtype).ok()?.size_in_bytes() as u64;
         Some((
-            psi.saturating_mul(4 * size),
-            format!(
-                "each rank's DDP model states, {} bytes for each of {psi} parameters",
-                4 * size
-            ),
+            psi.saturating_mul(per),
+            format!("each rank's DDP model states, {per} bytes for each of {psi} parameters"),
         ))
     }
 
@@ -209,9 +206,6 @@ impl Plugin for GptRanks {
             };
             for stage in stages {
                 let name = stage.map_or("one process", |s| s.name());
-                if stage.is_some() && cannot_start.is_some() {
-                    break;
-                }
                 let Some(option) = whole_batch(&planned.candidates, stage, planned.batch_per_rank)
                 else {
                     failures.push(format!("{name} on {n} rank(s): no plan of the whole batch"));
@@ -254,9 +248,12 @@ impl Plugin for GptRanks {
                             measured: m,
                         });
                     }
+                    // No stage of this count, nor any count after it,
+                    // can start either.
                     Err(e) if e.is::<CannotStart>() => {
                         skipped.push(n);
                         cannot_start = Some(e.to_string());
+                        break;
                     }
                     Err(e) => failures.push(format!("{name} on {n} rank(s): {e:#}")),
                 }

@@ -192,6 +192,22 @@ impl Ran {
     }
 }
 
+/// Sets `command` (an `mpirun`) to start `exe` as `ranks` ranks on this
+/// machine, each on one thread; the rank's own arguments follow.
+pub fn mpirun_args<'c>(command: &'c mut Command, ranks: usize, exe: &Path) -> &'c mut Command {
+    command
+        .args(["--oversubscribe", "-n", &ranks.to_string()])
+        // Open MPI refuses to start as root unless told.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Each rank computes on one thread: N ranks share this machine's cores.
+        .env("RAYON_NUM_THREADS", "1")
+        // Shared memory between ranks without cross-process copies, which
+        // containers often forbid.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .arg(exe)
+}
+
 /// Runs `mpirun -n ranks` over this executable with `args`, each rank
 /// writing its pid into `dir` (as [`crate::rank::serve`] does) so that a
 /// job past `timeout` can be stopped whole.
@@ -218,17 +234,7 @@ pub fn run_ranks(
             Ok(())
         });
     }
-    let mut child = command
-        .args(["--oversubscribe", "-n", &ranks.to_string()])
-        // Open MPI refuses to start as root unless told.
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        // Each rank computes on one thread: N ranks share this machine's cores.
-        .env("RAYON_NUM_THREADS", "1")
-        // Shared memory between ranks without cross-process copies, which
-        // containers often forbid.
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        .arg(&exe)
+    let mut child = mpirun_args(&mut command, ranks, &exe)
         .args(args)
         .stdin(Stdio::null())
         .stdout(log_file.try_clone()?)
