@@ -1,6 +1,7 @@
 //! One training step measured: model, optimizer state, batch, forward,
 //! backward and AdamW update, by category; whole or in micro-batches.
 
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,8 +14,9 @@ use candle_lean_optim::LeanAdamW;
 use candle_ledger::{Labeller, Ledger};
 use candle_nn::{Optimizer, ParamsAdamW};
 use workbook_models::{param_grads, Rng};
+use workbook_sdk::candle_observe::{Kind, Observer, Place, Token};
 use workbook_sdk::meter::ByCategory;
-use workbook_sdk::observe::Tags;
+use workbook_sdk::observe::{Phases, Tags};
 use workbook_sdk::{anyhow, Category, Context, RegionReport};
 
 use workbook_models::corpus;
@@ -48,6 +50,12 @@ pub struct StepReport {
     /// marks of the technique (each stage's backward, checkpointed or
     /// direct), above the region's start: one stretch where it makes none.
     pub phases: Vec<u64>,
+    /// Bytes of the parameters' gradients held at the start of each of
+    /// [`phases`](Self::phases)' stretches, where the step collects the
+    /// gradients its backward hands over (a direct step of the whole batch
+    /// on one process, or under DDP or ZeRO stage 1); empty where it does
+    /// not.
+    pub phase_grads: Vec<u64>,
 }
 
 impl StepReport {
@@ -243,6 +251,51 @@ impl Update {
     }
 }
 
+/// Bytes of `t`'s elements.
+fn bytes_of(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// Observes like the step's [`Phases`] and notes, at each of its marks, the
+/// bytes of parameter gradients the step has collected so far. A later
+/// micro-batch adds each gradient into the sum as it is made, so at that
+/// moment it holds the sum instead of them.
+struct Handed<'a> {
+    phases: &'a Phases,
+    held: Cell<u64>,
+    at_marks: RefCell<Vec<u64>>,
+}
+
+impl Handed<'_> {
+    /// The gradients held at the start of each stretch (none at the
+    /// first's), where `collected`; nothing otherwise.
+    fn finish(self, collected: bool) -> Vec<u64> {
+        if !collected {
+            return Vec::new();
+        }
+        let mut at = self.at_marks.into_inner();
+        at.insert(0, 0);
+        at
+    }
+}
+
+impl Observer for Handed<'_> {
+    fn enter(&self, kind: Kind, place: Place) -> Token {
+        Tags.enter(kind, place)
+    }
+
+    fn leave(&self, token: Token) {
+        Tags.leave(token)
+    }
+
+    fn mark(&self, label: &'static str) {
+        // Within the capacity made beforehand up to 256 marks.
+        let mut at = self.at_marks.borrow_mut();
+        Category::Other.scope(|| at.push(self.held.get()));
+        self.phases.mark(label);
+    }
+}
+
 /// Builds a model of `config` in `dtype` and trains it one step on a batch
 /// of `config.seq`-token sequences with the toolkit's in-place AdamW, all
 /// inside one region named `name`. With micro-batches, their gradients are
@@ -294,8 +347,16 @@ pub fn measured_step(
     })?;
     region.mark("model, optimizer state, batch");
     // The step's peak stretch by stretch, between the marks the direct and
-    // checkpointed backwards make (one stretch where there are none).
+    // checkpointed backwards make (one stretch where there are none), and
+    // the gradients collected at each mark: room for a deep model's marks
+    // is made before the stretches' frames open (as `Phases` does).
+    let marks = Category::Other.scope(|| Vec::with_capacity(256));
     let phases = region.phases();
+    let handed = Handed {
+        phases: &phases,
+        held: Cell::new(0),
+        at_marks: RefCell::new(marks),
+    };
     let start = Instant::now();
     let micro = shape.micro_batch.clamp(1, shape.batch.max(1));
     let vars = model.vars();
@@ -316,30 +377,38 @@ pub fn measured_step(
             } else {
                 1.0
             };
-            let loss = match (shape.checkpointed, accumulator.as_mut()) {
+            // The direct backward, checkpointed or not, handing each
+            // gradient to `add` as it makes it.
+            let direct = |add: &mut dyn FnMut(&Var, Tensor) -> candle_core::Result<()>,
+                          observer: &dyn Observer| {
+                if shape.checkpointed {
+                    model.direct_checkpointed_with(&xm, &ym, weight, add, observer)
+                } else {
+                    model.direct_loss_with(&xm, &ym, weight, add, observer)
+                }
+            };
+            let loss = match accumulator.as_mut() {
                 // Stage 2: each gradient reduce-scattered as it is made;
                 // stage 3: each block, reduce-scattered by the backward,
                 // summed. Checkpointed or not.
-                (checkpointed, _) if opt.reduces_each_gradient() => {
-                    opt.direct_reduced(&model, (&xm, &ym), weight, checkpointed)?
+                _ if opt.reduces_each_gradient() => {
+                    opt.direct_reduced(&model, (&xm, &ym), weight, shape.checkpointed)?
                 }
-                (true, acc) => {
-                    let out = model.direct_checkpointed(&xm, &ym, weight, &phases)?;
-                    match acc {
-                        Some(acc) => {
-                            Category::Gradients.scope(|| acc.add_weighted(&out.grads, rows))?
-                        }
-                        None => grads = Some(out.grads),
-                    }
-                    out.loss
-                }
-                (false, Some(acc)) => acc.add_weighted_with(rows, |add| {
-                    model.direct_loss_with(&xm, &ym, weight, add, &Tags)
-                })?,
-                (false, None) => {
-                    let out = model.direct_loss(&xm, &ym, weight, &phases)?;
-                    grads = Some(out.grads);
-                    out.loss
+                // Each gradient added into the sum as it is made.
+                Some(acc) => acc.add_weighted_with(rows, |add| direct(add, &Tags))?,
+                None => {
+                    let mut store = GradStore::default();
+                    let loss = direct(
+                        &mut |var, g| {
+                            if store.get(var.as_tensor()).is_none() {
+                                handed.held.set(handed.held.get() + bytes_of(&g));
+                            }
+                            add_grad(&mut store, var, g)
+                        },
+                        &handed,
+                    )?;
+                    grads = Some(store);
+                    loss
                 }
             };
             loss_value = (loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 / weight) as f32;
@@ -416,6 +485,7 @@ pub fn measured_step(
     }
     // Closed before the region's next mark, whose peak so far is then the
     // region's (the update's own peak is in the region's, not among them).
+    let phase_grads = handed.finish(grads.is_some() && shape.direct);
     let phases = phases.finish();
     region.mark("after backward");
     let whole = match accumulator.as_mut() {
@@ -434,6 +504,7 @@ pub fn measured_step(
     let baseline = region.baseline.total();
     Ok(StepReport {
         phases: phases.iter().map(|p| p.saturating_sub(baseline)).collect(),
+        phase_grads,
         region,
         after_forward,
         ledger_bytes,

@@ -73,7 +73,18 @@ pub(crate) fn direct_backward_with<L: DirectBackward>(
     // No backward reads the last output (the logits, for a language model).
     drop(out);
     let want_first = input.track_op();
-    let grad = backward_through(layers, &mut saved, grad, vars, want_first, &mut on_grad)?;
+    // Each layer's backward a stretch of its own: a later micro-batch, which
+    // adds each gradient into a sum as it is made, holds the sum instead of
+    // the gradients made before the stretch (a planner subtracts them).
+    let grad = backward_through(
+        layers,
+        &mut saved,
+        grad,
+        vars,
+        want_first,
+        &mut on_grad,
+        Some(observer),
+    )?;
     Ok((loss, grad))
 }
 
@@ -115,7 +126,8 @@ fn run_head(
 /// gradient, handing the parameters' gradients to `on_grad` and freeing
 /// each layer's input (the output of the layer before) and what it kept as
 /// soon as its backward is done. Returns the first layer's input's gradient
-/// when `want_first`.
+/// when `want_first`. With `marks`, marks the end of each layer's backward
+/// but the first layer's.
 fn backward_through<L: DirectBackward>(
     layers: &[L],
     saved: &mut Saved<L>,
@@ -123,6 +135,7 @@ fn backward_through<L: DirectBackward>(
     vars: &[Var],
     want_first: bool,
     on_grad: &mut impl FnMut(&Var, Tensor) -> Result<()>,
+    marks: Option<&dyn Observer>,
 ) -> Result<Option<Tensor>> {
     for (i, layer) in layers.iter().enumerate().rev() {
         let Some((x, kept)) = saved.pop() else {
@@ -133,6 +146,9 @@ fn backward_through<L: DirectBackward>(
         let step = layer.backward_saved(&x, kept, grad, want_input)?;
         drop(x);
         hand_over(step.params, vars, on_grad)?;
+        if let (Some(observer), true) = (marks, i > 0) {
+            observer.mark("layer backward");
+        }
         match step.input {
             Some(g) => grad = g,
             None if !want_input => return Ok(None),
@@ -193,7 +209,7 @@ pub(crate) fn checkpoint_direct_with<L: DirectBackward>(
         observer.mark("segment recompute");
         let _grads = scope(observer, Kind::Gradients, Place::Device);
         let want = range.start > 0 || want_first;
-        match backward_through(segment, &mut saved, grad, vars, want, &mut on_grad)? {
+        match backward_through(segment, &mut saved, grad, vars, want, &mut on_grad, None)? {
             Some(g) if range.start > 0 => grad = g,
             g => {
                 input_grad = g;

@@ -156,6 +156,31 @@ fn misuse_is_an_error_that_says_why() -> Result<()> {
     Ok(())
 }
 
+/// A direct backward marks the end of its forward and of each layer's
+/// backward but the first layer's: a planner sees each layer's backward
+/// apart, with the gradients handed over before it.
+#[test]
+fn the_direct_backward_marks_each_layers_backward() -> Result<()> {
+    let (layers, vars) = stack(DType::F32)?;
+    let x = Tensor::randn(0f32, 1.0, (5, 24), &Device::Cpu)?;
+    let log = Log::default();
+    Sequential::direct(&layers).observer(&log).backward(
+        &x,
+        &vars,
+        autograd_head(|h: &Tensor| h.mean_all()),
+    )?;
+    let log = log.0.into_inner();
+    let marks: Vec<&str> = log
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.contains('/') && *l != "leave")
+        .collect();
+    let mut expected = vec!["after forward"];
+    expected.extend(std::iter::repeat_n("layer backward", layers.len() - 1));
+    assert_eq!(marks, expected);
+    Ok(())
+}
+
 /// A checkpointed direct backward marks the head, and each segment's
 /// recompute apart from its backward: a planner draws a line for each
 /// stretch, and the recompute (every saved tensor of the segment, the
