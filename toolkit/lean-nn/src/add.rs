@@ -1,9 +1,10 @@
-//! Adding one tensor into another in place.
+//! Adding one tensor into another in place, and a sum on the products'
+//! thread pool.
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::add_row;
+use crate::cpu::{add_row, applies, with_slice};
 
 /// Elements per parallel task.
 const SPAN: usize = 1 << 16;
@@ -50,5 +51,75 @@ pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
         Ok(sum)
     } else {
         sum + g
+    }
+}
+
+/// `a + b` (one shape), as candle's addition computes it. Contiguous f32 on
+/// the CPU is added on rayon's pool, the one the matrix products and the
+/// lean layers' kernels run on: candle 0.11 adds on a pool of its own,
+/// whose worker spins for a while after each addition, on a core the next
+/// product wants (a residual connection adds at every block, forward and
+/// backward). The sum has no graph: an operand that candle's autograd
+/// tracks (a variable, or a result of one) is added by candle, so that its
+/// gradient flows. Anything else is candle's addition too.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let pooled = applies(a) && applies(b) && a.shape() == b.shape();
+    if !pooled || a.track_op() || b.track_op() {
+        return a + b;
+    }
+    let mut out = Vec::new();
+    with_slice::<f32, _>(a, |a| {
+        with_slice::<f32, _>(b, |b| {
+            a.par_iter()
+                .zip(b.par_iter())
+                .with_min_len(SPAN / 4)
+                .map(|(x, y)| x + y)
+                .collect_into_vec(&mut out)
+        })
+    })??;
+    Tensor::from_vec(out, a.shape(), a.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_sum_is_candles_in_every_dtype_and_layout() -> Result<()> {
+        let dev = Device::Cpu;
+        // Past one task's share, and not a multiple of it.
+        let a = Tensor::randn(0f32, 1.0, (3, 70_001), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (3, 70_001), &dev)?;
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|x| x.to_bits())
+                .collect())
+        };
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+            let ours = add(&a, &b)?;
+            assert_eq!((ours.dims(), ours.dtype()), (a.dims(), dtype));
+            assert_eq!(bits(&ours)?, bits(&(&a + &b)?)?, "{dtype:?}");
+        }
+        // A transposed view, and an empty tensor: candle's.
+        let (at, bt) = (a.t()?, b.t()?);
+        assert_eq!(bits(&add(&at, &bt)?)?, bits(&(&at + &bt)?)?);
+        let empty = Tensor::zeros((0, 4), DType::F32, &dev)?;
+        assert_eq!(add(&empty, &empty)?.dims(), [0, 4]);
+        // A tracked operand: candle's addition, whose gradient flows.
+        let v = candle_core::Var::from_tensor(&a)?;
+        let grads = add(v.as_tensor(), &b)?.sum_all()?.backward()?;
+        let g = grads
+            .get(v.as_tensor())
+            .expect("a gradient for the variable");
+        assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, vec![1f32; 3 * 70_001]);
+        // Shapes that differ: candle's error.
+        let err = add(&a, &a.narrow(1, 0, 5)?).unwrap_err().to_string();
+        assert!(err.contains("shape mismatch"), "{err}");
+        Ok(())
     }
 }

@@ -46,6 +46,7 @@ mod rms_norm;
 mod rope;
 mod swiglu;
 
+pub use add::add;
 pub use layer::LeanLayer;
 pub use linear::{lean_linear, linear_backward, Activation, Kept, LeanLinear};
 pub use linear_loss::{linear_cross_entropy, LinearCrossEntropy, LossGrads};

@@ -20,8 +20,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_custom_grad::{DirectBackward, DirectGrads};
 use candle_lean_nn::{
-    cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, linear_backward, Activation,
-    Kept, LeanLinear, NormStats,
+    add, cross_entropy_and_grad, layer_norm_backward, layer_norm_saved, linear_backward,
+    Activation, Kept, LeanLinear, NormStats,
 };
 use candle_tiled_attention::{
     flash_forward, materialized_forward, pack_heads, FlashConfig, Forward, Materialized,
@@ -392,11 +392,13 @@ impl Gpt {
             Attention::Materialized(_) => out.transpose(1, 2)?.reshape((b, s, h))?,
         };
         let (p, _) = lean(&blk.proj, y.dtype())?.forward_saved(&y, Activation::Identity)?;
-        let x2 = (x + p)?;
+        let x2 = add(x, &p)?;
+        drop(p);
         let (n2, ln2) = norm_saved(&blk.ln2, &x2)?;
         let (m, gelu_in) = lean(&blk.fc, n2.dtype())?.forward_saved(&n2, Activation::Gelu)?;
         let (m2, _) = lean(&blk.fc2, m.dtype())?.forward_saved(&m, Activation::Identity)?;
-        let out = (&x2 + m2)?;
+        let out = add(&x2, &m2)?;
+        drop(m2);
         let saved = BlockSaved {
             ln1,
             n1,
@@ -441,7 +443,11 @@ impl Gpt {
         drop(m);
         let dn2 = dense_backward(&blk.fc, gelu_in, &n2, dm, &mut params)?;
         drop(n2);
-        let dx2 = (grad + norm_backward(&blk.ln2, &x2, &ln2, &dn2, &mut params)?)?;
+        let dx2 = {
+            let dn = norm_backward(&blk.ln2, &x2, &ln2, &dn2, &mut params)?;
+            add(&grad, &dn)?
+        };
+        drop(grad);
         drop((dn2, x2));
         // The attention: the projection, the attention's own backward, qkv.
         let dy = dense_backward(&blk.proj, Kept::Identity, &y, dx2.clone(), &mut params)?;
@@ -458,7 +464,7 @@ impl Gpt {
         let dqkv = pack_heads(&[dq, dk, dv])?;
         let dn1 = dense_backward(&blk.qkv, Kept::Identity, &n1, dqkv, &mut params)?;
         drop(n1);
-        let dx = (dx2 + norm_backward(&blk.ln1, x, &ln1, &dn1, &mut params)?)?;
+        let dx = add(&dx2, &norm_backward(&blk.ln1, x, &ln1, &dn1, &mut params)?)?;
         Ok(DirectGrads {
             input: Some(dx),
             params,
