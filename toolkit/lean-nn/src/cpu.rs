@@ -47,7 +47,7 @@ dispatch! {
 
 dispatch! {
     /// `out = gelu(z)`.
-    fn gelu_row(z: &[f32], out: &mut [f32]) -> () {
+    pub(crate) fn gelu_row(z: &[f32], out: &mut [f32]) -> () {
         for (o, &z) in out.iter_mut().zip(z) {
             *o = gelu(z);
         }

@@ -1,4 +1,12 @@
-//! The layer's backward element-wise work on the CPU for f16 and bf16.
+//! The layer's element-wise work on the CPU for f16 and bf16: GELU
+//! forward, and the backward's.
+//!
+//! candle computes a half-precision GELU element by element in the half
+//! type's arithmetic (each product and sum rounded, `tanh` through the C
+//! library's), on one thread and a second pool's: 30% of a bf16 GPT step's
+//! time on two cores. Here each row is widened into a scratch row, GELU
+//! applied as in f32 ([`crate::cpu`]'s vectorised kernel) and the result
+//! rounded once, which is also nearer the exact value.
 //!
 //! Through candle's operations a half-precision GELU derivative is computed
 //! in f32 over the whole input, a tensor per step (cube, tanh, its square,
@@ -12,7 +20,7 @@ use candle_core::{bail, DType, Device, Result, Tensor, WithDType};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::cpu::{act_grad_row, add_row, with_slice, ROWS_PER_TASK};
+use crate::cpu::{act_grad_row, add_row, gelu_row, with_slice, ROWS_PER_TASK};
 use crate::linear::Activation;
 
 /// Whether [`act_backward`] takes `grad` and `saved`: contiguous f16 or
@@ -23,6 +31,40 @@ pub(crate) fn applies(grad: &Tensor, saved: &Tensor) -> bool {
         && grad.dtype() == saved.dtype()
         && saved.is_contiguous()
         && saved.elem_count() > 0
+}
+
+/// GELU (the tanh approximation) of `z` `(rows, n)`, contiguous f16 or
+/// bf16 on the CPU (see [`applies`]), in its dtype (see the module).
+pub(crate) fn gelu(z: &Tensor) -> Result<Tensor> {
+    match z.dtype() {
+        DType::BF16 => gelu_typed::<half::bf16>(z),
+        DType::F16 => gelu_typed::<half::f16>(z),
+        other => bail!("internal: the half-precision kernel got {other:?}"),
+    }
+}
+
+fn gelu_typed<T>(z: &Tensor) -> Result<Tensor>
+where
+    T: WithDType,
+    [T]: HalfFloatSliceExt,
+{
+    let (rows, n) = z.dims2()?;
+    let mut out = vec![T::from_f64(0.0); rows * n];
+    with_slice::<T, _>(z, |zs| {
+        out.par_chunks_mut(n * ROWS_PER_TASK)
+            .zip(zs.par_chunks(n * ROWS_PER_TASK))
+            .for_each_init(
+                || (vec![0f32; n], vec![0f32; n]),
+                |(wide, done), (out, z)| {
+                    for (out, z) in out.chunks_exact_mut(n).zip(z.chunks_exact(n)) {
+                        z.convert_to_f32_slice(wide);
+                        gelu_row(wide, done);
+                        out.convert_from_f32_slice(done);
+                    }
+                },
+            )
+    })?;
+    Tensor::from_vec(out, (rows, n), &Device::Cpu)
 }
 
 /// The product's gradient `dz = grad * act'` `(rows, n)` and the bias's
@@ -111,5 +153,56 @@ impl Scratch {
             d: vec![0.0; n],
             db: vec![0.0; n],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_gelu_is_within_a_rounding_of_the_exact_and_nearer_than_candles() -> Result<()> {
+        // Values from -8 to 8 in steps finer than the half types', and rows
+        // past one task's.
+        let (rows, n) = (40, 1001);
+        let v: Vec<f32> = (0..rows * n)
+            .map(|i| -8.0 + 16.0 * i as f32 / (rows * n) as f32)
+            .collect();
+        let z32 = Tensor::from_vec(v, (rows, n), &Device::Cpu)?;
+        let values = |t: &Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
+        for dtype in [DType::BF16, DType::F16] {
+            let z = z32.to_dtype(dtype)?;
+            assert!(applies(&z, &z));
+            let ours = gelu(&z)?;
+            assert_eq!((ours.dims(), ours.dtype()), (z.dims(), dtype));
+            // The value in f32 rounded once: within a relative step of the
+            // dtype of the exact value, or, where `1 + tanh` cancels, f32's
+            // rounding of tanh times |x| / 2 <= 4.
+            let step = if dtype == DType::BF16 {
+                2f64.powi(-8)
+            } else {
+                2f64.powi(-11)
+            };
+            let theirs = values(&z.gelu()?)?;
+            let (mut ours_off, mut theirs_off) = (0f64, 0f64);
+            for ((x, ours), theirs) in values(&z)?.iter().zip(values(&ours)?).zip(theirs) {
+                let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+                let exact = 0.5 * x * (1.0 + u.tanh());
+                assert!(
+                    (ours - exact).abs() <= step * exact.abs() + 1e-6,
+                    "{dtype:?}: gelu({x}) = {exact}, got {ours}"
+                );
+                ours_off += (ours - exact).abs();
+                theirs_off += (theirs - exact).abs();
+            }
+            // candle's GELU of the half types (0 where the exact value is
+            // -4e-5, for one) is further from the exact, summed over every
+            // value.
+            assert!(
+                ours_off < theirs_off,
+                "{dtype:?}: {ours_off} from the exact, candle's {theirs_off}"
+            );
+        }
+        Ok(())
     }
 }

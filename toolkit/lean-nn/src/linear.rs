@@ -200,6 +200,9 @@ impl LeanLinear {
             match act {
                 Activation::Identity => (z, None),
                 Activation::Relu => (z.relu()?, None),
+                Activation::Gelu if crate::cpu_half::applies(&z, &z) && z.rank() == 2 => {
+                    (crate::cpu_half::gelu(&z)?, Some(z))
+                }
                 Activation::Gelu => (z.gelu()?, Some(z)),
             }
         };
