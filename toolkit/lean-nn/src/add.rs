@@ -1,10 +1,14 @@
 //! Adding one tensor into another in place, and a sum on the products'
 //! thread pool.
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
+use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, WithDType};
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::cpu::{add_row, applies, with_slice};
+use crate::cpu::{add_row, with_slice};
+
+/// Elements of a half-precision sum widened to f32 at once.
+const HALF_SPAN: usize = 1 << 12;
 
 /// Elements per parallel task.
 const SPAN: usize = 1 << 16;
@@ -54,27 +58,68 @@ pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `a + b` (one shape), as candle's addition computes it. Contiguous f32 on
-/// the CPU is added on rayon's pool, the one the matrix products and the
-/// lean layers' kernels run on: candle 0.11 adds on a pool of its own,
-/// whose worker spins for a while after each addition, on a core the next
-/// product wants (a residual connection adds at every block, forward and
-/// backward). The sum has no graph: an operand that candle's autograd
-/// tracks (a variable, or a result of one) is added by candle, so that its
-/// gradient flows. Anything else is candle's addition too.
+/// `a + b` (one shape), as candle's addition computes it. Contiguous f32,
+/// bf16 or f16 on the CPU is added on rayon's pool, the one the matrix
+/// products and the lean layers' kernels run on (the half types in f32,
+/// each sum rounded once, as candle does): candle 0.11 adds on a pool of
+/// its own, whose worker spins for a while after each addition, on a core
+/// the next product wants (a residual connection adds at every block,
+/// forward and backward). The sum has no graph: an operand that candle's
+/// autograd tracks (a variable, or a result of one) is added by candle, so
+/// that its gradient flows. Anything else is candle's addition too.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let pooled = applies(a) && applies(b) && a.shape() == b.shape();
+    let pooled = a.device().is_cpu()
+        && a.dtype() == b.dtype()
+        && a.shape() == b.shape()
+        && a.is_contiguous()
+        && b.is_contiguous()
+        && a.elem_count() > 0;
     if !pooled || a.track_op() || b.track_op() {
         return a + b;
     }
-    let mut out = Vec::new();
-    with_slice::<f32, _>(a, |a| {
-        with_slice::<f32, _>(b, |b| {
-            a.par_iter()
-                .zip(b.par_iter())
-                .with_min_len(SPAN / 4)
-                .map(|(x, y)| x + y)
-                .collect_into_vec(&mut out)
+    match a.dtype() {
+        DType::F32 => {
+            let mut out = Vec::new();
+            with_slice::<f32, _>(a, |a| {
+                with_slice::<f32, _>(b, |b| {
+                    a.par_iter()
+                        .zip(b.par_iter())
+                        .with_min_len(SPAN / 4)
+                        .map(|(x, y)| x + y)
+                        .collect_into_vec(&mut out)
+                })
+            })??;
+            Tensor::from_vec(out, a.shape(), a.device())
+        }
+        DType::BF16 => add_half::<half::bf16>(a, b),
+        DType::F16 => add_half::<half::f16>(a, b),
+        _ => a + b,
+    }
+}
+
+/// [`add`] of two half-precision tensors: each span widened, added in f32
+/// and rounded once.
+fn add_half<T>(a: &Tensor, b: &Tensor) -> Result<Tensor>
+where
+    T: WithDType,
+    [T]: HalfFloatSliceExt,
+{
+    let mut out = vec![T::from_f64(0.0); a.elem_count()];
+    with_slice::<T, _>(a, |a| {
+        with_slice::<T, _>(b, |b| {
+            out.par_chunks_mut(HALF_SPAN)
+                .zip(a.par_chunks(HALF_SPAN))
+                .zip(b.par_chunks(HALF_SPAN))
+                .for_each_init(
+                    || (vec![0f32; HALF_SPAN], vec![0f32; HALF_SPAN]),
+                    |(x, y), ((out, a), b)| {
+                        let (x, y) = (&mut x[..a.len()], &mut y[..a.len()]);
+                        a.convert_to_f32_slice(x);
+                        b.convert_to_f32_slice(y);
+                        add_row(x, y);
+                        out.convert_from_f32_slice(x);
+                    },
+                )
         })
     })??;
     Tensor::from_vec(out, a.shape(), a.device())
