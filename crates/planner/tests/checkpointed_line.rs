@@ -3,37 +3,19 @@
 //! so the line of the one that overtakes the others at a larger batch is
 //! seen from batches 1, 2 and 4.
 
-use std::sync::Arc;
+use workbook_models::GptConfig;
+use workbook_planner::plan::{plan, verify, VerifyRequest};
 
-use workbook_models::{GptConfig, Recipe};
-use workbook_planner::plan::{plan, verify, PlanRequest, VerifyRequest};
-use workbook_sdk::candle::{DType, Device};
-use workbook_sdk::meter::{CountingAllocator, CpuMeter};
-use workbook_sdk::Context;
-
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+mod common;
 
 #[test]
 fn a_checkpointed_plan_at_four_times_the_calibrated_batch_is_within_one_percent() {
-    let meter = Arc::new(CpuMeter::new().unwrap());
-    let mut ctx = Context::new(Device::Cpu, meter, false);
+    let mut ctx = common::context();
     // Chapter 3's base model. With the recompute and the backward in one
     // stretch, this prediction was 3.4% under the measured peak (and 3.7%
     // at batch 32): the recompute's line is steeper, the backward's higher
     // at batch 4.
-    let req = PlanRequest {
-        model: GptConfig::default(),
-        batch: 16,
-        budget: 1 << 40,
-        margin: 0.05,
-        dtypes: vec![DType::F32],
-        recipes: vec![Recipe::DirectTiled],
-        checkpointing: true,
-        seed: 5,
-        ranks: 1,
-        stages: Vec::new(),
-    };
+    let req = common::direct_tiled(GptConfig::default(), 16, true);
     let planned = plan(&mut ctx, &req).unwrap();
     let whole = planned
         .candidates

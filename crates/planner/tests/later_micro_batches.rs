@@ -2,40 +2,26 @@
 //! gradient into the sum as its backward makes it, so at each moment it
 //! holds the sum instead of the gradients made so far.
 
-use std::sync::Arc;
+use workbook_models::GptConfig;
+use workbook_planner::plan::{plan, verify, Candidate, VerifyRequest};
 
-use workbook_models::{GptConfig, Recipe};
-use workbook_planner::plan::{plan, verify, Candidate, PlanRequest, VerifyRequest};
-use workbook_sdk::candle::{DType, Device};
-use workbook_sdk::meter::{CountingAllocator, CpuMeter};
-use workbook_sdk::Context;
-
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+mod common;
 
 #[test]
 fn one_sequence_at_a_time_is_predicted_within_one_percent() {
-    let meter = Arc::new(CpuMeter::new().unwrap());
-    let mut ctx = Context::new(Device::Cpu, meter, false);
+    let mut ctx = common::context();
     // Chapter 3's base model on 64 tokens, where the gradients weigh more
     // beside the activations. Counting both the gradients made before the
     // peak's moment and the sum, this prediction was 12% over the measured
     // peak (and 5.1% on 256 tokens with 512 wide layers).
-    let req = PlanRequest {
-        model: GptConfig {
+    let req = common::direct_tiled(
+        GptConfig {
             seq: 64,
             ..GptConfig::default()
         },
-        batch: 8,
-        budget: 1 << 40,
-        margin: 0.05,
-        dtypes: vec![DType::F32],
-        recipes: vec![Recipe::DirectTiled],
-        checkpointing: true,
-        seed: 5,
-        ranks: 1,
-        stages: Vec::new(),
-    };
+        8,
+        true,
+    );
     let planned = plan(&mut ctx, &req).unwrap();
     assert_eq!(
         planned.calibrations.len(),

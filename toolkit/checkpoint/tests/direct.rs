@@ -169,15 +169,9 @@ fn the_direct_backward_marks_each_layers_backward() -> Result<()> {
         &vars,
         autograd_head(|h: &Tensor| h.mean_all()),
     )?;
-    let log = log.0.into_inner();
-    let marks: Vec<&str> = log
-        .iter()
-        .map(String::as_str)
-        .filter(|l| !l.contains('/') && *l != "leave")
-        .collect();
     let mut expected = vec!["after forward"];
     expected.extend(std::iter::repeat_n("layer backward", layers.len() - 1));
-    assert_eq!(marks, expected);
+    assert_eq!(log.marks(), expected);
     Ok(())
 }
 
@@ -195,14 +189,8 @@ fn the_checkpointed_direct_backward_marks_each_recompute_and_backward() -> Resul
         .segments(3)
         .observer(&log)
         .backward(&x, &vars, autograd_head(|h: &Tensor| h.mean_all()))?;
-    let log = log.0.into_inner();
-    let marks: Vec<&str> = log
-        .iter()
-        .map(String::as_str)
-        .filter(|l| !l.contains('/') && *l != "leave")
-        .collect();
     assert_eq!(
-        marks,
+        log.marks(),
         [
             "segment forward",
             "head",

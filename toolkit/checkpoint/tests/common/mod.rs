@@ -28,6 +28,18 @@ pub fn worst(a: &GradStore, b: &GradStore, vars: &[Var]) -> Result<f64> {
 #[allow(dead_code)] // Not every test file watches a backward.
 pub struct Log(pub std::cell::RefCell<Vec<String>>);
 
+#[allow(dead_code)] // Not every test file reads the marks alone.
+impl Log {
+    /// The marks alone, in order.
+    pub fn marks(self) -> Vec<String> {
+        self.0
+            .into_inner()
+            .into_iter()
+            .filter(|l| !l.contains('/') && l != "leave")
+            .collect()
+    }
+}
+
 impl Observer for Log {
     fn enter(&self, kind: Kind, place: Place) -> Token {
         self.0.borrow_mut().push(format!("{kind:?}/{place:?}"));
