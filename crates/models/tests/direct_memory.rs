@@ -95,6 +95,10 @@ fn a_block_saves_what_pytorch_saves_to_the_byte() -> Result<()> {
 #[test]
 fn a_blocks_backward_works_in_its_gradients_and_one_wide_tensor() -> Result<()> {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    // Every thread of the pool makes its matrix products' buffers first: on
+    // a busy machine a product can be stolen by a thread the warm-up pass
+    // below never reached, and its buffer (2 MB here) would be counted.
+    workbook_sdk::device::warm_up(&Device::Cpu)?;
     let c = CONFIG;
     let (h, b, s) = (c.hidden, 4, c.seq);
     for dtype in [DType::F32, DType::BF16] {
