@@ -6,6 +6,8 @@
 //! and GELU goes through libm's `tanhf`, which does not vectorise: they took
 //! most of a fused layer's time beside its matrix products.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{bail, DType, Device, Result, Storage, Tensor, WithDType};
 use candle_cpu_math::{dispatch, exp, gelu, gelu_grad};
 use rayon::prelude::*;
@@ -46,28 +48,63 @@ dispatch! {
 }
 
 dispatch! {
-    /// `out = gelu(z)`.
-    pub(crate) fn gelu_row(z: &[f32], out: &mut [f32]) -> () {
+    /// `out = gelu(z)`, every element of `out` written (`out` may be
+    /// uninitialised).
+    pub(crate) fn gelu_row(z: &[f32], out: &mut [MaybeUninit<f32>]) -> () {
         for (o, &z) in out.iter_mut().zip(z) {
-            *o = gelu(z);
+            o.write(gelu(z));
         }
     }
 }
 
 dispatch! {
     /// `dz = g * act'(...)` for one row: ReLU's derivative read from the
-    /// output, GELU's from its input.
-    pub(crate) fn act_grad_row(g: &[f32], saved: &[f32], dz: &mut [f32], gelu_input: bool) -> () {
+    /// output, GELU's from its input. Every element of `dz` is written
+    /// (`dz` may be uninitialised).
+    pub(crate) fn act_grad_row(g: &[f32], saved: &[f32], dz: &mut [MaybeUninit<f32>], gelu_input: bool) -> () {
         for ((d, &g), &s) in dz.iter_mut().zip(g).zip(saved) {
-            *d = if gelu_input {
+            d.write(if gelu_input {
                 g * gelu_grad(s)
             } else if s > 0.0 {
                 g
             } else {
                 0.0
-            };
+            });
         }
     }
+}
+
+/// `s` as a slice of possibly uninitialised elements, for a kernel that
+/// only writes initialised values into it (so `s` stays initialised).
+pub(crate) fn as_uninit(s: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; the kernels that take
+    // the result write values, never `MaybeUninit::uninit()`.
+    unsafe { &mut *(s as *mut [f32] as *mut [MaybeUninit<f32>]) }
+}
+
+/// `len` elements made by `fill`, which is handed disjoint chunks of
+/// `chunk` elements (the last may be shorter) on the pool with the offset
+/// of each, and writes every element of each: a kernel's output that is
+/// never zero-filled first (a serial pass over the whole output, on the
+/// calling thread, before the parallel one that overwrites it).
+///
+/// # Safety
+///
+/// `fill` must write every element of each chunk it is given.
+pub(crate) unsafe fn written(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .enumerate()
+        .for_each(|(i, c)| fill(i * chunk.max(1), c));
+    // SAFETY: `fill` wrote every one of the `len` elements (the caller's
+    // promise).
+    unsafe { out.set_len(len) };
+    out
 }
 
 dispatch! {
@@ -114,11 +151,14 @@ pub(crate) fn bias_act(
         }
         Activation::Gelu => {
             z.inplace_op2(bias, &BiasAct { relu: false })?;
-            let mut out = vec![0f32; z.elem_count()];
-            with_slice::<f32, _>(&z, |zs| {
-                out.par_chunks_mut(n * ROWS_PER_TASK)
-                    .zip(zs.par_chunks(n * ROWS_PER_TASK))
-                    .for_each(|(o, z)| gelu_row(z, o));
+            let out = with_slice::<f32, _>(&z, |zs| {
+                // SAFETY: `gelu_row` writes each element of its output, as
+                // long as its input, the same span of `zs`.
+                unsafe {
+                    written(zs.len(), n * ROWS_PER_TASK, |at, o| {
+                        gelu_row(&zs[at..at + o.len()], o)
+                    })
+                }
             })?;
             let out = Tensor::from_vec(out, z.shape(), &Device::Cpu)?;
             Ok((out, Some(z)))
@@ -146,28 +186,32 @@ pub(crate) fn act_backward(
         return Ok((grad.clone(), Tensor::from_vec(db, n, &Device::Cpu)?));
     }
     let grad = grad.contiguous()?;
+    if saved.elem_count() != rows * n {
+        bail!(
+            "the activation's saved tensor has {} elements, its gradient {}",
+            saved.elem_count(),
+            rows * n
+        );
+    }
     let gelu_input = act == Activation::Gelu;
-    let mut dz = vec![0f32; rows * n];
-    with_slice::<f32, _>(&grad, |g| {
+    let dz = with_slice::<f32, _>(&grad, |g| {
         with_slice::<f32, _>(saved, |s| {
-            dz.par_chunks_mut(n * ROWS_PER_TASK)
-                .zip(g.par_chunks(n * ROWS_PER_TASK))
-                .zip(s.par_chunks(n * ROWS_PER_TASK))
-                .for_each(|((dz, g), s)| {
-                    for ((dz, g), s) in dz
-                        .chunks_exact_mut(n)
-                        .zip(g.chunks_exact(n))
-                        .zip(s.chunks_exact(n))
-                    {
-                        act_grad_row(g, s, dz, gelu_input);
-                    }
-                });
+            // SAFETY: `act_grad_row` writes each element of its output, as
+            // long as its two inputs, spans of `rows * n` elements (checked
+            // above for `saved`; `grad` is contiguous `(rows, n)`).
+            unsafe {
+                written(rows * n, n * ROWS_PER_TASK, |at, dz| {
+                    let end = at + dz.len();
+                    act_grad_row(&g[at..end], &s[at..end], dz, gelu_input)
+                })
+            }
         })
     })??;
     // The bias's gradient row after row, as candle's `sum(0)` adds them:
     // the same rounding, so that the layer's gradients equal candle-nn's
     // (an optimizer such as AdamW turns any difference near zero into a
-    // visible one). One vectorised pass, cheap beside the products.
+    // visible one). One vectorised pass, shared by the pool a block of
+    // columns a task.
     let db = column_sums(&dz, n);
     Ok((
         Tensor::from_vec(dz, (rows, n), &Device::Cpu)?,
@@ -175,12 +219,23 @@ pub(crate) fn act_backward(
     ))
 }
 
-/// The sums of the columns of `rows` rows of `n`, adding the rows in order.
+/// Columns of a bias's gradient each task of the pool sums: 1 KiB of each
+/// row, a run the prefetcher follows from one row to the next.
+const SUM_COLUMNS: usize = 256;
+
+/// The sums of the columns of `rows` rows of `n`, adding the rows in order
+/// (candle's `sum(0)`'s rounding). A block of columns a task, so the pool
+/// shares the pass without changing any column's order of addition.
 fn column_sums(rows: &[f32], n: usize) -> Vec<f32> {
     let mut sums = vec![0f32; n];
-    for row in rows.chunks_exact(n) {
-        add_row(&mut sums, row);
-    }
+    sums.par_chunks_mut(SUM_COLUMNS)
+        .enumerate()
+        .for_each(|(i, sums)| {
+            let first = i * SUM_COLUMNS;
+            for row in rows.chunks_exact(n) {
+                add_row(sums, &row[first..first + sums.len()]);
+            }
+        });
     sums
 }
 
@@ -357,3 +412,75 @@ macro_rules! half_row {
 
 half_row!(half::bf16);
 half_row!(half::f16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(rows: usize, n: usize, seed: u32) -> Vec<f32> {
+        // Values of mixed signs and magnitudes, so that the order of
+        // addition shows in the last bits.
+        (0..rows * n)
+            .map(|i| {
+                let v = ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32;
+                (v / 16_777_216.0 - 0.5) * 10f32.powi((i % 7) as i32 - 3)
+            })
+            .collect()
+    }
+
+    fn bits(t: &Tensor) -> Result<Vec<u32>> {
+        Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+    }
+
+    #[test]
+    fn column_sums_equal_candles_sum_over_rows_to_the_bit() -> Result<()> {
+        // One block of columns, several, and a last one cut short.
+        for (rows, n) in [(37, 5), (300, SUM_COLUMNS), (300, 3 * SUM_COLUMNS + 17)] {
+            let g = data(rows, n, 7);
+            let ours = Tensor::from_vec(column_sums(&g, n), n, &Device::Cpu)?;
+            let candle = Tensor::from_vec(g, (rows, n), &Device::Cpu)?.sum(0)?;
+            assert_eq!(bits(&ours)?, bits(&candle)?, "{rows} x {n}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn every_element_of_a_kernels_output_is_written() -> Result<()> {
+        // Rows that do not fill the last task's chunk, through both
+        // kernels that write into an output never zeroed.
+        let (rows, n) = (2 * ROWS_PER_TASK + 3, 33);
+        let z = Tensor::from_vec(data(rows, n, 3), (rows, n), &Device::Cpu)?;
+        let g = Tensor::from_vec(data(rows, n, 5), (rows, n), &Device::Cpu)?;
+        let (out, kept) = bias_act(z.clone(), None, Activation::Gelu)?;
+        let exact = z.to_vec2::<f32>()?;
+        for (r, row) in out.to_vec2::<f32>()?.iter().enumerate() {
+            for (c, &v) in row.iter().enumerate() {
+                assert_eq!(v.to_bits(), gelu(exact[r][c]).to_bits(), "gelu at {r}, {c}");
+            }
+        }
+        let (dz, db) = act_backward(&g, kept.as_ref().unwrap(), Activation::Gelu)?;
+        let (g, dz) = (g.to_vec2::<f32>()?, dz.to_vec2::<f32>()?);
+        for r in 0..rows {
+            for c in 0..n {
+                let want = g[r][c] * gelu_grad(exact[r][c]);
+                assert_eq!(dz[r][c].to_bits(), want.to_bits(), "dz at {r}, {c}");
+            }
+        }
+        let sums = Tensor::new(dz, &Device::Cpu)?.sum(0)?;
+        assert_eq!(bits(&db)?, bits(&sums)?);
+        Ok(())
+    }
+
+    #[test]
+    fn a_saved_tensor_of_another_size_is_an_error() -> Result<()> {
+        let g = Tensor::zeros((4, 3), DType::F32, &Device::Cpu)?;
+        let saved = Tensor::zeros((4, 2), DType::F32, &Device::Cpu)?;
+        let e = act_backward(&g, &saved, Activation::Relu).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the activation's saved tensor has 8 elements, its gradient 12"),
+            "{e}"
+        );
+        Ok(())
+    }
+}

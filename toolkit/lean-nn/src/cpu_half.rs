@@ -20,7 +20,7 @@ use candle_core::{bail, DType, Device, Result, Tensor, WithDType};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::cpu::{act_grad_row, add_row, gelu_row, with_slice, ROWS_PER_TASK};
+use crate::cpu::{act_grad_row, add_row, as_uninit, gelu_row, with_slice, ROWS_PER_TASK};
 use crate::linear::Activation;
 
 /// Whether [`act_backward`] takes `grad` and `saved`: contiguous f16 or
@@ -58,7 +58,7 @@ where
                 |(wide, done), (out, z)| {
                     for (out, z) in out.chunks_exact_mut(n).zip(z.chunks_exact(n)) {
                         z.convert_to_f32_slice(wide);
-                        gelu_row(wide, done);
+                        gelu_row(wide, as_uninit(done));
                         out.convert_from_f32_slice(done);
                     }
                 },
@@ -109,7 +109,7 @@ where
                         {
                             g.convert_to_f32_slice(&mut w.g);
                             s.convert_to_f32_slice(&mut w.s);
-                            act_grad_row(&w.g, &w.s, &mut w.d, gelu_input);
+                            act_grad_row(&w.g, &w.s, as_uninit(&mut w.d), gelu_input);
                             dz.convert_from_f32_slice(&w.d);
                             // The bias's gradient from the rounded values:
                             // the column sums of the `dz` returned.
