@@ -18,6 +18,11 @@ ratios (run i of the workbook against run i of PyTorch, which ran next to
 it), a ratio that holds while a shared machine's load drifts. A ratio above
 1 means the workbook used more.
 
+The workbook's step runs on a thread of rayon's pool (the example's default,
+`--pool joined`), as PyTorch's runs on OpenMP's master thread: each parallel
+operation starts where it is called instead of being handed to a pool
+thread while the caller sleeps.
+
 The workbook's recipes are paired with PyTorch's attention of the same kind:
 `direct`, `lean` and `candle` keep the attention's probabilities, as
 PyTorch's composed attention does; `direct_tiled` and `tiled` keep only its

@@ -8,12 +8,19 @@
 //! ```text
 //! cargo run --release -p workbook-models --example gpt_step -- \
 //!     [--recipe direct] [--dtype f32] [--batch 4] [--layers 4] [--hidden 256] \
-//!     [--heads 4] [--seq 256] [--vocab 512] [--steps 5]
+//!     [--heads 4] [--seq 256] [--vocab 512] [--steps 5] [--pool joined]
 //! ```
 //!
 //! Recipes: `direct` and `direct_tiled` (each stage's backward called with
 //! no graph), `lean` and `tiled` (the lean layers under candle's backward),
 //! `candle` (candle-nn's layers).
+//!
+//! `--pool joined` (the default) makes the thread that runs the steps one
+//! of rayon's global pool's threads (`use_current_thread`), as OpenMP's
+//! master thread is one of PyTorch's: each parallel operation then starts
+//! on the calling thread, where with `--pool outside` it is handed to a
+//! pool thread while the caller sleeps until it is done. Both pools have as
+//! many threads (`RAYON_NUM_THREADS`, else one a core).
 
 use std::time::Instant;
 
@@ -33,11 +40,13 @@ struct Args {
     batch: usize,
     steps: usize,
     config: GptConfig,
+    joined: bool,
 }
 
 fn parse() -> std::result::Result<Args, String> {
     let mut config = GptConfig::default();
     let (mut recipe, mut dtype, mut batch, mut steps) = (Recipe::Direct, DType::F32, 4, 5);
+    let mut joined = true;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -67,6 +76,13 @@ fn parse() -> std::result::Result<Args, String> {
                     _ => return Err(format!("--dtype {value:?}: one of f32, bf16, f16")),
                 }
             }
+            "--pool" => {
+                joined = match value.as_str() {
+                    "joined" => true,
+                    "outside" => false,
+                    _ => return Err(format!("--pool {value:?}: one of joined, outside")),
+                }
+            }
             "--batch" => batch = number()?,
             "--steps" => steps = number()?,
             "--layers" => config.layers = number()?,
@@ -89,6 +105,7 @@ fn parse() -> std::result::Result<Args, String> {
         batch,
         steps,
         config: recipe.apply(config),
+        joined,
     })
 }
 
@@ -144,6 +161,13 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if args.joined {
+        let pool = rayon::ThreadPoolBuilder::new().use_current_thread();
+        if let Err(e) = pool.build_global() {
+            eprintln!("error: cannot join rayon's pool: {e}");
+            std::process::exit(1);
+        }
+    }
     // The thread pool and the matrix library's buffers are set up once per
     // process, as PyTorch's script warms up before it measures.
     if let Err(e) = run(&Args { steps: 1, ..args }) {
@@ -172,6 +196,7 @@ fn main() {
             "layers": c.layers, "hidden": c.hidden, "heads": c.heads, "seq": c.seq,
             "vocab": c.vocab, "batch": args.batch, "dtype": format!("{:?}", args.dtype).to_lowercase(),
         },
+        "pool": if args.joined { "joined" } else { "outside" },
         "peak": usage.peak,
         "first_time": times[0],
         "time": median,
