@@ -11,13 +11,14 @@
 //! f32), and elsewhere it is a new tensor made of candle's operations, and
 //! the peak is higher.
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, D};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, InplaceOp2, Layout, Result, Tensor, D};
 use rayon::prelude::*;
 
 use crate::config::FlashConfig;
 use crate::cpu::rows;
 use crate::forward::scale_of;
-use crate::materialized::{checked, probabilities, scores_grad};
+use crate::materialized::{checked, half_rows2, probabilities, rows_apply, scores_grad};
 use crate::shapes::{repeat_kv, sum_kv_group, Dims};
 
 /// What [`materialized_forward`] returns and [`Materialized::backward`]
@@ -167,30 +168,34 @@ fn backward(
 }
 
 /// The scores' gradient from the probabilities' gradient `dp`: over `dp`
-/// itself on the CPU in f32, a new tensor elsewhere.
+/// itself on the CPU (f32, bf16 or f16), a new tensor elsewhere.
 fn softmax_backward(dp: Tensor, probs: &Tensor, scale: f64) -> Result<Tensor> {
     let contiguous = dp.is_contiguous() && probs.is_contiguous();
-    if dp.device().is_cpu() && dp.dtype() == DType::F32 && probs.dtype() == DType::F32 && contiguous
-    {
+    if rows_apply(&dp) && dp.dtype() == probs.dtype() && contiguous {
         let nk = dp.dim(D::Minus1)?;
         if nk > 0 {
-            dp.inplace_op2(
-                probs,
-                &SoftmaxGradOver {
-                    nk,
-                    scale: scale as f32,
-                },
-            )?;
+            dp.inplace_op2(probs, &SoftmaxGradOver::new(nk, scale))?;
         }
         return Ok(dp);
     }
     scores_grad(probs, &dp, scale)
 }
 
-/// `dp = p (dp - rowsum(dp p)) scale`, row by row, in place.
-struct SoftmaxGradOver {
+/// `dp = p (dp - rowsum(dp p)) scale`, row by row, in place: f32 rows, or
+/// bf16 and f16 ones widened to f32 and rounded once.
+pub(crate) struct SoftmaxGradOver {
     nk: usize,
     scale: f32,
+}
+
+impl SoftmaxGradOver {
+    /// Over rows of `nk`, with the scores' scale.
+    pub(crate) fn new(nk: usize, scale: f64) -> Self {
+        Self {
+            nk,
+            scale: scale as f32,
+        }
+    }
 }
 
 impl InplaceOp2 for SoftmaxGradOver {
@@ -203,9 +208,6 @@ impl InplaceOp2 for SoftmaxGradOver {
         else {
             bail!("softmax-grad-over: both tensors must be contiguous");
         };
-        let (CpuStorage::F32(g), CpuStorage::F32(p)) = (g, p) else {
-            bail!("softmax-grad-over: f32 only");
-        };
         if ge - gs != pe - ps {
             bail!(
                 "softmax-grad-over: the gradient has {} elements, the probabilities {}",
@@ -214,13 +216,27 @@ impl InplaceOp2 for SoftmaxGradOver {
             );
         }
         let (nk, scale) = (self.nk, self.scale);
-        g[gs..ge]
-            .par_chunks_mut(nk)
-            .zip(p[ps..pe].par_chunks(nk))
-            .for_each(|(g, p)| {
-                let delta = rows::dot(g, p);
-                rows::softmax_grad_over(g, p, delta, scale);
-            });
+        let row = |g: &mut [f32], p: &[f32]| {
+            let delta = rows::dot(g, p);
+            rows::softmax_grad_over(g, p, delta, scale);
+        };
+        match (g, p) {
+            (CpuStorage::F32(g), CpuStorage::F32(p)) => g[gs..ge]
+                .par_chunks_mut(nk)
+                .zip(p[ps..pe].par_chunks(nk))
+                .for_each(|(g, p)| row(g, p)),
+            (CpuStorage::BF16(g), CpuStorage::BF16(p)) => {
+                half_rows2(&mut g[gs..ge], &p[ps..pe], nk, row)
+            }
+            (CpuStorage::F16(g), CpuStorage::F16(p)) => {
+                half_rows2(&mut g[gs..ge], &p[ps..pe], nk, row)
+            }
+            (g, p) => bail!(
+                "softmax-grad-over: f32, bf16 or f16 of one dtype, got {:?} and {:?}",
+                g.dtype(),
+                p.dtype()
+            ),
+        }
         Ok(())
     }
 }
