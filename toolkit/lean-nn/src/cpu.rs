@@ -221,19 +221,31 @@ pub(crate) fn act_backward(
 
 /// Columns of a bias's gradient each task of the pool sums: 1 KiB of each
 /// row, a run the prefetcher follows from one row to the next.
-const SUM_COLUMNS: usize = 256;
+pub(crate) const SUM_COLUMNS: usize = 256;
 
 /// The sums of the columns of `rows` rows of `n`, adding the rows in order
 /// (candle's `sum(0)`'s rounding). A block of columns a task, so the pool
 /// shares the pass without changing any column's order of addition.
 fn column_sums(rows: &[f32], n: usize) -> Vec<f32> {
+    column_sums_by(rows, n, || (), |_, sums, row| add_row(sums, row))
+}
+
+/// The f32 sums of the columns of `rows` rows of `n` of any element type,
+/// each row's part added into a task's block of sums by `add` (with a
+/// scratch value `scratch` makes once a task), the rows in order.
+pub(crate) fn column_sums_by<T: Sync, S>(
+    rows: &[T],
+    n: usize,
+    scratch: impl Fn() -> S + Sync + Send,
+    add: impl Fn(&mut S, &mut [f32], &[T]) + Sync + Send,
+) -> Vec<f32> {
     let mut sums = vec![0f32; n];
     sums.par_chunks_mut(SUM_COLUMNS)
         .enumerate()
-        .for_each(|(i, sums)| {
+        .for_each_init(scratch, |w, (i, sums)| {
             let first = i * SUM_COLUMNS;
             for row in rows.chunks_exact(n) {
-                add_row(sums, &row[first..first + sums.len()]);
+                add(w, sums, &row[first..first + sums.len()]);
             }
         });
     sums

@@ -20,7 +20,10 @@ use candle_core::{bail, DType, Device, Result, Tensor, WithDType};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::cpu::{act_grad_row, add_row, as_uninit, gelu_row, with_slice, ROWS_PER_TASK};
+use crate::cpu::{
+    act_grad_row, add_row, as_uninit, column_sums_by, gelu_row, with_slice, ROWS_PER_TASK,
+    SUM_COLUMNS,
+};
 use crate::linear::Activation;
 
 /// Whether [`act_backward`] takes `grad` and `saved`: contiguous f16 or
@@ -75,8 +78,16 @@ pub(crate) fn act_backward(
     act: Activation,
 ) -> Result<(Tensor, Tensor)> {
     if act == Activation::Identity {
-        let db = grad.sum(0)?;
-        return Ok((grad.clone(), db));
+        // The bias's gradient summed in f32 and rounded once, as for the
+        // other activations: candle's `sum(0)` adds in the half type,
+        // rounding after each row, on one thread.
+        let grad = grad.contiguous()?;
+        let db = match grad.dtype() {
+            DType::BF16 => column_sums::<half::bf16>(&grad)?,
+            DType::F16 => column_sums::<half::f16>(&grad)?,
+            other => bail!("internal: the half-precision kernel got {other:?}"),
+        };
+        return Ok((grad, db));
     }
     let grad = grad.contiguous()?;
     match saved.dtype() {
@@ -84,6 +95,31 @@ pub(crate) fn act_backward(
         DType::F16 => typed::<half::f16>(&grad, saved, act),
         other => bail!("internal: the half-precision kernel got {other:?}"),
     }
+}
+
+/// The column sums of a contiguous half-precision `(rows, n)`, in f32 and
+/// rounded to its dtype once.
+fn column_sums<T>(grad: &Tensor) -> Result<Tensor>
+where
+    T: WithDType,
+    [T]: HalfFloatSliceExt,
+{
+    let (_, n) = grad.dims2()?;
+    let sums = with_slice::<T, _>(grad, |g| {
+        column_sums_by(
+            g,
+            n,
+            || vec![0f32; SUM_COLUMNS],
+            |wide, sums, row| {
+                let wide = &mut wide[..row.len()];
+                row.convert_to_f32_slice(wide);
+                add_row(sums, wide);
+            },
+        )
+    })?;
+    let mut narrow = vec![T::from_f64(0.0); n];
+    narrow.convert_from_f32_slice(&sums);
+    Tensor::from_vec(narrow, n, &Device::Cpu)
 }
 
 fn typed<T>(grad: &Tensor, saved: &Tensor, act: Activation) -> Result<(Tensor, Tensor)>

@@ -320,7 +320,7 @@ fn gelu_derivative(z: &Tensor) -> Result<Tensor> {
 #[test]
 fn half_precision_bias_gradient_is_within_a_rounding_of_f64() -> Result<()> {
     for (dtype, unit) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
-        for act in [Activation::Gelu, Activation::Relu] {
+        for act in [Activation::Gelu, Activation::Relu, Activation::Identity] {
             let w = data(&[24, 40], 0.2, 7)?.to_dtype(dtype)?;
             let b = data(&[24], 0.2, 8)?.to_dtype(dtype)?;
             let x = data(&[300, 40], 1.0, 9)?.to_dtype(dtype)?;
@@ -335,7 +335,10 @@ fn half_precision_bias_gradient_is_within_a_rounding_of_f64() -> Result<()> {
                 Activation::Gelu => {
                     (g * gelu_derivative(&kept.tensor().unwrap().to_dtype(DType::F64)?)?)?
                 }
-                _ => (g * out.to_dtype(DType::F64)?.gt(0.0)?.to_dtype(DType::F64)?)?,
+                Activation::Relu => {
+                    (g * out.to_dtype(DType::F64)?.gt(0.0)?.to_dtype(DType::F64)?)?
+                }
+                Activation::Identity => g,
             };
             let exact = dz.sum(0)?;
             let bound = dz.abs()?.sum(0)?.affine(unit, 0.0)?;
