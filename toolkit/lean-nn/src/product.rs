@@ -24,7 +24,7 @@
 //! `gemm` as candle's, so results are candle's but for a last-bit rounding
 //! where a sum's order differs.
 
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::{bail, DType, Result, Storage, Tensor};
 use half::{bf16, slice::HalfFloatSliceExt, vec::HalfFloatVecExt};
 use rayon::prelude::*;
 
@@ -144,25 +144,48 @@ fn f32_product(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::from_vec(out, (m, n), a.device())?))
 }
 
-/// `t` in f32. A contiguous bf16 matrix, or the transpose of one (a
-/// layer's weight as the forward reads it), is widened on the thread pool
-/// by `half`'s vectorised conversion; anything else by candle's
-/// `to_dtype`, which converts element by element on one thread (a fifth of
-/// a bf16 GPT step's time on two cores). Exact either way.
+/// `t` in f32. A bf16 matrix whose rows are contiguous (a matrix, or a
+/// slice of its rows or of its columns), or the transpose of one (a
+/// layer's weight as the forward reads it, a slice of a gradient as a
+/// weight's gradient reads it), is widened on the thread pool by `half`'s
+/// vectorised conversion; anything else by candle's `to_dtype`, which
+/// converts element by element on one thread (a fifth of a bf16 GPT step's
+/// time on two cores). Exact either way.
 fn widen(t: &Tensor) -> Result<Tensor> {
-    if t.rank() == 2 && !t.is_contiguous() && t.t()?.is_contiguous() {
-        return widen(&t.t()?)?.t();
-    }
-    if !(t.device().is_cpu() && t.dtype() == DType::BF16 && t.is_contiguous()) {
+    let applies = t.device().is_cpu() && t.dtype() == DType::BF16 && t.rank() == 2;
+    if !applies || t.elem_count() == 0 {
         return t.to_dtype(DType::F32);
     }
-    let mut out = vec![0f32; t.elem_count()];
-    with_slice::<bf16, _>(t, |v| {
-        out.par_chunks_mut(WIDEN_SPAN)
-            .zip(v.par_chunks(WIDEN_SPAN))
-            .for_each(|(o, v)| v.convert_to_f32_slice(o))
-    })?;
-    Tensor::from_vec(out, t.shape(), t.device())
+    let (rows, cols) = t.dims2()?;
+    let stride = t.layout().stride().to_vec();
+    if stride[1] != 1 && (stride[0] == 1 || rows == 1) {
+        return widen(&t.t()?)?.t();
+    }
+    if stride[1] != 1 && cols > 1 {
+        return t.to_dtype(DType::F32);
+    }
+    // Row `r` is the `cols` elements from `start + r * stride[0]`.
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return t.to_dtype(DType::F32);
+    };
+    let v = cpu.as_slice::<bf16>()?;
+    let (start, step) = (layout.start_offset(), if rows == 1 { 0 } else { stride[0] });
+    if start + (rows - 1) * step + cols > v.len() {
+        bail!("internal: a bf16 matrix's rows lie outside its storage");
+    }
+    let mut out = vec![0f32; rows * cols];
+    let rows_per_task = (WIDEN_SPAN / cols).max(1);
+    out.par_chunks_mut(rows_per_task * cols)
+        .enumerate()
+        .for_each(|(task, o)| {
+            for (i, o) in o.chunks_exact_mut(cols).enumerate() {
+                let r = task * rows_per_task + i;
+                v[start + r * step..][..cols].convert_to_f32_slice(o);
+            }
+        });
+    drop(storage);
+    Tensor::from_vec(out, (rows, cols), t.device())
 }
 
 /// The output's rows a slice at a time, `b` widened once.
@@ -245,6 +268,33 @@ mod tests {
             .max(0)?
             .to_scalar::<f64>()?;
         Ok((ulps, diff / scale))
+    }
+
+    #[test]
+    fn widening_any_view_equals_candles_conversion() -> Result<()> {
+        let m = data(300, 90, 4)?;
+        let views = [
+            m.clone(),
+            m.t()?,
+            // A slice of rows of a transposed matrix: a weight's gradient
+            // reads its output's gradient so when the two are as long.
+            m.t()?.narrow(0, 20, 50)?,
+            m.narrow(1, 10, 40)?,
+            m.narrow(0, 5, 1)?,
+            m.narrow(1, 7, 1)?,
+            m.narrow(0, 3, 1)?.broadcast_as((6, 90))?,
+            m.narrow(1, 3, 1)?.broadcast_as((300, 4))?,
+        ];
+        for (i, v) in views.iter().enumerate() {
+            let ours = widen(v)?;
+            assert_eq!(ours.dims(), v.dims(), "view {i}");
+            assert_eq!(
+                ours.to_vec2::<f32>()?,
+                v.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+                "view {i}"
+            );
+        }
+        Ok(())
     }
 
     #[test]
