@@ -2,6 +2,7 @@
 //! thread pool.
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, WithDType};
+use candle_custom_grad::{with_backward2, Backward2};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -64,9 +65,11 @@ pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
 /// each sum rounded once, as candle does): candle 0.11 adds on a pool of
 /// its own, whose worker spins for a while after each addition, on a core
 /// the next product wants (a residual connection adds at every block,
-/// forward and backward). The sum has no graph: an operand that candle's
-/// autograd tracks (a variable, or a result of one) is added by candle, so
-/// that its gradient flows. Anything else is candle's addition too.
+/// forward and backward). When candle's autograd tracks an operand (a
+/// variable, or a result of one), the sum is one operation of its graph
+/// whose backward hands the sum's gradient to both operands, as candle's
+/// addition's does; the graph holds the two operands, as it holds
+/// candle's addition's. Anything else is candle's addition.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let pooled = a.device().is_cpu()
         && a.dtype() == b.dtype()
@@ -74,8 +77,12 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         && a.is_contiguous()
         && b.is_contiguous()
         && a.elem_count() > 0;
-    if !pooled || a.track_op() || b.track_op() {
+    if !pooled {
         return a + b;
+    }
+    if a.track_op() || b.track_op() {
+        let sum = add(&a.detach(), &b.detach())?;
+        return with_backward2(sum, [a, b], Sum);
     }
     match a.dtype() {
         DType::F32 => {
@@ -94,6 +101,22 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         DType::BF16 => add_half::<half::bf16>(a, b),
         DType::F16 => add_half::<half::f16>(a, b),
         _ => a + b,
+    }
+}
+
+/// The backward of [`add`] under candle's autograd: the sum's gradient is
+/// each operand's.
+struct Sum;
+
+impl Backward2 for Sum {
+    fn backward(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(grad.clone())))
     }
 }
 
@@ -128,7 +151,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{Device, Var};
 
     #[test]
     fn the_sum_is_candles_in_every_dtype_and_layout() -> Result<()> {
@@ -155,13 +178,29 @@ mod tests {
         assert_eq!(bits(&add(&at, &bt)?)?, bits(&(&at + &bt)?)?);
         let empty = Tensor::zeros((0, 4), DType::F32, &dev)?;
         assert_eq!(add(&empty, &empty)?.dims(), [0, 4]);
-        // A tracked operand: candle's addition, whose gradient flows.
-        let v = candle_core::Var::from_tensor(&a)?;
-        let grads = add(v.as_tensor(), &b)?.sum_all()?.backward()?;
-        let g = grads
-            .get(v.as_tensor())
-            .expect("a gradient for the variable");
-        assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, vec![1f32; 3 * 70_001]);
+        // Tracked operands: the same sum, and the gradients candle's
+        // addition gives, one operand tracked or both, or one twice.
+        let (va, vb) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+        let w = Tensor::randn(0f32, 1.0, (3, 70_001), &dev)?;
+        let cases: [(&Tensor, &Tensor); 3] = [
+            (va.as_tensor(), &b),
+            (va.as_tensor(), vb.as_tensor()),
+            (va.as_tensor(), va.as_tensor()),
+        ];
+        for (i, (x, y)) in cases.into_iter().enumerate() {
+            let ours = add(x, y)?;
+            let theirs = (x + y)?;
+            assert_eq!(bits(&ours)?, bits(&theirs)?, "case {i}");
+            let ours = (ours * &w)?.sum_all()?.backward()?;
+            let theirs = (theirs * &w)?.sum_all()?.backward()?;
+            for v in [&va, &vb] {
+                let (o, t) = (ours.get(v.as_tensor()), theirs.get(v.as_tensor()));
+                assert_eq!(o.is_some(), t.is_some(), "case {i}");
+                if let (Some(o), Some(t)) = (o, t) {
+                    assert_eq!(bits(o)?, bits(t)?, "case {i}");
+                }
+            }
+        }
         // Shapes that differ: candle's error.
         let err = add(&a, &a.narrow(1, 0, 5)?).unwrap_err().to_string();
         assert!(err.contains("shape mismatch"), "{err}");

@@ -467,6 +467,15 @@ impl Gpt {
                 _ => layer.forward(x, gelu, lean),
             }
         };
+        // The lean model adds on the pool its products and kernels run on;
+        // candle-nn's on candle's own (see `candle_lean_nn::add`).
+        let residual = |x: &Tensor, y: &Tensor| {
+            if lean {
+                candle_lean_nn::add(x, y)
+            } else {
+                x + y
+            }
+        };
         let l = Some(i);
         let n = labels.label(blk.ln1.forward(x, lean)?, l, "ln1");
         let qkv = labels.label(dense("qkv", &blk.qkv, &n, false)?, l, "qkv");
@@ -486,7 +495,7 @@ impl Gpt {
         let y = labels.label(y, l, "attention");
         let y = y.transpose(1, 2)?.reshape((b, s, h))?;
         let y = labels.label(dense("proj", &blk.proj, &y, false)?, l, "proj");
-        let x = labels.label((x + y)?, l, "residual");
+        let x = labels.label(residual(x, &y)?, l, "residual");
         let n = labels.label(blk.ln2.forward(&x, lean)?, l, "ln2");
         let m = match tape {
             // Through a tape the product and the GELU are two operations,
@@ -498,7 +507,7 @@ impl Gpt {
             None => labels.label(dense("fc", &blk.fc, &n, true)?, l, "fc+gelu"),
         };
         let m = labels.label(dense("fc2", &blk.fc2, &m, false)?, l, "fc2");
-        Ok(labels.label((x + m)?, l, "residual"))
+        Ok(labels.label(residual(&x, &m)?, l, "residual"))
     }
 
     /// The final norm and the head on the table `table` `(v, h)`: the
