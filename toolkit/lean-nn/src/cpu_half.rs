@@ -77,11 +77,11 @@ pub(crate) fn act_backward(
     saved: &Tensor,
     act: Activation,
 ) -> Result<(Tensor, Tensor)> {
+    let grad = grad.contiguous()?;
     if act == Activation::Identity {
         // The bias's gradient summed in f32 and rounded once, as for the
         // other activations: candle's `sum(0)` adds in the half type,
         // rounding after each row, on one thread.
-        let grad = grad.contiguous()?;
         let db = match grad.dtype() {
             DType::BF16 => column_sums::<half::bf16>(&grad)?,
             DType::F16 => column_sums::<half::f16>(&grad)?,
@@ -89,7 +89,6 @@ pub(crate) fn act_backward(
         };
         return Ok((grad, db));
     }
-    let grad = grad.contiguous()?;
     match saved.dtype() {
         DType::BF16 => typed::<half::bf16>(&grad, saved, act),
         DType::F16 => typed::<half::f16>(&grad, saved, act),

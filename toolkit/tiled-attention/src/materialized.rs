@@ -2,13 +2,13 @@
 //! made whole and kept for the backward, nothing else of that size.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor, D};
+use candle_core::{bail, CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, D};
 use candle_custom_grad::{with_backward2, Backward2};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::config::FlashConfig;
-use crate::cpu::{rows, with_slices};
+use crate::cpu::rows;
 use crate::forward::{causal_mask, scale_of};
 use crate::shapes::{repeat_kv, Dims};
 
@@ -154,27 +154,9 @@ pub(crate) fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) ->
 /// The softmax's backward with the scores' scale: `P (dP - rowsum(dP P)) s`.
 pub(crate) fn scores_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
     let (p, dp) = (p.contiguous()?, dp.contiguous()?);
-    if p.device().is_cpu() && p.dtype() == DType::F32 && dp.dtype() == DType::F32 {
-        let nk = p.dim(D::Minus1)?;
-        let mut ds = vec![0f32; p.elem_count()];
-        if nk > 0 {
-            with_slices([&p, &dp], |[ps, gs]| {
-                ds.par_chunks_mut(nk)
-                    .zip(ps.par_chunks(nk))
-                    .zip(gs.par_chunks(nk))
-                    .for_each(|((ds, p), g)| {
-                        let delta = rows::dot(g, p);
-                        ds.copy_from_slice(p);
-                        rows::softmax_grad(ds, g, delta);
-                        rows::scale(ds, scale as f32);
-                    });
-            })?;
-        }
-        return Tensor::from_vec(ds, p.shape(), &Device::Cpu);
-    }
     let nk = p.dim(D::Minus1)?;
     if rows_apply(&p) && p.dtype() == dp.dtype() && nk > 0 {
-        // bf16 and f16: the same row kernel over a copy of `dp`.
+        // The row kernel of the direct backward, over a copy of `dp`.
         let ds = dp.copy()?;
         ds.inplace_op2(
             &p,
@@ -248,6 +230,7 @@ pub fn materialized_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// Scores of mixed signs and sizes, `(2, nq, d)` and `(2, nk, d)`.
     fn operands(dtype: DType) -> Result<(Tensor, Tensor)> {
