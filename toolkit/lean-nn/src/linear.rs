@@ -200,7 +200,7 @@ impl LeanLinear {
             match act {
                 Activation::Identity => (z, None),
                 Activation::Relu => (z.relu()?, None),
-                Activation::Gelu if crate::cpu_half::applies(&z, &z) && z.rank() == 2 => {
+                Activation::Gelu if crate::cpu_half::applies(&z, &z) => {
                     (crate::cpu_half::gelu(&z)?, Some(z))
                 }
                 Activation::Gelu => (z.gelu()?, Some(z)),

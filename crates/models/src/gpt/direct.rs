@@ -447,8 +447,7 @@ impl Gpt {
             let dn = norm_backward(&blk.ln2, &x2, &ln2, &dn2, &mut params)?;
             add(&grad, &dn)?
         };
-        drop(grad);
-        drop((dn2, x2));
+        drop((grad, dn2, x2));
         // The attention: the projection, the attention's own backward, qkv.
         let dy = dense_backward(&blk.proj, Kept::Identity, &y, dx2.clone(), &mut params)?;
         drop(y);
