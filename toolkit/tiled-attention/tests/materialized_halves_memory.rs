@@ -6,6 +6,8 @@ use candle_core::{Device, Result, Tensor};
 use candle_tiled_attention::{materialized_forward, FlashConfig};
 use candle_toolkit_alloc_count::{live, Counting};
 
+mod common;
+
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
@@ -20,6 +22,7 @@ fn the_halves_hold_two_matrices_at_most() -> Result<()> {
     let dev = Device::Cpu;
     let x = [0; 4].map(|_| Tensor::randn(0f32, 1.0, (1, heads, n, d), &dev).unwrap());
     let cfg = FlashConfig::causal(false);
+    common::warm_pool(n)?;
     let run = || -> Result<(isize, isize)> {
         let (held, usage) = candle_toolkit_alloc_count::measure(|| -> Result<isize> {
             let start = live();

@@ -5,6 +5,8 @@ use candle_core::{Device, Result, Tensor, Var};
 use candle_tiled_attention::{materialized_attention, naive_attention, FlashConfig};
 use candle_toolkit_alloc_count::{live, Counting};
 
+mod common;
+
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
@@ -35,6 +37,7 @@ fn the_probabilities_are_all_that_is_kept() -> Result<()> {
         Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, heads, n, d), &dev).unwrap()).unwrap()
     });
     // Warm-up: thread pools and packing buffers allocated once.
+    common::warm_pool(n)?;
     measure(materialized_attention, &x)?;
     measure(naive_attention, &x)?;
 
