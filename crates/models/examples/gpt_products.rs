@@ -15,50 +15,34 @@
 //!     [--batch 4] [--layers 4] [--hidden 256] [--seq 256] [--vocab 512] [--repeats 30]
 //! ```
 
+use std::num::NonZeroUsize;
 use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor};
+use clap::Parser;
 
+/// The products of chapter 3's GPT step, alone: each one's median time
+/// and rate, and their sum over one step, as one JSON object.
+#[derive(Parser)]
 struct Args {
-    batch: usize,
-    layers: usize,
-    hidden: usize,
-    seq: usize,
-    vocab: usize,
-    repeats: usize,
-}
-
-fn parse() -> std::result::Result<Args, String> {
-    let mut a = Args {
-        batch: 4,
-        layers: 4,
-        hidden: 256,
-        seq: 256,
-        vocab: 512,
-        repeats: 30,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let n = match value.parse::<usize>() {
-            Ok(n) if n > 0 => n,
-            _ => {
-                return Err(format!(
-                    "{flag} takes a positive whole number, got {value:?}"
-                ))
-            }
-        };
-        match flag.as_str() {
-            "--batch" => a.batch = n,
-            "--layers" => a.layers = n,
-            "--hidden" => a.hidden = n,
-            "--seq" => a.seq = n,
-            "--vocab" => a.vocab = n,
-            "--repeats" => a.repeats = n,
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(a)
+    /// Sequences a step.
+    #[arg(long, default_value = "4")]
+    batch: NonZeroUsize,
+    /// Blocks.
+    #[arg(long, default_value = "4")]
+    layers: NonZeroUsize,
+    /// Width of the residual stream.
+    #[arg(long, default_value = "256")]
+    hidden: NonZeroUsize,
+    /// Tokens a sequence.
+    #[arg(long, default_value = "256")]
+    seq: NonZeroUsize,
+    /// Vocabulary size.
+    #[arg(long, default_value = "512")]
+    vocab: NonZeroUsize,
+    /// Timings of each product; the median is reported.
+    #[arg(long, default_value = "30")]
+    repeats: NonZeroUsize,
 }
 
 /// The median of `repeats` timings of `a b`, after one untimed product.
@@ -76,14 +60,15 @@ fn time(a: &Tensor, b: &Tensor, repeats: usize) -> Result<f64> {
 
 fn run(a: &Args) -> Result<serde_json::Value> {
     let dev = Device::Cpu;
-    let (rows, h) = (a.batch * a.seq, a.hidden);
+    let (rows, h) = (a.batch.get() * a.seq.get(), a.hidden.get());
+    let blocks = a.layers.get();
     // (layer, inputs, outputs, times per step).
     let layers = [
-        ("qkv", h, 3 * h, a.layers),
-        ("proj", h, h, a.layers),
-        ("fc", h, 4 * h, a.layers),
-        ("fc2", 4 * h, h, a.layers),
-        ("head", h, a.vocab, 1),
+        ("qkv", h, 3 * h, blocks),
+        ("proj", h, h, blocks),
+        ("fc", h, 4 * h, blocks),
+        ("fc2", 4 * h, h, blocks),
+        ("head", h, a.vocab.get(), 1),
     ];
     // One product of each size first: the thread pool and gemm's packing
     // buffers are made before anything is timed.
@@ -104,7 +89,7 @@ fn run(a: &Args) -> Result<serde_json::Value> {
             ("weight grad g^T x", g.t()?, x.clone()),
         ];
         for (what, lhs, rhs) in cases {
-            let seconds = time(&lhs, &rhs, a.repeats)?;
+            let seconds = time(&lhs, &rhs, a.repeats.get())?;
             let (m, k) = lhs.dims2()?;
             let n = rhs.dim(1)?;
             step += seconds * count as f64;
@@ -126,13 +111,7 @@ fn run(a: &Args) -> Result<serde_json::Value> {
 }
 
 fn main() {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     match run(&args) {
         Ok(v) => println!("{v:#}"),
         Err(e) => {

@@ -22,6 +22,7 @@
 //! pool thread while the caller sleeps until it is done. Both pools have as
 //! many threads (`RAYON_NUM_THREADS`, else one a core).
 
+use std::num::NonZeroUsize;
 use std::time::Instant;
 
 use candle_core::{backprop::GradStore, DType, Device, Result, Tensor};
@@ -29,11 +30,13 @@ use candle_lean_optim::LeanAdamW;
 use candle_ledger::Labeller;
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_toolkit_alloc_count::{measure, Counting};
+use clap::{error::ErrorKind, CommandFactory, Parser};
 use workbook_models::{corpus, Gpt, GptConfig, Recipe, Rng};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
+/// The run's settings, from the command line.
 struct Args {
     recipe: Recipe,
     dtype: DType,
@@ -43,70 +46,90 @@ struct Args {
     joined: bool,
 }
 
-fn parse() -> std::result::Result<Args, String> {
-    let mut config = GptConfig::default();
-    let (mut recipe, mut dtype, mut batch, mut steps) = (Recipe::Direct, DType::F32, 4, 5);
-    let mut joined = true;
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let number = || -> std::result::Result<usize, String> {
-            match value.parse::<usize>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ => Err(format!(
-                    "{flag} takes a positive whole number, got {value:?}"
-                )),
-            }
-        };
-        match flag.as_str() {
-            "--recipe" => {
-                recipe = Recipe::ALL
-                    .into_iter()
-                    .find(|r| r.name() == value)
-                    .ok_or_else(|| {
-                        let names: Vec<_> = Recipe::ALL.iter().map(|r| r.name()).collect();
-                        format!("--recipe {value:?}: one of {}", names.join(", "))
-                    })?
-            }
-            "--dtype" => {
-                dtype = match value.as_str() {
-                    "f32" => DType::F32,
-                    "bf16" => DType::BF16,
-                    "f16" => DType::F16,
-                    _ => return Err(format!("--dtype {value:?}: one of f32, bf16, f16")),
-                }
-            }
-            "--pool" => {
-                joined = match value.as_str() {
-                    "joined" => true,
-                    "outside" => false,
-                    _ => return Err(format!("--pool {value:?}: one of joined, outside")),
-                }
-            }
-            "--batch" => batch = number()?,
-            "--steps" => steps = number()?,
-            "--layers" => config.layers = number()?,
-            "--hidden" => config.hidden = number()?,
-            "--heads" => config.heads = number()?,
-            "--seq" => config.seq = number()?,
-            "--vocab" => config.vocab = number()?,
-            other => return Err(format!("unknown argument {other}")),
-        }
+/// Chapter 3's GPT trained a few steps: the whole run's exact peak and the
+/// median step time, as one JSON object.
+#[derive(Parser)]
+#[command(name = "gpt_step")]
+struct Cli {
+    /// How the step computes its gradients.
+    #[arg(long, default_value = "direct", value_parser = recipe)]
+    recipe: Recipe,
+    /// The model's dtype.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    dtype: String,
+    /// Sequences a step.
+    #[arg(long, default_value = "4")]
+    batch: NonZeroUsize,
+    /// Steps timed (after one untimed step in a run of its own).
+    #[arg(long, default_value = "5")]
+    steps: NonZeroUsize,
+    /// Blocks.
+    #[arg(long, default_value = "4")]
+    layers: NonZeroUsize,
+    /// Width of the residual stream; a multiple of `--heads`.
+    #[arg(long, default_value = "256")]
+    hidden: NonZeroUsize,
+    /// Attention heads.
+    #[arg(long, default_value = "4")]
+    heads: NonZeroUsize,
+    /// Tokens a sequence.
+    #[arg(long, default_value = "256")]
+    seq: NonZeroUsize,
+    /// Vocabulary size.
+    #[arg(long, default_value = "512")]
+    vocab: NonZeroUsize,
+    /// `joined`: the calling thread is one of rayon's pool, as OpenMP's
+    /// master thread is one of PyTorch's; `outside`: it hands each parallel
+    /// operation to a pool thread and sleeps until it is done.
+    #[arg(long, default_value = "joined", value_parser = ["joined", "outside"])]
+    pool: String,
+}
+
+/// A recipe by name.
+fn recipe(name: &str) -> std::result::Result<Recipe, String> {
+    Recipe::ALL
+        .into_iter()
+        .find(|r| r.name() == name)
+        .ok_or_else(|| {
+            let names: Vec<_> = Recipe::ALL.iter().map(|r| r.name()).collect();
+            format!("one of {}", names.join(", "))
+        })
+}
+
+fn parse() -> Args {
+    let cli = Cli::parse();
+    if cli.hidden.get() % cli.heads.get() != 0 {
+        Cli::command()
+            .error(
+                ErrorKind::ValueValidation,
+                format!(
+                    "--hidden {} is not a multiple of --heads {}",
+                    cli.hidden, cli.heads
+                ),
+            )
+            .exit();
     }
-    if config.hidden % config.heads != 0 {
-        return Err(format!(
-            "--hidden {} is not a multiple of --heads {}",
-            config.hidden, config.heads
-        ));
-    }
-    Ok(Args {
-        recipe,
+    let dtype = match cli.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => DType::F32,
+    };
+    let config = GptConfig {
+        layers: cli.layers.get(),
+        hidden: cli.hidden.get(),
+        heads: cli.heads.get(),
+        seq: cli.seq.get(),
+        vocab: cli.vocab.get(),
+        ..GptConfig::default()
+    };
+    Args {
+        recipe: cli.recipe,
         dtype,
-        batch,
-        steps,
-        config: recipe.apply(config),
-        joined,
-    })
+        batch: cli.batch.get(),
+        steps: cli.steps.get(),
+        config: cli.recipe.apply(config),
+        joined: cli.pool == "joined",
+    }
 }
 
 /// One step's gradients.
@@ -154,13 +177,7 @@ fn run(args: &Args) -> Result<Vec<f64>> {
 }
 
 fn main() {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = parse();
     if args.joined {
         let pool = rayon::ThreadPoolBuilder::new().use_current_thread();
         if let Err(e) = pool.build_global() {

@@ -8,12 +8,38 @@
 //!     [--width 1024] [--depth 16] [--batch 1024] [--relu] [--repeats 5] [--lean-only]
 //! ```
 
+use std::num::NonZeroUsize;
 use std::time::Instant;
 
 use candle_checkpoint::Sequential;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_lean_nn::{Activation, LeanLinear};
 use candle_nn::{VarBuilder, VarMap};
+use clap::Parser;
+
+/// One forward and backward of a stack of Linear + activation layers, on
+/// candle-nn's layers and on the toolkit's lean path: median wall time.
+#[derive(Parser)]
+struct Args {
+    /// Features of every layer.
+    #[arg(long, default_value = "1024")]
+    width: NonZeroUsize,
+    /// Layers.
+    #[arg(long, default_value = "16")]
+    depth: NonZeroUsize,
+    /// Rows of the batch.
+    #[arg(long, default_value = "1024")]
+    batch: NonZeroUsize,
+    /// ReLU between the layers (GELU otherwise).
+    #[arg(long)]
+    relu: bool,
+    /// Timed runs of each step; the median is reported.
+    #[arg(long, default_value = "5")]
+    repeats: NonZeroUsize,
+    /// Only the lean path.
+    #[arg(long)]
+    lean_only: bool,
+}
 
 struct Fused(LeanLinear, Activation);
 impl Module for Fused {
@@ -23,30 +49,15 @@ impl Module for Fused {
 }
 
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let (mut width, mut depth, mut batch, mut relu, mut repeats) = (1024, 16, 1024, false, 5);
-    let mut lean_only = false;
-    while let Some(flag) = args.next() {
-        let mut number = || -> usize {
-            let v = args.next().unwrap_or_default();
-            v.parse().unwrap_or_else(|_| {
-                eprintln!("error: {flag} needs a number, got {v:?}");
-                std::process::exit(2)
-            })
-        };
-        match flag.as_str() {
-            "--width" => width = number(),
-            "--depth" => depth = number(),
-            "--batch" => batch = number(),
-            "--repeats" => repeats = number().max(1),
-            "--relu" => relu = true,
-            "--lean-only" => lean_only = true,
-            other => {
-                eprintln!("error: unknown argument {other}");
-                std::process::exit(2)
-            }
-        }
-    }
+    let Args {
+        width,
+        depth,
+        batch,
+        relu,
+        repeats,
+        lean_only,
+    } = Args::parse();
+    let (width, depth, batch, repeats) = (width.get(), depth.get(), batch.get(), repeats.get());
     let dev = Device::Cpu;
     let map = VarMap::new();
     let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);

@@ -21,6 +21,7 @@ use candle_core::{DType, Device, Result, Var};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarMap};
 use candle_offload::HostAdamW;
+use clap::Parser;
 use workbook_models::taped::{batch, Config, Transformer};
 
 /// The largest relative difference allowed between the two runs' mean loss
@@ -30,6 +31,19 @@ const WINDOW: usize = 10;
 const BATCH: usize = 10;
 const MICRO: [usize; 3] = [4, 4, 2];
 const SEQ: usize = 16;
+
+/// Trains the small transformer plain and with the whole toolkit, and
+/// compares the loss curves.
+#[derive(Parser)]
+struct Args {
+    /// Steps of each run.
+    #[arg(default_value_t = 40)]
+    steps: usize,
+    /// The toolkit run's optimizer: the lean AdamW on the device, or the
+    /// host-offloaded one.
+    #[arg(default_value = "lean", value_parser = ["lean", "host"])]
+    optimizer: String,
+}
 
 fn copy_map(from: &VarMap) -> Result<VarMap> {
     let to = VarMap::new();
@@ -45,18 +59,8 @@ fn copy_map(from: &VarMap) -> Result<VarMap> {
 }
 
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let steps: usize = match args.next() {
-        Some(s) => s
-            .parse()
-            .map_err(|_| candle_core::Error::Msg(format!("steps must be a count, got {s:?}")))?,
-        None => 40,
-    };
-    let host = match args.next().as_deref() {
-        None | Some("lean") => false,
-        Some("host") => true,
-        Some(other) => candle_core::bail!("optimizer must be lean or host, got {other:?}"),
-    };
+    let Args { steps, optimizer } = Args::parse();
+    let host = optimizer == "host";
     let dev = Device::Cpu;
     let cfg = Config {
         depth: 4,
