@@ -64,15 +64,12 @@ pub fn parse_stage(s: &str) -> Result<workbook_planner::Stage, String> {
 
 pub fn parse_recipe(s: &str) -> Result<workbook_models::Recipe, String> {
     use workbook_models::Recipe;
-    Recipe::ALL
-        .into_iter()
-        .find(|r| r.name() == s)
-        .ok_or_else(|| {
-            format!(
-                "`{s}` is not a recipe; expected one of: {}",
-                Recipe::ALL.map(Recipe::name).join(", ")
-            )
-        })
+    Recipe::from_name(s).ok_or_else(|| {
+        format!(
+            "`{s}` is not a recipe; expected one of: {}",
+            Recipe::ALL.map(Recipe::name).join(", ")
+        )
+    })
 }
 
 pub fn parse_device(s: &str) -> Result<DeviceChoice, String> {

@@ -30,7 +30,7 @@ use candle_lean_optim::LeanAdamW;
 use candle_ledger::Labeller;
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_toolkit_alloc_count::{measure, Counting};
-use clap::{error::ErrorKind, CommandFactory, Parser};
+use clap::{error::ErrorKind, CommandFactory, Parser, ValueEnum};
 use workbook_models::{corpus, Gpt, GptConfig, Recipe, Rng};
 
 #[global_allocator]
@@ -54,9 +54,9 @@ struct Cli {
     /// How the step computes its gradients.
     #[arg(long, default_value = "direct", value_parser = recipe)]
     recipe: Recipe,
-    /// The model's dtype.
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
-    dtype: String,
+    /// The model's dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32", value_parser = dtype)]
+    dtype: DType,
     /// Sequences a step.
     #[arg(long, default_value = "4")]
     batch: NonZeroUsize,
@@ -78,22 +78,31 @@ struct Cli {
     /// Vocabulary size.
     #[arg(long, default_value = "512")]
     vocab: NonZeroUsize,
-    /// `joined`: the calling thread is one of rayon's pool, as OpenMP's
-    /// master thread is one of PyTorch's; `outside`: it hands each parallel
-    /// operation to a pool thread and sleeps until it is done.
-    #[arg(long, default_value = "joined", value_parser = ["joined", "outside"])]
-    pool: String,
+    /// Where the calling thread runs the step's parallel operations.
+    #[arg(long, value_enum, default_value_t = Pool::Joined)]
+    pool: Pool,
 }
 
 /// A recipe by name.
 fn recipe(name: &str) -> std::result::Result<Recipe, String> {
-    Recipe::ALL
-        .into_iter()
-        .find(|r| r.name() == name)
-        .ok_or_else(|| {
-            let names: Vec<_> = Recipe::ALL.iter().map(|r| r.name()).collect();
-            format!("one of {}", names.join(", "))
-        })
+    Recipe::from_name(name)
+        .ok_or_else(|| format!("one of {}", Recipe::ALL.map(Recipe::name).join(", ")))
+}
+
+/// A dtype by name.
+fn dtype(name: &str) -> std::result::Result<DType, String> {
+    workbook_sdk::parse_dtype(name).map_err(|e| e.to_string())
+}
+
+/// Where the calling thread runs the step's parallel operations.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Pool {
+    /// The calling thread is one of rayon's pool, as OpenMP's master
+    /// thread is one of PyTorch's.
+    Joined,
+    /// The calling thread hands each parallel operation to a pool thread
+    /// and sleeps until it is done.
+    Outside,
 }
 
 fn parse() -> Args {
@@ -109,11 +118,6 @@ fn parse() -> Args {
             )
             .exit();
     }
-    let dtype = match cli.dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        _ => DType::F32,
-    };
     let config = GptConfig {
         layers: cli.layers.get(),
         hidden: cli.hidden.get(),
@@ -124,11 +128,11 @@ fn parse() -> Args {
     };
     Args {
         recipe: cli.recipe,
-        dtype,
+        dtype: cli.dtype,
         batch: cli.batch.get(),
         steps: cli.steps.get(),
         config: cli.recipe.apply(config),
-        joined: cli.pool == "joined",
+        joined: cli.pool == Pool::Joined,
     }
 }
 

@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Result, Var};
 use candle_lean_optim::LeanAdamW;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarMap};
 use candle_offload::HostAdamW;
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use workbook_models::taped::{batch, Config, Transformer};
 
 /// The largest relative difference allowed between the two runs' mean loss
@@ -39,10 +39,18 @@ struct Args {
     /// Steps of each run.
     #[arg(default_value_t = 40)]
     steps: usize,
-    /// The toolkit run's optimizer: the lean AdamW on the device, or the
-    /// host-offloaded one.
-    #[arg(default_value = "lean", value_parser = ["lean", "host"])]
-    optimizer: String,
+    /// The toolkit run's optimizer.
+    #[arg(value_enum, default_value_t = OptimizerChoice::Lean)]
+    optimizer: OptimizerChoice,
+}
+
+/// The toolkit run's AdamW.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OptimizerChoice {
+    /// The lean AdamW, on the device.
+    Lean,
+    /// The host-offloaded AdamW.
+    Host,
 }
 
 fn copy_map(from: &VarMap) -> Result<VarMap> {
@@ -60,7 +68,7 @@ fn copy_map(from: &VarMap) -> Result<VarMap> {
 
 fn main() -> Result<()> {
     let Args { steps, optimizer } = Args::parse();
-    let host = optimizer == "host";
+    let host = optimizer == OptimizerChoice::Host;
     let dev = Device::Cpu;
     let cfg = Config {
         depth: 4,

@@ -47,6 +47,11 @@ impl Recipe {
         Recipe::DirectTiled,
     ];
 
+    /// The recipe whose [`Recipe::name`] is `name`.
+    pub fn from_name(name: &str) -> Option<Recipe> {
+        Self::ALL.into_iter().find(|r| r.name() == name)
+    }
+
     /// Whether the backward is the direct one, with no graph.
     pub fn direct(self) -> bool {
         matches!(self, Recipe::Direct | Recipe::DirectTiled)
