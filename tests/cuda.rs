@@ -16,7 +16,7 @@ use std::sync::{Mutex, MutexGuard};
 use candle_core::cuda_backend::cudarc::driver::{result, sys};
 use candle_core::{DType, Device, Tensor};
 use workbook_sdk::meter::cuda::CudaMeter;
-use workbook_sdk::meter::{Category, CountingAllocator, CpuMeter, MemorySnapshot, Meter};
+use workbook_sdk::meter::{self, Category, CountingAllocator, CpuMeter, MemorySnapshot, Meter};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -96,6 +96,90 @@ fn driver_allocations_are_counted_under_the_callers_category_and_frees_charged_t
         .scope(|| unsafe { result::free_sync(plain) })
         .expect("cuMemFree");
     assert_eq!((device(a), device(g)), (a0, g0));
+}
+
+#[test]
+fn past_the_device_cap_an_allocation_fails_as_on_a_full_card_and_is_not_counted() {
+    let _turn = turn();
+    let _gpu = match std::env::var_os("WORKBOOK_FAKE_DRIVER") {
+        Some(_) => None,
+        None => match gpu() {
+            Some(gpu) => Some(gpu),
+            None => return,
+        },
+    };
+    let held = || {
+        let s = CpuMeter::new()
+            .expect("the allocator is installed")
+            .snapshot();
+        on_device(&s, Category::Activations)
+    };
+    let stream: sys::CUstream = std::ptr::null_mut();
+    let _ = meter::take_device_refusal();
+    let before = held();
+    // Room for one MiB above what the device holds now.
+    let others = meter::device_held();
+    meter::set_device_limit(Some(others + (1 << 20)));
+    let a = Category::Activations;
+    let fits = a
+        .scope(|| unsafe { result::malloc_async(stream, 768 << 10) })
+        .expect("768 KiB fits under the cap");
+    let refused = a.scope(|| unsafe { result::malloc_async(stream, 512 << 10) });
+    let refused_sync = a.scope(|| unsafe { result::malloc_sync(512 << 10) });
+    meter::set_device_limit(None);
+    let counted = held() - before;
+    let refusal = meter::take_device_refusal();
+    let after_cap = a
+        .scope(|| unsafe { result::malloc_async(stream, 512 << 10) })
+        .expect("without the cap it fits");
+    unsafe { result::free_async(after_cap, stream) }.unwrap();
+    unsafe { result::free_async(fits, stream) }.unwrap();
+
+    for (what, r) in [("async", refused.err()), ("sync", refused_sync.err())] {
+        assert_eq!(
+            r.map(|e| e.0),
+            Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+            "the {what} allocation past the cap"
+        );
+    }
+    assert_eq!(counted, 768 << 10, "a refused allocation is not counted");
+    assert_eq!(
+        refusal,
+        Some(meter::DeviceRefusal {
+            bytes: 512 << 10,
+            held: others + (768 << 10),
+            limit: others + (1 << 20),
+        }),
+        "the first refusal is kept"
+    );
+    assert_eq!(meter::take_device_refusal(), None, "and taken once");
+    assert_eq!(held(), before);
+    assert_eq!(meter::device_held(), others);
+}
+
+#[test]
+fn a_tensor_past_the_device_cap_is_candles_out_of_memory_error() {
+    let _turn = turn();
+    let Some((device, _meter)) = gpu() else {
+        return;
+    };
+    let _ = meter::take_device_refusal();
+    let others = meter::device_held();
+    meter::set_device_limit(Some(others + (8 << 20)));
+    let small = Tensor::zeros(1 << 20, DType::F32, &device);
+    let big = Tensor::zeros(4 << 20, DType::F32, &device);
+    meter::set_device_limit(None);
+    assert!(small.is_ok(), "4 MiB fits under an 8 MiB cap");
+    let error = big.expect_err("16 MiB does not").to_string();
+    assert!(error.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{error}");
+    assert_eq!(
+        meter::take_device_refusal(),
+        Some(meter::DeviceRefusal {
+            bytes: 16 << 20,
+            held: others + (4 << 20),
+            limit: others + (8 << 20),
+        })
+    );
 }
 
 #[test]

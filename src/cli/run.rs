@@ -46,9 +46,10 @@ pub struct RunArgs {
     /// (`timeout` in a cell; one hour where neither sets one).
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     pub timeout: Option<Duration>,
-    /// The most memory a cell may hold at once, such as `8GiB` or
-    /// `500MB`: an allocation past it fails that cell [default: the
-    /// machine's physical memory].
+    /// The most memory a cell may hold at once on its device, such as
+    /// `8GiB` or `500MB`: an allocation past it fails that cell, and a
+    /// cell whose plugin needs more is not started [default: on the CPU,
+    /// the machine's physical memory; on a GPU, what the card has free].
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub max_memory: Option<u64>,
     /// Run every cell in this process instead of a worker process per
@@ -121,9 +122,13 @@ pub fn run(wb: &Workbook, args: &RunArgs) -> anyhow::Result<ExitCode> {
             // Ctrl-C ends the process as usual.
             max_memory: if *in_process {
                 None
-            } else {
+            } else if device.is_cpu_here() {
                 // The machine's physical memory by default.
-                max_memory.or_else(|| workbook::plan::memory_field("MemTotal:"))
+                max_memory.or_else(|| workbook_sdk::device::meminfo("MemTotal:"))
+            } else {
+                // A GPU's worker holds its heap to the machine's memory and
+                // the cell to what the card has free.
+                *max_memory
             },
             interrupt: (!*in_process).then(workbook::runner::interrupt_flag),
         };

@@ -192,16 +192,9 @@ impl Memory {
     }
 }
 
-/// A field of `/proc/meminfo` (`MemTotal:`, `MemAvailable:`), in bytes.
-pub fn memory_field(name: &str) -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with(name))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
 /// The memory this machine has available now (`MemAvailable`), else its
 /// physical memory; `None` where neither can be read.
 pub fn available_memory() -> Option<u64> {
-    memory_field("MemAvailable:").or_else(|| memory_field("MemTotal:"))
+    use workbook_sdk::device::meminfo;
+    meminfo("MemAvailable:").or_else(|| meminfo("MemTotal:"))
 }

@@ -417,16 +417,8 @@ fn not_registered(cell: &Cell) -> CellOutcome {
 fn refused(registry: &Registry, cell: &Cell, options: &RunOptions) -> Option<String> {
     let cap = options.max_memory?;
     let plugin = registry.get(&cell.plugin)?;
-    let (floor, what) = plugin.memory_floor_of(cell.params_for(options.check))?;
-    (floor > cap).then(|| {
-        let size = |b: u64| bytesize::ByteSize::b(b).display().iec().to_string();
-        format!(
-            "refused before running: it needs at least {} ({what}), more than the {} a cell \
-             may hold here (`--max-memory`)",
-            size(floor),
-            size(cap)
-        )
-    })
+    let floor = plugin.memory_floor_of(cell.params_for(options.check))?;
+    workbook_sdk::plugin::refusal(&floor, cap, "a cell may hold here (`--max-memory`)")
 }
 
 /// A cell that ended before it began, with `error`.

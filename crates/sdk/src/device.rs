@@ -87,6 +87,16 @@ impl DeviceChoice {
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|d| d.name() == name)
     }
+
+    /// Whether this choice gives the CPU in this build, without asking a
+    /// driver: `cpu`, or `auto` in a build without CUDA.
+    pub fn is_cpu_here(self) -> bool {
+        match self {
+            DeviceChoice::Cpu => true,
+            DeviceChoice::Auto => !cfg!(feature = "cuda"),
+            DeviceChoice::Cuda => false,
+        }
+    }
 }
 
 /// The device for `choice`, or why it cannot be had.
@@ -199,5 +209,36 @@ pub fn gpu_free_memory(device: &Device) -> Option<u64> {
             .ok()
             .map(|(free, _total)| free as u64),
         _ => None,
+    }
+}
+
+/// A field of `/proc/meminfo` (`MemTotal:`, `MemAvailable:`), in bytes;
+/// `None` where it cannot be read.
+pub fn meminfo(field: &str) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_cpu_and_auto_without_cuda_are_the_cpu_before_asking() {
+        assert!(DeviceChoice::Cpu.is_cpu_here());
+        assert!(!DeviceChoice::Cuda.is_cpu_here());
+        assert_eq!(DeviceChoice::Auto.is_cpu_here(), !cfg!(feature = "cuda"));
+    }
+
+    #[test]
+    fn meminfo_reads_this_machines_memory_in_bytes() {
+        let total = meminfo("MemTotal:").expect("Linux has /proc/meminfo");
+        let free = meminfo("MemFree:").expect("and a MemFree line");
+        // Whole KiB, and no more free than there is.
+        assert_eq!(total % 1024, 0);
+        assert!(free <= total, "{free} free of {total}");
+        assert_eq!(meminfo("NoSuchField:"), None);
     }
 }

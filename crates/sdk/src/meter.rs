@@ -34,10 +34,14 @@ use serde::{Deserialize, Serialize};
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device_cap;
 mod kernel;
 mod snapshot;
 
 pub use cpu::{CpuMeter, MeterError};
+pub use device_cap::{
+    device_admits, device_held, device_limit, set_device_limit, take_device_refusal, DeviceRefusal,
+};
 use kernel::interposer;
 pub use kernel::KernelMeter;
 pub use snapshot::{ByCategory, MemorySnapshot, PoolReading, CATEGORIES};

@@ -52,8 +52,9 @@ pub trait Plugin: Send + Sync + 'static {
     /// A lower bound of the memory the experiment must hold at once with
     /// these parameters, and what it is (`4 × 500000² f32 scores`), where
     /// the plugin can tell. A cell whose floor is above what a cell may hold
-    /// (`--max-memory`, by default the machine's memory) is refused before
-    /// it runs, and the run goes on. A floor, not an estimate: it must never
+    /// (`--max-memory`, by default the machine's memory on the CPU; on a
+    /// GPU, also what the card has free) is refused before it runs, and the
+    /// run goes on. A floor, not an estimate: it must never
     /// exceed what the cell really needs, so a refusal is always right.
     fn memory_floor(&self, params: &Self::Params) -> Option<(u64, String)> {
         let _ = params;
@@ -75,6 +76,22 @@ pub trait Plugin: Send + Sync + 'static {
 
     /// Runs the experiment.
     fn run(&self, ctx: &mut Context, params: Self::Params) -> anyhow::Result<()>;
+}
+
+/// Why a cell is refused before it runs: its plugin's floor (see
+/// [`Plugin::memory_floor`]) is above `room`, the bytes it may hold, which
+/// `room_is` names ("a cell may hold here (`--max-memory`)", "free on
+/// cuda:0 (NVIDIA H200)"). `None` when the floor fits.
+pub fn refusal(floor: &(u64, String), room: u64, room_is: &str) -> Option<String> {
+    let (bytes, what) = floor;
+    (*bytes > room).then(|| {
+        let size = |b: u64| bytesize::ByteSize::b(b).display().iec().to_string();
+        format!(
+            "refused before running: it needs at least {} ({what}), more than the {} {room_is}",
+            size(*bytes),
+            size(room)
+        )
+    })
 }
 
 /// The object-safe face of [`Plugin`], used by registries. Every `Plugin`
@@ -494,5 +511,27 @@ impl Region {
             analytic: self.analytic,
             pool: PoolUse::between(&self.baseline, &snap),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal;
+
+    #[test]
+    fn a_floor_above_the_room_is_refused_naming_both_and_one_within_it_is_not() {
+        let floor = (3 << 30, "the f32 scores, 4 × 16384²".to_string());
+        assert_eq!(
+            refusal(&floor, 2 << 30, "free on cuda:0 (NVIDIA H200)").as_deref(),
+            Some(
+                "refused before running: it needs at least 3.0 GiB (the f32 scores, 4 × \
+                 16384²), more than the 2.0 GiB free on cuda:0 (NVIDIA H200)"
+            )
+        );
+        assert_eq!(
+            refusal(&floor, 3 << 30, "free"),
+            None,
+            "a floor equal to the room fits"
+        );
     }
 }

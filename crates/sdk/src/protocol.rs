@@ -93,8 +93,10 @@ pub struct RunCell {
     pub check: bool,
     /// `auto`, `cpu` or `cuda`.
     pub device: String,
-    /// A cap on the bytes the cell may hold at once (the counting
-    /// allocator refuses an allocation past it); none when absent.
+    /// A cap on the bytes the cell may hold at once on its device; none
+    /// when absent. On the CPU the counting allocator refuses an
+    /// allocation past it; on a GPU the meter's interposer does, and the
+    /// heap is held to the machine's memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_memory: Option<u64>,
 }

@@ -262,11 +262,29 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
                     device: device::name(&device),
                     meter: meter.name().to_string(),
                 });
-                crate::meter::set_limit(request.max_memory);
+                if device.is_cpu() {
+                    crate::meter::set_limit(request.max_memory);
+                } else {
+                    if let Some(why) = card_refusal(plugin, &params, &device) {
+                        send(&Message::End(CellEnd::failed(why, 0.0)));
+                        return Ok(());
+                    }
+                    // The cap is the card's; the heap holds host memory, held
+                    // to the machine's as on the CPU.
+                    crate::meter::set_device_limit(request.max_memory);
+                    crate::meter::set_limit(device::meminfo("MemTotal:"));
+                }
                 let ctx =
                     Context::new(device.clone(), meter.clone(), request.check).with_sink(send);
-                let CellOutcome { end, .. } = execute(plugin, &params, ctx, &meter);
+                let CellOutcome { mut end, .. } = execute(plugin, &params, ctx, &meter);
                 crate::meter::set_limit(None);
+                crate::meter::set_device_limit(None);
+                if let (Some(error), Some(refused)) =
+                    (&end.error, crate::meter::take_device_refusal())
+                {
+                    // candle's words for it are the driver's error code.
+                    end.error = Some(format!("{refused}; the cell's error: {error}"));
+                }
                 send(&Message::End(end));
                 Ok(())
             })
@@ -281,6 +299,19 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
         )),
         Err(e) => fatal(format!("cannot start the cell's thread: {e}")),
     }
+}
+
+/// Why a cell is not started on a GPU: its plugin's floor is above what
+/// the card has free. (The runner holds it to `--max-memory` before it
+/// starts a worker; only the worker knows the card.)
+fn card_refusal(
+    plugin: &dyn DynPlugin,
+    params: &toml::Table,
+    device: &candle_core::Device,
+) -> Option<String> {
+    let floor = plugin.memory_floor_of(params)?;
+    let free = device::gpu_free_memory(device)?;
+    crate::plugin::refusal(&floor, free, &format!("free on {}", device::name(device)))
 }
 
 /// Runs one cell of `plugin` in this process, on the CPU, as a runner would:

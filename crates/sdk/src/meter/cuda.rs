@@ -21,7 +21,8 @@
 //! each region's and cell's report, as the check that every buffer was
 //! counted. When no allocation was seen through the interposer (a cudarc
 //! built with `dynamic-loading` bypasses it), the meter reports the pool's
-//! bytes under [`Category::Other`] instead.
+//! bytes under [`Category::Other`] instead. The interposer also holds a cell
+//! to its device cap ([`set_device_limit`](super::set_device_limit)).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -344,6 +345,8 @@ mod interposed {
     }
 
     const NOT_FOUND: CUresult = CUresult::CUDA_ERROR_NOT_FOUND;
+    /// What a full card answers; past `--max-memory`, so does the meter.
+    const OUT_OF_MEMORY: CUresult = CUresult::CUDA_ERROR_OUT_OF_MEMORY;
 
     type AllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
     type FreeAsync = unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult;
@@ -362,6 +365,9 @@ mod interposed {
         let Some(real) = *REAL.get_or_init(|| next(c"cuMemAllocAsync")) else {
             return NOT_FOUND;
         };
+        if !crate::meter::device_admits(bytesize as u64) {
+            return OUT_OF_MEMORY;
+        }
         let r = unsafe { real(dptr, bytesize, stream) };
         if r == CUresult::CUDA_SUCCESS {
             allocated(unsafe { *dptr }, bytesize);
@@ -389,6 +395,9 @@ mod interposed {
         let Some(real) = *REAL.get_or_init(|| next(c"cuMemAlloc_v2")) else {
             return NOT_FOUND;
         };
+        if !crate::meter::device_admits(bytesize as u64) {
+            return OUT_OF_MEMORY;
+        }
         let r = unsafe { real(dptr, bytesize) };
         if r == CUresult::CUDA_SUCCESS {
             allocated(unsafe { *dptr }, bytesize);
