@@ -24,6 +24,53 @@ pub struct Assertion {
     source: String,
     tree: Node<DefaultNumericTypes>,
     reads: Vec<String>,
+    device: Option<OnDevice>,
+}
+
+/// The kind of device an assertion states a fact of (`device = "cpu"` in a
+/// chapter): how that device's kernels treat bf16, what its timings favour.
+/// Such an assertion is checked where its cell ran on that kind of device,
+/// and reported as skipped elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDevice {
+    /// The CPU.
+    Cpu,
+    /// A CUDA GPU.
+    Cuda,
+}
+
+impl OnDevice {
+    /// Every kind, as a chapter names them.
+    pub const ALL: [OnDevice; 2] = [OnDevice::Cpu, OnDevice::Cuda];
+
+    /// The name a chapter uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnDevice::Cpu => "cpu",
+            OnDevice::Cuda => "cuda",
+        }
+    }
+
+    /// The kind of that name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
+    /// Whether `device`, as a report names it (`cpu`, `cuda:0 (NVIDIA
+    /// H200)`), is of this kind.
+    pub fn covers(self, device: &str) -> bool {
+        match self {
+            OnDevice::Cpu => device == "cpu",
+            OnDevice::Cuda => device == "cuda" || device.starts_with("cuda:"),
+        }
+    }
+
+    fn phrase(self) -> &'static str {
+        match self {
+            OnDevice::Cpu => "the CPU",
+            OnDevice::Cuda => "a CUDA GPU",
+        }
+    }
 }
 
 /// The outcome of one assertion.
@@ -150,7 +197,21 @@ impl Assertion {
             source: source.to_string(),
             tree,
             reads,
+            device: None,
         })
+    }
+
+    /// The same assertion, checked only where its cell ran on `device`.
+    pub fn on(self, device: OnDevice) -> Self {
+        Self {
+            device: Some(device),
+            ..self
+        }
+    }
+
+    /// The kind of device it is checked on, if only one.
+    pub fn device(&self) -> Option<OnDevice> {
+        self.device
     }
 
     /// The expression as written.
@@ -171,6 +232,23 @@ impl Assertion {
             skipped: true,
             values: IndexMap::new(),
             message: Some(why.to_string()),
+        }
+    }
+
+    /// Evaluates against `metrics` from a cell that ran on `ran_on` (as a
+    /// report names the device; `None` where it is not known): skipped, and
+    /// why, when it holds on another kind of device.
+    pub fn evaluate_on(
+        &self,
+        ran_on: Option<&str>,
+        metrics: &IndexMap<String, f64>,
+    ) -> AssertionResult {
+        match (self.device, ran_on) {
+            (Some(kind), Some(ran_on)) if !kind.covers(ran_on) => self.skip(&format!(
+                "checked on {} only; this cell ran on {ran_on}",
+                kind.phrase()
+            )),
+            _ => self.evaluate(metrics),
         }
     }
 
@@ -268,5 +346,36 @@ mod tests {
         let a = Assertion::parse(&terms).unwrap();
         let metrics = indexmap::IndexMap::from([("a".to_string(), 1.0)]);
         assert!(a.evaluate(&metrics).passed);
+    }
+
+    #[test]
+    fn an_assertion_for_one_device_is_checked_there_and_skipped_elsewhere() {
+        let metrics = indexmap::IndexMap::from([("a".to_string(), 2.0)]);
+        let cpu = Assertion::parse("a > 1").unwrap().on(OnDevice::Cpu);
+        let cuda = Assertion::parse("a < 1").unwrap().on(OnDevice::Cuda);
+        assert!(cpu.evaluate_on(Some("cpu"), &metrics).passed);
+        let skipped = cpu.evaluate_on(Some("cuda:0 (NVIDIA H200)"), &metrics);
+        assert!(skipped.skipped && !skipped.passed);
+        assert_eq!(
+            skipped.message.as_deref(),
+            Some("checked on the CPU only; this cell ran on cuda:0 (NVIDIA H200)")
+        );
+        // On its own device it is checked, and this one fails.
+        let failed = cuda.evaluate_on(Some("cuda:1"), &metrics);
+        assert!(!failed.passed && !failed.skipped);
+        assert_eq!(
+            cuda.evaluate_on(Some("cpu"), &metrics).message.as_deref(),
+            Some("checked on a CUDA GPU only; this cell ran on cpu")
+        );
+        // Where the device is not known (the cell did not start), it is
+        // checked, and fails with the rest.
+        assert!(!cuda.evaluate_on(None, &metrics).skipped);
+        // An assertion for every device is checked on each.
+        let any = Assertion::parse("a > 1").unwrap();
+        assert_eq!(any.device(), None);
+        assert!(any.evaluate_on(Some("cuda:0"), &metrics).passed);
+        assert!(!OnDevice::Cuda.covers("cudax") && !OnDevice::Cpu.covers("cpu0"));
+        assert_eq!(OnDevice::from_name("cuda"), Some(OnDevice::Cuda));
+        assert_eq!(OnDevice::from_name("auto"), None);
     }
 }

@@ -236,3 +236,50 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines, expected, "{err}");
 }
+
+#[test]
+fn an_assertions_device_must_be_cpu_or_cuda_and_its_table_take_expr_and_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            r#"assertions = [{ expr = "large_params > 0", device = "gpu" }]"#,
+            "dv.toml:9:53: cell `footprint`: assertion `large_params > 0` names device `gpu`, \
+             which is neither `cpu` nor `cuda`; did you mean `cpu`?",
+        ),
+        (
+            r#"assertions = [{ expr = "large_params > 0", on = "cpu" }]"#,
+            "dv.toml:9:44: unknown field `on`, expected `expr` or `device`",
+        ),
+        (
+            r#"assertions = [{ device = "cpu" }]"#,
+            "dv.toml:9:15: missing field `expr`",
+        ),
+        (
+            r#"assertions = ["large_params > 0", 42]"#,
+            "dv.toml:9:35: invalid type: integer `42`, expected an expression (\"peak < 0.5 * \
+             plain\"), or a table naming the device it holds on ({ expr = \"...\", device = \
+             \"cpu\" })",
+        ),
+        (
+            r#"full_size_assertions = [{ expr = "large_params >", device = "cuda" }]"#,
+            "dv.toml:9:25: cell `footprint`: assertion `large_params >` does not parse",
+        ),
+        (
+            r#"assertions = [{ expr = "nope > 0", device = "cpu" }]"#,
+            "dv.toml:9:15: cell `footprint`: assertion `nope > 0` reads `nope`, which plugin \
+             `footprint` does not record",
+        ),
+    ];
+    for (line, expected) in cases {
+        let chapter = format!("format_version = 1\nid = \"dv\"\ntitle = \"T\"\n{CELL}{line}\n");
+        std::fs::write(dir.path().join("dv.toml"), chapter).unwrap();
+        let err = refused(&["validate", "dv.toml"], dir.path());
+        assert!(err.contains(expected), "{line}: {err}");
+    }
+    // Both forms, a device or none, validate.
+    let good = r#"assertions = ["large_params > 0", { expr = "small_params > 0" }, { expr = "large_params > small_params", device = "cuda" }]"#;
+    let chapter = format!("format_version = 1\nid = \"dv\"\ntitle = \"T\"\n{CELL}{good}\n");
+    std::fs::write(dir.path().join("dv.toml"), chapter).unwrap();
+    let o = workbook(&["validate", "dv.toml"], dir.path());
+    assert!(o.status.success(), "{}", text(&o).1);
+}

@@ -203,6 +203,19 @@ fn failed_assertions_fail_the_run_and_list_the_metrics_produced() {
 }
 
 #[test]
+fn an_assertion_for_another_device_is_skipped_in_a_worker_run_and_says_why() {
+    let o = workbook(&["run", &fixture("on_device.toml"), "--device", "cpu"]);
+    let (out, _) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("✓ small_params == 17802"), "{out}");
+    assert!(
+        out.contains("(skipped: checked on a CUDA GPU only; this cell ran on cpu)"),
+        "{out}"
+    );
+    assert_eq!(out.lines().last(), Some("2 passed, 0 failed, 1 skipped"));
+}
+
+#[test]
 fn fail_fast_skips_the_cells_after_a_failure() {
     let o = workbook(&["run", &fixture("failing.toml"), "--fail-fast"]);
     let (out, _) = text(&o);

@@ -396,6 +396,48 @@ value = 1
 }
 
 #[test]
+fn an_assertion_for_one_device_is_checked_there_and_skipped_on_another() {
+    let _turn = turn();
+    let file = chapter_file(
+        r#"
+format_version = 1
+id = "devices"
+title = "Devices"
+
+[[cells]]
+id = "echo"
+title = "Echo"
+plugin = "echo"
+assertions = [
+  "value > 0",
+  { expr = "value > 1", device = "cpu" },
+  { expr = "value > 5", device = "cuda" },
+]
+full_size_assertions = [{ expr = "value < 1", device = "cpu" }]
+[cells.params]
+value = 2
+"#,
+    );
+    let wb = workbook();
+    let chapter = wb.load(file.path().to_str().unwrap()).unwrap();
+    let report = wb
+        .run(&chapter, &RunOptions::default(), &mut Quiet)
+        .unwrap();
+    assert_eq!(report.device, "cpu", "a build without CUDA runs on the CPU");
+    let a = &report.cells[0].assertions;
+    assert_eq!(a.len(), 4);
+    assert!(a[1].passed && !a[1].skipped, "{:?}", a[1]);
+    assert!(a[2].skipped && !a[2].passed, "{:?}", a[2]);
+    assert_eq!(
+        a[2].message.as_deref(),
+        Some("checked on a CUDA GPU only; this cell ran on cpu")
+    );
+    // A full-size assertion for the CPU is checked there, and here fails.
+    assert!(!a[3].passed && !a[3].skipped, "{:?}", a[3]);
+    assert_eq!(report.summary.line(), "2 passed, 1 failed, 1 skipped");
+}
+
+#[test]
 fn a_cells_peak_holds_what_it_freed_before_its_regions() {
     let _turn = turn();
     let file = chapter_file(

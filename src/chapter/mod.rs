@@ -13,7 +13,11 @@
 //! title = "2.1 Parameter footprint"
 //! plugin = "footprint"                   # a registered plugin
 //! prose = "Markdown shown before the results."
-//! assertions = ["large_params > small_params"]
+//! assertions = [
+//!   "large_params > small_params",
+//!   # a fact of one kind of device (cpu, cuda): skipped elsewhere
+//!   { expr = "seconds_tiled < seconds_naive", device = "cpu" },
+//! ]
 //! full_size_assertions = ["large_params > 300000"]  # checked at full size only
 //! [cells.params]                         # full-size parameters
 //! batch = 32
@@ -33,6 +37,7 @@ use crate::assertion::Assertion;
 
 mod find;
 mod parse;
+mod raw_assertion;
 mod schema;
 
 pub use find::{available, default_dirs, load_path, not_a_regular_file, resolve};

@@ -8,8 +8,9 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 use toml::Spanned;
 
+use super::raw_assertion::{AssertionSchema, RawAssertion};
 use super::{Cell, Chapter, ChapterError, Location, FORMAT_VERSION};
-use crate::assertion::Assertion;
+use crate::assertion::{Assertion, OnDevice};
 use crate::excerpt::{excerpt, quote};
 use crate::registry::{Registry, Unusable};
 use crate::suggest;
@@ -68,15 +69,17 @@ struct RawCell {
     #[schemars(with = "std::collections::BTreeMap<String, serde_json::Value>")]
     check: SpannedTable,
     /// Expressions over the cell's metrics that must be true
-    /// (`peak_ratio < 0.5`).
+    /// (`peak_ratio < 0.5`); one that states a fact of one kind of device
+    /// is a table naming it (`{ expr = "...", device = "cpu" }`), checked
+    /// where the cell ran there and reported as skipped elsewhere.
     #[serde(default)]
-    #[schemars(with = "Vec<String>")]
-    assertions: Vec<Spanned<String>>,
+    #[schemars(with = "Vec<AssertionSchema>", extend("default" = []))]
+    assertions: Vec<Spanned<RawAssertion>>,
     /// Assertions checked at full size only (reported as skipped in check
-    /// mode).
+    /// mode), in either form.
     #[serde(default)]
-    #[schemars(with = "Vec<String>")]
-    full_size_assertions: Vec<Spanned<String>>,
+    #[schemars(with = "Vec<AssertionSchema>", extend("default" = []))]
+    full_size_assertions: Vec<Spanned<RawAssertion>>,
     /// The cell's time limit in seconds.
     #[schemars(with = "Option<f64>", range(min = 0.001))]
     timeout: Option<Spanned<f64>>,
@@ -248,11 +251,37 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             }
         }
         let declared = registry.get(plugin_name).map(|p| p.declared_metrics());
-        let mut parse_all = |list: &[Spanned<String>]| {
+        let mut parse_all = |list: &[Spanned<RawAssertion>]| {
             let mut parsed = Vec::new();
-            for a in list {
+            for entry in list {
+                let a = Spanned::new(entry.span(), entry.get_ref().expr.clone());
+                let device = match &entry.get_ref().device {
+                    None => None,
+                    Some(d) => match OnDevice::from_name(d.get_ref()) {
+                        Some(kind) => Some(kind),
+                        None => {
+                            let names = OnDevice::ALL.map(OnDevice::name);
+                            errors.push(src.error(
+                                d.span(),
+                                Some(&shown_id),
+                                format!(
+                                    "assertion `{}` names device `{}`, which is neither `cpu` \
+                                     nor `cuda`{}",
+                                    quote(a.get_ref()),
+                                    quote(d.get_ref()),
+                                    suggest::did_you_mean(d.get_ref(), names),
+                                ),
+                            ));
+                            continue;
+                        }
+                    },
+                };
                 match Assertion::parse(a.get_ref()) {
                     Ok(assertion) => {
+                        let assertion = match device {
+                            Some(kind) => assertion.on(kind),
+                            None => assertion,
+                        };
                         if let Some(declared) = &declared {
                             for metric in assertion.reads() {
                                 if declared.iter().any(|d| d.matches(metric)) {

@@ -247,29 +247,36 @@ fn run_in_process(
                         let _ = tx.send(Event::Started(position));
                         let plugin = registry.get(&cell.plugin);
                         let external = registry.program(&cell.plugin);
-                        let outcome = match (refused(registry, cell, options), plugin, external) {
-                            (Some(why), _, _) => not_run(why),
-                            (None, Some(_), Some(program)) => {
-                                // An external plugin runs in its own process
-                                // whatever the isolation.
-                                let command = WorkerCommand::external(program);
-                                match in_worker(&command, cell, options) {
-                                    process::WorkerResult::Ran(outcome, _) => *outcome,
-                                    process::WorkerResult::Fatal(message) => not_run(message),
+                        let here = Some(device_name(&device));
+                        let (outcome, ran_on) =
+                            match (refused(registry, cell, options), plugin, external) {
+                                (Some(why), _, _) => (not_run(why), None),
+                                (None, Some(_), Some(program)) => {
+                                    // An external plugin runs in its own
+                                    // process whatever the isolation.
+                                    let command = WorkerCommand::external(program);
+                                    match in_worker(&command, cell, options) {
+                                        process::WorkerResult::Ran(outcome, hello) => {
+                                            (*outcome, hello.map(|h| h.device))
+                                        }
+                                        process::WorkerResult::Fatal(message) => {
+                                            (not_run(message), None)
+                                        }
+                                    }
                                 }
-                            }
-                            (None, Some(plugin), None) => {
-                                let mut ctx =
-                                    Context::new(device.clone(), meter.clone(), options.check);
-                                if let Some(progress) = &options.progress {
-                                    let progress = progress.clone();
-                                    ctx = ctx.with_progress(move |m| progress(m));
+                                (None, Some(plugin), None) => {
+                                    let mut ctx =
+                                        Context::new(device.clone(), meter.clone(), options.check);
+                                    if let Some(progress) = &options.progress {
+                                        let progress = progress.clone();
+                                        ctx = ctx.with_progress(move |m| progress(m));
+                                    }
+                                    let params = cell.params_for(options.check);
+                                    (execute(plugin, params, ctx, &meter), here)
                                 }
-                                execute(plugin, cell.params_for(options.check), ctx, &meter)
-                            }
-                            (None, None, _) => not_registered(cell),
-                        };
-                        assemble(registry, cell, options.check, outcome)
+                                (None, None, _) => (not_registered(cell), None),
+                            };
+                        assemble(registry, cell, options.check, ran_on.as_deref(), outcome)
                     };
                     stop |= stops(options, cell_report.status);
                     if tx.send(Event::Finished(Box::new(cell_report))).is_err() {
@@ -318,18 +325,20 @@ fn run_in_workers(
         } else if let Some(why) = refused(registry, cell, options) {
             begin(&mut started, observer, report);
             observer.cell_started(index, cell);
-            assemble(registry, cell, options.check, not_run(why))
+            assemble(registry, cell, options.check, None, not_run(why))
         } else {
             if started {
                 observer.cell_started(index, cell);
             }
             let external = registry.program(&cell.plugin).map(WorkerCommand::external);
+            let mut ran_on = None;
             let outcome = match in_worker(external.as_ref().unwrap_or(command), cell, options) {
                 // An external plugin that cannot run is its cells' failure;
                 // the workbook's own worker that cannot, the run's.
                 process::WorkerResult::Fatal(message) if external.is_some() => not_run(message),
                 process::WorkerResult::Fatal(message) => return Err(RunError::Device(message)),
                 process::WorkerResult::Ran(mut outcome, hello) => {
+                    ran_on = hello.as_ref().map(|h| h.device.clone());
                     match hello {
                         // The report names the device of its first cell...
                         Some(h) if report.meter.is_empty() => {
@@ -356,7 +365,7 @@ fn run_in_workers(
                 begin(&mut started, observer, report);
                 observer.cell_started(index, cell);
             }
-            assemble(registry, cell, options.check, outcome)
+            assemble(registry, cell, options.check, ran_on.as_deref(), outcome)
         };
         begin(&mut started, observer, report);
         stop |= stops(options, cell_report.status);
@@ -468,21 +477,28 @@ fn skipped(registry: &Registry, cell: &Cell, check: bool, why: &str) -> CellRepo
     }
 }
 
-/// A cell's report from what its run produced: its assertions are checked
-/// against the metrics it recorded.
-fn assemble(registry: &Registry, cell: &Cell, check: bool, outcome: CellOutcome) -> CellReport {
+/// A cell's report from what its run produced on the device `ran_on` (as
+/// the report names it; `None` where it did not start): its assertions are
+/// checked against the metrics it recorded.
+fn assemble(
+    registry: &Registry,
+    cell: &Cell,
+    check: bool,
+    ran_on: Option<&str>,
+    outcome: CellOutcome,
+) -> CellReport {
     let CellOutcome { output, end } = outcome;
     let error = end.error;
     let mut assertions: Vec<AssertionResult> = cell
         .assertions
         .iter()
-        .map(|a| a.evaluate(&output.metrics))
+        .map(|a| a.evaluate_on(ran_on, &output.metrics))
         .collect();
     assertions.extend(cell.full_size_assertions.iter().map(|a| {
         if check {
             a.skip("checked at full size only")
         } else {
-            a.evaluate(&output.metrics)
+            a.evaluate_on(ran_on, &output.metrics)
         }
     }));
     // The plugin is held to the metrics it declares: what `validate`
