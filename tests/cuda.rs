@@ -1,7 +1,9 @@
 //! The CUDA meter: the interposed driver calls counting each buffer under
 //! its allocator's category, and on a real GPU a tensor's bytes counted
-//! exactly, with the memory pool's own figures agreeing. And the toolkit's
-//! CUDA kernels: LeanAdamW's update in place, equal to candle_nn's AdamW.
+//! exactly, with the memory pool's own figures agreeing; `--max-memory`'s
+//! device cap. And the toolkit on the GPU: LeanAdamW's update in place,
+//! equal to candle_nn's AdamW, and the accumulator's sum in place, equal to
+//! candle's addition.
 //!
 //! Built with `--features cuda`. Where no GPU answers, the GPU tests say so
 //! and pass, unless `WORKBOOK_REQUIRE_GPU` is set: then they fail. With
@@ -337,5 +339,42 @@ fn lean_adamw_updates_in_place_on_the_gpu_as_candle_nn_adamw_does() {
                 "{dtype:?}: after step {step} the weights differ by {diff:e} (relative)"
             );
         }
+    }
+}
+
+#[test]
+fn accumulated_gradients_join_the_sum_in_place_on_the_gpu_with_candles_bits() {
+    use candle_accumulate::GradAccumulator;
+    use candle_core::Var;
+    let _turn = turn();
+    let Some((device, _meter)) = gpu() else {
+        return;
+    };
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let w = Var::zeros(1000, dtype, &device).unwrap();
+        let grad = |seed: f64| {
+            (Tensor::arange(0f32, 1000., &device).unwrap() * seed)
+                .unwrap()
+                .sin()
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let gs = [grad(0.37), grad(1.91), grad(-2.3)];
+        // candle's own sum, the order the accumulator adds in.
+        let plain = ((&gs[0] + &gs[1]).unwrap() + &gs[2]).unwrap();
+        let first_id = gs[0].id();
+        let mut acc = GradAccumulator::new(vec![w.clone()], 3);
+        for g in gs {
+            acc.add_weighted_with(1, |add| add(&w, g)).unwrap();
+        }
+        let total = acc.grads().unwrap().get(w.as_tensor()).unwrap().clone();
+        assert_eq!(
+            total.id(),
+            first_id,
+            "{dtype:?}: added into the first gradient"
+        );
+        let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        assert_eq!(bits(&total), bits(&plain), "{dtype:?}: candle's bits");
     }
 }

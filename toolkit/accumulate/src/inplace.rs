@@ -25,16 +25,39 @@ impl InplaceOp2 for AddAssign {
             _ => bail!("add-assign: f32 sum and gradient of one size only"),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &mut candle_core::CudaStorage,
+        sl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let (Some(s_range), Some(g_range)) = (sl.contiguous_offsets(), gl.contiguous_offsets())
+        else {
+            bail!("add-assign: the sum and the gradient must be contiguous");
+        };
+        crate::cuda::add_assign(s, s_range, g, g_range)
+    }
 }
 
-/// Adds `g` into `sum`'s storage when both are contiguous f32 of one shape
-/// on the CPU (the sum must be held by nothing else); returns whether it
-/// did. The same additions as `sum + g`, so the same bits.
+/// Adds `g` into `sum`'s storage when both are contiguous and of one shape
+/// and dtype on one device: f32 on the CPU; f32, f64, f16 or bf16 on a CUDA
+/// GPU (with the `cuda` feature). The sum must be held by nothing else.
+/// Returns whether it did. The same additions as `sum + g`, so the same
+/// bits.
 pub(crate) fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
-    let fits = sum.device().is_cpu()
-        && g.device().is_cpu()
-        && sum.dtype() == DType::F32
-        && g.dtype() == DType::F32
+    let on_cpu = sum.device().is_cpu() && g.device().is_cpu() && sum.dtype() == DType::F32;
+    let on_gpu = cfg!(feature = "cuda")
+        && sum.device().is_cuda()
+        && sum.device().same_device(g.device())
+        && matches!(
+            sum.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        );
+    let fits = (on_cpu || on_gpu)
+        && sum.dtype() == g.dtype()
         && sum.shape() == g.shape()
         && sum.is_contiguous()
         && g.is_contiguous();

@@ -13,6 +13,8 @@
 #![warn(missing_docs)]
 
 mod accumulator;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod inplace;
 mod owning;
 
