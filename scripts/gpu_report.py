@@ -77,21 +77,30 @@ def chapter2(folder):
 
 
 def chapters(folder):
-    """Each chapter's cells as run on the card, with the assertions that failed."""
+    """Each chapter's cells as run on the card, with the assertions that failed
+    and those the chapter checks on another kind of device only."""
     body = []
+    cell_text = lambda text: " ".join(text.split()).replace("|", "\\|")
     for name in ("chapter2", "chapter3"):
         report = load(folder, f"{name}.json")
         if report is None:
-            body.append((name, "-", "not run or no report (see summary.tsv)", ""))
+            body.append((name, "-", "not run or no report (see summary.tsv)", "", ""))
             continue
         for cell in report["cells"]:
-            failed = [a["expr"] for a in cell.get("assertions", []) if not a["passed"] and not a.get("skipped")]
+            assertions = cell.get("assertions", [])
+            failed = [a["expr"] for a in assertions if not a["passed"] and not a.get("skipped")]
+            elsewhere = [
+                a["expr"]
+                for a in assertions
+                if a.get("skipped") and (a.get("message") or "").startswith("checked on ")
+            ]
             # An error's first line (with RUST_BACKTRACE set, candle's
             # errors carry a backtrace after it).
             error = (cell.get("error") or "").strip().splitlines()
             why = error[0] if error else "; ".join(f"`{e}`" for e in failed)
-            body.append((name, cell["id"], cell["status"], " ".join(why.split()).replace("|", "\\|")))
-    return table(("chapter", "cell", "status", "what failed"), body)
+            other = "; ".join(f"`{e}`" for e in elsewhere)
+            body.append((name, cell["id"], cell["status"], cell_text(why), cell_text(other)))
+    return table(("chapter", "cell", "status", "what failed", "checked on another device only"), body)
 
 
 def gpt(folder, dtype):
