@@ -53,6 +53,16 @@ fn gpu() -> Option<(Device, CudaMeter)> {
     }
 }
 
+/// For the tests of the driver calls themselves: the stand-in driver
+/// (`Some(None)`), else the first GPU and its meter, whose binding of a
+/// context a real driver needs; `None` where neither is there.
+fn driver() -> Option<Option<(Device, CudaMeter)>> {
+    match std::env::var_os("WORKBOOK_FAKE_DRIVER") {
+        Some(_) => Some(None),
+        None => gpu().map(Some),
+    }
+}
+
 /// Device-resident bytes of one category.
 fn on_device(s: &MemorySnapshot, c: Category) -> u64 {
     s.current.get(c) - s.host.get(c)
@@ -61,14 +71,7 @@ fn on_device(s: &MemorySnapshot, c: Category) -> u64 {
 #[test]
 fn driver_allocations_are_counted_under_the_callers_category_and_frees_charged_to_it() {
     let _turn = turn();
-    // A real driver needs a current context, which the meter binds.
-    let _gpu = match std::env::var_os("WORKBOOK_FAKE_DRIVER") {
-        Some(_) => None,
-        None => match gpu() {
-            Some(gpu) => Some(gpu),
-            None => return,
-        },
-    };
+    let Some(_gpu) = driver() else { return };
     let device = |c| {
         let s = CpuMeter::new()
             .expect("the allocator is installed")
@@ -103,13 +106,7 @@ fn driver_allocations_are_counted_under_the_callers_category_and_frees_charged_t
 #[test]
 fn past_the_device_cap_an_allocation_fails_as_on_a_full_card_and_is_not_counted() {
     let _turn = turn();
-    let _gpu = match std::env::var_os("WORKBOOK_FAKE_DRIVER") {
-        Some(_) => None,
-        None => match gpu() {
-            Some(gpu) => Some(gpu),
-            None => return,
-        },
-    };
+    let Some(_gpu) = driver() else { return };
     let held = || {
         let s = CpuMeter::new()
             .expect("the allocator is installed")
