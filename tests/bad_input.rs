@@ -262,11 +262,11 @@ fn an_assertions_device_must_be_cpu_or_cuda_and_its_table_take_expr_and_device()
         ),
         (
             r#"full_size_assertions = [{ expr = "large_params >", device = "cuda" }]"#,
-            "dv.toml:9:25: cell `footprint`: assertion `large_params >` does not parse",
+            "dv.toml:9:34: cell `footprint`: assertion `large_params >` does not parse",
         ),
         (
             r#"assertions = [{ expr = "nope > 0", device = "cpu" }]"#,
-            "dv.toml:9:15: cell `footprint`: assertion `nope > 0` reads `nope`, which plugin \
+            "dv.toml:9:24: cell `footprint`: assertion `nope > 0` reads `nope`, which plugin \
              `footprint` does not record",
         ),
     ];

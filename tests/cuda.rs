@@ -348,16 +348,21 @@ fn accumulated_gradients_join_the_sum_in_place_on_the_gpu_with_candles_bits() {
         return;
     };
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-        let w = Var::zeros(1000, dtype, &device).unwrap();
-        let grad = |seed: f64| {
-            (Tensor::arange(0f32, 1000., &device).unwrap() * seed)
+        // 1003 elements: not a multiple of the kernel's vector width, so
+        // its scalar tail runs too.
+        let w = Var::zeros(1003, dtype, &device).unwrap();
+        let grad = |seed: f64, len: usize| {
+            (Tensor::arange(0f32, len as f32, &device).unwrap() * seed)
                 .unwrap()
                 .sin()
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap()
         };
-        let gs = [grad(0.37), grad(1.91), grad(-2.3)];
+        // The sum starts as a view three elements into its buffer: an
+        // address the vector loads cannot take.
+        let first = grad(0.37, 1006).narrow(0, 3, 1003).unwrap();
+        let gs = [first, grad(1.91, 1003), grad(-2.3, 1003)];
         // candle's own sum, the order the accumulator adds in.
         let plain = ((&gs[0] + &gs[1]).unwrap() + &gs[2]).unwrap();
         let first_id = gs[0].id();

@@ -230,7 +230,7 @@ fn a_plugin_of_another_protocol_version_is_named_with_both_versions() {
     assert!(
         out.contains(&format!(
             "old              (cannot be used: plugin program {}: it speaks protocol version 1; \
-             this workbook speaks version 2 (rebuild the plugin against this workbook's SDK))",
+             this workbook speaks version 3 (rebuild the plugin against this workbook's SDK))",
             bin.join("workbook-plugin-old").display()
         )),
         "{out}"
@@ -248,7 +248,7 @@ fn a_plugin_of_another_protocol_version_is_named_with_both_versions() {
     assert_eq!(o.status.code(), Some(2));
     assert!(
         err.contains("plugin `old` cannot be used: plugin program")
-            && err.contains("it speaks protocol version 1; this workbook speaks version 2"),
+            && err.contains("it speaks protocol version 1; this workbook speaks version 3"),
         "{err}"
     );
 }
@@ -317,7 +317,7 @@ fn plugins_beside_a_chapter_are_found() {
     script(
         &tmp.path().join("plugins"),
         "local",
-        r#"read line; echo '{"type":"described","protocol":2,"plugins":[{"name":"local","description":"a local plugin","params":{},"metrics":[]}]}'"#,
+        r#"read line; echo '{"type":"described","protocol":3,"plugins":[{"name":"local","description":"a local plugin","params":{},"metrics":[]}]}'"#,
     );
     let chapter = tmp.path().join("c.toml");
     std::fs::write(
@@ -347,7 +347,7 @@ fn a_plugin_that_floods_its_error_stream_is_still_heard() {
     script(
         &bin,
         "loud",
-        r#"head -c 1048576 /dev/zero | tr '\0' 'x' >&2; read line; echo '{"type":"described","protocol":2,"plugins":[{"name":"loud","description":"a loud plugin","params":{},"metrics":[]}]}'"#,
+        r#"head -c 1048576 /dev/zero | tr '\0' 'x' >&2; read line; echo '{"type":"described","protocol":3,"plugins":[{"name":"loud","description":"a loud plugin","params":{},"metrics":[]}]}'"#,
     );
     let o = workbook(&["describe", "loud"], &path_with(&bin), tmp.path());
     let (out, err) = text(&o);
@@ -387,7 +387,7 @@ fn an_external_plugin_is_started_only_when_needed() {
         &bin,
         "idle",
         &format!(
-            r#"touch "{}"; read line; echo '{{"type":"described","protocol":2,"plugins":[{{"name":"idle","description":"d","params":{{}},"metrics":[]}}]}}'"#,
+            r#"touch "{}"; read line; echo '{{"type":"described","protocol":3,"plugins":[{{"name":"idle","description":"d","params":{{}},"metrics":[]}}]}}'"#,
             started.display()
         ),
     );

@@ -339,7 +339,7 @@ fn a_worker_of_another_protocol_version_is_named() {
     assert_eq!(
         String::from_utf8_lossy(&o.stdout),
         "{\"type\":\"fatal\",\"message\":\"the runner speaks protocol version 99; this process \
-         speaks version 2\"}\n"
+         speaks version 3\"}\n"
     );
 }
 

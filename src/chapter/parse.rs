@@ -254,7 +254,9 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
         let mut parse_all = |list: &[Spanned<RawAssertion>]| {
             let mut parsed = Vec::new();
             for entry in list {
-                let a = Spanned::new(entry.span(), entry.get_ref().expr.clone());
+                let raw = entry.get_ref();
+                let span = raw.expr_span.clone().unwrap_or_else(|| entry.span());
+                let a = Spanned::new(span, raw.expr.clone());
                 let device = match &entry.get_ref().device {
                     None => None,
                     Some(d) => match OnDevice::from_name(d.get_ref()) {

@@ -18,6 +18,9 @@ use toml::Spanned;
 pub(super) struct RawAssertion {
     /// The expression.
     pub expr: String,
+    /// Where the expression is, in the table form (the entry's own span
+    /// locates the plain form).
+    pub expr_span: Option<std::ops::Range<usize>>,
     /// The device it is checked on, where it names one.
     pub device: Option<Spanned<String>>,
 }
@@ -26,7 +29,7 @@ pub(super) struct RawAssertion {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct OnDeviceTable {
-    expr: String,
+    expr: Spanned<String>,
     #[serde(default)]
     device: Option<Spanned<String>>,
 }
@@ -47,6 +50,7 @@ impl<'de> Deserialize<'de> for RawAssertion {
             fn visit_str<E: de::Error>(self, expr: &str) -> Result<RawAssertion, E> {
                 Ok(RawAssertion {
                     expr: expr.to_string(),
+                    expr_span: None,
                     device: None,
                 })
             }
@@ -54,7 +58,8 @@ impl<'de> Deserialize<'de> for RawAssertion {
             fn visit_map<M: MapAccess<'de>>(self, map: M) -> Result<RawAssertion, M::Error> {
                 let t = OnDeviceTable::deserialize(de::value::MapAccessDeserializer::new(map))?;
                 Ok(RawAssertion {
-                    expr: t.expr,
+                    expr_span: Some(t.expr.span()),
+                    expr: t.expr.into_inner(),
                     device: t.device,
                 })
             }

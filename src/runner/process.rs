@@ -251,7 +251,11 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
             status.ok(),
             &tail,
             garbled.as_deref(),
-            watch.max_memory,
+            // On a GPU the cap is the card's: a heap that ran out ran into
+            // the machine's memory instead.
+            watch
+                .max_memory
+                .filter(|_| hello.as_ref().is_none_or(|h| h.device == "cpu")),
         )),
     };
     let end = match end {

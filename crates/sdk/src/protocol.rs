@@ -35,7 +35,7 @@ use crate::rules::Violation;
 
 /// The version of this protocol. A change that an older peer cannot read
 /// takes a new version.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The longest line either side may write, newline included: a runner
 /// stops reading a process past it (a plugin that never ends its line
@@ -95,8 +95,9 @@ pub struct RunCell {
     pub device: String,
     /// A cap on the bytes the cell may hold at once on its device; none
     /// when absent. On the CPU the counting allocator refuses an
-    /// allocation past it; on a GPU the meter's interposer does, and the
-    /// heap is held to the machine's memory.
+    /// allocation past it (the machine's memory where absent); on a GPU
+    /// the meter's interposer does, and the heap is held to the machine's
+    /// memory. (Version 3: in version 2 it always capped the heap.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_memory: Option<u64>,
 }

@@ -262,28 +262,33 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
                     device: device::name(&device),
                     meter: meter.name().to_string(),
                 });
+                if let Some(why) = refusal_here(plugin, &params, &device, &meter, &request) {
+                    send(&Message::End(CellEnd::failed(why, 0.0)));
+                    return Ok(());
+                }
+                // The heap is held to the cap on the CPU, and to the
+                // machine's memory where no cap is given or where the cap is
+                // the card's; on a GPU the cap is the card's.
+                let machine = device::meminfo("MemTotal:");
                 if device.is_cpu() {
-                    crate::meter::set_limit(request.max_memory);
+                    crate::meter::set_limit(request.max_memory.or(machine));
                 } else {
-                    if let Some(why) = card_refusal(plugin, &params, &device) {
-                        send(&Message::End(CellEnd::failed(why, 0.0)));
-                        return Ok(());
-                    }
-                    // The cap is the card's; the heap holds host memory, held
-                    // to the machine's as on the CPU.
                     crate::meter::set_device_limit(request.max_memory);
-                    crate::meter::set_limit(device::meminfo("MemTotal:"));
+                    crate::meter::set_limit(machine);
                 }
                 let ctx =
                     Context::new(device.clone(), meter.clone(), request.check).with_sink(send);
                 let CellOutcome { mut end, .. } = execute(plugin, &params, ctx, &meter);
                 crate::meter::set_limit(None);
                 crate::meter::set_device_limit(None);
-                if let (Some(error), Some(refused)) =
-                    (&end.error, crate::meter::take_device_refusal())
-                {
-                    // candle's words for it are the driver's error code.
-                    end.error = Some(format!("{refused}; the cell's error: {error}"));
+                let refused = crate::meter::take_device_refusal();
+                if let (Some(error), Some(refused)) = (&end.error, refused) {
+                    // candle's words for it are the driver's error code. A
+                    // refusal the plugin caught (a search for the largest
+                    // batch that fits) is not what failed the cell.
+                    if error.contains("CUDA_ERROR_OUT_OF_MEMORY") {
+                        end.error = Some(format!("{refused}; the cell's error: {error}"));
+                    }
                 }
                 send(&Message::End(end));
                 Ok(())
@@ -301,17 +306,32 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
     }
 }
 
-/// Why a cell is not started on a GPU: its plugin's floor is above what
-/// the card has free. (The runner holds it to `--max-memory` before it
-/// starts a worker; only the worker knows the card.)
-fn card_refusal(
+/// Why a cell is not started here: its plugin's floor is above the room it
+/// has. On the CPU, the cap (the machine's memory where none is given: a
+/// runner that could not tell the device sends none). On a GPU, what the
+/// card has free, with what the memory pool holds unused, which it hands
+/// out first; the runner holds the cell to an explicit `--max-memory`
+/// before it starts a worker, and only the worker knows the card.
+fn refusal_here(
     plugin: &dyn DynPlugin,
     params: &toml::Table,
     device: &candle_core::Device,
+    meter: &Arc<dyn Meter>,
+    request: &RunCell,
 ) -> Option<String> {
     let floor = plugin.memory_floor_of(params)?;
-    let free = device::gpu_free_memory(device)?;
-    crate::plugin::refusal(&floor, free, &format!("free on {}", device::name(device)))
+    if device.is_cpu() {
+        let cap = request
+            .max_memory
+            .or_else(|| device::meminfo("MemTotal:"))?;
+        return crate::plugin::refusal(&floor, cap, "a cell may hold here (`--max-memory`)");
+    }
+    let pooled = meter
+        .snapshot()
+        .pool
+        .map_or(0, |p| p.reserved.saturating_sub(p.used));
+    let room = device::gpu_free_memory(device)?.saturating_add(pooled);
+    crate::plugin::refusal(&floor, room, &format!("free on {}", device::name(device)))
 }
 
 /// Runs one cell of `plugin` in this process, on the CPU, as a runner would:

@@ -24,8 +24,11 @@ pub(crate) fn add_assign(
     if n == 0 {
         return Ok(());
     }
-    let Ok(count) = u32::try_from(n) else {
-        bail!("add-assign: at most {} elements at once on a GPU", u32::MAX);
+    // See `inplace::add_assign`: 2^30 stays clear of the kernel's 32-bit
+    // grid stride wrapping round.
+    let count = match u32::try_from(n) {
+        Ok(count) if count <= 1 << 30 => count,
+        _ => bail!("add-assign: at most 2^30 elements at once on a GPU, not {n}"),
     };
     fn go<T: CudaDType + WithDType + DeviceRepr>(
         s: &mut CudaStorage,

@@ -49,7 +49,11 @@ impl InplaceOp2 for AddAssign {
 /// bits.
 pub(crate) fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
     let on_cpu = sum.device().is_cpu() && g.device().is_cpu() && sum.dtype() == DType::F32;
+    // candle's kernels index with 32 bits and step by the whole grid: past
+    // 2^31 elements a step wraps to an element already added, harmless for
+    // `sum + g` and not in place.
     let on_gpu = cfg!(feature = "cuda")
+        && sum.elem_count() <= 1 << 30
         && sum.device().is_cuda()
         && sum.device().same_device(g.device())
         && matches!(

@@ -1,5 +1,7 @@
-//! The cap on device memory: `--max-memory` for a cell on a GPU, the
-//! analogue of `torch.cuda.set_per_process_memory_fraction`.
+//! The cap on device memory: `--max-memory` for a cell on a GPU. It holds
+//! the bytes handed out, what `torch.cuda.memory_allocated` counts, where
+//! `torch.cuda.set_per_process_memory_fraction` holds what the caching
+//! allocator reserves.
 //!
 //! The heap's cap ([`set_limit`](super::set_limit)) cannot hold a GPU cell:
 //! its tensors are not on the heap. The CUDA meter's interposer asks
@@ -66,7 +68,10 @@ pub fn device_held() -> u64 {
 }
 
 /// Whether `bytes` more on the device stay within the cap. A refusal is kept
-/// for [`take_device_refusal`] (the first one, which is what failed).
+/// for [`take_device_refusal`] (the first one, which is what failed). As
+/// with the heap's cap, two threads allocating at once may each pass the
+/// check: the cap can be passed by the last of them, never by a run of
+/// allocations.
 pub fn device_admits(bytes: u64) -> bool {
     let Some(limit) = device_limit() else {
         return true;
