@@ -222,6 +222,8 @@ fn run_in_process(
     let meter = select_meter(&device)?;
     report.device = device_name(&device);
     report.meter = meter.name().to_string();
+    // Where the cells that run in this process ran, for their assertions.
+    let here = report.device.clone();
     // Every cell runs on one thread: it has the large stack candle's
     // recursive graph walks need, and it is warmed up itself, since gemm's
     // packing buffers are per thread and must not appear in a measurement.
@@ -247,7 +249,6 @@ fn run_in_process(
                         let _ = tx.send(Event::Started(position));
                         let plugin = registry.get(&cell.plugin);
                         let external = registry.program(&cell.plugin);
-                        let here = Some(device_name(&device));
                         let (outcome, ran_on) =
                             match (refused(registry, cell, options), plugin, external) {
                                 (Some(why), _, _) => (not_run(why), None),
@@ -272,7 +273,7 @@ fn run_in_process(
                                         ctx = ctx.with_progress(move |m| progress(m));
                                     }
                                     let params = cell.params_for(options.check);
-                                    (execute(plugin, params, ctx, &meter), here)
+                                    (execute(plugin, params, ctx, &meter), Some(here.clone()))
                                 }
                                 (None, None, _) => (not_registered(cell), None),
                             };

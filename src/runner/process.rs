@@ -253,9 +253,11 @@ pub(crate) fn run(command: &WorkerCommand, request: &Request, watch: &Watch<'_>)
             garbled.as_deref(),
             // On a GPU the cap is the card's: a heap that ran out ran into
             // the machine's memory instead.
-            watch
-                .max_memory
-                .filter(|_| hello.as_ref().is_none_or(|h| h.device == "cpu")),
+            watch.max_memory.filter(|_| {
+                hello
+                    .as_ref()
+                    .is_none_or(|h| crate::assertion::OnDevice::Cpu.covers(&h.device))
+            }),
         )),
     };
     let end = match end {

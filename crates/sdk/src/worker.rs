@@ -262,16 +262,18 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
                     device: device::name(&device),
                     meter: meter.name().to_string(),
                 });
-                if let Some(why) = refusal_here(plugin, &params, &device, &meter, &request) {
+                // The heap is held to the cap on the CPU, and to the
+                // machine's memory where no cap is given (a runner that
+                // could not tell the device sends none) or where the cap is
+                // the card's; on a GPU the cap is the card's.
+                let machine = device::meminfo("MemTotal:");
+                let heap_cap = request.max_memory.or(machine);
+                if let Some(why) = refusal_here(plugin, &params, &device, &meter, heap_cap) {
                     send(&Message::End(CellEnd::failed(why, 0.0)));
                     return Ok(());
                 }
-                // The heap is held to the cap on the CPU, and to the
-                // machine's memory where no cap is given or where the cap is
-                // the card's; on a GPU the cap is the card's.
-                let machine = device::meminfo("MemTotal:");
                 if device.is_cpu() {
-                    crate::meter::set_limit(request.max_memory.or(machine));
+                    crate::meter::set_limit(heap_cap);
                 } else {
                     crate::meter::set_device_limit(request.max_memory);
                     crate::meter::set_limit(machine);
@@ -307,8 +309,7 @@ fn run(plugin: &dyn DynPlugin, request: RunCell) -> ExitCode {
 }
 
 /// Why a cell is not started here: its plugin's floor is above the room it
-/// has. On the CPU, the cap (the machine's memory where none is given: a
-/// runner that could not tell the device sends none). On a GPU, what the
+/// has. On the CPU, `cpu_cap`. On a GPU, what the
 /// card has free, with what the memory pool holds unused, which it hands
 /// out first; the runner holds the cell to an explicit `--max-memory`
 /// before it starts a worker, and only the worker knows the card.
@@ -317,14 +318,11 @@ fn refusal_here(
     params: &toml::Table,
     device: &candle_core::Device,
     meter: &Arc<dyn Meter>,
-    request: &RunCell,
+    cpu_cap: Option<u64>,
 ) -> Option<String> {
     let floor = plugin.memory_floor_of(params)?;
     if device.is_cpu() {
-        let cap = request
-            .max_memory
-            .or_else(|| device::meminfo("MemTotal:"))?;
-        return crate::plugin::refusal(&floor, cap, "a cell may hold here (`--max-memory`)");
+        return crate::plugin::refusal(&floor, cpu_cap?, "a cell may hold here (`--max-memory`)");
     }
     let pooled = meter
         .snapshot()
