@@ -2,8 +2,10 @@
 //! its allocator's category, and on a real GPU a tensor's bytes counted
 //! exactly, with the memory pool's own figures agreeing; `--max-memory`'s
 //! device cap. And the toolkit on the GPU: LeanAdamW's update in place,
-//! equal to candle_nn's AdamW, and the accumulator's sum in place, equal to
-//! candle's addition.
+//! equal to candle_nn's AdamW; the accumulator's sum in place, equal to
+//! candle's addition; the materialized attention's softmax and its backward
+//! in place, equal to candle's composed operations and holding fewer
+//! matrices than they do.
 //!
 //! Built with `--features cuda`. Where no GPU answers, the GPU tests say so
 //! and pass, unless `WORKBOOK_REQUIRE_GPU` is set: then they fail. With
@@ -378,5 +380,207 @@ fn accumulated_gradients_join_the_sum_in_place_on_the_gpu_with_candles_bits() {
         );
         let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
         assert_eq!(bits(&total), bits(&plain), "{dtype:?}: candle's bits");
+    }
+}
+
+/// candle's composed operations for the materialized attention with one
+/// group of heads: the probabilities, and the gradients of `q`, `k` and `v`
+/// for `d_out`, computed as the attention computed them before its softmax
+/// and softmax backward ran in place on a GPU.
+fn composed_attention(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    d_out: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> (Tensor, [Tensor; 3]) {
+    let (nq, nk) = (q.dim(2).unwrap(), k.dim(2).unwrap());
+    let kt = k.transpose(2, 3).unwrap().contiguous().unwrap();
+    let mut scores = (q.matmul(&kt).unwrap() * scale).unwrap();
+    if causal {
+        // Top-left aligned: query i sees keys 0..=i.
+        let mask: Vec<f32> = (0..nq)
+            .flat_map(|i| (0..nk).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (nq, nk), q.device())
+            .and_then(|m| m.to_dtype(q.dtype()))
+            .unwrap();
+        scores = scores.broadcast_add(&mask).unwrap();
+    }
+    let p = candle_nn::ops::softmax_last_dim(&scores).unwrap();
+    let dv = p.transpose(2, 3).unwrap().matmul(d_out).unwrap();
+    let dp = d_out.matmul(&v.transpose(2, 3).unwrap()).unwrap();
+    let delta = (&dp * &p).unwrap().sum_keepdim(3).unwrap();
+    let ds = ((dp.broadcast_sub(&delta).unwrap() * &p).unwrap() * scale).unwrap();
+    let dq = ds.matmul(k).unwrap();
+    let dk = ds.transpose(2, 3).unwrap().matmul(q).unwrap();
+    (p, [dq, dk, dv])
+}
+
+#[test]
+fn the_materialized_attentions_softmax_and_its_backward_run_in_place_on_the_gpu() {
+    use candle_core::Var;
+    use candle_tiled_attention::{materialized_attention, materialized_forward, FlashConfig};
+    let _turn = turn();
+    let Some((device, meter)) = gpu() else { return };
+    // 2 x 3 heads of 40 queries and 53 keys: 240 rows, whose row sums are
+    // taken 32 rows at a time (the last block 16), and rows of a length no
+    // vector width divides.
+    let (b, h, nq, nk, d) = (2, 3, 40, 53, 16);
+    let scale = 1.0 / (d as f64).sqrt();
+    let c = Category::Activations;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let size = dtype.size_in_bytes() as u64;
+        let matrix = (b * h * nq * nk) as u64 * size;
+        let per_head = |n: usize| (b * h * n * d) as u64 * size;
+        // The gradients may come from other cuBLAS kernels than the
+        // reference's (same products, other addresses), so they are held
+        // to their arithmetic's rounding, not to the bit. A race in place
+        // would be off by far more.
+        let tolerance = match dtype {
+            DType::F32 => 1e-5,
+            DType::F64 => 1e-12,
+            _ => 1e-2,
+        };
+        for causal in [false, true] {
+            let r = |n: usize| {
+                Tensor::randn(0f32, 1.0, (b, h, n, d), &device)
+                    .and_then(|t| t.to_dtype(dtype))
+                    .unwrap()
+            };
+            let (q, k, v, d_out) = (r(nq), r(nk), r(nk), r(nq));
+            // First, so that cuBLAS has made its workspace before the meter
+            // looks.
+            let (p_want, grads_want) = composed_attention((&q, &k, &v), &d_out, scale, causal);
+            let cfg = FlashConfig::causal(causal);
+
+            device.synchronize().unwrap();
+            meter.push_peak();
+            let start = meter.snapshot();
+            let fwd = c.scope(|| materialized_forward(&q, &k, &v, &cfg)).unwrap();
+            device.synchronize().unwrap();
+            let forward_peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+            meter.pop_peak();
+            let bits = |t: &Tensor| {
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            };
+            let what = format!("{dtype:?}, causal {causal}");
+            assert_eq!(bits(&fwd.probs), bits(&p_want), "{what}: candle's bits");
+            // The scores, made in place into the probabilities; the
+            // transposed keys' copy, the output and, when causal, the mask
+            // (made in f32 and then converted). candle's composed operations
+            // hold two matrices at once.
+            let mask = if causal {
+                (nq * nk) as u64 * (4 + size)
+            } else {
+                0
+            };
+            let bound = matrix + 2 * per_head(nk) + per_head(nq) + mask;
+            assert!(
+                (matrix..=bound).contains(&forward_peak),
+                "{what}: the forward's peak {forward_peak} bytes, for a {matrix}-byte matrix (at most {bound})"
+            );
+
+            meter.push_peak();
+            let start = meter.snapshot();
+            let grads = c.scope(|| fwd.backward(&q, &k, &v, &d_out)).unwrap();
+            device.synchronize().unwrap();
+            let backward_peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+            meter.pop_peak();
+            for (name, got, want) in [
+                ("dq", &grads.0, &grads_want[0]),
+                ("dk", &grads.1, &grads_want[1]),
+                ("dv", &grads.2, &grads_want[2]),
+            ] {
+                let diff = rel_diff(got, want, false);
+                assert!(
+                    diff <= tolerance,
+                    "{what}: {name} off by {diff:e} (normwise)"
+                );
+            }
+            // The autograd operation's backward: its scores' gradient is a
+            // new tensor (the graph keeps the probabilities' gradient), made
+            // in place from there.
+            let (qv, kv) = (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap());
+            let out = materialized_attention(&qv, &kv, &v, &cfg).unwrap();
+            let loss = (out.to_dtype(DType::F64).unwrap() * d_out.to_dtype(DType::F64).unwrap())
+                .and_then(|t| t.sum_all())
+                .unwrap();
+            let store = loss.backward().unwrap();
+            for (name, var, want) in [("dq", &qv, &grads_want[0]), ("dk", &kv, &grads_want[1])] {
+                let got = store.get(var.as_tensor()).unwrap();
+                let diff = rel_diff(got, want, false);
+                assert!(
+                    diff <= tolerance,
+                    "{what}: autograd's {name} off by {diff:e}"
+                );
+            }
+            // The probabilities' gradient, the scores' gradient written over
+            // it; a block of 32 rows of products, the row sums; the three
+            // gradients. The composed operations hold three matrices beside
+            // the probabilities.
+            let block = 32 * nk as u64 * size;
+            let rows = (b * h * nq) as u64 * size;
+            let bound = matrix + block + 2 * rows + 2 * per_head(nk) + per_head(nq);
+            assert!(
+                (matrix..=bound).contains(&backward_peak),
+                "{what}: the backward's peak {backward_peak} bytes, for a {matrix}-byte matrix (at most {bound})"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits() {
+    use candle_lean_nn::{Activation, LeanLinear};
+    let _turn = turn();
+    let Some((device, meter)) = gpu() else { return };
+    // 129 rows of 83 outputs: no vector width divides a row.
+    let (rows, inputs, outputs) = (129, 37, 83);
+    let c = Category::Activations;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let r = |shape: (usize, usize)| {
+            Tensor::randn(0f32, 1.0, shape, &device)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap()
+        };
+        let (x, w) = (r((rows, inputs)), r((outputs, inputs)));
+        let b = r((1, outputs)).flatten_all().unwrap();
+        let layer = LeanLinear::new(w.clone(), Some(b.clone())).unwrap();
+        for act in [Activation::Identity, Activation::Relu] {
+            // candle's operations, first: cuBLAS makes its workspace there.
+            let mut want = x
+                .matmul(&w.t().unwrap())
+                .unwrap()
+                .broadcast_add(&b)
+                .unwrap();
+            if act == Activation::Relu {
+                want = want.relu().unwrap();
+            }
+            device.synchronize().unwrap();
+            meter.push_peak();
+            let start = meter.snapshot();
+            let got = c.scope(|| layer.forward_act(&x, act)).unwrap();
+            device.synchronize().unwrap();
+            let peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+            meter.pop_peak();
+            let bits = |t: &Tensor| {
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            };
+            assert_eq!(bits(&got), bits(&want), "{dtype:?}, {act:?}: candle's bits");
+            // The product alone: the bias and ReLU write over it (candle's
+            // operations make a tensor each).
+            let product = (rows * outputs * dtype.size_in_bytes()) as u64;
+            assert_eq!(peak, product, "{dtype:?}, {act:?}: bytes at the peak");
+        }
     }
 }

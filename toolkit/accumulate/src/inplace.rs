@@ -26,6 +26,9 @@ impl InplaceOp2 for AddAssign {
         }
     }
 
+    /// candle's own addition kernel with the sum's buffer as its left
+    /// operand and its output: the launch `sum + g` makes, with the same
+    /// bits, without the new tensor.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -34,11 +37,7 @@ impl InplaceOp2 for AddAssign {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let (Some(s_range), Some(g_range)) = (sl.contiguous_offsets(), gl.contiguous_offsets())
-        else {
-            bail!("add-assign: the sum and the gradient must be contiguous");
-        };
-        crate::cuda::add_assign(s, s_range, g, g_range)
+        candle_cuda_inplace::assign(candle_cuda_inplace::Binary::Add, s, sl, g, gl)
     }
 }
 
@@ -49,17 +48,10 @@ impl InplaceOp2 for AddAssign {
 /// bits.
 pub(crate) fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
     let on_cpu = sum.device().is_cpu() && g.device().is_cpu() && sum.dtype() == DType::F32;
-    // candle's kernels index with 32 bits and step by the whole grid: past
-    // 2^31 elements a step wraps to an element already added, harmless for
-    // `sum + g` and not in place.
-    let on_gpu = cfg!(feature = "cuda")
-        && sum.elem_count() <= 1 << 30
-        && sum.device().is_cuda()
-        && sum.device().same_device(g.device())
-        && matches!(
-            sum.dtype(),
-            DType::F32 | DType::F64 | DType::F16 | DType::BF16
-        );
+    #[cfg(feature = "cuda")]
+    let on_gpu = candle_cuda_inplace::writable(sum) && sum.device().same_device(g.device());
+    #[cfg(not(feature = "cuda"))]
+    let on_gpu = false;
     let fits = (on_cpu || on_gpu)
         && sum.dtype() == g.dtype()
         && sum.shape() == g.shape()

@@ -13,8 +13,6 @@
 #![warn(missing_docs)]
 
 mod accumulator;
-#[cfg(feature = "cuda")]
-mod cuda;
 mod inplace;
 mod owning;
 

@@ -61,15 +61,48 @@ impl InplaceOp2 for BiasAct {
         }
         Ok(())
     }
+
+    /// candle's own kernels with `y`'s buffer as their output: the bias's
+    /// broadcast addition, then ReLU. The launches of `y.broadcast_add(b)`
+    /// and `relu()`, so the same bits, without their new tensors.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &mut candle_core::CudaStorage,
+        yl: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<()> {
+        let bl = bl.broadcast_as(yl.shape().clone())?;
+        candle_cuda_inplace::assign(candle_cuda_inplace::Binary::Add, y, yl, b, &bl)?;
+        if self.relu {
+            candle_cuda_inplace::relu(y, yl)?;
+        }
+        Ok(())
+    }
 }
 
-/// `y + b` for `y` `(rows, n)` fresh from a product and `b` `(n,)`: in place
-/// on the CPU, through candle's broadcast addition elsewhere.
-pub(crate) fn add_bias(y: Tensor, b: &Tensor) -> Result<Tensor> {
-    if y.device().is_cpu() && y.is_contiguous() && b.is_contiguous() && y.dtype() == b.dtype() {
-        y.inplace_op2(b, &BiasAct { relu: false })?;
-        Ok(y)
+/// `y + b` for `y` `(rows, n)` fresh from a product and `b` `(n,)`, then
+/// ReLU if asked: in place on the CPU and, with the `cuda` feature, on a
+/// CUDA GPU; through candle's broadcast addition and ReLU elsewhere.
+pub(crate) fn add_bias(y: Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
+    let same = b.is_contiguous()
+        && y.dtype() == b.dtype()
+        && y.dims().last() == Some(&b.elem_count())
+        && b.rank() == 1;
+    let cpu = y.device().is_cpu() && b.device().is_cpu() && y.is_contiguous();
+    #[cfg(feature = "cuda")]
+    let gpu = candle_cuda_inplace::writable(&y) && y.device().same_device(b.device());
+    #[cfg(not(feature = "cuda"))]
+    let gpu = false;
+    if same && (cpu || gpu) {
+        y.inplace_op2(b, &BiasAct { relu })?;
+        return Ok(y);
+    }
+    let z = y.broadcast_add(b)?;
+    if relu {
+        z.relu()
     } else {
-        y.broadcast_add(b)
+        Ok(z)
     }
 }

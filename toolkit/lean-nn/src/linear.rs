@@ -193,13 +193,14 @@ impl LeanLinear {
         let (out, kept) = if crate::cpu::applies(&z) {
             crate::cpu::bias_act(z, bias.as_ref(), act)?
         } else {
+            let relu = act == Activation::Relu;
             let z = match &bias {
-                Some(b) => add_bias(z, b)?,
+                Some(b) => add_bias(z, b, relu)?,
+                None if relu => z.relu()?,
                 None => z,
             };
             match act {
-                Activation::Identity => (z, None),
-                Activation::Relu => (z.relu()?, None),
+                Activation::Identity | Activation::Relu => (z, None),
                 Activation::Gelu if crate::cpu_half::applies(&z, &z) => {
                     (crate::cpu_half::gelu(&z)?, Some(z))
                 }

@@ -33,7 +33,9 @@
 //! are widened to f32 copies first; with grouped key/value heads the
 //! backward sums each query head's share of their gradients). [`FlashConfig::for_length`]
 //! picks PyTorch's block sizes. Other devices and f64 compose candle
-//! operations block by block.
+//! operations block by block. With the `cuda` feature, the materialized
+//! attention's softmax and its backward write in place on a CUDA GPU
+//! (candle's own kernels, through `candle-cuda-inplace`).
 //!
 //! This crate turns on `gemm`'s `x86-v4` feature, so that its products (and,
 //! through feature unification, candle's own CPU matrix products in the same
@@ -50,6 +52,8 @@
 mod backward;
 mod config;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod forward;
 mod materialized;
 mod materialized_direct;

@@ -141,6 +141,15 @@ pub(crate) fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) ->
         scores.inplace_op1(&op)?;
         return Ok(scores);
     }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::applies(&scores) {
+        let mask = match causal {
+            true => Some(causal_mask(0, nq, 0, nk, scores.dtype(), scores.device())?),
+            false => None,
+        };
+        crate::cuda::softmax_in_place(&scores, scale, mask.as_ref())?;
+        return Ok(scores);
+    }
     let scores = (scores * scale)?;
     let scores = if causal {
         let mask = causal_mask(0, nq, 0, nk, scores.dtype(), scores.device())?;
@@ -162,6 +171,17 @@ pub(crate) fn scores_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor>
             &p,
             &crate::materialized_direct::SoftmaxGradOver::new(nk, scale),
         )?;
+        return Ok(ds);
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::applies(&p)
+        && crate::cuda::applies(&dp)
+        && (p.shape(), p.dtype()) == (dp.shape(), dp.dtype())
+    {
+        // The composed operations' bits, with one new matrix: the result.
+        let delta = crate::cuda::row_dots(&dp, &p)?;
+        let ds = dp.broadcast_sub(&delta)?;
+        crate::cuda::mul_scale_in_place(&ds, &p, scale)?;
         return Ok(ds);
     }
     let delta = (&dp * &p)?.sum_keepdim(D::Minus1)?;
@@ -199,7 +219,10 @@ impl Backward2 for Probabilities {
 /// The honest baseline for what tiling saves. Same shapes, heads and mask
 /// as [`naive_attention`](crate::naive_attention), any device; on the CPU
 /// the softmax and its backward are one parallel pass each, in f32 (bf16
-/// and f16 rows widened to f32 and rounded once).
+/// and f16 rows widened to f32 and rounded once). With the `cuda` feature,
+/// on a CUDA GPU they are candle's own kernels writing over the scores and
+/// over the scores' gradient: candle's composed operations' bits, without
+/// their intermediate matrices.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};

@@ -168,7 +168,8 @@ fn backward(
 }
 
 /// The scores' gradient from the probabilities' gradient `dp`: over `dp`
-/// itself on the CPU (f32, bf16 or f16), a new tensor elsewhere.
+/// itself on the CPU (f32, bf16 or f16) and, with the `cuda` feature, on a
+/// CUDA GPU; a new tensor elsewhere.
 fn softmax_backward(dp: Tensor, probs: &Tensor, scale: f64) -> Result<Tensor> {
     let contiguous = dp.is_contiguous() && probs.is_contiguous();
     if rows_apply(&dp) && dp.dtype() == probs.dtype() && contiguous {
@@ -176,6 +177,16 @@ fn softmax_backward(dp: Tensor, probs: &Tensor, scale: f64) -> Result<Tensor> {
         if nk > 0 {
             dp.inplace_op2(probs, &SoftmaxGradOver::new(nk, scale))?;
         }
+        return Ok(dp);
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::applies(&dp)
+        && crate::cuda::applies(probs)
+        && (dp.shape(), dp.dtype()) == (probs.shape(), probs.dtype())
+    {
+        // The composed operations' bits, with no new matrix.
+        let delta = crate::cuda::row_dots(&dp, probs)?;
+        crate::cuda::sub_mul_scale_in_place(&dp, &delta, probs, scale)?;
         return Ok(dp);
     }
     scores_grad(probs, &dp, scale)

@@ -1,0 +1,21 @@
+//! candle's own CUDA kernels launched with an operand's buffer as their
+//! output: the launches candle's operations make, in the same order on the
+//! same values, so the same bits, without the new tensor each of them
+//! allocates. For the `cuda_fwd` of candle's in-place operations
+//! (`InplaceOp1`, `InplaceOp2`, `InplaceOp3`), which hand over the output's
+//! storage and layout.
+//!
+//! An operand may be the output because each kernel reads an element (or
+//! an aligned vector of elements) of its operands and then the same thread
+//! writes that element; the softmax gives each row to one warp, whose
+//! threads each read and write their own columns (`binary_op_macros.cuh`,
+//! `affine.cu`, `unary.cu` and `reduce.cu` in candle-kernels 0.11.1).
+//!
+//! Everything is behind the `cuda` feature: without it the crate is empty,
+//! so that a crate depending on it builds where there is no CUDA toolkit.
+
+#[cfg(feature = "cuda")]
+mod launch;
+
+#[cfg(feature = "cuda")]
+pub use launch::{assign, relu, scale, softmax_last_dim, writable, Binary, MAX_ELEMENTS};
