@@ -126,8 +126,8 @@ export have_torch torch_missing
 # stays in results.tar.gz.
 limits=(
   info 15
-  meter 30
-  chapter2 150
+  meter 45
+  chapter2 135
   torch-chapter2 60
   gpt 45
   torch-gpt 40
