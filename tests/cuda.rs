@@ -243,6 +243,15 @@ fn host_memory_stays_with_the_allocator_when_tensors_live_on_the_gpu() {
     drop(host);
 }
 
+/// A tensor's elements in f64, which holds every value of the other float
+/// types exactly: equal vectors are equal values (a zero's sign aside).
+fn bits(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f64>())
+        .unwrap()
+}
+
 /// The largest difference between two tensors relative to each element
 /// (`elementwise`), or relative to the largest element (normwise), in f64.
 fn rel_diff(a: &Tensor, b: &Tensor, elementwise: bool) -> f64 {
@@ -378,7 +387,6 @@ fn accumulated_gradients_join_the_sum_in_place_on_the_gpu_with_candles_bits() {
             first_id,
             "{dtype:?}: added into the first gradient"
         );
-        let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
         assert_eq!(bits(&total), bits(&plain), "{dtype:?}: candle's bits");
     }
 }
@@ -460,14 +468,6 @@ fn the_materialized_attentions_softmax_and_its_backward_run_in_place_on_the_gpu(
             device.synchronize().unwrap();
             let forward_peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
             meter.pop_peak();
-            let bits = |t: &Tensor| {
-                t.to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f64>()
-                    .unwrap()
-            };
             let what = format!("{dtype:?}, causal {causal}");
             assert_eq!(bits(&fwd.probs), bits(&p_want), "{what}: candle's bits");
             // The scores, made in place into the probabilities; the
@@ -568,14 +568,6 @@ fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits
             device.synchronize().unwrap();
             let peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
             meter.pop_peak();
-            let bits = |t: &Tensor| {
-                t.to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f64>()
-                    .unwrap()
-            };
             assert_eq!(bits(&got), bits(&want), "{dtype:?}, {act:?}: candle's bits");
             // The product alone: the bias and ReLU write over it (candle's
             // operations make a tensor each).
@@ -583,4 +575,58 @@ fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits
             assert_eq!(peak, product, "{dtype:?}, {act:?}: bytes at the peak");
         }
     }
+}
+
+/// `workbook` (this CUDA build) with `args`, from the repository's root.
+fn workbook(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("the workbook binary runs")
+}
+
+#[test]
+fn without_a_gpu_a_cuda_builds_auto_runs_on_the_cpu_held_to_the_machines_memory() {
+    // A CUDA build on a machine without a GPU: the stand-in driver answers
+    // no GPU. The runner cannot tell before a worker asks the driver, so it
+    // sends no cap; the worker lands on the CPU, holds the cell to the
+    // machine's memory and refuses one whose floor is above it.
+    if std::env::var_os("WORKBOOK_FAKE_DRIVER").is_none() {
+        eprintln!("skipped: needs the stand-in driver (a machine without a GPU)");
+        return;
+    }
+    let o = workbook(&["run", "tests/fixtures/huge.toml", "--format", "json"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("a JSON report");
+    assert_eq!(r["device"], "cpu", "auto without a GPU is the CPU");
+    let cell = |id: &str| {
+        r["cells"]
+            .as_array()
+            .and_then(|cells| cells.iter().find(|c| c["id"] == id))
+            .unwrap_or_else(|| panic!("no cell {id}"))
+    };
+    assert_eq!(cell("footprint")["status"], "passed");
+    assert_eq!(cell("again")["status"], "passed");
+    let total = workbook_sdk::device::meminfo("MemTotal:").expect("the machine's memory");
+    let total = bytesize::ByteSize::b(total).display().iec().to_string();
+    assert_eq!(cell("attention")["status"], "error");
+    assert_eq!(
+        cell("attention")["error"],
+        format!(
+            "refused before running: it needs at least 3.6 TiB (the f32 scores of naive \
+             attention, 4 × 500000²), more than the {total} a cell may hold here (`--max-memory`)"
+        )
+    );
+
+    // Asked for the GPU, it says there is none and what to do.
+    let o = workbook(&["run", "tests/fixtures/huge.toml", "--device", "cuda"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.starts_with("error: no CUDA GPU answered (")
+            && stderr.contains("use `--device cpu`"),
+        "{stderr}"
+    );
 }

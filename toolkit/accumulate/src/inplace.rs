@@ -25,20 +25,6 @@ impl InplaceOp2 for AddAssign {
             _ => bail!("add-assign: f32 sum and gradient of one size only"),
         }
     }
-
-    /// candle's own addition kernel with the sum's buffer as its left
-    /// operand and its output: the launch `sum + g` makes, with the same
-    /// bits, without the new tensor.
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &mut candle_core::CudaStorage,
-        sl: &Layout,
-        g: &candle_core::CudaStorage,
-        gl: &Layout,
-    ) -> Result<()> {
-        candle_cuda_inplace::assign(candle_cuda_inplace::Binary::Add, s, sl, g, gl)
-    }
 }
 
 /// Adds `g` into `sum`'s storage when both are contiguous and of one shape
@@ -57,8 +43,15 @@ pub(crate) fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
         && sum.shape() == g.shape()
         && sum.is_contiguous()
         && g.is_contiguous();
-    if fits {
-        sum.inplace_op2(g, &AddAssign)?;
+    if !fits {
+        return Ok(false);
     }
-    Ok(fits)
+    if on_cpu {
+        sum.inplace_op2(g, &AddAssign)?;
+    } else {
+        // candle's own addition kernel with the sum's buffer as its output.
+        #[cfg(feature = "cuda")]
+        candle_cuda_inplace::add_assign(sum, g)?;
+    }
+    Ok(true)
 }

@@ -151,36 +151,13 @@ pub fn assign(
 /// `tensor * mul` passes it.
 pub fn scale(out: &mut CudaStorage, ol: &Layout, mul: f64) -> Result<()> {
     let range = output_range(ol, "scale")?;
-    if range.0 == range.1 {
-        return Ok(());
-    }
     fn go<T: CudaDType + WithDType + DeviceRepr>(
         out: &mut CudaStorage,
-        (o0, o1): (usize, usize),
+        range: (usize, usize),
         mul: f64,
     ) -> Result<()> {
-        let n = o1 - o0;
-        let device = out.device().clone();
-        let stream = device.cuda_stream();
-        let func = device.get_or_load_func(&kernel_name::<T>("affine"), &kernels::AFFINE)?;
-        let mut out = out.as_cuda_slice_mut::<T>()?.slice_mut(o0..o1);
-        let (out_ptr, _in_order) = out.device_ptr_mut(&stream);
-        let (dims, no_layout, no_input) = (1usize, 0usize, 0usize);
-        let (mul, add) = (T::from_f64(mul), T::from_f64(0.0));
-        let mut launch = func.builder();
-        launch
-            .arg(&n)
-            .arg(&dims)
-            .arg(&no_layout)
-            .arg(&no_input)
-            .arg(&out_ptr)
-            .arg(&mul)
-            .arg(&add);
-        // SAFETY: `affine_T(numel, num_dims, info, inp, out, mul, add)` with
-        // a null `info` (contiguous) and a null `inp` reads and writes `n`
-        // elements of `out`, which holds `n` elements of `T`.
-        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
-        Ok(())
+        let affine = (T::from_f64(mul), T::from_f64(0.0));
+        without_input::<T>(out, range, ("affine", &kernels::AFFINE), Some(affine))
     }
     by_dtype!(out.dtype(), "scale", go(out, range, mul))
 }
@@ -189,34 +166,54 @@ pub fn scale(out: &mut CudaStorage, ol: &Layout, mul: f64) -> Result<()> {
 /// input).
 pub fn relu(out: &mut CudaStorage, ol: &Layout) -> Result<()> {
     let range = output_range(ol, "relu")?;
-    if range.0 == range.1 {
-        return Ok(());
-    }
     fn go<T: CudaDType + WithDType + DeviceRepr>(
         out: &mut CudaStorage,
-        (o0, o1): (usize, usize),
+        range: (usize, usize),
     ) -> Result<()> {
-        let n = o1 - o0;
-        let device = out.device().clone();
-        let stream = device.cuda_stream();
-        let func = device.get_or_load_func(&kernel_name::<T>("urelu"), &kernels::UNARY)?;
-        let mut out = out.as_cuda_slice_mut::<T>()?.slice_mut(o0..o1);
-        let (out_ptr, _in_order) = out.device_ptr_mut(&stream);
-        let (dims, no_layout, no_input) = (1usize, 0usize, 0usize);
-        let mut launch = func.builder();
-        launch
-            .arg(&n)
-            .arg(&dims)
-            .arg(&no_layout)
-            .arg(&no_input)
-            .arg(&out_ptr);
-        // SAFETY: `urelu_T(numel, num_dims, info, inp, out)` with a null
-        // `info` (contiguous) and a null `inp` reads and writes `n` elements
-        // of `out`, which holds `n` elements of `T`.
-        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
-        Ok(())
+        without_input::<T>(out, range, ("urelu", &kernels::UNARY), None)
     }
     by_dtype!(out.dtype(), "relu", go(out, range))
+}
+
+/// candle's element-wise kernel `name` (of `module`) over elements
+/// `o0..o1` of `out` in the kernels' in-place mode: `(numel, num_dims,
+/// info, inp, out)` with a null `info` (contiguous) and a null `inp`, so
+/// each element is read from `out` and written back by one thread; then
+/// `affine`'s `mul` and `add`, when given.
+fn without_input<T: CudaDType + WithDType + DeviceRepr>(
+    out: &mut CudaStorage,
+    (o0, o1): (usize, usize),
+    (name, module): (&str, &kernels::Module),
+    affine: Option<(T, T)>,
+) -> Result<()> {
+    let n = o1 - o0;
+    if n == 0 {
+        return Ok(());
+    }
+    let device = out.device().clone();
+    let stream = device.cuda_stream();
+    let func = device.get_or_load_func(&kernel_name::<T>(name), module)?;
+    let mut out = out.as_cuda_slice_mut::<T>()?.slice_mut(o0..o1);
+    // The guard orders the launch after earlier work on the buffer, as a
+    // kernel argument's does.
+    let (out_ptr, _in_order) = out.device_ptr_mut(&stream);
+    let (dims, no_layout, no_input) = (1usize, 0usize, 0usize);
+    let mut launch = func.builder();
+    launch
+        .arg(&n)
+        .arg(&dims)
+        .arg(&no_layout)
+        .arg(&no_input)
+        .arg(&out_ptr);
+    if let Some((mul, add)) = &affine {
+        launch.arg(mul).arg(add);
+    }
+    // SAFETY: `unary_T(numel, num_dims, info, inp, out)` and
+    // `affine_T(numel, num_dims, info, inp, out, mul, add)` with a null
+    // `info` and a null `inp` read and write `n` elements of `out`, which
+    // holds `n` elements of `T`.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+    Ok(())
 }
 
 /// The softmax over the last dimension, written over its input: the launch

@@ -3,7 +3,7 @@
 //! same values, so the same bits, without the new tensor each of them
 //! allocates. For the `cuda_fwd` of candle's in-place operations
 //! (`InplaceOp1`, `InplaceOp2`, `InplaceOp3`), which hand over the output's
-//! storage and layout.
+//! storage and layout; [`add_assign`] is `sum += g` on tensors.
 //!
 //! An operand may be the output because each kernel reads an element (or
 //! an aligned vector of elements) of its operands and then the same thread
@@ -16,6 +16,10 @@
 
 #[cfg(feature = "cuda")]
 mod launch;
+#[cfg(feature = "cuda")]
+mod ops;
 
 #[cfg(feature = "cuda")]
 pub use launch::{assign, relu, scale, softmax_last_dim, writable, Binary, MAX_ELEMENTS};
+#[cfg(feature = "cuda")]
+pub use ops::add_assign;

@@ -38,20 +38,6 @@ impl InplaceOp2 for AddInto {
             _ => bail!("add-into: f32 tensors of one size only"),
         }
     }
-
-    /// candle's own addition kernel with the sum's buffer as its left
-    /// operand and its output: the launch `sum + g` makes, with the same
-    /// bits, without the new tensor.
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &mut candle_core::CudaStorage,
-        sl: &Layout,
-        g: &candle_core::CudaStorage,
-        gl: &Layout,
-    ) -> Result<()> {
-        candle_cuda_inplace::assign(candle_cuda_inplace::Binary::Add, s, sl, g, gl)
-    }
 }
 
 /// `sum + g`, added into `sum`'s storage when both are contiguous and of
@@ -69,12 +55,17 @@ pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
         && sum.shape() == g.shape()
         && sum.is_contiguous()
         && g.is_contiguous();
-    if fits {
-        sum.inplace_op2(g, &AddInto)?;
-        Ok(sum)
-    } else {
-        sum + g
+    if !fits {
+        return sum + g;
     }
+    if cpu {
+        sum.inplace_op2(g, &AddInto)?;
+    } else {
+        // candle's own addition kernel with the sum's buffer as its output.
+        #[cfg(feature = "cuda")]
+        candle_cuda_inplace::add_assign(&sum, g)?;
+    }
+    Ok(sum)
 }
 
 /// `a + b` (one shape), as candle's addition computes it. Contiguous f32,
