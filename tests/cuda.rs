@@ -630,3 +630,96 @@ fn without_a_gpu_a_cuda_builds_auto_runs_on_the_cpu_held_to_the_machines_memory(
         "{stderr}"
     );
 }
+
+/// `g * act'(saved)` as candle's composed operations compute it (the lean
+/// layer's backward before its kernel): ReLU's mask cast to the element
+/// type, GELU's derivative in f32 (f64 for f64) cast to it.
+fn composed_act_grad(g: &Tensor, saved: &Tensor, relu: bool) -> Tensor {
+    let dtype = saved.dtype();
+    if relu {
+        let mask = saved.gt(0.0).and_then(|m| m.to_dtype(dtype)).unwrap();
+        return (g * mask).unwrap();
+    }
+    let z = if dtype == DType::F64 {
+        saved.clone()
+    } else {
+        saved.to_dtype(DType::F32).unwrap()
+    };
+    let d = (|| {
+        let cube = (z.sqr()? * &z)?;
+        let tanh = ((&cube * 0.0356774)? + (&z * 0.797885)?)?.tanh()?;
+        let inner = ((cube * 0.0535161)? + (&z * 0.398942)?)?;
+        (((&tanh * 0.5)? + (inner * (1.0 - tanh.sqr()?)?)?)? + 0.5)?.to_dtype(dtype)
+    })()
+    .unwrap();
+    (g * d).unwrap()
+}
+
+#[test]
+fn the_lean_layers_activation_gradient_is_one_kernel_on_the_gpu_with_candles_bits() {
+    use candle_lean_nn::{Activation, LeanLinear};
+    let _turn = turn();
+    let Some((device, meter)) = gpu() else { return };
+    let (rows, inputs, outputs) = (129, 37, 83);
+    let c = Category::Gradients;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let size = dtype.size_in_bytes() as u64;
+        let r = |shape: (usize, usize), scale: f64| {
+            (Tensor::randn(0f32, 1.0, shape, &device).unwrap() * scale)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap()
+        };
+        // Inputs of a few units, where GELU's derivative varies most.
+        let (x, w) = (r((rows, inputs), 1.0), r((outputs, inputs), 0.5));
+        let b = r((1, outputs), 1.0).flatten_all().unwrap();
+        let layer = LeanLinear::new(w.clone(), Some(b)).unwrap();
+        for act in [Activation::Relu, Activation::Gelu] {
+            let (out, kept) = layer.forward_saved(&x, act).unwrap();
+            let grad = r((rows, outputs), 1.0);
+            let saved = kept.tensor().unwrap().clone();
+            // candle's operations, first: cuBLAS makes its workspace there.
+            let dz = composed_act_grad(&grad, &saved, act == Activation::Relu);
+            let (dx_want, dw_want, db_want) = (
+                dz.matmul(&w).unwrap(),
+                dz.t().unwrap().matmul(&x).unwrap(),
+                dz.sum(0).unwrap(),
+            );
+            drop((out, saved));
+            device.synchronize().unwrap();
+            meter.push_peak();
+            let start = meter.snapshot();
+            let (dx, dw, db) = c
+                .scope(|| layer.backward_saved(&x, kept, grad, true))
+                .unwrap();
+            device.synchronize().unwrap();
+            let peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+            meter.pop_peak();
+            let what = format!("{dtype:?}, {act:?}");
+            // The bias's gradient sums the product's gradient with candle's
+            // own kernel: equal sums of equal terms.
+            assert_eq!(bits(&db.unwrap()), bits(&db_want), "{what}: candle's bits");
+            // The products may come from other cuBLAS kernels than the
+            // reference's (equal operands, other addresses).
+            let tolerance = match dtype {
+                DType::F32 => 1e-6,
+                DType::F64 => 1e-12,
+                _ => 1e-2,
+            };
+            for (name, got, want) in [("dx", dx.unwrap(), dx_want), ("dw", dw, dw_want)] {
+                let diff = rel_diff(&got, &want, false);
+                assert!(
+                    diff <= tolerance,
+                    "{what}: {name} off by {diff:e} (normwise)"
+                );
+            }
+            // The product's gradient, the bias's and the two products: the
+            // composed operations add a mask, or GELU's six f32 matrices.
+            let bound = (rows * outputs + outputs + rows * inputs + outputs * inputs) as u64 * size;
+            let dz_bytes = (rows * outputs) as u64 * size;
+            assert!(
+                (dz_bytes..=bound).contains(&peak),
+                "{what}: the backward's peak {peak} bytes (at most {bound})"
+            );
+        }
+    }
+}

@@ -35,6 +35,8 @@ mod add;
 mod bias;
 mod cpu;
 mod cpu_half;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod layer;
 mod linear;
 mod linear_loss;

@@ -301,6 +301,9 @@ fn grads(
             crate::cpu::act_backward(&g, &saved, act)?
         } else if crate::cpu_half::applies(&g, &saved) {
             crate::cpu_half::act_backward(&g, &saved, act)?
+        } else if let Some(g) = gpu_act_grad(&g, &saved, act)? {
+            let db = g.sum(0)?;
+            (g, db)
         } else {
             let g = match act {
                 Activation::Identity => g,
@@ -322,8 +325,21 @@ fn grads(
     Ok((dx, dw, db))
 }
 
+/// `g * act'(saved)` in one kernel on a CUDA GPU (with the `cuda`
+/// feature): the composed operations' bits in one new tensor; `None` where
+/// it does not apply.
+fn gpu_act_grad(g: &Tensor, saved: &Tensor, act: Activation) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::act_grad(g, saved, act);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (g, saved, act);
+        Ok(None)
+    }
+}
+
 /// The derivative of candle's tanh-approximated GELU, in f32 for half
-/// types.
+/// types (the arithmetic `kernels/activation.cu` repeats on a GPU).
 fn gelu_grad(z: &Tensor) -> Result<Tensor> {
     let dtype = z.dtype();
     let z = if dtype == DType::F64 {
