@@ -470,16 +470,17 @@ fn the_materialized_attentions_softmax_and_its_backward_run_in_place_on_the_gpu(
             meter.pop_peak();
             let what = format!("{dtype:?}, causal {causal}");
             assert_eq!(bits(&fwd.probs), bits(&p_want), "{what}: candle's bits");
-            // The scores, made in place into the probabilities; the
-            // transposed keys' copy, the output and, when causal, the mask
-            // (made in f32 and then converted). candle's composed operations
-            // hold two matrices at once.
+            // The scores, made in place into the probabilities; beside them
+            // one at a time the transposed keys' copy, the output or, when
+            // causal, the mask (made in f32 and then converted); and the
+            // kernels' few bytes of dimensions and strides. candle's
+            // composed operations hold two matrices at once, more than this.
             let mask = if causal {
                 (nq * nk) as u64 * (4 + size)
             } else {
                 0
             };
-            let bound = matrix + 2 * per_head(nk) + per_head(nq) + mask;
+            let bound = matrix + per_head(nk).max(per_head(nq)).max(mask) + 1024;
             assert!(
                 (matrix..=bound).contains(&forward_peak),
                 "{what}: the forward's peak {forward_peak} bytes, for a {matrix}-byte matrix (at most {bound})"
@@ -564,15 +565,21 @@ fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits
             device.synchronize().unwrap();
             meter.push_peak();
             let start = meter.snapshot();
-            let got = c.scope(|| layer.forward_act(&x, act)).unwrap();
+            // Without a graph: a graph's output is copied once more
+            // (`candle_custom_grad::with_backward3` hands it over).
+            let (got, _kept) = c.scope(|| layer.forward_saved(&x, act)).unwrap();
             device.synchronize().unwrap();
             let peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
             meter.pop_peak();
             assert_eq!(bits(&got), bits(&want), "{dtype:?}, {act:?}: candle's bits");
-            // The product alone: the bias and ReLU write over it (candle's
+            // The product, and the broadcast's few bytes of dimensions and
+            // strides: the bias and ReLU write over the product (candle's
             // operations make a tensor each).
             let product = (rows * outputs * dtype.size_in_bytes()) as u64;
-            assert_eq!(peak, product, "{dtype:?}, {act:?}: bytes at the peak");
+            assert!(
+                (product..=product + 1024).contains(&peak),
+                "{dtype:?}, {act:?}: {peak} bytes at the peak, for a {product}-byte product"
+            );
         }
     }
 }

@@ -79,7 +79,9 @@ fn output_range(l: &Layout, op: &str) -> Result<(usize, usize)> {
 /// `out = out OP rhs` with candle's binary kernel for `op`: `out` is the
 /// left operand and the output, contiguous; `rhs` has `out`'s shape and
 /// dtype, contiguous or broadcast (`broadcast_as`), and its layout's
-/// strides are passed as candle's `binary_map` passes them.
+/// strides are passed as candle's `binary_map` passes them. As candle's
+/// own storage operations do, this trusts each layout to lie within its
+/// storage, which a tensor's layout does.
 pub fn assign(
     op: Binary,
     out: &mut CudaStorage,

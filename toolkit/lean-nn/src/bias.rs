@@ -83,23 +83,28 @@ impl InplaceOp2 for BiasAct {
 }
 
 /// `y + b` for `y` `(rows, n)` fresh from a product and `b` `(n,)`, then
-/// ReLU if asked: in place on the CPU and, with the `cuda` feature, on a
-/// CUDA GPU; through candle's broadcast addition and ReLU elsewhere.
+/// ReLU if asked. The bias is added in place on the CPU and, with the
+/// `cuda` feature, on a CUDA GPU, where ReLU is in place too (candle's
+/// `relu` kernel over the sum); elsewhere, candle's broadcast addition.
+/// ReLU is candle's `relu` wherever it is not on the GPU.
 pub(crate) fn add_bias(y: Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
+    // A bias of `(n,)`, `(1, n)`...: the last dimension alone.
+    let n = y.dims().last().copied();
     let same = b.is_contiguous()
         && y.dtype() == b.dtype()
-        && y.dims().last() == Some(&b.elem_count())
-        && b.rank() == 1;
-    let cpu = y.device().is_cpu() && b.device().is_cpu() && y.is_contiguous();
+        && b.dims().last().copied() == n
+        && Some(b.elem_count()) == n;
     #[cfg(feature = "cuda")]
-    let gpu = candle_cuda_inplace::writable(&y) && y.device().same_device(b.device());
-    #[cfg(not(feature = "cuda"))]
-    let gpu = false;
-    if same && (cpu || gpu) {
+    if same && candle_cuda_inplace::writable(&y) && y.device().same_device(b.device()) {
         y.inplace_op2(b, &BiasAct { relu })?;
         return Ok(y);
     }
-    let z = y.broadcast_add(b)?;
+    let z = if same && y.device().is_cpu() && b.device().is_cpu() && y.is_contiguous() {
+        y.inplace_op2(b, &BiasAct { relu: false })?;
+        y
+    } else {
+        y.broadcast_add(b)?
+    };
     if relu {
         z.relu()
     } else {

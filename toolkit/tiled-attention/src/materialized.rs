@@ -143,10 +143,9 @@ pub(crate) fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) ->
     }
     #[cfg(feature = "cuda")]
     if crate::cuda::applies(&scores) {
-        let mask = match causal {
-            true => Some(causal_mask(0, nq, 0, nk, scores.dtype(), scores.device())?),
-            false => None,
-        };
+        let mask = causal
+            .then(|| causal_mask(0, nq, 0, nk, scores.dtype(), scores.device()))
+            .transpose()?;
         crate::cuda::softmax_in_place(&scores, scale, mask.as_ref())?;
         return Ok(scores);
     }
