@@ -91,6 +91,7 @@ pub(crate) fn add_bias(y: Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
     // A bias of `(n,)`, `(1, n)`...: the last dimension alone.
     let n = y.dims().last().copied();
     let same = b.is_contiguous()
+        && b.rank() <= y.rank()
         && y.dtype() == b.dtype()
         && b.dims().last().copied() == n
         && Some(b.elem_count()) == n;
