@@ -18,6 +18,9 @@ pub struct RankArgs {
 
 /// Serves as the rank `args` describe; the process's exit code.
 pub fn serve(args: &RankArgs) -> ExitCode {
+    // Before MPI starts: a launcher killed while the ranks initialise takes
+    // them with it.
+    workbook_distributed::rank::die_with_launcher();
     let served = match (&args.request, &args.verify) {
         (Some(request), _) => rank(request),
         (None, Some(verify)) => verify_rank(verify),

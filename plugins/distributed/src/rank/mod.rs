@@ -19,7 +19,7 @@ mod process;
 mod train;
 
 use process::write_report;
-pub use process::{rank_pids, report_path, serve, Fault};
+pub use process::{die_with_launcher, rank_pids, report_path, serve, Fault};
 use train::{batch, dense, forward, mse, run_stage, shard_of};
 
 /// What the cell asks of every rank.

@@ -102,7 +102,6 @@ impl Fault {
 /// standard error and the whole job ended (`MPI_Abort`), so that no other
 /// rank waits for this one in a collective. A panic is an error too.
 pub fn serve(comm: Comm, out: &Path, work: impl FnOnce(&Arc<Comm>) -> anyhow::Result<()>) -> ! {
-    die_with_launcher();
     let comm = Arc::new(comm.observed(Tags));
     let run = || -> anyhow::Result<()> {
         std::fs::write(
@@ -127,8 +126,11 @@ pub fn serve(comm: Comm, out: &Path, work: impl FnOnce(&Arc<Comm>) -> anyhow::Re
 }
 
 /// Makes this rank end when the process that started it (mpirun) ends,
-/// even by SIGKILL: a rank is never left behind computing for no one.
-fn die_with_launcher() {
+/// even by SIGKILL: a rank is never left behind computing for no one. A
+/// rank calls it first, before MPI's initialisation: that waits on the
+/// launcher and the other ranks, and a rank orphaned there would wait
+/// forever.
+pub fn die_with_launcher() {
     #[cfg(target_os = "linux")]
     // SAFETY: prctl(2) and getppid(2) with plain integer arguments.
     unsafe {
