@@ -33,25 +33,18 @@ impl InplaceOp2 for AddAssign {
 /// Returns whether it did. The same additions as `sum + g`, so the same
 /// bits.
 pub(crate) fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
-    let on_cpu = sum.device().is_cpu() && g.device().is_cpu() && sum.dtype() == DType::F32;
-    #[cfg(feature = "cuda")]
-    let on_gpu = candle_cuda_inplace::writable(sum) && sum.device().same_device(g.device());
-    #[cfg(not(feature = "cuda"))]
-    let on_gpu = false;
-    let fits = (on_cpu || on_gpu)
-        && sum.dtype() == g.dtype()
+    let on_cpu = sum.device().is_cpu()
+        && g.device().is_cpu()
+        && sum.dtype() == DType::F32
+        && g.dtype() == DType::F32
         && sum.shape() == g.shape()
         && sum.is_contiguous()
         && g.is_contiguous();
-    if !fits {
-        return Ok(false);
+    if !on_cpu {
+        // On a CUDA GPU, candle's own addition kernel with the sum's buffer
+        // as its output.
+        return candle_cuda_inplace::add_assign(sum, g);
     }
-    if on_cpu {
-        sum.inplace_op2(g, &AddAssign)?;
-    } else {
-        // candle's own addition kernel with the sum's buffer as its output.
-        #[cfg(feature = "cuda")]
-        candle_cuda_inplace::add_assign(sum, g)?;
-    }
+    sum.inplace_op2(g, &AddAssign)?;
     Ok(true)
 }

@@ -11,8 +11,9 @@
 //! threads each read and write their own columns (`binary_op_macros.cuh`,
 //! `affine.cu`, `unary.cu` and `reduce.cu` in candle-kernels 0.11.1).
 //!
-//! Everything is behind the `cuda` feature: without it the crate is empty,
-//! so that a crate depending on it builds where there is no CUDA toolkit.
+//! Everything is behind the `cuda` feature, so that a crate depending on
+//! it builds where there is no CUDA toolkit: without it, [`add_assign`]
+//! never applies and nothing else is there.
 
 #[cfg(feature = "cuda")]
 mod launch;
@@ -23,3 +24,11 @@ mod ops;
 pub use launch::{assign, relu, scale, softmax_last_dim, writable, Binary, MAX_ELEMENTS};
 #[cfg(feature = "cuda")]
 pub use ops::add_assign;
+
+/// `sum += g` in place on a CUDA GPU, which a build without the `cuda`
+/// feature has none of: returns `false`, that it did not.
+#[cfg(not(feature = "cuda"))]
+pub fn add_assign(sum: &candle_core::Tensor, g: &candle_core::Tensor) -> candle_core::Result<bool> {
+    let _ = (sum, g);
+    Ok(false)
+}

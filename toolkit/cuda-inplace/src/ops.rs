@@ -2,21 +2,24 @@
 
 use candle_core::{bail, CpuStorage, CudaStorage, InplaceOp2, Layout, Result, Tensor};
 
-use crate::launch::{assign, Binary};
+use crate::launch::{assign, writable, Binary};
 
-/// `sum += g`: candle's addition kernel with `sum`'s buffer as its output,
-/// the launch (and so the bits) of `sum + g` without the new tensor. Both
-/// on one CUDA GPU, of one shape and dtype; `sum` contiguous (see
-/// [`writable`](crate::writable)) and held by nothing else.
-pub fn add_assign(sum: &Tensor, g: &Tensor) -> Result<()> {
-    if sum.shape() != g.shape() {
-        bail!(
-            "add-assign: a sum of shape {:?} and an addend of shape {:?}",
-            sum.dims(),
-            g.dims()
-        );
+/// `sum += g` where it can be done in place on a CUDA GPU: candle's
+/// addition kernel with `sum`'s buffer as its output, the launch (and so
+/// the bits) of `sum + g` without the new tensor. It can when both are on
+/// one CUDA GPU, of one shape and dtype, `g` contiguous and `sum`
+/// [`writable`]; `sum` must also be held by nothing else, which only its
+/// owner knows. Returns whether it did.
+pub fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
+    let fits = writable(sum)
+        && sum.device().same_device(g.device())
+        && sum.dtype() == g.dtype()
+        && sum.shape() == g.shape()
+        && g.is_contiguous();
+    if fits {
+        sum.inplace_op2(g, &AddAssign)?;
     }
-    sum.inplace_op2(g, &AddAssign)
+    Ok(fits)
 }
 
 /// `sum += g` on a CUDA GPU.

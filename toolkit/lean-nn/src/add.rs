@@ -45,27 +45,23 @@ impl InplaceOp2 for AddInto {
 /// CPU, and with the `cuda` feature f32, f64, f16 or bf16 on a CUDA GPU;
 /// through candle's addition otherwise.
 pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
-    let cpu = sum.device().is_cpu() && g.device().is_cpu() && sum.dtype() == DType::F32;
-    #[cfg(feature = "cuda")]
-    let gpu = candle_cuda_inplace::writable(&sum) && sum.device().same_device(g.device());
-    #[cfg(not(feature = "cuda"))]
-    let gpu = false;
-    let fits = (cpu || gpu)
-        && sum.dtype() == g.dtype()
+    let cpu = sum.device().is_cpu()
+        && g.device().is_cpu()
+        && sum.dtype() == DType::F32
+        && g.dtype() == DType::F32
         && sum.shape() == g.shape()
         && sum.is_contiguous()
         && g.is_contiguous();
-    if !fits {
-        return sum + g;
-    }
     if cpu {
         sum.inplace_op2(g, &AddInto)?;
-    } else {
-        // candle's own addition kernel with the sum's buffer as its output.
-        #[cfg(feature = "cuda")]
-        candle_cuda_inplace::add_assign(&sum, g)?;
+        return Ok(sum);
     }
-    Ok(sum)
+    // On a CUDA GPU, candle's own addition kernel with the sum's buffer as
+    // its output.
+    if candle_cuda_inplace::add_assign(&sum, g)? {
+        return Ok(sum);
+    }
+    sum + g
 }
 
 /// `a + b` (one shape), as candle's addition computes it. Contiguous f32,

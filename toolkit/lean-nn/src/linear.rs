@@ -301,14 +301,12 @@ fn grads(
             crate::cpu::act_backward(&g, &saved, act)?
         } else if crate::cpu_half::applies(&g, &saved) {
             crate::cpu_half::act_backward(&g, &saved, act)?
-        } else if let Some(g) = gpu_act_grad(&g, &saved, act)? {
-            let db = g.sum(0)?;
-            (g, db)
         } else {
-            let g = match act {
-                Activation::Identity => g,
-                Activation::Relu => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
-                Activation::Gelu => (g * gelu_grad(&saved)?)?,
+            let g = match (act, gpu_act_grad(&g, &saved, act)?) {
+                (_, Some(on_gpu)) => on_gpu,
+                (Activation::Identity, None) => g,
+                (Activation::Relu, None) => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
+                (Activation::Gelu, None) => (g * gelu_grad(&saved)?)?,
             };
             let db = g.sum(0)?;
             (g, db)

@@ -11,9 +11,13 @@ use candle_core::{
 };
 use candle_cuda_inplace::{assign, scale, softmax_last_dim, Binary};
 
-/// Whether the in-place kernels take `t` (see `candle_cuda_inplace::writable`).
-pub(crate) fn applies(t: &Tensor) -> bool {
-    candle_cuda_inplace::writable(t)
+/// Whether the softmax's backward runs here on the probabilities' gradient
+/// `dp` and the probabilities `p`: both writable by candle's kernels in
+/// place (`candle_cuda_inplace::writable`), of one shape and dtype.
+pub(crate) fn backward_applies(dp: &Tensor, p: &Tensor) -> bool {
+    candle_cuda_inplace::writable(dp)
+        && candle_cuda_inplace::writable(p)
+        && (dp.shape(), dp.dtype()) == (p.shape(), p.dtype())
 }
 
 /// `softmax(scores * scale + mask)` over the last dimension, written over

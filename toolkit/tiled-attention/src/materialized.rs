@@ -142,7 +142,7 @@ pub(crate) fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) ->
         return Ok(scores);
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::applies(&scores) {
+    if candle_cuda_inplace::writable(&scores) {
         let mask = causal
             .then(|| causal_mask(0, nq, 0, nk, scores.dtype(), scores.device()))
             .transpose()?;
@@ -173,10 +173,7 @@ pub(crate) fn scores_grad(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor>
         return Ok(ds);
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::applies(&p)
-        && crate::cuda::applies(&dp)
-        && (p.shape(), p.dtype()) == (dp.shape(), dp.dtype())
-    {
+    if crate::cuda::backward_applies(&dp, &p) {
         // The composed operations' bits, with one new matrix: the result.
         let delta = crate::cuda::row_dots(&dp, &p)?;
         let ds = dp.broadcast_sub(&delta)?;

@@ -180,10 +180,7 @@ fn softmax_backward(dp: Tensor, probs: &Tensor, scale: f64) -> Result<Tensor> {
         return Ok(dp);
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::applies(&dp)
-        && crate::cuda::applies(probs)
-        && (dp.shape(), dp.dtype()) == (probs.shape(), probs.dtype())
-    {
+    if crate::cuda::backward_applies(&dp, probs) {
         // The composed operations' bits, with no new matrix.
         let delta = crate::cuda::row_dots(&dp, probs)?;
         crate::cuda::sub_mul_scale_in_place(&dp, &delta, probs, scale)?;
