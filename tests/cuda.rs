@@ -243,6 +243,13 @@ fn host_memory_stays_with_the_allocator_when_tensors_live_on_the_gpu() {
     drop(host);
 }
 
+/// Normal values of standard deviation `std` in `dtype` (drawn in f32).
+fn randn(shape: impl Into<candle_core::Shape>, std: f32, dtype: DType, device: &Device) -> Tensor {
+    Tensor::randn(0f32, std, shape, device)
+        .and_then(|t| t.to_dtype(dtype))
+        .unwrap()
+}
+
 /// A tensor's elements in f64, which holds every value of the other float
 /// types exactly: equal vectors are equal values (a zero's sign aside).
 fn values(t: &Tensor) -> Vec<f64> {
@@ -306,9 +313,7 @@ fn lean_adamw_updates_in_place_on_the_gpu_as_candle_nn_adamw_does() {
         (DType::F16, false, 4.0 * f16_eps),
         (DType::BF16, false, 4.0 * bf16_eps),
     ] {
-        let w0 = Tensor::randn(0f32, 1.0, (257, 33), &device)
-            .and_then(|t| t.to_dtype(dtype))
-            .unwrap();
+        let w0 = randn((257, 33), 1.0, dtype, &device);
         let lean_w = Var::from_tensor(&w0.copy().unwrap()).unwrap();
         let plain_w = Var::from_tensor(&w0.copy().unwrap()).unwrap();
         let mut lean =
@@ -456,11 +461,7 @@ fn the_materialized_attentions_softmax_and_its_backward_run_in_place_on_the_gpu(
             _ => 1e-2,
         };
         for causal in [false, true] {
-            let r = |n: usize| {
-                Tensor::randn(0f32, 1.0, (b, h, n, d), &device)
-                    .and_then(|t| t.to_dtype(dtype))
-                    .unwrap()
-            };
+            let r = |n: usize| randn((b, h, n, d), 1.0, dtype, &device);
             let (q, k, v, d_out) = (r(nq), r(nk), r(nk), r(nq));
             // First, so that cuBLAS has made its workspace before the meter
             // looks.
@@ -550,11 +551,7 @@ fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits
     let (rows, inputs, outputs) = (129, 37, 83);
     let c = Category::Activations;
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-        let r = |shape: (usize, usize)| {
-            Tensor::randn(0f32, 1.0, shape, &device)
-                .and_then(|t| t.to_dtype(dtype))
-                .unwrap()
-        };
+        let r = |shape: (usize, usize)| randn(shape, 1.0, dtype, &device);
         let (x, w) = (r((rows, inputs)), r((outputs, inputs)));
         let b = r((1, outputs)).flatten_all().unwrap();
         let layer = LeanLinear::new(w.clone(), Some(b.clone())).unwrap();
@@ -681,11 +678,7 @@ fn the_lean_layers_activation_gradient_is_one_kernel_on_the_gpu_with_candles_bit
     let c = Category::Gradients;
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let size = dtype.size_in_bytes() as u64;
-        let r = |shape: (usize, usize), scale: f64| {
-            (Tensor::randn(0f32, 1.0, shape, &device).unwrap() * scale)
-                .and_then(|t| t.to_dtype(dtype))
-                .unwrap()
-        };
+        let r = |shape: (usize, usize), std: f32| randn(shape, std, dtype, &device);
         // Inputs of a few units, where GELU's derivative varies most.
         let x = r((rows, inputs), 1.5);
         let w = Tensor::eye(outputs, dtype, &device).unwrap();
