@@ -1,5 +1,6 @@
-//! Element-wise f32 functions that vectorise, and a way to compile a loop
-//! for the widest vector unit the CPU has.
+//! Element-wise f32 functions that vectorise, a way to compile a loop for
+//! the widest vector unit the CPU has, and scratch for a parallel loop's
+//! tasks that holds the same bytes every run ([`WorkerScratch`]).
 //!
 //! libm's `expf` and `tanhf` are calls the compiler cannot vectorise. The
 //! functions here are plain arithmetic (Cephes' polynomials), inlined, so
@@ -24,6 +25,10 @@
 //! assert_eq!(v[2], 0.0);
 //! ```
 #![warn(missing_docs)]
+
+mod scratch;
+
+pub use scratch::WorkerScratch;
 
 /// Below this, `exp` is zero in f32.
 const EXP_MIN: f32 = -87.336_55;

@@ -2,6 +2,7 @@
 //! thread pool.
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, WithDType};
+use candle_cpu_math::WorkerScratch;
 use candle_custom_grad::{with_backward2, Backward2};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -133,21 +134,24 @@ where
     [T]: HalfFloatSliceExt,
 {
     let mut out = vec![T::from_f64(0.0); a.elem_count()];
+    // Two f32 spans for each worker (no wider than the tensors).
+    let span = HALF_SPAN.min(a.elem_count());
+    let scratch = WorkerScratch::new(2 * span);
     with_slice::<T, _>(a, |a| {
         with_slice::<T, _>(b, |b| {
             out.par_chunks_mut(HALF_SPAN)
                 .zip(a.par_chunks(HALF_SPAN))
                 .zip(b.par_chunks(HALF_SPAN))
-                .for_each_init(
-                    || (vec![0f32; HALF_SPAN], vec![0f32; HALF_SPAN]),
-                    |(x, y), ((out, a), b)| {
+                .for_each(|((out, a), b)| {
+                    scratch.with(|w| {
+                        let (x, y) = w.split_at_mut(span);
                         let (x, y) = (&mut x[..a.len()], &mut y[..a.len()]);
                         a.convert_to_f32_slice(x);
                         b.convert_to_f32_slice(y);
                         add_row(x, y);
                         out.convert_from_f32_slice(x);
-                    },
-                )
+                    })
+                })
         })
     })??;
     Tensor::from_vec(out, a.shape(), a.device())

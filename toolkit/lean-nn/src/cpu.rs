@@ -9,7 +9,8 @@
 use std::mem::MaybeUninit;
 
 use candle_core::{bail, DType, Device, Result, Storage, Tensor, WithDType};
-use candle_cpu_math::{dispatch, exp, gelu, gelu_grad};
+use candle_cpu_math::{dispatch, exp, gelu, gelu_grad, WorkerScratch};
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::bias::BiasAct;
@@ -227,26 +228,29 @@ pub(crate) const SUM_COLUMNS: usize = 256;
 /// (candle's `sum(0)`'s rounding). A block of columns a task, so the pool
 /// shares the pass without changing any column's order of addition.
 fn column_sums(rows: &[f32], n: usize) -> Vec<f32> {
-    column_sums_by(rows, n, || (), |_, sums, row| add_row(sums, row))
+    column_sums_by(rows, n, 0, |_, sums, row| add_row(sums, row))
 }
 
 /// The f32 sums of the columns of `rows` rows of `n` of any element type,
-/// each row's part added into a task's block of sums by `add` (with a
-/// scratch value `scratch` makes once a task), the rows in order.
-pub(crate) fn column_sums_by<T: Sync, S>(
+/// each row's part added into a task's block of sums by `add` (with its
+/// worker's `scratch` f32 elements of scratch), the rows in order.
+pub(crate) fn column_sums_by<T: Sync>(
     rows: &[T],
     n: usize,
-    scratch: impl Fn() -> S + Sync + Send,
-    add: impl Fn(&mut S, &mut [f32], &[T]) + Sync + Send,
+    scratch: usize,
+    add: impl Fn(&mut [f32], &mut [f32], &[T]) + Sync + Send,
 ) -> Vec<f32> {
     let mut sums = vec![0f32; n];
+    let scratch = WorkerScratch::new(scratch);
     sums.par_chunks_mut(SUM_COLUMNS)
         .enumerate()
-        .for_each_init(scratch, |w, (i, sums)| {
-            let first = i * SUM_COLUMNS;
-            for row in rows.chunks_exact(n) {
-                add(w, sums, &row[first..first + sums.len()]);
-            }
+        .for_each(|(i, sums)| {
+            scratch.with(|w| {
+                let first = i * SUM_COLUMNS;
+                for row in rows.chunks_exact(n) {
+                    add(w, sums, &row[first..first + sums.len()]);
+                }
+            })
         });
     sums
 }
@@ -328,20 +332,23 @@ pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64>
 
 fn rows_sum<T: Row>(logits: &Tensor, targets: &[u32]) -> Result<f64> {
     let (_, n) = logits.dims2()?;
+    let scratch = WorkerScratch::new(n + T::wide_len(n));
     with_slice::<T, _>(logits, |z| {
         z.par_chunks(n * ROWS_PER_TASK)
             .zip(targets.par_chunks(ROWS_PER_TASK))
             .map(|(rows, targets)| {
-                let (mut scratch, mut wide) = (vec![0f32; n], Vec::new());
-                rows.chunks_exact(n)
-                    .zip(targets)
-                    .map(|(z, &t)| {
-                        let z = T::as_f32(z, &mut wide);
-                        let max = row_max(z);
-                        let sum = exp_shifted_row(z, max, &mut scratch);
-                        f64::from(max + sum.ln() - z[t as usize])
-                    })
-                    .sum::<f64>()
+                scratch.with(|w| {
+                    let (exps, wide) = w.split_at_mut(n);
+                    rows.chunks_exact(n)
+                        .zip(targets)
+                        .map(|(z, &t)| {
+                            let z = T::as_f32(z, wide);
+                            let max = row_max(z);
+                            let sum = exp_shifted_row(z, max, exps);
+                            f64::from(max + sum.ln() - z[t as usize])
+                        })
+                        .sum::<f64>()
+                })
             })
             .sum()
     })
@@ -363,21 +370,24 @@ pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &[u32], scale: f32) -
 fn rows_grad<T: Row>(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Tensor> {
     let (rows, n) = logits.dims2()?;
     let mut d = vec![T::zero(); rows * n];
+    let scratch = WorkerScratch::new(2 * T::wide_len(n));
     with_slice::<T, _>(logits, |z| {
         d.par_chunks_mut(n * ROWS_PER_TASK)
             .zip(z.par_chunks(n * ROWS_PER_TASK))
             .zip(targets.par_chunks(ROWS_PER_TASK))
             .for_each(|((d, z), targets)| {
-                let (mut row, mut wide) = (vec![0f32; n], Vec::new());
-                for ((d, z), &t) in d.chunks_exact_mut(n).zip(z.chunks_exact(n)).zip(targets) {
-                    let z = T::as_f32(z, &mut wide);
-                    T::write(d, &mut row, |out| {
-                        let max = row_max(z);
-                        let sum = exp_shifted_row(z, max, out);
-                        scale_row(out, scale / sum);
-                        out[t as usize] -= scale;
-                    });
-                }
+                scratch.with(|w| {
+                    let (row, wide) = w.split_at_mut(T::wide_len(n));
+                    for ((d, z), &t) in d.chunks_exact_mut(n).zip(z.chunks_exact(n)).zip(targets) {
+                        let z = T::as_f32(z, wide);
+                        T::write(d, row, |out| {
+                            let max = row_max(z);
+                            let sum = exp_shifted_row(z, max, out);
+                            scale_row(out, scale / sum);
+                            out[t as usize] -= scale;
+                        });
+                    }
+                })
             });
     })?;
     Tensor::from_vec(d, (rows, n), &Device::Cpu)
@@ -386,15 +396,23 @@ fn rows_grad<T: Row>(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Ten
 /// An element type the cross-entropy's row kernels read and write: f32
 /// rows as they are, half-precision ones through an f32 row.
 pub(crate) trait Row: WithDType {
-    /// The row `z` as f32: itself, or widened into `wide`.
-    fn as_f32<'a>(z: &'a [Self], wide: &'a mut Vec<f32>) -> &'a [f32];
+    /// The f32 scratch elements a row of `n` needs to be widened: none for
+    /// f32, `n` for the half types.
+    fn wide_len(n: usize) -> usize;
+    /// The row `z` as f32: itself, or widened into `wide` (of
+    /// [`wide_len`](Self::wide_len)).
+    fn as_f32<'a>(z: &'a [Self], wide: &'a mut [f32]) -> &'a [f32];
     /// Runs `f` on an f32 row that ends up in `d`: `d` itself, or `row`
     /// narrowed into it.
     fn write(d: &mut [Self], row: &mut [f32], f: impl FnOnce(&mut [f32]));
 }
 
 impl Row for f32 {
-    fn as_f32<'a>(z: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+    fn wide_len(_: usize) -> usize {
+        0
+    }
+
+    fn as_f32<'a>(z: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
         z
     }
 
@@ -406,9 +424,12 @@ impl Row for f32 {
 macro_rules! half_row {
     ($t:ty) => {
         impl Row for $t {
-            fn as_f32<'a>(z: &'a [$t], wide: &'a mut Vec<f32>) -> &'a [f32] {
-                wide.clear();
-                wide.extend(z.iter().map(|v| v.to_f32()));
+            fn wide_len(n: usize) -> usize {
+                n
+            }
+
+            fn as_f32<'a>(z: &'a [$t], wide: &'a mut [f32]) -> &'a [f32] {
+                z.convert_to_f32_slice(wide);
                 wide
             }
 

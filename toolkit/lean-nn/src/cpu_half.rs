@@ -20,6 +20,8 @@ use candle_core::{bail, DType, Device, Result, Tensor, WithDType};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+use candle_cpu_math::WorkerScratch;
+
 use crate::cpu::{
     act_grad_row, add_row, as_uninit, column_sums_by, gelu_row, with_slice, ROWS_PER_TASK,
     SUM_COLUMNS,
@@ -53,19 +55,20 @@ where
 {
     let (rows, n) = z.dims2()?;
     let mut out = vec![T::from_f64(0.0); rows * n];
+    let scratch = WorkerScratch::new(2 * n);
     with_slice::<T, _>(z, |zs| {
         out.par_chunks_mut(n * ROWS_PER_TASK)
             .zip(zs.par_chunks(n * ROWS_PER_TASK))
-            .for_each_init(
-                || (vec![0f32; n], vec![0f32; n]),
-                |(wide, done), (out, z)| {
+            .for_each(|(out, z)| {
+                scratch.with(|w| {
+                    let (wide, done) = w.split_at_mut(n);
                     for (out, z) in out.chunks_exact_mut(n).zip(z.chunks_exact(n)) {
                         z.convert_to_f32_slice(wide);
                         gelu_row(wide, as_uninit(done));
                         out.convert_from_f32_slice(done);
                     }
-                },
-            )
+                })
+            })
     })?;
     Tensor::from_vec(out, (rows, n), &Device::Cpu)
 }
@@ -104,21 +107,8 @@ where
     [T]: HalfFloatSliceExt,
 {
     let (_, n) = grad.dims2()?;
-    let sums = with_slice::<T, _>(grad, |g| {
-        column_sums_by(
-            g,
-            n,
-            || vec![0f32; SUM_COLUMNS],
-            |wide, sums, row| {
-                let wide = &mut wide[..row.len()];
-                row.convert_to_f32_slice(wide);
-                add_row(sums, wide);
-            },
-        )
-    })?;
-    let mut narrow = vec![T::from_f64(0.0); n];
-    narrow.convert_from_f32_slice(&sums);
-    Tensor::from_vec(narrow, n, &Device::Cpu)
+    let sums = with_slice::<T, _>(grad, |g| half_column_sums(g, n))?;
+    narrow::<T>(&sums)
 }
 
 fn typed<T>(grad: &Tensor, saved: &Tensor, act: Activation) -> Result<(Tensor, Tensor)>
@@ -129,66 +119,60 @@ where
     let (rows, n) = grad.dims2()?;
     let gelu_input = act == Activation::Gelu;
     let mut dz = vec![T::from_f64(0.0); rows * n];
-    let db = with_slice::<T, _>(grad, |g| {
+    let scratch = WorkerScratch::new(3 * n);
+    with_slice::<T, _>(grad, |g| {
         with_slice::<T, _>(saved, |s| {
             dz.par_chunks_mut(n * ROWS_PER_TASK)
                 .zip(g.par_chunks(n * ROWS_PER_TASK))
                 .zip(s.par_chunks(n * ROWS_PER_TASK))
-                .fold(
-                    || Scratch::new(n),
-                    |mut w, ((dz, g), s)| {
+                .for_each(|((dz, g), s)| {
+                    scratch.with(|w| {
+                        let (wg, rest) = w.split_at_mut(n);
+                        let (ws, wd) = rest.split_at_mut(n);
                         for ((dz, g), s) in dz
                             .chunks_exact_mut(n)
                             .zip(g.chunks_exact(n))
                             .zip(s.chunks_exact(n))
                         {
-                            g.convert_to_f32_slice(&mut w.g);
-                            s.convert_to_f32_slice(&mut w.s);
-                            act_grad_row(&w.g, &w.s, as_uninit(&mut w.d), gelu_input);
-                            dz.convert_from_f32_slice(&w.d);
-                            // The bias's gradient from the rounded values:
-                            // the column sums of the `dz` returned.
-                            dz.convert_to_f32_slice(&mut w.d);
-                            add_row(&mut w.db, &w.d);
+                            g.convert_to_f32_slice(wg);
+                            s.convert_to_f32_slice(ws);
+                            act_grad_row(wg, ws, as_uninit(wd), gelu_input);
+                            dz.convert_from_f32_slice(wd);
                         }
-                        w
-                    },
-                )
-                .map(|w| w.db)
-                .reduce(
-                    || vec![0f32; n],
-                    |mut a, b| {
-                        add_row(&mut a, &b);
-                        a
-                    },
-                )
+                    })
+                })
         })
     })??;
-    let mut db_half = vec![T::from_f64(0.0); n];
-    db_half.convert_from_f32_slice(&db);
-    Ok((
-        Tensor::from_vec(dz, (rows, n), &Device::Cpu)?,
-        Tensor::from_vec(db_half, n, &Device::Cpu)?,
-    ))
+    drop(scratch);
+    // The bias's gradient from the rounded values: the column sums of the
+    // `dz` returned, each column's rows added in order.
+    let db = narrow::<T>(&half_column_sums(&dz, n))?;
+    Ok((Tensor::from_vec(dz, (rows, n), &Device::Cpu)?, db))
 }
 
-/// One task's rows in f32, and its share of the bias's gradient.
-struct Scratch {
-    g: Vec<f32>,
-    s: Vec<f32>,
-    d: Vec<f32>,
-    db: Vec<f32>,
+/// The f32 sums of the columns of half-precision `rows` rows of `n`, each
+/// row widened and the rows added in order.
+fn half_column_sums<T>(rows: &[T], n: usize) -> Vec<f32>
+where
+    T: Sync,
+    [T]: HalfFloatSliceExt,
+{
+    column_sums_by(rows, n, SUM_COLUMNS, |wide, sums, row| {
+        let wide = &mut wide[..row.len()];
+        row.convert_to_f32_slice(wide);
+        add_row(sums, wide);
+    })
 }
 
-impl Scratch {
-    fn new(n: usize) -> Self {
-        Self {
-            g: vec![0.0; n],
-            s: vec![0.0; n],
-            d: vec![0.0; n],
-            db: vec![0.0; n],
-        }
-    }
+/// f32 `sums` rounded once to `T`, as a vector.
+fn narrow<T>(sums: &[f32]) -> Result<Tensor>
+where
+    T: WithDType,
+    [T]: HalfFloatSliceExt,
+{
+    let mut narrow = vec![T::from_f64(0.0); sums.len()];
+    narrow.convert_from_f32_slice(sums);
+    Tensor::from_vec(narrow, sums.len(), &Device::Cpu)
 }
 
 #[cfg(test)]

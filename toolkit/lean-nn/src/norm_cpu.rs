@@ -6,6 +6,7 @@
 //! activation is still held, they were the step's peak.
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_cpu_math::WorkerScratch;
 use rayon::prelude::*;
 
 use crate::cpu::{with_slice, Row, ROWS_PER_TASK};
@@ -153,23 +154,26 @@ fn forward_typed<T: Row>(
     let mut out = vec![T::zero(); rows * h];
     let mut mean = vec![0f32; rows];
     let mut rstd = vec![0f32; rows];
+    let scratch = WorkerScratch::new(2 * T::wide_len(h));
     with_slice::<T, _>(x, |x| {
         out.par_chunks_mut(h * ROWS_PER_TASK)
             .zip(x.par_chunks(h * ROWS_PER_TASK))
             .zip(mean.par_chunks_mut(ROWS_PER_TASK))
             .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
             .for_each(|(((out, x), mean), rstd)| {
-                let (mut row, mut wide) = (vec![0f32; h], Vec::new());
-                let rows = out.chunks_exact_mut(h).zip(x.chunks_exact(h));
-                for (((out, x), m), r) in rows.zip(mean.iter_mut()).zip(rstd.iter_mut()) {
-                    let x = T::as_f32(x, &mut wide);
-                    // Two passes, as the composed form: the mean, then the
-                    // squares about it (no cancellation).
-                    *m = sum(x) / h as f32;
-                    let squares = squares_about(x, *m);
-                    *r = 1.0 / (squares / h as f32 + eps).sqrt();
-                    T::write(out, &mut row, |o| normalise(x, *m, *r, &w, &b, o));
-                }
+                scratch.with(|s| {
+                    let (row, wide) = s.split_at_mut(T::wide_len(h));
+                    let rows = out.chunks_exact_mut(h).zip(x.chunks_exact(h));
+                    for (((out, x), m), r) in rows.zip(mean.iter_mut()).zip(rstd.iter_mut()) {
+                        let x = T::as_f32(x, wide);
+                        // Two passes, as the composed form: the mean, then
+                        // the squares about it (no cancellation).
+                        *m = sum(x) / h as f32;
+                        let squares = squares_about(x, *m);
+                        *r = 1.0 / (squares / h as f32 + eps).sqrt();
+                        T::write(out, row, |o| normalise(x, *m, *r, &w, &b, o));
+                    }
+                })
             });
     })?;
     let stats = stats_shape(x);
@@ -220,6 +224,7 @@ fn backward_typed<T: Row>(
         );
     }
     let mut dx = vec![T::zero(); rows * h];
+    let scratch = WorkerScratch::new(3 * T::wide_len(h));
     // Each task's parts of the weight's and bias's gradients, summed in the
     // tasks' order afterwards: the same bits on any number of threads.
     let parts: Vec<Vec<f32>> = with_slice::<T, _>(x, |x| {
@@ -232,17 +237,20 @@ fn backward_typed<T: Row>(
                 .map(|((((dx, x), g), mean), rstd)| {
                     let mut part = vec![0f32; 2 * h];
                     let (dw, db) = part.split_at_mut(h);
-                    let (mut row, mut wide_x, mut wide_g) = (vec![0f32; h], Vec::new(), Vec::new());
-                    let rows = dx.chunks_exact_mut(h).zip(x.chunks_exact(h));
-                    for (((dx, x), g), stats) in rows
-                        .zip(g.chunks_exact(h))
-                        .zip(mean.iter().copied().zip(rstd.iter().copied()))
-                    {
-                        let (x, g) = (T::as_f32(x, &mut wide_x), T::as_f32(g, &mut wide_g));
-                        T::write(dx, &mut row, |d| {
-                            backward_row(x, g, &w, stats, d, (&mut *dw, &mut *db))
-                        });
-                    }
+                    scratch.with(|s| {
+                        let (row, wide) = s.split_at_mut(T::wide_len(h));
+                        let (wide_x, wide_g) = wide.split_at_mut(T::wide_len(h));
+                        let rows = dx.chunks_exact_mut(h).zip(x.chunks_exact(h));
+                        for (((dx, x), g), stats) in rows
+                            .zip(g.chunks_exact(h))
+                            .zip(mean.iter().copied().zip(rstd.iter().copied()))
+                        {
+                            let (x, g) = (T::as_f32(x, wide_x), T::as_f32(g, wide_g));
+                            T::write(dx, row, |d| {
+                                backward_row(x, g, &w, stats, d, (&mut *dw, &mut *db))
+                            });
+                        }
+                    });
                     part
                 })
                 .collect()

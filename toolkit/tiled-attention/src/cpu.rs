@@ -15,9 +15,8 @@ pub(crate) mod materialized;
 mod matmul;
 pub(crate) mod rows;
 
-use std::sync::Mutex;
-
 use candle_core::{bail, DType, Device, Result, Storage, Tensor};
+use candle_cpu_math::WorkerScratch;
 use rayon::prelude::*;
 
 use crate::config::FlashConfig;
@@ -99,31 +98,6 @@ impl Plan {
     }
 }
 
-/// One scratch buffer per worker thread of the current rayon pool, taken by
-/// the worker's index.
-struct Scratch {
-    buffers: Vec<Mutex<Vec<f32>>>,
-    len: usize,
-}
-
-impl Scratch {
-    fn new(len: usize) -> Self {
-        let buffers = (0..rayon::current_num_threads())
-            .map(|_| Mutex::new(vec![0f32; len]))
-            .collect();
-        Self { buffers, len }
-    }
-
-    fn with<R>(&self, f: impl FnOnce(&mut [f32]) -> R) -> R {
-        let own = rayon::current_thread_index().and_then(|i| self.buffers.get(i));
-        match own.map(|m| m.try_lock()) {
-            Some(Ok(mut buffer)) => f(&mut buffer),
-            // Run from another pool: a buffer of its own.
-            _ => f(&mut vec![0f32; self.len]),
-        }
-    }
-}
-
 /// An f32 copy of `t` (none when it already is contiguous f32).
 fn as_f32(t: &Tensor) -> Result<Tensor> {
     t.detach().to_dtype(DType::F32)?.contiguous()
@@ -174,7 +148,7 @@ fn forward_heads(q: &[f32], k: &[f32], v: &[f32], p: &Plan) -> (Vec<f32>, Vec<f3
     let mut out = vec![0f32; p.heads * p.nq * p.dv];
     let mut lse = vec![0f32; p.heads * p.nq];
     // Scores of a block, then each row's running maximum and sum.
-    let scratch = Scratch::new(p.qb * p.kb + 2 * p.qb);
+    let scratch = WorkerScratch::new(p.qb * p.kb + 2 * p.qb);
     out.par_chunks_mut(p.nq * p.dv)
         .zip(lse.par_chunks_mut(p.nq))
         .enumerate()
@@ -306,7 +280,7 @@ fn backward_heads(
     let mut dv = vec![0f32; p.heads * p.nk * p.dv];
     // Probabilities and their gradient for a block, and a head's
     // rowsum(dO * O).
-    let scratch = Scratch::new(2 * p.qb * p.kb + p.nq);
+    let scratch = WorkerScratch::new(2 * p.qb * p.kb + p.nq);
     dq.par_chunks_mut(p.nq * p.d)
         .zip(dk.par_chunks_mut(p.nk * p.d))
         .zip(dv.par_chunks_mut(p.nk * p.dv))

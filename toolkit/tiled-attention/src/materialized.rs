@@ -3,6 +3,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, D};
+use candle_cpu_math::WorkerScratch;
 use candle_custom_grad::{with_backward2, Backward2};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -73,14 +74,14 @@ where
     T: Send + Sync,
     [T]: HalfFloatSliceExt,
 {
-    rows.par_chunks_mut(nk).enumerate().for_each_init(
-        || vec![0f32; nk],
-        |wide, (r, row)| {
+    let scratch = WorkerScratch::new(nk);
+    rows.par_chunks_mut(nk).enumerate().for_each(|(r, row)| {
+        scratch.with(|wide| {
             row.convert_to_f32_slice(wide);
             f(r, wide);
             row.convert_from_f32_slice(wide);
-        },
-    );
+        })
+    });
 }
 
 /// `f` on each row of `nk` of half-precision `rows`, beside the same row of
@@ -94,17 +95,18 @@ pub(crate) fn half_rows2<T>(
     T: Send + Sync,
     [T]: HalfFloatSliceExt,
 {
+    let scratch = WorkerScratch::new(2 * nk);
     rows.par_chunks_mut(nk)
         .zip(other.par_chunks(nk))
-        .for_each_init(
-            || (vec![0f32; nk], vec![0f32; nk]),
-            |(wide, wide_other), (row, other)| {
+        .for_each(|(row, other)| {
+            scratch.with(|w| {
+                let (wide, wide_other) = w.split_at_mut(nk);
                 row.convert_to_f32_slice(wide);
                 other.convert_to_f32_slice(wide_other);
                 f(wide, wide_other);
                 row.convert_from_f32_slice(wide);
-            },
-        );
+            })
+        });
 }
 
 /// Row `i` of the scores turned into probabilities in place: scaled, the

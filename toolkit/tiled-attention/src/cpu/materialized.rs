@@ -8,10 +8,11 @@
 //! tensor per pair.
 
 use candle_core::{Device, Result, Tensor};
+use candle_cpu_math::WorkerScratch;
 use rayon::prelude::*;
 
 use super::matmul::{matmul, View};
-use super::{as_f32, rows, with_slices, Scratch};
+use super::{as_f32, rows, with_slices};
 use crate::materialized::softmax_row;
 use crate::shapes::Dims;
 
@@ -82,7 +83,7 @@ pub(crate) fn backward(
     let mut dk = vec![0f32; heads * nk * d];
     let mut dvs = vec![0f32; heads * nk * dv];
     // One pair's probabilities' gradient, turned into the scores' in place.
-    let scratch = Scratch::new(nq * nk);
+    let scratch = WorkerScratch::new(nq * nk);
     let scale = scale as f32;
     with_slices([&q32, &k32, &v32, &p32, &do32], |[q, k, v, p, g]| {
         dq.par_chunks_mut(nq * d)
