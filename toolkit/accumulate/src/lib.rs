@@ -13,7 +13,6 @@
 #![warn(missing_docs)]
 
 mod accumulator;
-mod inplace;
 mod owning;
 
 pub use accumulator::{micro_batches, GradAccumulator};

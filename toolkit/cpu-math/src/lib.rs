@@ -1,5 +1,6 @@
 //! Element-wise f32 functions that vectorise, a way to compile a loop for
-//! the widest vector unit the CPU has, and scratch for a parallel loop's
+//! the widest vector unit the CPU has, one slice added into another
+//! ([`add_assign`], [`par_add_assign`]), and scratch for a parallel loop's
 //! tasks that holds the same bytes every run ([`WorkerScratch`]).
 //!
 //! libm's `expf` and `tanhf` are calls the compiler cannot vectorise. The
@@ -26,8 +27,10 @@
 //! ```
 #![warn(missing_docs)]
 
+mod add;
 mod scratch;
 
+pub use add::{add_assign, par_add_assign};
 pub use scratch::WorkerScratch;
 
 /// Below this, `exp` is zero in f32.

@@ -1,64 +1,26 @@
 //! Adding one tensor into another in place, and a sum on the products'
 //! thread pool.
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, WithDType};
-use candle_cpu_math::WorkerScratch;
+use candle_core::{DType, Result, Tensor, WithDType};
+use candle_cpu_math::{add_assign, WorkerScratch};
 use candle_custom_grad::{with_backward2, Backward2};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::cpu::{add_row, with_slice};
+use crate::cpu::with_slice;
 
 /// Elements of a half-precision sum widened to f32 at once.
 const HALF_SPAN: usize = 1 << 12;
 
-/// Elements per parallel task.
-const SPAN: usize = 1 << 16;
-
-/// `sum += g`, element by element, in the sum's storage.
-struct AddInto;
-
-impl InplaceOp2 for AddInto {
-    fn name(&self) -> &'static str {
-        "add-into"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, sl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
-        let (Some((s0, s1)), Some((g0, g1))) = (sl.contiguous_offsets(), gl.contiguous_offsets())
-        else {
-            bail!("add-into: the sum and the addend must be contiguous");
-        };
-        match (s, g) {
-            (CpuStorage::F32(s), CpuStorage::F32(g)) if s1 - s0 == g1 - g0 => {
-                s[s0..s1]
-                    .par_chunks_mut(SPAN)
-                    .zip(g[g0..g1].par_chunks(SPAN))
-                    .for_each(|(s, g)| add_row(s, g));
-                Ok(())
-            }
-            _ => bail!("add-into: f32 tensors of one size only"),
-        }
-    }
-}
+/// Elements of an f32 sum each task adds at least.
+const MIN_PER_TASK: usize = 1 << 14;
 
 /// `sum + g`, added into `sum`'s storage when both are contiguous and of
 /// one shape and dtype (`sum` must be held by nothing else): f32 on the
-/// CPU, and with the `cuda` feature f32, f64, f16 or bf16 on a CUDA GPU;
-/// through candle's addition otherwise.
+/// CPU, on rayon's pool, and with the `cuda` feature f32, f64, f16 or bf16
+/// on a CUDA GPU ([`candle_cuda_inplace::add_assign`]); through candle's
+/// addition otherwise.
 pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
-    let cpu = sum.device().is_cpu()
-        && g.device().is_cpu()
-        && sum.dtype() == DType::F32
-        && g.dtype() == DType::F32
-        && sum.shape() == g.shape()
-        && sum.is_contiguous()
-        && g.is_contiguous();
-    if cpu {
-        sum.inplace_op2(g, &AddInto)?;
-        return Ok(sum);
-    }
-    // On a CUDA GPU, candle's own addition kernel with the sum's buffer as
-    // its output.
     if candle_cuda_inplace::add_assign(&sum, g)? {
         return Ok(sum);
     }
@@ -97,7 +59,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 with_slice::<f32, _>(b, |b| {
                     a.par_iter()
                         .zip(b.par_iter())
-                        .with_min_len(SPAN / 4)
+                        .with_min_len(MIN_PER_TASK)
                         .map(|(x, y)| x + y)
                         .collect_into_vec(&mut out)
                 })
@@ -148,7 +110,7 @@ where
                         let (x, y) = (&mut x[..a.len()], &mut y[..a.len()]);
                         a.convert_to_f32_slice(x);
                         b.convert_to_f32_slice(y);
-                        add_row(x, y);
+                        add_assign(x, y);
                         out.convert_from_f32_slice(x);
                     })
                 })

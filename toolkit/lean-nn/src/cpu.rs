@@ -9,7 +9,7 @@
 use std::mem::MaybeUninit;
 
 use candle_core::{bail, DType, Device, Result, Storage, Tensor, WithDType};
-use candle_cpu_math::{dispatch, exp, gelu, gelu_grad, WorkerScratch};
+use candle_cpu_math::{add_assign, dispatch, exp, gelu, gelu_grad, WorkerScratch};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -106,15 +106,6 @@ pub(crate) unsafe fn written(
     // promise).
     unsafe { out.set_len(len) };
     out
-}
-
-dispatch! {
-    /// `acc += row`.
-    pub(crate) fn add_row(acc: &mut [f32], row: &[f32]) -> () {
-        for (a, &r) in acc.iter_mut().zip(row) {
-            *a += r;
-        }
-    }
 }
 
 /// `act(z + b)` for a fresh product `z` `(rows, n)`: the output, and for
@@ -228,7 +219,7 @@ pub(crate) const SUM_COLUMNS: usize = 256;
 /// (candle's `sum(0)`'s rounding). A block of columns a task, so the pool
 /// shares the pass without changing any column's order of addition.
 fn column_sums(rows: &[f32], n: usize) -> Vec<f32> {
-    column_sums_by(rows, n, 0, |_, sums, row| add_row(sums, row))
+    column_sums_by(rows, n, 0, |_, sums, row| add_assign(sums, row))
 }
 
 /// The f32 sums of the columns of `rows` rows of `n` of any element type,

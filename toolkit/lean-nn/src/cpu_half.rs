@@ -20,11 +20,10 @@ use candle_core::{bail, DType, Device, Result, Tensor, WithDType};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use candle_cpu_math::WorkerScratch;
+use candle_cpu_math::{add_assign, WorkerScratch};
 
 use crate::cpu::{
-    act_grad_row, add_row, as_uninit, column_sums_by, gelu_row, with_slice, ROWS_PER_TASK,
-    SUM_COLUMNS,
+    act_grad_row, as_uninit, column_sums_by, gelu_row, with_slice, ROWS_PER_TASK, SUM_COLUMNS,
 };
 use crate::linear::Activation;
 
@@ -160,7 +159,7 @@ where
     column_sums_by(rows, n, SUM_COLUMNS, |wide, sums, row| {
         let wide = &mut wide[..row.len()];
         row.convert_to_f32_slice(wide);
-        add_row(sums, wide);
+        add_assign(sums, wide);
     })
 }
 
