@@ -14,9 +14,13 @@ crate::dispatch! {
     }
 }
 
-/// [`add_assign`] shared among rayon's workers, 65,536 elements a task:
-/// the same bits, each element being one addition.
+/// [`add_assign`] shared among rayon's workers, 65,536 elements a task
+/// (a shorter slice on the calling thread, handed to no one): the same
+/// bits, each element being one addition.
 pub fn par_add_assign(acc: &mut [f32], x: &[f32]) {
+    if acc.len().min(x.len()) <= SPAN {
+        return add_assign(acc, x);
+    }
     acc.par_chunks_mut(SPAN)
         .zip(x.par_chunks(SPAN))
         .for_each(|(a, x)| add_assign(a, x));

@@ -16,8 +16,9 @@ fn a_loop_on_worker_scratch_allocates_nothing_in_its_tasks() {
         .build()
         .unwrap();
     pool.install(|| {
-        let (scratch, made) = measure(|| WorkerScratch::new(LEN));
-        // Four buffers of 400,000 bytes, whatever runs afterwards.
+        let (scratch, made) = measure(|| WorkerScratch::new(LEN, 256));
+        // Four buffers of 400,000 bytes (four workers, 256 tasks), whatever
+        // runs afterwards.
         assert!(made.held >= 4 * 4 * LEN as isize, "{made:?}");
         let task = |i: usize| {
             scratch.with(|b| {
@@ -33,5 +34,6 @@ fn a_loop_on_worker_scratch_allocates_nothing_in_its_tasks() {
             // rayon's own bookkeeping stays far below one.
             assert!(usage.allocated < 4 * LEN as u64, "{usage:?}");
         }
+        assert_eq!(scratch.extra(), 0);
     });
 }

@@ -98,7 +98,7 @@ where
     let mut out = vec![T::from_f64(0.0); a.elem_count()];
     // Two f32 spans for each worker (no wider than the tensors).
     let span = HALF_SPAN.min(a.elem_count());
-    let scratch = WorkerScratch::new(2 * span);
+    let scratch = WorkerScratch::new(2 * span, a.elem_count().div_ceil(HALF_SPAN));
     with_slice::<T, _>(a, |a| {
         with_slice::<T, _>(b, |b| {
             out.par_chunks_mut(HALF_SPAN)

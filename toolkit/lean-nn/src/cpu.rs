@@ -232,7 +232,7 @@ pub(crate) fn column_sums_by<T: Sync>(
     add: impl Fn(&mut [f32], &mut [f32], &[T]) + Sync + Send,
 ) -> Vec<f32> {
     let mut sums = vec![0f32; n];
-    let scratch = WorkerScratch::new(scratch);
+    let scratch = WorkerScratch::new(scratch, n.div_ceil(SUM_COLUMNS));
     sums.par_chunks_mut(SUM_COLUMNS)
         .enumerate()
         .for_each(|(i, sums)| {
@@ -311,7 +311,7 @@ pub(crate) fn applies_rows(t: &Tensor) -> bool {
 
 /// The sum over rows of `logsumexp(z) - z[target]`, for contiguous logits
 /// `(rows, classes)` (see [`applies_rows`]), in one pass per row with a row
-/// or two of scratch per task: no tensor the logits' size.
+/// or two of scratch per worker: no tensor the logits' size.
 pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64> {
     match logits.dtype() {
         DType::F32 => rows_sum::<f32>(logits, targets),
@@ -322,8 +322,8 @@ pub(crate) fn cross_entropy_sum(logits: &Tensor, targets: &[u32]) -> Result<f64>
 }
 
 fn rows_sum<T: Row>(logits: &Tensor, targets: &[u32]) -> Result<f64> {
-    let (_, n) = logits.dims2()?;
-    let scratch = WorkerScratch::new(n + T::wide_len(n));
+    let (rows, n) = logits.dims2()?;
+    let scratch = WorkerScratch::new(n + T::wide_len(n), rows.div_ceil(ROWS_PER_TASK));
     with_slice::<T, _>(logits, |z| {
         z.par_chunks(n * ROWS_PER_TASK)
             .zip(targets.par_chunks(ROWS_PER_TASK))
@@ -361,7 +361,7 @@ pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &[u32], scale: f32) -
 fn rows_grad<T: Row>(logits: &Tensor, targets: &[u32], scale: f32) -> Result<Tensor> {
     let (rows, n) = logits.dims2()?;
     let mut d = vec![T::zero(); rows * n];
-    let scratch = WorkerScratch::new(2 * T::wide_len(n));
+    let scratch = WorkerScratch::new(2 * T::wide_len(n), rows.div_ceil(ROWS_PER_TASK));
     with_slice::<T, _>(logits, |z| {
         d.par_chunks_mut(n * ROWS_PER_TASK)
             .zip(z.par_chunks(n * ROWS_PER_TASK))

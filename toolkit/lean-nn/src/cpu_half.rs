@@ -54,7 +54,7 @@ where
 {
     let (rows, n) = z.dims2()?;
     let mut out = vec![T::from_f64(0.0); rows * n];
-    let scratch = WorkerScratch::new(2 * n);
+    let scratch = WorkerScratch::new(2 * n, rows.div_ceil(ROWS_PER_TASK));
     with_slice::<T, _>(z, |zs| {
         out.par_chunks_mut(n * ROWS_PER_TASK)
             .zip(zs.par_chunks(n * ROWS_PER_TASK))
@@ -118,7 +118,7 @@ where
     let (rows, n) = grad.dims2()?;
     let gelu_input = act == Activation::Gelu;
     let mut dz = vec![T::from_f64(0.0); rows * n];
-    let scratch = WorkerScratch::new(3 * n);
+    let scratch = WorkerScratch::new(3 * n, rows.div_ceil(ROWS_PER_TASK));
     with_slice::<T, _>(grad, |g| {
         with_slice::<T, _>(saved, |s| {
             dz.par_chunks_mut(n * ROWS_PER_TASK)
@@ -177,6 +177,37 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bias_gradient_is_the_rounded_gradients_column_sums_on_any_pool() -> Result<()> {
+        // More rows than three workers' tasks, more columns than a task's
+        // block of sums.
+        let (rows, n) = (200, 300);
+        let dev = Device::Cpu;
+        let grad = Tensor::randn(0f32, 1.0, (rows, n), &dev)?;
+        let saved = Tensor::randn(0f32, 2.0, (rows, n), &dev)?;
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            let v = t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok(v.iter().map(|v| v.to_bits()).collect())
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            let (g, s) = (grad.to_dtype(dtype)?, saved.to_dtype(dtype)?);
+            for act in [Activation::Gelu, Activation::Relu, Activation::Identity] {
+                for threads in [1, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let (dz, db) = pool.install(|| act_backward(&g, &s, act))?;
+                    // candle's f32 sum over the rows adds them in order;
+                    // rounded once to the dtype.
+                    let want = dz.to_dtype(DType::F32)?.sum(0)?.to_dtype(dtype)?;
+                    assert_eq!(bits(&db)?, bits(&want)?, "{dtype:?} {act:?} on {threads}");
+                }
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn half_gelu_is_within_a_rounding_of_the_exact_and_nearer_than_candles() -> Result<()> {

@@ -154,7 +154,7 @@ fn forward_typed<T: Row>(
     let mut out = vec![T::zero(); rows * h];
     let mut mean = vec![0f32; rows];
     let mut rstd = vec![0f32; rows];
-    let scratch = WorkerScratch::new(2 * T::wide_len(h));
+    let scratch = WorkerScratch::new(2 * T::wide_len(h), rows.div_ceil(ROWS_PER_TASK));
     with_slice::<T, _>(x, |x| {
         out.par_chunks_mut(h * ROWS_PER_TASK)
             .zip(x.par_chunks(h * ROWS_PER_TASK))
@@ -224,7 +224,7 @@ fn backward_typed<T: Row>(
         );
     }
     let mut dx = vec![T::zero(); rows * h];
-    let scratch = WorkerScratch::new(3 * T::wide_len(h));
+    let scratch = WorkerScratch::new(3 * T::wide_len(h), rows.div_ceil(ROWS_PER_TASK));
     // Each task's parts of the weight's and bias's gradients, summed in the
     // tasks' order afterwards: the same bits on any number of threads.
     let parts: Vec<Vec<f32>> = with_slice::<T, _>(x, |x| {

@@ -148,7 +148,7 @@ fn forward_heads(q: &[f32], k: &[f32], v: &[f32], p: &Plan) -> (Vec<f32>, Vec<f3
     let mut out = vec![0f32; p.heads * p.nq * p.dv];
     let mut lse = vec![0f32; p.heads * p.nq];
     // Scores of a block, then each row's running maximum and sum.
-    let scratch = WorkerScratch::new(p.qb * p.kb + 2 * p.qb);
+    let scratch = WorkerScratch::new(p.qb * p.kb + 2 * p.qb, p.heads * p.nq.div_ceil(p.qb));
     out.par_chunks_mut(p.nq * p.dv)
         .zip(lse.par_chunks_mut(p.nq))
         .enumerate()
@@ -280,7 +280,7 @@ fn backward_heads(
     let mut dv = vec![0f32; p.heads * p.nk * p.dv];
     // Probabilities and their gradient for a block, and a head's
     // rowsum(dO * O).
-    let scratch = WorkerScratch::new(2 * p.qb * p.kb + p.nq);
+    let scratch = WorkerScratch::new(2 * p.qb * p.kb + p.nq, p.heads);
     dq.par_chunks_mut(p.nq * p.d)
         .zip(dk.par_chunks_mut(p.nk * p.d))
         .zip(dv.par_chunks_mut(p.nk * p.dv))

@@ -74,7 +74,7 @@ where
     T: Send + Sync,
     [T]: HalfFloatSliceExt,
 {
-    let scratch = WorkerScratch::new(nk);
+    let scratch = WorkerScratch::new(nk, rows.len().div_ceil(nk.max(1)));
     rows.par_chunks_mut(nk).enumerate().for_each(|(r, row)| {
         scratch.with(|wide| {
             row.convert_to_f32_slice(wide);
@@ -95,7 +95,7 @@ pub(crate) fn half_rows2<T>(
     T: Send + Sync,
     [T]: HalfFloatSliceExt,
 {
-    let scratch = WorkerScratch::new(2 * nk);
+    let scratch = WorkerScratch::new(2 * nk, rows.len().div_ceil(nk.max(1)));
     rows.par_chunks_mut(nk)
         .zip(other.par_chunks(nk))
         .for_each(|(row, other)| {

@@ -83,7 +83,7 @@ pub(crate) fn backward(
     let mut dk = vec![0f32; heads * nk * d];
     let mut dvs = vec![0f32; heads * nk * dv];
     // One pair's probabilities' gradient, turned into the scores' in place.
-    let scratch = WorkerScratch::new(nq * nk);
+    let scratch = WorkerScratch::new(nq * nk, heads);
     let scale = scale as f32;
     with_slices([&q32, &k32, &v32, &p32, &do32], |[q, k, v, p, g]| {
         dq.par_chunks_mut(nq * d)
