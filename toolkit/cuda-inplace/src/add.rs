@@ -14,32 +14,36 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 /// `sum` must also be held by nothing else, which only its owner knows.
 /// Returns whether it did; where it did not, nothing was written.
 pub fn add_assign(sum: &Tensor, g: &Tensor) -> Result<bool> {
-    if sum.device().is_cpu() {
-        let fits = g.device().is_cpu()
+    let fits = if sum.device().is_cpu() {
+        g.device().is_cpu()
             && sum.dtype() == DType::F32
             && g.dtype() == DType::F32
             && sum.shape() == g.shape()
             && sum.is_contiguous()
-            && g.is_contiguous();
-        if fits {
-            sum.inplace_op2(g, &AddAssign)?;
-        }
-        return Ok(fits);
+            && g.is_contiguous()
+    } else {
+        fits_on_gpu(sum, g)
+    };
+    if fits {
+        sum.inplace_op2(g, &AddAssign)?;
     }
-    #[cfg(feature = "cuda")]
-    {
-        let fits = crate::writable(sum)
-            && sum.device().same_device(g.device())
-            && sum.dtype() == g.dtype()
-            && sum.shape() == g.shape()
-            && g.is_contiguous();
-        if fits {
-            sum.inplace_op2(g, &AddAssign)?;
-        }
-        Ok(fits)
-    }
-    #[cfg(not(feature = "cuda"))]
-    Ok(false)
+    Ok(fits)
+}
+
+/// Whether [`add_assign`] can write `sum + g` into `sum` on a CUDA GPU.
+#[cfg(feature = "cuda")]
+fn fits_on_gpu(sum: &Tensor, g: &Tensor) -> bool {
+    crate::writable(sum)
+        && sum.device().same_device(g.device())
+        && sum.dtype() == g.dtype()
+        && sum.shape() == g.shape()
+        && g.is_contiguous()
+}
+
+/// A build without the `cuda` feature writes on no GPU.
+#[cfg(not(feature = "cuda"))]
+fn fits_on_gpu(_: &Tensor, _: &Tensor) -> bool {
+    false
 }
 
 /// `sum += g`, element by element, in the sum's storage.

@@ -223,8 +223,9 @@ fn column_sums(rows: &[f32], n: usize) -> Vec<f32> {
 }
 
 /// The f32 sums of the columns of `rows` rows of `n` of any element type,
-/// each row's part added into a task's block of sums by `add` (with its
-/// worker's `scratch` f32 elements of scratch), the rows in order.
+/// each row's part added into a task's block of sums by `add` (with
+/// `scratch` f32 elements of scratch from a [`WorkerScratch`]), the rows in
+/// order.
 pub(crate) fn column_sums_by<T: Sync>(
     rows: &[T],
     n: usize,

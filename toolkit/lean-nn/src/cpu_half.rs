@@ -142,6 +142,7 @@ where
                 })
         })
     })??;
+    // Freed before the column sums make scratch of their own.
     drop(scratch);
     // The bias's gradient from the rounded values: the column sums of the
     // `dz` returned, each column's rows added in order.
