@@ -5,7 +5,8 @@
 //! equal to candle_nn's AdamW; the accumulator's sum in place, equal to
 //! candle's addition; the materialized attention's softmax and its backward
 //! in place, equal to candle's composed operations and holding fewer
-//! matrices than they do.
+//! matrices than they do; the tiled attention's own kernels, equal to the
+//! plain computation and holding no score matrix.
 //!
 //! Built with `--features cuda`. Where no GPU answers, the GPU tests say so
 //! and pass, unless `WORKBOOK_REQUIRE_GPU` is set: then they fail. With
@@ -538,6 +539,131 @@ fn the_materialized_attentions_softmax_and_its_backward_run_in_place_on_the_gpu(
                 (matrix..=bound).contains(&backward_peak),
                 "{what}: the backward's peak {backward_peak} bytes, for a {matrix}-byte matrix (at most {bound})"
             );
+        }
+    }
+}
+
+#[test]
+fn the_tiled_attentions_kernels_match_the_plain_computation_and_hold_no_score_matrix() {
+    use candle_core::Var;
+    use candle_tiled_attention::{flash_attention, flash_forward, naive_attention, FlashConfig};
+    let _turn = turn();
+    let Some((device, meter)) = gpu() else { return };
+    let c = Category::Activations;
+    // (batch, q_heads, kv_heads, nq, nk, head_dim): each kernel module
+    // (head dimensions padded to 32, 64 and 128), grouped heads, lengths no
+    // block divides, and more keys than queries.
+    for (b, hq, hkv, nq, nk, d) in [
+        (2, 4, 2, 300, 300, 64),
+        (1, 2, 2, 130, 200, 16),
+        (2, 2, 1, 77, 77, 128),
+    ] {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            // Normwise, against f64: f32 sums throughout, and for the half
+            // types the output's rounding, which the backward's
+            // rowsum(dO * O) takes in (as FlashAttention's does).
+            let tolerance = match dtype {
+                DType::F32 => 2e-5,
+                DType::F16 => 4e-3,
+                _ => 3e-2,
+            };
+            for causal in [false, true] {
+                let what =
+                    format!("{dtype:?}, causal {causal}, {b}x{hq}/{hkv} heads, {nq}x{nk}, d {d}");
+                let cfg = FlashConfig::causal(causal);
+                let (q, k, v, d_out) = (
+                    randn((b, hq, nq, d), 1.0, dtype, &device),
+                    randn((b, hkv, nk, d), 1.0, dtype, &device),
+                    randn((b, hkv, nk, d), 1.0, dtype, &device),
+                    randn((b, hq, nq, d), 1.0, dtype, &device),
+                );
+                // The plain computation in f64 on the CPU, through autograd.
+                let cpu64 = |t: &Tensor| {
+                    Var::from_tensor(
+                        &t.to_device(&candle_core::Device::Cpu)
+                            .unwrap()
+                            .to_dtype(DType::F64)
+                            .unwrap(),
+                    )
+                    .unwrap()
+                };
+                let (q64, k64, v64) = (cpu64(&q), cpu64(&k), cpu64(&v));
+                let want = naive_attention(&q64, &k64, &v64, &cfg).unwrap();
+                let grads = (&want * cpu64(&d_out).as_tensor())
+                    .and_then(|t| t.sum_all())
+                    .and_then(|t| t.backward())
+                    .unwrap();
+                let want_grads = [&q64, &k64, &v64].map(|t| grads.get(t).unwrap().clone());
+
+                device.synchronize().unwrap();
+                meter.push_peak();
+                let start = meter.snapshot();
+                let fwd = c.scope(|| flash_forward(&q, &k, &v, &cfg)).unwrap();
+                device.synchronize().unwrap();
+                let forward_peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+                meter.pop_peak();
+                let to_cpu = |t: &Tensor| t.to_device(&candle_core::Device::Cpu).unwrap();
+                let diff = rel_diff(&to_cpu(&fwd.out), &want, false);
+                assert!(
+                    diff <= tolerance,
+                    "{what}: the output off by {diff:e} (normwise)"
+                );
+
+                meter.push_peak();
+                let start = meter.snapshot();
+                let got = c.scope(|| fwd.backward(&q, &k, &v, &d_out)).unwrap();
+                device.synchronize().unwrap();
+                let backward_peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+                meter.pop_peak();
+                for (name, got, want) in [
+                    ("dq", &got.0, &want_grads[0]),
+                    ("dk", &got.1, &want_grads[1]),
+                    ("dv", &got.2, &want_grads[2]),
+                ] {
+                    let diff = rel_diff(&to_cpu(got), want, false);
+                    assert!(
+                        diff <= tolerance,
+                        "{what}: {name} off by {diff:e} (normwise)"
+                    );
+                }
+
+                // The forward holds its output and one f32 per row; the
+                // backward its three gradients and one f32 per row. Both
+                // far below one score matrix of one head.
+                let size = dtype.size_in_bytes() as u64;
+                let (q_bytes, kv_bytes) = (
+                    (b * hq * nq * d) as u64 * size,
+                    (b * hkv * nk * d) as u64 * size,
+                );
+                let row_floats = (b * hq * nq) as u64 * 4;
+                let score_matrix = (nq * nk) as u64 * size;
+                assert!(
+                    (q_bytes..=q_bytes + row_floats + 1024).contains(&forward_peak),
+                    "{what}: the forward's peak {forward_peak} bytes, for a {q_bytes}-byte output"
+                );
+                let grads = q_bytes + 2 * kv_bytes;
+                assert!(
+                    (grads..=grads + row_floats + 1024).contains(&backward_peak),
+                    "{what}: the backward's peak {backward_peak} bytes, for {grads} bytes of gradients"
+                );
+                assert!(forward_peak - q_bytes < score_matrix);
+
+                // The autograd operation goes through the same kernels.
+                let (qv, kv, vv) = (
+                    Var::from_tensor(&q).unwrap(),
+                    Var::from_tensor(&k).unwrap(),
+                    Var::from_tensor(&v).unwrap(),
+                );
+                let out = flash_attention(&qv, &kv, &vv, &cfg).unwrap();
+                let store = (out.to_dtype(DType::F64).unwrap()
+                    * d_out.to_dtype(DType::F64).unwrap())
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.backward())
+                .unwrap();
+                let dk = store.get(kv.as_tensor()).unwrap();
+                let diff = rel_diff(&to_cpu(dk), &want_grads[1], false);
+                assert!(diff <= tolerance, "{what}: autograd's dk off by {diff:e}");
+            }
         }
     }
 }

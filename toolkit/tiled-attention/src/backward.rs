@@ -37,6 +37,10 @@ pub(crate) fn backward(
     if crate::cpu::applies(q, &dims) {
         return crate::cpu::backward(q, k, v, fwd, d_out, &dims, cfg, s);
     }
+    #[cfg(feature = "cuda")]
+    if let Some(plan) = crate::flash_cuda::applies(q, &dims) {
+        return crate::flash_cuda::backward(q, k, v, fwd, d_out, &dims, &plan, s);
+    }
     let acc = accumulation(q.dtype());
     let fold_q = |t: &Tensor| -> Result<Tensor> {
         t.detach()

@@ -120,6 +120,10 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
     if crate::cpu::applies(q, &dims) {
         return crate::cpu::forward(q, k, v, &dims, cfg, s);
     }
+    #[cfg(feature = "cuda")]
+    if let Some(plan) = crate::flash_cuda::applies(q, &dims) {
+        return crate::flash_cuda::forward(q, k, v, &dims, &plan, cfg, s);
+    }
     let (q3, k3, v3) = (
         fold(&q.detach(), &dims, acc)?,
         fold(&k.detach(), &dims, acc)?,

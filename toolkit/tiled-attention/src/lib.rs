@@ -32,10 +32,15 @@
 //! outputs but one block of scores per thread (for f32 inputs: f16 and bf16
 //! are widened to f32 copies first; with grouped key/value heads the
 //! backward sums each query head's share of their gradients). [`FlashConfig::for_length`]
-//! picks PyTorch's block sizes. Other devices and f64 compose candle
-//! operations block by block. With the `cuda` feature, the materialized
-//! attention's softmax and its backward write in place on a CUDA GPU
-//! (candle's own kernels, through `candle-cuda-inplace`).
+//! picks PyTorch's block sizes. With the `cuda` feature, f32, f16 and
+//! bf16 calls with head dimensions up to 128 run kernels of their own on a
+//! CUDA GPU (`kernels/flash_*.cu`: a thread per query or key row, the other
+//! side streamed through shared memory, f32 sums; the block sizes are the
+//! kernels', not the configuration's), tested on the CPU through an
+//! emulation of CUDA's threads (`tests/emulated/`); and the materialized
+//! attention's softmax and its backward write in place (candle's own
+//! kernels, through `candle-cuda-inplace`). Other devices, f64 and wider
+//! heads compose candle operations block by block.
 //!
 //! This crate turns on `gemm`'s `x86-v4` feature, so that its products (and,
 //! through feature unification, candle's own CPU matrix products in the same
@@ -54,6 +59,12 @@ mod config;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod flash_cuda;
+#[cfg(test)]
+mod flash_emulated;
+#[cfg(any(feature = "cuda", test))]
+mod flash_plan;
 mod forward;
 mod materialized;
 mod materialized_direct;

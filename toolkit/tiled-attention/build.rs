@@ -1,0 +1,20 @@
+//! With the `cuda` feature, compiles `kernels/flash_*.cu` to PTX (nvcc, for
+//! the compute capability in `CUDA_COMPUTE_CAP`, as candle's own kernels
+//! are), one module per padded head dimension.
+
+fn main() {
+    println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-changed=kernels");
+    #[cfg(feature = "cuda")]
+    {
+        let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+        cudaforge::KernelBuilder::new()
+            .source_dir("kernels")
+            .watch(["kernels/flash.cuh"])
+            .arg("-O3")
+            .build_ptx()
+            .unwrap_or_else(|e| panic!("compiling kernels/flash_*.cu with nvcc: {e:?}"))
+            .write(out.join("ptx.rs"))
+            .unwrap_or_else(|e| panic!("writing the PTX's Rust module: {e:?}"));
+    }
+}

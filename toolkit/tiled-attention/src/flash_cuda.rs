@@ -1,0 +1,303 @@
+//! The tiled attention on a CUDA GPU: four kernels of its own
+//! (`kernels/flash_*.cu`) where the composed path launches several
+//! operations per block. The forward writes the output and the log-sum-exp;
+//! the backward writes `rowsum(dO * O)`, then dK and dV (each key block's,
+//! summed over its group's query heads), then dQ. Besides the inputs, a
+//! call holds its outputs and, in the backward, one f32 per query row.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
+
+use crate::config::FlashConfig;
+use crate::flash_plan::{plan, Launch, Plan};
+use crate::forward::Forward;
+use crate::shapes::Dims;
+
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// The launches for a call on a CUDA GPU, or `None` where the kernels do
+/// not apply (`flash_plan::plan`) and the composed path runs.
+pub(crate) fn applies(q: &Tensor, dims: &Dims) -> Option<Plan> {
+    if !q.device().is_cuda() {
+        return None;
+    }
+    plan(dims, q.dtype())
+}
+
+/// The module holding a plan's kernels and its name in the device's cache.
+fn module(plan: &Plan) -> (&'static str, &'static str) {
+    match plan.padded {
+        32 => ("candle_tiled_attention_flash_32", ptx::FLASH_32),
+        64 => ("candle_tiled_attention_flash_64", ptx::FLASH_64),
+        _ => ("candle_tiled_attention_flash_128", ptx::FLASH_128),
+    }
+}
+
+fn config(launch: &Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (launch.grid.0, launch.grid.1, 1),
+        block_dim: (launch.block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        other => bail!("tiled attention's CUDA kernels: a tensor is on {other:?}"),
+    }
+}
+
+/// A contiguous tensor's elements on the GPU.
+fn view<'a, T: CudaDType>(storage: &'a Storage, t: &Tensor) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(s) = storage else {
+        bail!("tiled attention's CUDA kernels: a tensor is not on a CUDA GPU");
+    };
+    let Some((start, end)) = t.layout().contiguous_offsets() else {
+        bail!("tiled attention's CUDA kernels: a tensor is not contiguous");
+    };
+    Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// A new tensor over a buffer a kernel wrote.
+fn wrap<T: CudaDType>(
+    slice: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: (usize, usize, usize, usize),
+) -> Tensor {
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
+/// The sizes every kernel takes after its tensors: `nq, nk, d, dv,
+/// q_heads, group` (i32, which `plan` checked they fit) and the scale.
+struct Sizes([i32; 6], f32);
+
+impl Sizes {
+    fn of(dims: &Dims, s: f64) -> Self {
+        let n = |x: usize| x as i32;
+        Self(
+            [
+                n(dims.nq),
+                n(dims.nk),
+                n(dims.d),
+                n(dims.dv),
+                n(dims.q_heads),
+                n(dims.group()),
+            ],
+            s as f32,
+        )
+    }
+}
+
+/// The forward: `(batch, q_heads, nq, dv)` in the inputs' dtype and the
+/// f32 log-sum-exp of each row.
+pub(crate) fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: &Dims,
+    plan: &Plan,
+    cfg: &FlashConfig,
+    s: f64,
+) -> Result<Forward> {
+    let [q, k, v] = [q, k, v].map(|t| t.detach().contiguous());
+    let (q, k, v) = (q?, k?, v?);
+    let (out, lse) = match q.dtype() {
+        DType::F32 => forward_typed::<f32>(&q, &k, &v, dims, plan, cfg, s)?,
+        DType::F16 => forward_typed::<half::f16>(&q, &k, &v, dims, plan, cfg, s)?,
+        _ => forward_typed::<half::bf16>(&q, &k, &v, dims, plan, cfg, s)?,
+    };
+    Ok(Forward {
+        out,
+        lse: lse.reshape((dims.batch, dims.q_heads, dims.nq))?,
+        cfg: *cfg,
+    })
+}
+
+fn forward_typed<T: CudaDType + DeviceRepr>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: &Dims,
+    plan: &Plan,
+    cfg: &FlashConfig,
+    s: f64,
+) -> Result<(Tensor, Tensor)> {
+    let dev = device(q)?;
+    let (name, ptx) = module(plan);
+    let func = dev.get_or_load_custom_func(&plan.forward.name, name, ptx)?;
+    let rows = dims.rows() * dims.nq;
+    // SAFETY (both): the kernel writes every element, each row of `out`
+    // (`dv` elements) and of `lse` (one) for each of the `rows` queries.
+    let mut out = unsafe { dev.alloc::<T>(rows * dims.dv)? };
+    let mut lse = unsafe { dev.alloc::<f32>(rows)? };
+    {
+        let (qs, ks, vs) = (
+            q.storage_and_layout().0,
+            k.storage_and_layout().0,
+            v.storage_and_layout().0,
+        );
+        let (qv, kv, vv) = (view::<T>(&qs, q)?, view::<T>(&ks, k)?, view::<T>(&vs, v)?);
+        let Sizes(n, scale) = Sizes::of(dims, s);
+        let causal = i32::from(cfg.causal);
+        let mut launch = func.builder();
+        launch
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&mut out)
+            .arg(&mut lse);
+        for x in &n {
+            launch.arg(x);
+        }
+        launch.arg(&scale).arg(&causal);
+        // SAFETY: the arguments are those `flash_forward_<D>_<T>` declares;
+        // q, k and v are contiguous `(batch, heads, n, width)` of the sizes
+        // passed, and the grid is `plan`'s for these sizes.
+        unsafe { launch.launch(config(&plan.forward)) }.w()?;
+    }
+    let shape = (dims.batch, dims.q_heads, dims.nq, dims.dv);
+    Ok((
+        wrap(out, &dev, shape),
+        wrap(lse, &dev, (dims.batch, dims.q_heads, dims.nq, 1)),
+    ))
+}
+
+/// The backward: dQ, dK and dV in the inputs' dtype.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    fwd: &Forward,
+    d_out: &Tensor,
+    dims: &Dims,
+    plan: &Plan,
+    s: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dtype = q.dtype();
+    let [q, k, v, o] = [q, k, v, &fwd.out].map(|t| t.detach().contiguous());
+    let (q, k, v, o) = (q?, k?, v?, o?);
+    let d_out = d_out.detach().to_dtype(dtype)?.contiguous()?;
+    let lse = fwd.lse.detach().to_dtype(DType::F32)?.contiguous()?;
+    let t = Inputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        o: &o,
+        d_out: &d_out,
+        lse: &lse,
+    };
+    match dtype {
+        DType::F32 => backward_typed::<f32>(t, dims, plan, fwd.cfg.causal, s),
+        DType::F16 => backward_typed::<half::f16>(t, dims, plan, fwd.cfg.causal, s),
+        _ => backward_typed::<half::bf16>(t, dims, plan, fwd.cfg.causal, s),
+    }
+}
+
+/// The backward's tensors, contiguous.
+struct Inputs<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    o: &'a Tensor,
+    d_out: &'a Tensor,
+    lse: &'a Tensor,
+}
+
+fn backward_typed<T: CudaDType + DeviceRepr>(
+    t: Inputs,
+    dims: &Dims,
+    plan: &Plan,
+    causal: bool,
+    s: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = device(t.q)?;
+    let (name, ptx) = module(plan);
+    let load = |launch: &Launch| dev.get_or_load_custom_func(&launch.name, name, ptx);
+    let rows = dims.rows() * dims.nq;
+    let keys = dims.batch * dims.kv_heads * dims.nk;
+    // SAFETY (all four): `delta` writes each of the `rows` rows; the
+    // key/value kernel every element of dK (`d` per key row) and dV (`dv`),
+    // the query kernel every element of dQ (`d` per query row).
+    let mut delta = unsafe { dev.alloc::<f32>(rows)? };
+    let mut dq = unsafe { dev.alloc::<T>(rows * dims.d)? };
+    let mut dk = unsafe { dev.alloc::<T>(keys * dims.d)? };
+    let mut dv = unsafe { dev.alloc::<T>(keys * dims.dv)? };
+    {
+        let guards = [t.q, t.k, t.v, t.o, t.d_out].map(|x| x.storage_and_layout().0);
+        let [qv, kv, vv, ov, dov] = [t.q, t.k, t.v, t.o, t.d_out]
+            .iter()
+            .zip(&guards)
+            .map(|(x, g)| view::<T>(g, x))
+            .collect::<Result<Vec<_>>>()?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("five views".into()))?;
+        let lse_guard = t.lse.storage_and_layout().0;
+        let lse = view::<f32>(&lse_guard, t.lse)?;
+        let Sizes(n, scale) = Sizes::of(dims, s);
+        let causal = i32::from(causal);
+
+        let func = load(&plan.delta)?;
+        let mut launch = func.builder();
+        let dv_width = n[3];
+        launch
+            .arg(&dov)
+            .arg(&ov)
+            .arg(&mut delta)
+            .arg(&rows)
+            .arg(&dv_width);
+        // SAFETY: `flash_delta_<D>_<T>(d_out, out, delta, rows, dv)` reads
+        // `rows` rows of `dv` elements of each and writes `rows` floats.
+        unsafe { launch.launch(config(&plan.delta)) }.w()?;
+
+        let func = load(&plan.backward_kv)?;
+        let mut launch = func.builder();
+        launch
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&dov)
+            .arg(&lse)
+            .arg(&delta);
+        launch.arg(&mut dk).arg(&mut dv);
+        for x in &n {
+            launch.arg(x);
+        }
+        launch.arg(&scale).arg(&causal);
+        // SAFETY: the arguments `flash_backward_kv_<D>_<T>` declares, of the
+        // sizes passed; the grid is `plan`'s.
+        unsafe { launch.launch(config(&plan.backward_kv)) }.w()?;
+
+        let func = load(&plan.backward_q)?;
+        let mut launch = func.builder();
+        launch
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&dov)
+            .arg(&lse)
+            .arg(&delta);
+        launch.arg(&mut dq);
+        for x in &n {
+            launch.arg(x);
+        }
+        launch.arg(&scale).arg(&causal);
+        // SAFETY: as above, for `flash_backward_q_<D>_<T>`.
+        unsafe { launch.launch(config(&plan.backward_q)) }.w()?;
+    }
+    drop(delta);
+    let (b, hq, hkv) = (dims.batch, dims.q_heads, dims.kv_heads);
+    Ok((
+        wrap(dq, &dev, (b, hq, dims.nq, dims.d)),
+        wrap(dk, &dev, (b, hkv, dims.nk, dims.d)),
+        wrap(dv, &dev, (b, hkv, dims.nk, dims.dv)),
+    ))
+}

@@ -1,0 +1,296 @@
+//! The CUDA kernels of `kernels/flash_*.cu`, run on the CPU through
+//! `tests/emulated/` (a C++ compiler builds them with just enough of CUDA
+//! emulated, each block's threads real threads), with the launches
+//! [`crate::flash_plan::plan`] gives a GPU: f32 against the plain
+//! computation in f64 through candle's autograd, f16 and bf16 against the
+//! crate's CPU kernel in the same dtype.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+
+use crate::flash_plan::{plan, Launch};
+use crate::forward::{causal_mask, scale_of};
+use crate::shapes::{repeat_kv, Dims};
+use crate::{naive_attention, FlashConfig};
+
+/// The harness, compiled once per test run.
+fn harness() -> &'static Path {
+    static HARNESS: OnceLock<PathBuf> = OnceLock::new();
+    HARNESS.get_or_init(|| {
+        let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated");
+        let dir = std::env::temp_dir().join(format!(
+            "candle-tiled-attention-emulated-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let exe = dir.join("harness");
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = Command::new(&cxx)
+            .args(["-std=c++20", "-O1", "-pthread", "-w", "-I"])
+            .arg(&here)
+            .arg("-o")
+            .arg(&exe)
+            .arg(here.join("harness.cpp"))
+            .output()
+            .unwrap_or_else(|e| panic!("running the C++ compiler `{cxx}` (set CXX): {e}"));
+        assert!(
+            out.status.success(),
+            "compiling the emulated kernels failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        exe
+    })
+}
+
+/// Deterministic values in about [-2, 2).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// A `(batch, heads, n, width)` tensor of values already rounded to
+/// `dtype`, in f64.
+fn input(shape: (usize, usize, usize, usize), dtype: DType, seed: u64) -> Result<Tensor> {
+    let n = shape.0 * shape.1 * shape.2 * shape.3;
+    Tensor::from_vec(values(n, seed), shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F64)
+}
+
+struct Case {
+    dims: Dims,
+    causal: bool,
+    dtype: DType,
+}
+
+/// What the kernels wrote: out, lse, dq, dk, dv.
+fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f32>> {
+    let dims = &case.dims;
+    let plan = plan(dims, case.dtype).expect("the kernels apply to every case here");
+    let s = scale_of(&FlashConfig::causal(case.causal), dims.d) as f32;
+    let mut bytes = Vec::new();
+    for n in [
+        dims.batch,
+        dims.q_heads,
+        dims.kv_heads,
+        dims.nq,
+        dims.nk,
+        dims.d,
+        dims.dv,
+        usize::from(case.causal),
+    ] {
+        bytes.extend_from_slice(&(n as i32).to_le_bytes());
+    }
+    bytes.extend_from_slice(&s.to_le_bytes());
+    for t in inputs {
+        for x in t.flatten_all().unwrap().to_vec1::<f64>().unwrap() {
+            bytes.extend_from_slice(&(x as f32).to_le_bytes());
+        }
+    }
+    let dir = harness().parent().unwrap();
+    let tag = format!(
+        "{:?}-{}-{}-{}-{}",
+        case.dtype, dims.nq, dims.nk, dims.d, case.causal
+    );
+    let (input, output) = (
+        dir.join(format!("{tag}.in")),
+        dir.join(format!("{tag}.out")),
+    );
+    std::fs::write(&input, bytes).unwrap();
+    let mut cmd = Command::new(harness());
+    cmd.arg(&input).arg(&output);
+    for Launch { name, grid, block } in [
+        &plan.forward,
+        &plan.delta,
+        &plan.backward_kv,
+        &plan.backward_q,
+    ] {
+        cmd.arg(name)
+            .args([grid.0, grid.1, *block].map(|n| n.to_string()));
+    }
+    let run = cmd.output().unwrap();
+    assert!(
+        run.status.success(),
+        "the emulated kernels failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let floats: Vec<f32> = std::fs::read(&output)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let (rq, rk) = (dims.rows() * dims.nq, dims.batch * dims.kv_heads * dims.nk);
+    let sizes = [rq * dims.dv, rq, rq * dims.d, rk * dims.d, rk * dims.dv];
+    assert_eq!(floats.len(), sizes.iter().sum::<usize>());
+    let mut rest = floats.as_slice();
+    sizes
+        .iter()
+        .map(|&n| {
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            head.to_vec()
+        })
+        .collect()
+}
+
+/// The plain computation in f64: out, lse, dq, dk, dv for the loss
+/// `sum(out * d_out)`.
+fn reference(case: &Case, inputs: [&Tensor; 4]) -> Result<Vec<Vec<f64>>> {
+    let dims = &case.dims;
+    let cfg = FlashConfig::causal(case.causal);
+    let [q, k, v, d_out] = inputs.map(|t| Var::from_tensor(t).unwrap());
+    let out = naive_attention(&q, &k, &v, &cfg)?;
+    let grads = (&out * d_out.as_tensor())?.sum_all()?.backward()?;
+    let grad = |t: &Var| grads.get(t).unwrap().flatten_all()?.to_vec1::<f64>();
+    let kr = repeat_kv(&k, dims.group())?;
+    let mut scores = (q.matmul(&kr.transpose(2, 3)?)? * scale_of(&cfg, dims.d))?;
+    if case.causal {
+        let mask = causal_mask(0, dims.nq, 0, dims.nk, DType::F64, &Device::Cpu)?;
+        scores = scores.broadcast_add(&mask)?;
+    }
+    let max = scores.max_keepdim(D::Minus1)?;
+    let lse = (scores
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + max)?;
+    Ok(vec![
+        out.flatten_all()?.to_vec1()?,
+        lse.flatten_all()?.to_vec1()?,
+        grad(&q)?,
+        grad(&k)?,
+        grad(&v)?,
+    ])
+}
+
+/// The crate's CPU kernel in the call's own dtype: out, lse, dq, dk, dv.
+/// For f16 and bf16, whose backward (as FlashAttention's, and PyTorch's)
+/// takes `rowsum(dO * O)` from the output as rounded to the element type,
+/// this is the computation to match, not the exact one.
+fn same_dtype(case: &Case, inputs: [&Tensor; 4]) -> Result<Vec<Vec<f64>>> {
+    let [q, k, v, d_out] = inputs.map(|t| t.to_dtype(case.dtype).unwrap());
+    let fwd = crate::flash_forward(&q, &k, &v, &FlashConfig::causal(case.causal))?;
+    let (dq, dk, dv) = fwd.backward(&q, &k, &v, &d_out)?;
+    [&fwd.out, &fwd.lse, &dq, &dk, &dv]
+        .iter()
+        .map(|t| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1())
+        .collect()
+}
+
+fn check(case: Case) -> Result<()> {
+    let d = &case.dims;
+    let qs = (d.batch, d.q_heads, d.nq, d.d);
+    let inputs = [
+        input(qs, case.dtype, 1)?,
+        input((d.batch, d.kv_heads, d.nk, d.d), case.dtype, 2)?,
+        input((d.batch, d.kv_heads, d.nk, d.dv), case.dtype, 3)?,
+        input((d.batch, d.q_heads, d.nq, d.dv), case.dtype, 4)?,
+    ];
+    let inputs = [&inputs[0], &inputs[1], &inputs[2], &inputs[3]];
+    let got = emulate(&case, inputs);
+    if case.dtype != DType::F32 {
+        // Normwise against the exact computation too, as tests/cuda.rs
+        // holds the kernels on a GPU.
+        let exact = reference(&case, inputs)?;
+        let tolerance = if case.dtype == DType::F16 { 4e-3 } else { 3e-2 };
+        for (what, (got, want)) in ["out", "lse", "dq", "dk", "dv"]
+            .iter()
+            .zip(got.iter().zip(&exact))
+        {
+            let largest = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let worst = got
+                .iter()
+                .zip(want)
+                .fold(0f64, |m, (&g, &w)| m.max((g as f64 - w).abs()));
+            assert!(
+                worst <= tolerance * largest,
+                "{what}: off by {:e} normwise ({:?})",
+                worst / largest,
+                case.dtype
+            );
+        }
+    }
+    // f32: the exact computation, within f32's error over sums that may
+    // cancel. Half types: the CPU kernel, within one rounding of the
+    // element type (both sum in f32, in different orders).
+    let (want, rel, floor) = match case.dtype {
+        DType::F32 => (reference(&case, inputs)?, 2e-5, 0.05),
+        DType::F16 => (same_dtype(&case, inputs)?, 2f64.powi(-10), 0.01),
+        _ => (same_dtype(&case, inputs)?, 2f64.powi(-7), 0.01),
+    };
+    for (what, (got, want)) in ["out", "lse", "dq", "dk", "dv"]
+        .iter()
+        .zip(got.iter().zip(&want))
+    {
+        let largest = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+        // lse stays f32 whatever the element type.
+        let rel = if *what == "lse" { 2e-5 } else { rel };
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let err = (g as f64 - w).abs();
+            assert!(
+                err <= rel * (w.abs() + floor * largest),
+                "{what}[{i}] is {g}, the reference {w} (case {:?}, {:?}, causal {})",
+                case.dims,
+                case.dtype,
+                case.causal
+            );
+        }
+    }
+    Ok(())
+}
+
+fn dims(heads: (usize, usize), nq: usize, nk: usize, d: usize, dv: usize) -> Dims {
+    Dims {
+        batch: 2,
+        q_heads: heads.0,
+        kv_heads: heads.1,
+        nq,
+        nk,
+        d,
+        dv,
+    }
+}
+
+#[test]
+fn every_padded_dimension_matches_the_plain_computation_in_f32() -> Result<()> {
+    for (dims, causal) in [
+        // Rows and keys that fill no block evenly; one key/value head per
+        // two query heads.
+        (dims((4, 2), 70, 70, 16, 16), true),
+        (dims((2, 2), 37, 90, 64, 64), false),
+        (dims((3, 1), 33, 20, 100, 128), true),
+        // More keys than queries and more queries than keys, causal.
+        (dims((2, 1), 20, 45, 40, 24), true),
+        (dims((2, 2), 45, 20, 32, 32), true),
+    ] {
+        check(Case {
+            dims,
+            causal,
+            dtype: DType::F32,
+        })?;
+    }
+    Ok(())
+}
+
+#[test]
+fn half_types_match_the_plain_computation_within_their_rounding() -> Result<()> {
+    for dtype in [DType::F16, DType::BF16] {
+        check(Case {
+            dims: dims((4, 2), 50, 50, 64, 64),
+            causal: true,
+            dtype,
+        })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,150 @@
+//! Which of `kernels/flash_*.cu`'s kernels a call launches, and with what
+//! grid: plain arithmetic on the call's sizes, apart from the launching
+//! itself so that the kernels' CPU emulation in the tests runs the very
+//! launches a GPU gets.
+
+use candle_core::DType;
+
+use crate::shapes::Dims;
+
+/// One kernel launch: the kernel's name, its grid `(x, y)` and its threads
+/// per block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Launch {
+    pub name: String,
+    pub grid: (u32, u32),
+    pub block: u32,
+}
+
+/// The four launches of a call, in the module of its padded head
+/// dimension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// 32, 64 or 128: the head dimensions, padded.
+    pub padded: usize,
+    pub forward: Launch,
+    pub delta: Launch,
+    pub backward_kv: Launch,
+    pub backward_q: Launch,
+}
+
+/// The widest head dimension the kernels take.
+pub(crate) const MAX_HEAD_DIM: usize = 128;
+
+/// Threads (owned rows) per block at padded dimension `padded`: as
+/// `Tiles<D>::ROWS` in `kernels/flash.cuh`.
+fn rows_per_block(padded: usize) -> usize {
+    if padded <= 64 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Threads per block of the row-wise `delta` kernel.
+const DELTA_BLOCK: usize = 256;
+
+/// The launches for a call of these sizes and dtype, or `None` where the
+/// kernels do not apply: a dtype other than f32, f16 and bf16, a head
+/// dimension of 0 or over [`MAX_HEAD_DIM`], or sizes past the kernels'
+/// 32-bit arguments and 65,535 rows of grid.
+pub(crate) fn plan(dims: &Dims, dtype: DType) -> Option<Plan> {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => return None,
+    };
+    let widest = dims.d.max(dims.dv);
+    if dims.d == 0 || dims.dv == 0 || widest > MAX_HEAD_DIM {
+        return None;
+    }
+    let padded = [32, 64, 128].into_iter().find(|&p| p >= widest)?;
+    let fits_i32 = |n: usize| i32::try_from(n).is_ok();
+    let fits_grid_y = |n: usize| n > 0 && n <= 65_535;
+    if ![dims.nq, dims.nk, dims.q_heads].into_iter().all(fits_i32)
+        || !fits_grid_y(dims.rows())
+        || !fits_grid_y(dims.batch * dims.kv_heads)
+    {
+        return None;
+    }
+    let per_block = rows_per_block(padded);
+    let blocks = |n: usize| u32::try_from(n.div_ceil(per_block)).ok();
+    let (q_blocks, k_blocks) = (blocks(dims.nq)?, blocks(dims.nk)?);
+    let launch = |kernel: &str, grid: (u32, u32), block: usize| Launch {
+        name: format!("flash_{kernel}_{padded}_{suffix}"),
+        grid,
+        block: block as u32,
+    };
+    let rows = dims.rows() as u32;
+    let delta_blocks = u32::try_from(dims.rows().checked_mul(dims.nq)?.div_ceil(DELTA_BLOCK))
+        .ok()?
+        .clamp(1, 65_535);
+    Some(Plan {
+        padded,
+        forward: launch("forward", (q_blocks, rows), per_block),
+        delta: launch("delta", (delta_blocks, 1), DELTA_BLOCK),
+        backward_kv: launch(
+            "backward_kv",
+            (k_blocks, (dims.batch * dims.kv_heads) as u32),
+            per_block,
+        ),
+        backward_q: launch("backward_q", (q_blocks, rows), per_block),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(d: usize, dv: usize) -> Dims {
+        Dims {
+            batch: 2,
+            q_heads: 8,
+            kv_heads: 2,
+            nq: 100,
+            nk: 300,
+            d,
+            dv,
+        }
+    }
+
+    #[test]
+    fn head_dimensions_pad_to_the_next_kernel() {
+        let padded = |d, dv| plan(&dims(d, dv), DType::F32).map(|p| p.padded);
+        assert_eq!(padded(1, 1), Some(32));
+        assert_eq!(padded(32, 32), Some(32));
+        assert_eq!(padded(33, 16), Some(64));
+        assert_eq!(padded(64, 80), Some(128));
+        assert_eq!(padded(128, 128), Some(128));
+        assert_eq!(padded(129, 128), None);
+        assert_eq!(padded(0, 64), None);
+        assert_eq!(padded(64, 0), None);
+    }
+
+    #[test]
+    fn grids_cover_every_row_and_key() {
+        let p = plan(&dims(64, 64), DType::BF16).unwrap();
+        assert_eq!(p.forward.name, "flash_forward_64_bf16");
+        // 100 queries in blocks of 64; 16 (batch, q_head) rows.
+        assert_eq!((p.forward.grid, p.forward.block), ((2, 16), 64));
+        assert_eq!(p.backward_q.grid, (2, 16));
+        // 300 keys in blocks of 64; 4 (batch, kv_head) rows.
+        assert_eq!(p.backward_kv.grid, (5, 4));
+        // 1,600 rows of 256 threads.
+        assert_eq!((p.delta.grid, p.delta.block), ((7, 1), 256));
+        let wide = plan(&dims(128, 128), DType::F16).unwrap();
+        assert_eq!((wide.forward.grid, wide.forward.block), ((4, 16), 32));
+        assert_eq!(wide.backward_kv.name, "flash_backward_kv_128_f16");
+    }
+
+    #[test]
+    fn other_dtypes_and_oversized_grids_are_left_to_the_composed_path() {
+        assert_eq!(plan(&dims(64, 64), DType::F64), None);
+        let many = Dims {
+            batch: 65_536,
+            ..dims(64, 64)
+        };
+        assert_eq!(plan(&many, DType::F32), None);
+    }
+}
