@@ -550,13 +550,15 @@ fn the_tiled_attentions_kernels_match_the_plain_computation_and_hold_no_score_ma
     let _turn = turn();
     let Some((device, meter)) = gpu() else { return };
     let c = Category::Activations;
-    // (batch, q_heads, kv_heads, nq, nk, head_dim): each kernel module
-    // (head dimensions padded to 32, 64 and 128), grouped heads, lengths no
-    // block divides, and more keys than queries.
-    for (b, hq, hkv, nq, nk, d) in [
-        (2, 4, 2, 300, 300, 64),
-        (1, 2, 2, 130, 200, 16),
-        (2, 2, 1, 77, 77, 128),
+    // (batch, q_heads, kv_heads, nq, nk, head_dim, v_dim): each kernel
+    // module (head dimensions padded to 32, 64 and 128), grouped heads,
+    // lengths no block divides, more keys than queries, values of another
+    // width than the keys.
+    for (b, hq, hkv, nq, nk, d, dv) in [
+        (2, 4, 2, 300, 300, 64, 64),
+        (1, 2, 2, 130, 200, 16, 16),
+        (2, 2, 1, 77, 77, 128, 128),
+        (1, 4, 1, 90, 60, 80, 48),
     ] {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             // Normwise, against f64: f32 sums throughout, and for the half
@@ -568,14 +570,15 @@ fn the_tiled_attentions_kernels_match_the_plain_computation_and_hold_no_score_ma
                 _ => 3e-2,
             };
             for causal in [false, true] {
-                let what =
-                    format!("{dtype:?}, causal {causal}, {b}x{hq}/{hkv} heads, {nq}x{nk}, d {d}");
+                let what = format!(
+                    "{dtype:?}, causal {causal}, {b}x{hq}/{hkv} heads, {nq}x{nk}, d {d}/{dv}"
+                );
                 let cfg = FlashConfig::causal(causal);
                 let (q, k, v, d_out) = (
                     randn((b, hq, nq, d), 1.0, dtype, &device),
                     randn((b, hkv, nk, d), 1.0, dtype, &device),
-                    randn((b, hkv, nk, d), 1.0, dtype, &device),
-                    randn((b, hq, nq, d), 1.0, dtype, &device),
+                    randn((b, hkv, nk, dv), 1.0, dtype, &device),
+                    randn((b, hq, nq, dv), 1.0, dtype, &device),
                 );
                 // The plain computation in f64 on the CPU, through autograd.
                 let cpu64 = |t: &Tensor| {
@@ -631,24 +634,23 @@ fn the_tiled_attentions_kernels_match_the_plain_computation_and_hold_no_score_ma
                 // backward its three gradients and one f32 per row. Both
                 // far below one score matrix of one head.
                 let size = dtype.size_in_bytes() as u64;
-                let (q_bytes, kv_bytes) = (
-                    (b * hq * nq * d) as u64 * size,
-                    (b * hkv * nk * d) as u64 * size,
-                );
-                let row_floats = (b * hq * nq) as u64 * 4;
+                let bytes = |rows: usize, width: usize| (rows * width) as u64 * size;
+                let (queries, keys) = (b * hq * nq, b * hkv * nk);
+                let out_bytes = bytes(queries, dv);
+                let row_floats = queries as u64 * 4;
                 let score_matrix = (nq * nk) as u64 * size;
                 assert!(
-                    (q_bytes..=q_bytes + row_floats + 1024).contains(&forward_peak),
-                    "{what}: the forward's peak {forward_peak} bytes, for a {q_bytes}-byte output"
+                    (out_bytes..=out_bytes + row_floats + 1024).contains(&forward_peak),
+                    "{what}: the forward's peak {forward_peak} bytes, for a {out_bytes}-byte output"
                 );
-                let grads = q_bytes + 2 * kv_bytes;
+                let grads = bytes(queries, d) + bytes(keys, d) + bytes(keys, dv);
                 assert!(
                     (grads..=grads + row_floats + 1024).contains(&backward_peak),
                     "{what}: the backward's peak {backward_peak} bytes, for {grads} bytes of gradients"
                 );
-                assert!(forward_peak - q_bytes < score_matrix);
+                assert!(forward_peak - out_bytes < score_matrix);
 
-                // The autograd operation goes through the same kernels.
+                // The autograd operation gives the same gradients.
                 let (qv, kv, vv) = (
                     Var::from_tensor(&q).unwrap(),
                     Var::from_tensor(&k).unwrap(),

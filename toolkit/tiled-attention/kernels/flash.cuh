@@ -2,13 +2,14 @@
 // the recomputing backward (src/forward.rs and src/backward.rs compose the
 // same arithmetic from candle's operations, one launch per operation and
 // block). Each thread owns one row (a query in the forward and in dQ's
-// kernel, a key in dK's and dV's), holds it in registers, and walks the
+// kernel, a key in dK's and dV's), holds it in registers (at D = 128 the
+// backward's two rows of 128 floats spill to local memory), and walks the
 // other side's rows through shared memory a tile at a time; its running sums
 // live in shared memory, padded by one column so that a warp's threads hit
 // 32 different banks. Nothing of size `n x n` exists anywhere.
 //
 // The kernels' bodies; flash_32.cu, flash_64.cu and flash_128.cu each
-// instantiate them at one D (src/cuda.rs launches them).
+// instantiate them at one D (src/flash_cuda.rs launches them).
 //
 // Tensors are contiguous `(batch, heads, n, head_dim)`; query head h reads
 // key/value head h / group. Head dimensions up to D (32, 64 or 128) are
