@@ -120,8 +120,7 @@ pub(crate) fn theta(
         return Ok(());
     }
     let name = format!("adamw_theta_{}", suffix(t.dtype())?);
-    let decay = 1.0 - s.lr * s.weight_decay;
-    let k = [s.scale_m, s.scale_v, decay, s.lr, s.eps];
+    let k = s.theta_constants();
     fn go<T: CudaDType>(
         name: &str,
         t: &mut CudaStorage,

@@ -35,6 +35,28 @@ impl AdamWStep {
             scale_v: 1.0 / (1.0 - p.beta2.powi(t)),
         }
     }
+
+    /// `(a, b)` of the first moment's `a m + b g`, as the GPU kernel takes
+    /// them.
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    pub(crate) fn moment1_coefficients(&self) -> (f64, f64) {
+        (self.beta1, 1.0 - self.beta1)
+    }
+
+    /// `(a, b)` of the second moment's `a v + b g²`, as the GPU kernel
+    /// takes them.
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    pub(crate) fn moment2_coefficients(&self) -> (f64, f64) {
+        (self.beta2, 1.0 - self.beta2)
+    }
+
+    /// The update's constants as the GPU kernel takes them: the bias
+    /// corrections, the decay `1 - lr wd`, the learning rate and epsilon.
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    pub(crate) fn theta_constants(&self) -> [f64; 5] {
+        let decay = 1.0 - self.lr * self.weight_decay;
+        [self.scale_m, self.scale_v, decay, self.lr, self.eps]
+    }
 }
 
 /// A float type the kernel computes in.
@@ -162,8 +184,7 @@ impl InplaceOp2 for Moment1 {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let s = self.0;
-        crate::cuda::moment("moment1", m, ml, g, gl, (s.beta1, 1.0 - s.beta1))
+        crate::cuda::moment("moment1", m, ml, g, gl, self.0.moment1_coefficients())
     }
     fn cpu_fwd(&self, m: &mut CpuStorage, ml: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
         let s = self.0;
@@ -190,8 +211,7 @@ impl InplaceOp2 for Moment2 {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let s = self.0;
-        crate::cuda::moment("moment2", v, vl, g, gl, (s.beta2, 1.0 - s.beta2))
+        crate::cuda::moment("moment2", v, vl, g, gl, self.0.moment2_coefficients())
     }
     fn cpu_fwd(&self, v: &mut CpuStorage, vl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
         let s = self.0;

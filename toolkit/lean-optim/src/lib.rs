@@ -19,6 +19,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(test)]
+mod emulated;
 mod kernel;
 mod lean;
 mod state;

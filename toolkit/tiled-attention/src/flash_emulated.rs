@@ -1,12 +1,11 @@
-//! The CUDA kernels of `kernels/flash_*.cu`, run on the CPU through
-//! `tests/emulated/` (a C++ compiler builds them with just enough of CUDA
-//! emulated, each block's threads real threads), with the launches
+//! The CUDA kernels of `kernels/flash_*.cu`, run on the CPU by
+//! `tests/emulated/harness.cpp` (a C++ compiler builds them with just
+//! enough of CUDA emulated: `candle-toolkit-cuda-emulation`), with the launches
 //! [`crate::flash_plan::plan`] gives a GPU: f32 against the plain
 //! computation in f64 through candle's autograd, f16 and bf16 against the
 //! crate's CPU kernel in the same dtype.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
@@ -20,33 +19,8 @@ use crate::{naive_attention, FlashConfig};
 fn harness() -> &'static Path {
     static HARNESS: OnceLock<PathBuf> = OnceLock::new();
     HARNESS.get_or_init(|| {
-        let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated");
-        let dir = std::env::temp_dir().join(format!(
-            "candle-tiled-attention-emulated-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
-        let exe = dir.join("harness");
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let out = Command::new(&cxx)
-            .args(["-std=c++20", "-O1", "-pthread", "-w", "-I"])
-            .arg(&here)
-            .arg("-o")
-            .arg(&exe)
-            .arg(here.join("harness.cpp"))
-            .output()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "running the C++ compiler `{cxx}`: {e}; the emulated kernels need a C++20 \
-                     compiler (g++ 12 or clang 15 and later), named in CXX if not `c++`"
-                )
-            });
-        assert!(
-            out.status.success(),
-            "compiling the emulated kernels failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        exe
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated/harness.cpp");
+        candle_toolkit_cuda_emulation::compile(&source)
     })
 }
 
@@ -112,23 +86,17 @@ fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f32>> {
         dir.join(format!("{tag}.out")),
     );
     std::fs::write(&input, bytes).unwrap();
-    let mut cmd = Command::new(harness());
-    cmd.arg(&input).arg(&output);
+    let mut args = vec![input.display().to_string(), output.display().to_string()];
     for Launch { name, grid, block } in [
         &plan.forward,
         &plan.delta,
         &plan.backward_kv,
         &plan.backward_q,
     ] {
-        cmd.arg(name)
-            .args([grid.0, grid.1, *block].map(|n| n.to_string()));
+        args.push(name.clone());
+        args.extend([grid.0, grid.1, *block].map(|n| n.to_string()));
     }
-    let run = cmd.output().unwrap();
-    assert!(
-        run.status.success(),
-        "the emulated kernels failed: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    candle_toolkit_cuda_emulation::run(harness(), &args);
     let floats: Vec<f32> = std::fs::read(&output)
         .unwrap()
         .chunks_exact(4)

@@ -37,7 +37,7 @@
 //! CUDA GPU (`kernels/flash_*.cu`: a thread per query or key row, the other
 //! side streamed through shared memory, f32 sums; the block sizes are the
 //! kernels', not the configuration's), tested on the CPU through an
-//! emulation of CUDA's threads (`tests/emulated/`); and the materialized
+//! emulation of CUDA's threads (`candle-toolkit-cuda-emulation`); and the materialized
 //! attention's softmax and its backward write in place (candle's own
 //! kernels, through `candle-cuda-inplace`). Other devices, f64 and wider
 //! heads compose candle operations block by block.

@@ -1,5 +1,6 @@
 // Runs the tiled attention's CUDA kernels (kernels/flash_*.cu) on the CPU
-// through emulate.h, with the launches src/flash_plan.rs gives a GPU.
+// through emulate.h (candle-toolkit-cuda-emulation), with the launches
+// src/flash_plan.rs gives a GPU.
 //
 //   harness INPUT OUTPUT FORWARD GX GY BLOCK DELTA GX GY BLOCK
 //           BACKWARD_KV GX GY BLOCK BACKWARD_Q GX GY BLOCK

@@ -1,0 +1,97 @@
+// Runs AdamW's CUDA kernels (kernels/adamw.cu) on the CPU through
+// emulate.h (candle-toolkit-cuda-emulation).
+//
+//   adamw KERNEL BLOCKS THREADS N INPUT
+//
+// KERNEL: adamw_{moment1,moment2,theta}_{f32,f64,f16,bf16}. INPUT: five f64
+// constants (a and b for a moment, the update's five for theta), then the
+// tensors as f64 (each value exact in the element type): the state and the
+// gradient for a moment, the parameter and both moments for theta. Writes
+// the updated tensor to standard output as f64.
+#include "emulate.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
+#include "../../kernels/adamw.cu"
+
+namespace {
+
+template <typename T> T from_f64(double x) {
+  T out;
+  if constexpr (std::is_same_v<T, double>) {
+    out = x;
+  } else {
+    store(&out, static_cast<float>(x));
+  }
+  return out;
+}
+
+template <typename T> std::vector<T> read(std::FILE *f, size_t n) {
+  std::vector<T> v(n);
+  for (auto &x : v) {
+    double d;
+    if (std::fread(&d, sizeof d, 1, f) != 1) {
+      std::fprintf(stderr, "input ends early\n");
+      std::exit(2);
+    }
+    x = from_f64<T>(d);
+  }
+  return v;
+}
+
+template <typename T>
+int run(const std::string &kernel, dim3 grid, dim3 block, size_t n, std::FILE *in,
+        void (*m1)(T *, const T *, size_t, double, double),
+        void (*m2)(T *, const T *, size_t, double, double),
+        void (*th)(T *, const T *, const T *, size_t, double, double, double, double, double)) {
+  double k[5];
+  if (std::fread(k, sizeof k[0], 5, in) != 5) {
+    std::fprintf(stderr, "input has no constants\n");
+    return 2;
+  }
+  std::vector<T> dst = read<T>(in, n);
+  if (kernel.find("theta") != std::string::npos) {
+    std::vector<T> m = read<T>(in, n), v = read<T>(in, n);
+    launch(th, grid, block, dst.data(), m.data(), v.data(), n, k[0], k[1], k[2], k[3], k[4]);
+  } else {
+    std::vector<T> g = read<T>(in, n);
+    auto f = kernel.find("moment1") != std::string::npos ? m1 : m2;
+    launch(f, grid, block, dst.data(), g.data(), n, k[0], k[1]);
+  }
+  for (const T &x : dst) {
+    double d = static_cast<double>(load(x));
+    std::fwrite(&d, sizeof d, 1, stdout);
+  }
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  if (argc != 6) {
+    std::fprintf(stderr, "usage: adamw KERNEL BLOCKS THREADS N INPUT\n");
+    return 2;
+  }
+  const std::string kernel = argv[1];
+  const dim3 grid{(unsigned)std::atoi(argv[2]), 1, 1}, block{(unsigned)std::atoi(argv[3]), 1, 1};
+  const size_t n = std::strtoull(argv[4], nullptr, 10);
+  std::FILE *in = std::fopen(argv[5], "rb");
+  if (!in) {
+    std::fprintf(stderr, "cannot open %s\n", argv[5]);
+    return 2;
+  }
+  const std::string suffix = kernel.substr(kernel.rfind('_') + 1);
+#define TYPE(SUFFIX, T)                                                                   \
+  if (suffix == #SUFFIX)                                                                  \
+    return run<T>(kernel, grid, block, n, in, adamw_moment1_##SUFFIX, adamw_moment2_##SUFFIX, \
+                  adamw_theta_##SUFFIX);
+  TYPE(f32, float)
+  TYPE(f64, double)
+  TYPE(f16, __half)
+  TYPE(bf16, __nv_bfloat16)
+  std::fprintf(stderr, "no kernel is named %s\n", kernel.c_str());
+  return 2;
+}
