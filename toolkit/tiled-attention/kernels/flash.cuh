@@ -48,6 +48,36 @@ __device__ __forceinline__ float at(const T *m, int rows, int width, int row, in
   return row < rows && c < width ? to_f32(m[(size_t)row * width + c]) : 0.0f;
 }
 
+// Rows `first..first + S` of two `(rows, width)` matrices (keys and values,
+// or queries and their output's gradient) into shared tiles, padded; the
+// block's R threads share the work, consecutive threads reading
+// consecutive elements.
+template <int D, int S, int R, typename T>
+__device__ __forceinline__ void load_tiles(float (&a)[S][D], float (&b)[S][D], const T *ma,
+                                           int width_a, const T *mb, int width_b, int rows,
+                                           int first) {
+  for (int e = threadIdx.x; e < S * D; e += R) {
+    const int row = e / D, c = e % D;
+    a[row][c] = at(ma, rows, width_a, first + row, c);
+    b[row][c] = at(mb, rows, width_b, first + row, c);
+  }
+}
+
+// The two dot products of the backward, `x . xs` (a score before its
+// scale) and `y . ys` (an element of dO V^T), over the padded dimension.
+template <int D>
+__device__ __forceinline__ void two_dots(const float (&x)[D], const float (&xs)[D],
+                                         const float (&y)[D], const float (&ys)[D], float &s,
+                                         float &dp) {
+  s = 0.0f;
+  dp = 0.0f;
+#pragma unroll
+  for (int c = 0; c < D; ++c) {
+    s = fmaf(x[c], xs[c], s);
+    dp = fmaf(y[c], ys[c], dp);
+  }
+}
+
 // out = softmax(q k^T * scale) v and lse = each row's log-sum-exp of its
 // scaled scores. Grid: (query blocks, batch * q_heads).
 template <typename T, int D>
@@ -73,11 +103,7 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
   const int k_end = causal ? min(nk, i0 + R) : nk;
   for (int j0 = 0; j0 < k_end; j0 += S) {
     __syncthreads(); // every thread is done with the previous tile
-    for (int e = t; e < S * D; e += R) {
-      const int j = e / D, c = e % D;
-      ks[j][c] = at(kr, nk, d, j0 + j, c);
-      vs[j][c] = at(vr, nk, dv, j0 + j, c);
-    }
+    load_tiles<D, S, R>(ks, vs, kr, d, vr, dv, nk, j0);
     __syncthreads();
     float p[S];
     float tile_max = -INFINITY;
@@ -161,11 +187,7 @@ __device__ void backward_kv(const T *q, const T *k, const T *v, const T *d_out, 
     // Queries before the block's first key see none of its keys.
     for (int i0 = causal ? j0 : 0; i0 < nq; i0 += S) {
       __syncthreads();
-      for (int e = t; e < S * D; e += R) {
-        const int ii = e / D, c = e % D;
-        qs[ii][c] = at(qr, nq, d, i0 + ii, c);
-        dos[ii][c] = at(dor, nq, dv, i0 + ii, c);
-      }
+      load_tiles<D, S, R>(qs, dos, qr, d, dor, dv, nq, i0);
       for (int ii = t; ii < S; ii += R) {
         const bool in = i0 + ii < nq;
         ls[ii] = in ? lse[r * nq + i0 + ii] : 0.0f;
@@ -175,12 +197,8 @@ __device__ void backward_kv(const T *q, const T *k, const T *v, const T *d_out, 
       float p[S], ds[S];
 #pragma unroll
       for (int ii = 0; ii < S; ++ii) {
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int c = 0; c < D; ++c) {
-          s = fmaf(kj[c], qs[ii][c], s);
-          dp = fmaf(vj[c], dos[ii][c], dp);
-        }
+        float s, dp;
+        two_dots<D>(kj, qs[ii], vj, dos[ii], s, dp);
         const int i = i0 + ii;
         const bool seen = j < nk && i < nq && (!causal || j <= i);
         p[ii] = seen ? expf(s * scale - ls[ii]) : 0.0f;
@@ -234,21 +252,13 @@ __device__ void backward_q(const T *q, const T *k, const T *v, const T *d_out, c
   const int k_end = causal ? min(nk, i0 + R) : nk;
   for (int j0 = 0; j0 < k_end; j0 += S) {
     __syncthreads();
-    for (int e = t; e < S * D; e += R) {
-      const int j = e / D, c = e % D;
-      ks[j][c] = at(kr, nk, d, j0 + j, c);
-      vs[j][c] = at(vr, nk, dv, j0 + j, c);
-    }
+    load_tiles<D, S, R>(ks, vs, kr, d, vr, dv, nk, j0);
     __syncthreads();
     float ds[S];
 #pragma unroll
     for (int j = 0; j < S; ++j) {
-      float s = 0.0f, dp = 0.0f;
-#pragma unroll
-      for (int c = 0; c < D; ++c) {
-        s = fmaf(qi[c], ks[j][c], s);
-        dp = fmaf(doi[c], vs[j][c], dp);
-      }
+      float s, dp;
+      two_dots<D>(qi, ks[j], doi, vs[j], s, dp);
       const int key = j0 + j;
       const bool seen = live && key < nk && (!causal || key <= i);
       ds[j] = seen ? expf(s * scale - li) * (dp - di) : 0.0f;

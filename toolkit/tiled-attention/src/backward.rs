@@ -39,7 +39,7 @@ pub(crate) fn backward(
     }
     #[cfg(feature = "cuda")]
     if let Some(plan) = crate::flash_cuda::applies(q, &dims) {
-        return crate::flash_cuda::backward(q, k, v, fwd, d_out, &dims, &plan, s);
+        return crate::flash_cuda::backward([q, k, v], fwd, d_out, &dims, &plan, s);
     }
     let acc = accumulation(q.dtype());
     let fold_q = |t: &Tensor| -> Result<Tensor> {

@@ -6,7 +6,7 @@
 //! call holds its outputs and, in the backward, one f32 per query row.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -75,15 +75,20 @@ fn wrap<T: CudaDType>(
     Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
 
-/// The sizes every kernel takes after its tensors: `nq, nk, d, dv,
-/// q_heads, group` (i32, which `plan` checked they fit) and the scale.
-struct Sizes([i32; 6], f32);
+/// What every kernel but `delta` takes after its tensors: `nq, nk, d, dv,
+/// q_heads, group` (i32, which `plan` checked they fit), the scale and
+/// whether the mask is causal.
+struct Sizes {
+    n: [i32; 6],
+    scale: f32,
+    causal: i32,
+}
 
 impl Sizes {
-    fn of(dims: &Dims, s: f64) -> Self {
+    fn of(dims: &Dims, s: f64, causal: bool) -> Self {
         let n = |x: usize| x as i32;
-        Self(
-            [
+        Self {
+            n: [
                 n(dims.nq),
                 n(dims.nk),
                 n(dims.d),
@@ -91,8 +96,17 @@ impl Sizes {
                 n(dims.q_heads),
                 n(dims.group()),
             ],
-            s as f32,
-        )
+            scale: s as f32,
+            causal: i32::from(causal),
+        }
+    }
+
+    /// Pushes them, in the kernels' order, after the tensors.
+    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
+        for x in &self.n {
+            launch.arg(x);
+        }
+        launch.arg(&self.scale).arg(&self.causal);
     }
 }
 
@@ -145,19 +159,11 @@ fn forward_typed<T: CudaDType + DeviceRepr>(
             v.storage_and_layout().0,
         );
         let (qv, kv, vv) = (view::<T>(&qs, q)?, view::<T>(&ks, k)?, view::<T>(&vs, v)?);
-        let Sizes(n, scale) = Sizes::of(dims, s);
-        let causal = i32::from(cfg.causal);
+        let sizes = Sizes::of(dims, s, cfg.causal);
         let mut launch = func.builder();
-        launch
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&mut out)
-            .arg(&mut lse);
-        for x in &n {
-            launch.arg(x);
-        }
-        launch.arg(&scale).arg(&causal);
+        launch.arg(&qv).arg(&kv).arg(&vv);
+        launch.arg(&mut out).arg(&mut lse);
+        sizes.push(&mut launch);
         // SAFETY: the arguments are those `flash_forward_<D>_<T>` declares;
         // q, k and v are contiguous `(batch, heads, n, width)` of the sizes
         // passed, and the grid is `plan`'s for these sizes.
@@ -171,11 +177,8 @@ fn forward_typed<T: CudaDType + DeviceRepr>(
 }
 
 /// The backward: dQ, dK and dV in the inputs' dtype.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    [q, k, v]: [&Tensor; 3],
     fwd: &Forward,
     d_out: &Tensor,
     dims: &Dims,
@@ -212,6 +215,23 @@ struct Inputs<'a> {
     lse: &'a Tensor,
 }
 
+/// What both gradient kernels read first: q, k, v, dO and the log-sum-exp
+/// (then `rowsum(dO * O)`).
+struct Read<'v, T> {
+    q: CudaView<'v, T>,
+    k: CudaView<'v, T>,
+    v: CudaView<'v, T>,
+    d_out: CudaView<'v, T>,
+    lse: CudaView<'v, f32>,
+}
+
+impl<T> Read<'_, T> {
+    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>, delta: &'a CudaSlice<f32>) {
+        launch.arg(&self.q).arg(&self.k).arg(&self.v);
+        launch.arg(&self.d_out).arg(&self.lse).arg(delta);
+    }
+}
+
 fn backward_typed<T: CudaDType + DeviceRepr>(
     t: Inputs,
     dims: &Dims,
@@ -241,55 +261,38 @@ fn backward_typed<T: CudaDType + DeviceRepr>(
             .try_into()
             .map_err(|_| candle_core::Error::Msg("five views".into()))?;
         let lse_guard = t.lse.storage_and_layout().0;
-        let lse = view::<f32>(&lse_guard, t.lse)?;
-        let Sizes(n, scale) = Sizes::of(dims, s);
-        let causal = i32::from(causal);
+        let read = Read {
+            q: qv,
+            k: kv,
+            v: vv,
+            d_out: dov,
+            lse: view::<f32>(&lse_guard, t.lse)?,
+        };
+        let sizes = Sizes::of(dims, s, causal);
 
         let func = load(&plan.delta)?;
         let mut launch = func.builder();
-        let dv_width = n[3];
-        launch
-            .arg(&dov)
-            .arg(&ov)
-            .arg(&mut delta)
-            .arg(&rows)
-            .arg(&dv_width);
+        let dv_width = sizes.n[3];
+        launch.arg(&read.d_out).arg(&ov).arg(&mut delta);
+        launch.arg(&rows).arg(&dv_width);
         // SAFETY: `flash_delta_<D>_<T>(d_out, out, delta, rows, dv)` reads
         // `rows` rows of `dv` elements of each and writes `rows` floats.
         unsafe { launch.launch(config(&plan.delta)) }.w()?;
 
         let func = load(&plan.backward_kv)?;
         let mut launch = func.builder();
-        launch
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&dov)
-            .arg(&lse)
-            .arg(&delta);
+        read.push(&mut launch, &delta);
         launch.arg(&mut dk).arg(&mut dv);
-        for x in &n {
-            launch.arg(x);
-        }
-        launch.arg(&scale).arg(&causal);
+        sizes.push(&mut launch);
         // SAFETY: the arguments `flash_backward_kv_<D>_<T>` declares, of the
         // sizes passed; the grid is `plan`'s.
         unsafe { launch.launch(config(&plan.backward_kv)) }.w()?;
 
         let func = load(&plan.backward_q)?;
         let mut launch = func.builder();
-        launch
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&dov)
-            .arg(&lse)
-            .arg(&delta);
+        read.push(&mut launch, &delta);
         launch.arg(&mut dq);
-        for x in &n {
-            launch.arg(x);
-        }
-        launch.arg(&scale).arg(&causal);
+        sizes.push(&mut launch);
         // SAFETY: as above, for `flash_backward_q_<D>_<T>`.
         unsafe { launch.launch(config(&plan.backward_q)) }.w()?;
     }
