@@ -9,6 +9,8 @@
 //! `emulate.h` and the kernels and launches them with `launch(kernel, grid,
 //! block, args...)`; [`compile`] builds it with the C++ compiler in `CXX`
 //! (default `c++`: g++ 12 or clang 15 and later) and [`run`] runs it.
+//! `values.h` reads and writes a harness's tensors as f64s, which
+//! [`run_on_f64`] hands over and reads back.
 //!
 //! Nothing here runs on a GPU, and a kernel that passes here can still
 //! differ there: in the device's math library (`expf`, `tanhf`), or in a
@@ -18,6 +20,7 @@
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The directory holding `emulate.h`, `cuda_fp16.h` and `cuda_bf16.h`.
 pub fn include_dir() -> PathBuf {
@@ -87,4 +90,27 @@ where
         String::from_utf8_lossy(&out.stderr)
     );
     out.stdout
+}
+
+/// Runs `exe` with `args` and then the path of a file holding `input` (f64s,
+/// little-endian, as `values.h` reads them), and returns its standard
+/// output read as f64s (as `values.h` writes them).
+pub fn run_on_f64(exe: &Path, args: &[&str], input: &[f64]) -> Vec<f64> {
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let path = exe.with_extension(format!("{call}.in"));
+    let bytes: Vec<u8> = input.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(&path, bytes).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    let out = run(
+        exe,
+        args.iter()
+            .copied()
+            .map(OsStr::new)
+            .chain([path.as_os_str()]),
+    );
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(out.len() % 8, 0, "{} wrote a partial f64", exe.display());
+    out.chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect()
 }

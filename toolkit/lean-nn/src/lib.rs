@@ -37,6 +37,8 @@ mod cpu;
 mod cpu_half;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(test)]
+mod emulated;
 mod layer;
 mod linear;
 mod linear_loss;

@@ -302,11 +302,9 @@ fn grads(
         } else if crate::cpu_half::applies(&g, &saved) {
             crate::cpu_half::act_backward(&g, &saved, act)?
         } else {
-            let g = match (act, gpu_act_grad(&g, &saved, act)?) {
-                (_, Some(on_gpu)) => on_gpu,
-                (Activation::Identity, None) => g,
-                (Activation::Relu, None) => (g * saved.gt(0.0)?.to_dtype(saved.dtype())?)?,
-                (Activation::Gelu, None) => (g * gelu_grad(&saved)?)?,
+            let g = match gpu_act_grad(&g, &saved, act)? {
+                Some(on_gpu) => on_gpu,
+                None => composed_act_grad(&g, &saved, act)?,
             };
             let db = g.sum(0)?;
             (g, db)
@@ -321,6 +319,17 @@ fn grads(
     drop(w);
     let dw = crate::product::matmul(&g.t()?, &x2)?;
     Ok((dx, dw, db))
+}
+
+/// `g * act'(saved)` composed of candle's operations: what runs where no
+/// kernel of the toolkit's applies, and what `kernels/activation.cu`
+/// computes in one pass with the same roundings.
+pub(crate) fn composed_act_grad(g: &Tensor, saved: &Tensor, act: Activation) -> Result<Tensor> {
+    match act {
+        Activation::Identity => Ok(g.clone()),
+        Activation::Relu => g * saved.gt(0.0)?.to_dtype(saved.dtype())?,
+        Activation::Gelu => g * gelu_grad(saved)?,
+    }
 }
 
 /// `g * act'(saved)` in one kernel on a CUDA GPU (with the `cuda`

@@ -28,30 +28,18 @@ fn values(t: &Tensor) -> Vec<f64> {
 /// first), over a grid of 3 blocks of 64 threads (fewer threads than
 /// elements: the kernels' grid-stride loop covers the rest).
 fn emulate(kernel: &str, constants: &[f64], tensors: &[&Tensor]) -> Vec<f64> {
-    let dtype = tensors[0].dtype();
-    let suffix = match dtype {
+    let suffix = match tensors[0].dtype() {
         DType::F32 => "f32",
         DType::F64 => "f64",
         DType::F16 => "f16",
         _ => "bf16",
     };
     let name = format!("adamw_{kernel}_{suffix}");
-    let mut bytes = Vec::new();
-    let mut k = [0f64; 5];
-    k[..constants.len()].copy_from_slice(constants);
-    for x in k.into_iter().chain(tensors.iter().flat_map(|t| values(t))) {
-        bytes.extend_from_slice(&x.to_le_bytes());
-    }
-    let input = harness().with_file_name(format!("{name}.in"));
-    std::fs::write(&input, bytes).unwrap();
+    let mut input = [0f64; 5].to_vec();
+    input[..constants.len()].copy_from_slice(constants);
+    input.extend(tensors.iter().flat_map(|t| values(t)));
     let n = tensors[0].elem_count().to_string();
-    let out = candle_toolkit_cuda_emulation::run(
-        harness(),
-        [name.as_str(), "3", "64", &n, &input.display().to_string()],
-    );
-    out.chunks_exact(8)
-        .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
-        .collect()
+    candle_toolkit_cuda_emulation::run_on_f64(harness(), &[&name, "3", "64", &n], &input)
 }
 
 fn bits(v: &[f64]) -> Vec<u64> {

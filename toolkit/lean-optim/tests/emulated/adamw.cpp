@@ -9,38 +9,15 @@
 // gradient for a moment, the parameter and both moments for theta. Writes
 // the updated tensor to standard output as f64.
 #include "emulate.h"
+#include "values.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 
 #include "../../kernels/adamw.cu"
 
 namespace {
-
-template <typename T> T from_f64(double x) {
-  T out;
-  if constexpr (std::is_same_v<T, double>) {
-    out = x;
-  } else {
-    store(&out, static_cast<float>(x));
-  }
-  return out;
-}
-
-template <typename T> std::vector<T> read(std::FILE *f, size_t n) {
-  std::vector<T> v(n);
-  for (auto &x : v) {
-    double d;
-    if (std::fread(&d, sizeof d, 1, f) != 1) {
-      std::fprintf(stderr, "input ends early\n");
-      std::exit(2);
-    }
-    x = from_f64<T>(d);
-  }
-  return v;
-}
 
 template <typename T>
 int run(const std::string &kernel, dim3 grid, dim3 block, size_t n, std::FILE *in,
@@ -52,19 +29,16 @@ int run(const std::string &kernel, dim3 grid, dim3 block, size_t n, std::FILE *i
     std::fprintf(stderr, "input has no constants\n");
     return 2;
   }
-  std::vector<T> dst = read<T>(in, n);
+  std::vector<T> dst = read_values<T>(in, n);
   if (kernel.find("theta") != std::string::npos) {
-    std::vector<T> m = read<T>(in, n), v = read<T>(in, n);
+    std::vector<T> m = read_values<T>(in, n), v = read_values<T>(in, n);
     launch(th, grid, block, dst.data(), m.data(), v.data(), n, k[0], k[1], k[2], k[3], k[4]);
   } else {
-    std::vector<T> g = read<T>(in, n);
+    std::vector<T> g = read_values<T>(in, n);
     auto f = kernel.find("moment1") != std::string::npos ? m1 : m2;
     launch(f, grid, block, dst.data(), g.data(), n, k[0], k[1]);
   }
-  for (const T &x : dst) {
-    double d = static_cast<double>(load(x));
-    std::fwrite(&d, sizeof d, 1, stdout);
-  }
+  write_values(stdout, dst);
   return 0;
 }
 
