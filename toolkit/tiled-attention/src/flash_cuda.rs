@@ -113,20 +113,18 @@ impl Sizes {
 /// The forward: `(batch, q_heads, nq, dv)` in the inputs' dtype and the
 /// f32 log-sum-exp of each row.
 pub(crate) fn forward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    [q, k, v]: [&Tensor; 3],
     dims: &Dims,
     plan: &Plan,
     cfg: &FlashConfig,
     s: f64,
 ) -> Result<Forward> {
     let [q, k, v] = [q, k, v].map(|t| t.detach().contiguous());
-    let (q, k, v) = (q?, k?, v?);
-    let (out, lse) = match q.dtype() {
-        DType::F32 => forward_typed::<f32>(&q, &k, &v, dims, plan, cfg, s)?,
-        DType::F16 => forward_typed::<half::f16>(&q, &k, &v, dims, plan, cfg, s)?,
-        _ => forward_typed::<half::bf16>(&q, &k, &v, dims, plan, cfg, s)?,
+    let qkv = [&q?, &k?, &v?];
+    let (out, lse) = match qkv[0].dtype() {
+        DType::F32 => forward_typed::<f32>(qkv, dims, plan, cfg, s)?,
+        DType::F16 => forward_typed::<half::f16>(qkv, dims, plan, cfg, s)?,
+        _ => forward_typed::<half::bf16>(qkv, dims, plan, cfg, s)?,
     };
     Ok(Forward {
         out,
@@ -136,9 +134,7 @@ pub(crate) fn forward(
 }
 
 fn forward_typed<T: CudaDType + DeviceRepr>(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    [q, k, v]: [&Tensor; 3],
     dims: &Dims,
     plan: &Plan,
     cfg: &FlashConfig,

@@ -122,7 +122,7 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
     }
     #[cfg(feature = "cuda")]
     if let Some(plan) = crate::flash_cuda::applies(q, &dims) {
-        return crate::flash_cuda::forward(q, k, v, &dims, &plan, cfg, s);
+        return crate::flash_cuda::forward([q, k, v], &dims, &plan, cfg, s);
     }
     let (q3, k3, v3) = (
         fold(&q.detach(), &dims, acc)?,

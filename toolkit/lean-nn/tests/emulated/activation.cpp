@@ -6,12 +6,8 @@
 // KERNEL: {relu,gelu}_grad_{f32,f64,f16,bf16}. INPUT: the gradient and the
 // saved tensor (a ReLU's output, GELU's input) as f64, each value exact in
 // the element type. Writes `g * act'(saved)` to standard output as f64.
-#include "emulate.h"
+#include "elementwise.h"
 #include "values.h"
-
-#include <cstdio>
-#include <cstdlib>
-#include <string>
 
 #include "../../kernels/activation.cu"
 
@@ -29,24 +25,13 @@ int run(void (*kernel)(T *, const T *, const T *, size_t), dim3 grid, dim3 block
 } // namespace
 
 int main(int argc, char **argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: activation KERNEL BLOCKS THREADS N INPUT\n");
-    return 2;
-  }
-  const std::string kernel = argv[1];
-  const dim3 grid{(unsigned)std::atoi(argv[2]), 1, 1}, block{(unsigned)std::atoi(argv[3]), 1, 1};
-  const size_t n = std::strtoull(argv[4], nullptr, 10);
-  std::FILE *in = std::fopen(argv[5], "rb");
-  if (!in) {
-    std::fprintf(stderr, "cannot open %s\n", argv[5]);
-    return 2;
-  }
+  const ElementwiseArgs a = elementwise_args(argc, argv);
 #define KERNEL(NAME)                                                                      \
-  if (kernel == #NAME) return run(NAME, grid, block, n, in);
+  if (a.kernel == #NAME) return run(NAME, a.grid, a.block, a.n, a.input);
 #define TYPES(ACT)                                                                        \
   KERNEL(ACT##_grad_f32) KERNEL(ACT##_grad_f64) KERNEL(ACT##_grad_f16) KERNEL(ACT##_grad_bf16)
   TYPES(relu)
   TYPES(gelu)
-  std::fprintf(stderr, "no kernel is named %s\n", kernel.c_str());
+  std::fprintf(stderr, "no kernel is named %s\n", a.kernel.c_str());
   return 2;
 }

@@ -8,7 +8,7 @@
 // tensors as f64 (each value exact in the element type): the state and the
 // gradient for a moment, the parameter and both moments for theta. Writes
 // the updated tensor to standard output as f64.
-#include "emulate.h"
+#include "elementwise.h"
 #include "values.h"
 
 #include <cstdio>
@@ -45,27 +45,16 @@ int run(const std::string &kernel, dim3 grid, dim3 block, size_t n, std::FILE *i
 } // namespace
 
 int main(int argc, char **argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: adamw KERNEL BLOCKS THREADS N INPUT\n");
-    return 2;
-  }
-  const std::string kernel = argv[1];
-  const dim3 grid{(unsigned)std::atoi(argv[2]), 1, 1}, block{(unsigned)std::atoi(argv[3]), 1, 1};
-  const size_t n = std::strtoull(argv[4], nullptr, 10);
-  std::FILE *in = std::fopen(argv[5], "rb");
-  if (!in) {
-    std::fprintf(stderr, "cannot open %s\n", argv[5]);
-    return 2;
-  }
-  const std::string suffix = kernel.substr(kernel.rfind('_') + 1);
-#define TYPE(SUFFIX, T)                                                                   \
-  if (suffix == #SUFFIX)                                                                  \
-    return run<T>(kernel, grid, block, n, in, adamw_moment1_##SUFFIX, adamw_moment2_##SUFFIX, \
-                  adamw_theta_##SUFFIX);
+  const ElementwiseArgs a = elementwise_args(argc, argv);
+  const std::string suffix = a.kernel.substr(a.kernel.rfind('_') + 1);
+#define TYPE(SUFFIX, T)                                                                       \
+  if (suffix == #SUFFIX)                                                                      \
+    return run<T>(a.kernel, a.grid, a.block, a.n, a.input, adamw_moment1_##SUFFIX,            \
+                  adamw_moment2_##SUFFIX, adamw_theta_##SUFFIX);
   TYPE(f32, float)
   TYPE(f64, double)
   TYPE(f16, __half)
   TYPE(bf16, __nv_bfloat16)
-  std::fprintf(stderr, "no kernel is named %s\n", kernel.c_str());
+  std::fprintf(stderr, "no kernel is named %s\n", a.kernel.c_str());
   return 2;
 }
