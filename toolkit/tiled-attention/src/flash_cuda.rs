@@ -3,7 +3,8 @@
 //! operations per block. The forward writes the output and the log-sum-exp;
 //! the backward writes `rowsum(dO * O)`, then dK and dV (each key block's,
 //! summed over its group's query heads), then dQ. Besides the inputs, a
-//! call holds its outputs and, in the backward, one f32 per query row.
+//! call holds its outputs and, in the backward, one f32 per query row
+//! (and a contiguous copy of any input that is not contiguous).
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
