@@ -36,23 +36,20 @@ impl AdamWStep {
         }
     }
 
-    /// `(a, b)` of the first moment's `a m + b g`, as the GPU kernel takes
+    /// `(a, b)` of the first moment's `a m + b g`, as both kernels take
     /// them.
-    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
     pub(crate) fn moment1_coefficients(&self) -> (f64, f64) {
         (self.beta1, 1.0 - self.beta1)
     }
 
-    /// `(a, b)` of the second moment's `a v + b g²`, as the GPU kernel
-    /// takes them.
-    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    /// `(a, b)` of the second moment's `a v + b g²`, as both kernels take
+    /// them.
     pub(crate) fn moment2_coefficients(&self) -> (f64, f64) {
         (self.beta2, 1.0 - self.beta2)
     }
 
-    /// The update's constants as the GPU kernel takes them: the bias
+    /// The update's constants as both kernels take them: the bias
     /// corrections, the decay `1 - lr wd`, the learning rate and epsilon.
-    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
     pub(crate) fn theta_constants(&self) -> [f64; 5] {
         let decay = 1.0 - self.lr * self.weight_decay;
         [self.scale_m, self.scale_v, decay, self.lr, self.eps]
@@ -102,20 +99,23 @@ fn scal<T: Real>(x: T, c: f64) -> T {
 }
 
 fn moment1<T: Real>(m: T, g: T, s: &AdamWStep) -> T {
-    scal(m, s.beta1).add(scal(g, 1.0 - s.beta1))
+    let (a, b) = s.moment1_coefficients();
+    scal(m, a).add(scal(g, b))
 }
 
 fn moment2<T: Real>(v: T, g: T, s: &AdamWStep) -> T {
-    scal(v, s.beta2).add(scal(g.mul(g), 1.0 - s.beta2))
+    let (a, b) = s.moment2_coefficients();
+    scal(v, a).add(scal(g.mul(g), b))
 }
 
 fn theta<T: Real>(theta: T, m: T, v: T, s: &AdamWStep) -> T {
-    let m_hat = scal(m, s.scale_m);
-    let v_hat = scal(v, s.scale_v);
-    let decayed = scal(theta, 1.0 - s.lr * s.weight_decay);
+    let [scale_m, scale_v, decay, lr, eps] = s.theta_constants();
+    let m_hat = scal(m, scale_m);
+    let v_hat = scal(v, scale_v);
+    let decayed = scal(theta, decay);
     // `+ eps` is candle's affine(1, eps).
-    let denom = v_hat.sqrt().mul(T::c(1.0)).add(T::c(s.eps));
-    decayed.sub(scal(m_hat.div(denom), s.lr))
+    let denom = v_hat.sqrt().mul(T::c(1.0)).add(T::c(eps));
+    decayed.sub(scal(m_hat.div(denom), lr))
 }
 
 /// The element range of a contiguous layout, or an error naming `what`.
