@@ -53,12 +53,11 @@ struct Case {
 }
 
 /// What the kernels wrote: out, lse, dq, dk, dv.
-fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f32>> {
+fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f64>> {
     let dims = &case.dims;
     let plan = plan(dims, case.dtype).expect("the kernels apply to every case here");
-    let s = scale_of(&FlashConfig::causal(case.causal), dims.d) as f32;
-    let mut bytes = Vec::new();
-    for n in [
+    let scale = scale_of(&FlashConfig::causal(case.causal), dims.d);
+    let header = [
         dims.batch,
         dims.q_heads,
         dims.kv_heads,
@@ -67,26 +66,13 @@ fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f32>> {
         dims.d,
         dims.dv,
         usize::from(case.causal),
-    ] {
-        bytes.extend_from_slice(&(n as i32).to_le_bytes());
-    }
-    bytes.extend_from_slice(&s.to_le_bytes());
+    ];
+    let mut input: Vec<f64> = header.iter().map(|&n| n as f64).collect();
+    input.push(scale);
     for t in inputs {
-        for x in t.flatten_all().unwrap().to_vec1::<f64>().unwrap() {
-            bytes.extend_from_slice(&(x as f32).to_le_bytes());
-        }
+        input.extend(t.flatten_all().unwrap().to_vec1::<f64>().unwrap());
     }
-    let dir = harness().parent().unwrap();
-    let tag = format!(
-        "{:?}-{}-{}-{}-{}",
-        case.dtype, dims.nq, dims.nk, dims.d, case.causal
-    );
-    let (input, output) = (
-        dir.join(format!("{tag}.in")),
-        dir.join(format!("{tag}.out")),
-    );
-    std::fs::write(&input, bytes).unwrap();
-    let mut args = vec![input.display().to_string(), output.display().to_string()];
+    let mut args = Vec::new();
     for Launch { name, grid, block } in [
         &plan.forward,
         &plan.delta,
@@ -96,16 +82,12 @@ fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f32>> {
         args.push(name.clone());
         args.extend([grid.0, grid.1, *block].map(|n| n.to_string()));
     }
-    candle_toolkit_cuda_emulation::run(harness(), &args);
-    let floats: Vec<f32> = std::fs::read(&output)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let values = candle_toolkit_cuda_emulation::run_on_f64(harness(), &args, &input);
     let (rq, rk) = (dims.rows() * dims.nq, dims.batch * dims.kv_heads * dims.nk);
     let sizes = [rq * dims.dv, rq, rq * dims.d, rk * dims.d, rk * dims.dv];
-    assert_eq!(floats.len(), sizes.iter().sum::<usize>());
-    let mut rest = floats.as_slice();
+    assert_eq!(values.len(), sizes.iter().sum::<usize>());
+    let mut rest = values.as_slice();
     sizes
         .iter()
         .map(|&n| {
@@ -185,7 +167,7 @@ fn check(case: Case) -> Result<()> {
             let worst = got
                 .iter()
                 .zip(want)
-                .fold(0f64, |m, (&g, &w)| m.max((g as f64 - w).abs()));
+                .fold(0f64, |m, (&g, &w)| m.max((g - w).abs()));
             assert!(
                 worst <= tolerance * largest,
                 "{what}: off by {:e} normwise ({:?})",
@@ -210,7 +192,7 @@ fn check(case: Case) -> Result<()> {
         // lse stays f32 whatever the element type.
         let rel = if *what == "lse" { 2e-5 } else { rel };
         for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            let err = (g as f64 - w).abs();
+            let err = (g - w).abs();
             assert!(
                 err <= rel * (w.abs() + floor * largest),
                 "{what}[{i}] is {g}, the reference {w} (case {:?}, {:?}, causal {})",

@@ -2,19 +2,18 @@
 // through emulate.h (candle-toolkit-cuda-emulation), with the launches
 // src/flash_plan.rs gives a GPU.
 //
-//   harness INPUT OUTPUT FORWARD GX GY BLOCK DELTA GX GY BLOCK
-//           BACKWARD_KV GX GY BLOCK BACKWARD_Q GX GY BLOCK
+//   harness FORWARD GX GY BLOCK DELTA GX GY BLOCK
+//           BACKWARD_KV GX GY BLOCK BACKWARD_Q GX GY BLOCK INPUT
 //
-// INPUT: i32 batch, q_heads, kv_heads, nq, nk, d, dv, causal; f32 scale;
-// then q, k, v and d_out as f32, each rounded to the kernels' element type
-// here. OUTPUT: out, lse, dq, dk and dv as f32. Outputs start as a poison
-// value, so an element no kernel wrote shows.
+// INPUT, as f64 (values.h): batch, q_heads, kv_heads, nq, nk, d, dv,
+// causal and the scale; then q, k, v and d_out, each value exact in the
+// kernels' element type. Writes out, lse, dq, dk and dv to standard output
+// as f64. Outputs start as a poison value, so an element no kernel wrote
+// shows.
 #include "emulate.h"
+#include "values.h"
 
-#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "../../kernels/flash_128.cu"
@@ -28,47 +27,20 @@ struct Call {
   dim3 grid, block;
 };
 
-const float POISON = 1.0e30f;
-
-std::vector<float> read_floats(std::FILE *f, size_t n) {
-  std::vector<float> v(n);
-  if (std::fread(v.data(), sizeof(float), n, f) != n) {
-    std::fprintf(stderr, "input ends early\n");
-    std::exit(2);
-  }
-  return v;
-}
-
-template <typename T> std::vector<T> rounded(const std::vector<float> &v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) put(&out[i], v[i]);
-  return out;
-}
-
-template <typename T> void write(std::FILE *f, const std::vector<T> &v) {
-  for (const T &x : v) {
-    float y = to_f32(x);
-    std::fwrite(&y, sizeof y, 1, f);
-  }
-}
+const double POISON = 1.0e30;
 
 template <typename T, typename Fwd, typename Delta, typename Kv, typename Q>
-int run(std::FILE *in, std::FILE *out, const Call *calls, Fwd fwd, Delta delta, Kv kv, Q q_kernel) {
-  std::int32_t h[8];
-  float scale;
-  if (std::fread(h, sizeof h[0], 8, in) != 8 || std::fread(&scale, sizeof scale, 1, in) != 1) {
-    std::fprintf(stderr, "input has no header\n");
-    return 2;
-  }
+int run(std::FILE *in, const Call *calls, Fwd fwd, Delta delta, Kv kv, Q q_kernel) {
+  const std::vector<double> h = read_values<double>(in, 9);
   const int b = h[0], hq = h[1], hkv = h[2], nq = h[3], nk = h[4], d = h[5], dv = h[6];
   const int causal = h[7], group = hq / hkv;
+  const float scale = static_cast<float>(h[8]);
   const size_t nqd = (size_t)b * hq * nq, nkd = (size_t)b * hkv * nk;
-  auto q = rounded<T>(read_floats(in, nqd * d));
-  auto k = rounded<T>(read_floats(in, nkd * d));
-  auto v = rounded<T>(read_floats(in, nkd * dv));
-  auto d_out = rounded<T>(read_floats(in, nqd * dv));
-  T poison;
-  put(&poison, POISON);
+  auto q = read_values<T>(in, nqd * d);
+  auto k = read_values<T>(in, nkd * d);
+  auto v = read_values<T>(in, nkd * dv);
+  auto d_out = read_values<T>(in, nqd * dv);
+  const T poison = from_f64<T>(POISON);
   std::vector<T> o(nqd * dv, poison), dq(nqd * d, poison), dk(nkd * d, poison),
       dvv(nkd * dv, poison);
   std::vector<float> lse(nqd, POISON), dl(nqd, POISON);
@@ -79,31 +51,30 @@ int run(std::FILE *in, std::FILE *out, const Call *calls, Fwd fwd, Delta delta, 
          lse.data(), dl.data(), dk.data(), dvv.data(), nq, nk, d, dv, hq, group, scale, causal);
   launch(q_kernel, calls[3].grid, calls[3].block, q.data(), k.data(), v.data(), d_out.data(),
          lse.data(), dl.data(), dq.data(), nq, nk, d, dv, hq, group, scale, causal);
-  write(out, o);
-  write(out, lse);
-  write(out, dq);
-  write(out, dk);
-  write(out, dvv);
+  write_values(stdout, o);
+  write_values(stdout, lse);
+  write_values(stdout, dq);
+  write_values(stdout, dk);
+  write_values(stdout, dvv);
   return 0;
 }
 
 } // namespace
 
 int main(int argc, char **argv) {
-  if (argc != 3 + 4 * 4) {
-    std::fprintf(stderr, "usage: harness INPUT OUTPUT then 4 x (KERNEL GX GY BLOCK)\n");
+  if (argc != 2 + 4 * 4) {
+    std::fprintf(stderr, "usage: harness 4 x (KERNEL GX GY BLOCK) INPUT\n");
     return 2;
   }
   Call calls[4];
   for (int i = 0; i < 4; ++i) {
-    char **a = argv + 3 + 4 * i;
+    char **a = argv + 1 + 4 * i;
     calls[i] = Call{a[0], dim3{(unsigned)std::atoi(a[1]), (unsigned)std::atoi(a[2]), 1},
                     dim3{(unsigned)std::atoi(a[3]), 1, 1}};
   }
-  std::FILE *in = std::fopen(argv[1], "rb");
-  std::FILE *out = std::fopen(argv[2], "wb");
-  if (!in || !out) {
-    std::fprintf(stderr, "cannot open %s or %s\n", argv[1], argv[2]);
+  std::FILE *in = std::fopen(argv[argc - 1], "rb");
+  if (!in) {
+    std::fprintf(stderr, "cannot open %s\n", argv[argc - 1]);
     return 2;
   }
   int status = -1;
@@ -118,7 +89,7 @@ int main(int argc, char **argv) {
                    calls[1].name.c_str(), calls[2].name.c_str(), calls[3].name.c_str());      \
       return 2;                                                                                \
     }                                                                                          \
-    status = run<T>(in, out, calls, flash_forward_##D##_##SUFFIX, flash_delta_##D##_##SUFFIX,  \
+    status = run<T>(in, calls, flash_forward_##D##_##SUFFIX, flash_delta_##D##_##SUFFIX,  \
                     flash_backward_kv_##D##_##SUFFIX, flash_backward_q_##D##_##SUFFIX);        \
   }
 #define PICK_D(D)                                                                              \
@@ -132,6 +103,5 @@ int main(int argc, char **argv) {
     std::fprintf(stderr, "no kernel is named %s\n", calls[0].name.c_str());
     return 2;
   }
-  std::fclose(out);
   return status;
 }
