@@ -11,7 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
 
 use crate::config::FlashConfig;
 use crate::flash_plan::{plan, Launch, Plan};
@@ -67,11 +67,7 @@ fn view<'a, T: CudaDType>(storage: &'a Storage, t: &Tensor) -> Result<CudaView<'
 }
 
 /// A new tensor over a buffer a kernel wrote.
-fn wrap<T: CudaDType>(
-    slice: CudaSlice<T>,
-    dev: &CudaDevice,
-    shape: (usize, usize, usize, usize),
-) -> Tensor {
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
     let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
     Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
@@ -129,7 +125,7 @@ pub(crate) fn forward(
     };
     Ok(Forward {
         out,
-        lse: lse.reshape((dims.batch, dims.q_heads, dims.nq))?,
+        lse,
         cfg: *cfg,
     })
 }
@@ -150,12 +146,8 @@ fn forward_typed<T: CudaDType + DeviceRepr>(
     let mut out = unsafe { dev.alloc::<T>(rows * dims.dv)? };
     let mut lse = unsafe { dev.alloc::<f32>(rows)? };
     {
-        let (qs, ks, vs) = (
-            q.storage_and_layout().0,
-            k.storage_and_layout().0,
-            v.storage_and_layout().0,
-        );
-        let (qv, kv, vv) = (view::<T>(&qs, q)?, view::<T>(&ks, k)?, view::<T>(&vs, v)?);
+        let [gq, gk, gv] = [q, k, v].map(|x| x.storage_and_layout().0);
+        let (qv, kv, vv) = (view::<T>(&gq, q)?, view::<T>(&gk, k)?, view::<T>(&gv, v)?);
         let sizes = Sizes::of(dims, s, cfg.causal);
         let mut launch = func.builder();
         launch.arg(&qv).arg(&kv).arg(&vv);
@@ -169,7 +161,7 @@ fn forward_typed<T: CudaDType + DeviceRepr>(
     let shape = (dims.batch, dims.q_heads, dims.nq, dims.dv);
     Ok((
         wrap(out, &dev, shape),
-        wrap(lse, &dev, (dims.batch, dims.q_heads, dims.nq, 1)),
+        wrap(lse, &dev, (dims.batch, dims.q_heads, dims.nq)),
     ))
 }
 
@@ -249,22 +241,16 @@ fn backward_typed<T: CudaDType + DeviceRepr>(
     let mut dk = unsafe { dev.alloc::<T>(keys * dims.d)? };
     let mut dv = unsafe { dev.alloc::<T>(keys * dims.dv)? };
     {
-        let guards = [t.q, t.k, t.v, t.o, t.d_out].map(|x| x.storage_and_layout().0);
-        let [qv, kv, vv, ov, dov] = [t.q, t.k, t.v, t.o, t.d_out]
-            .iter()
-            .zip(&guards)
-            .map(|(x, g)| view::<T>(g, x))
-            .collect::<Result<Vec<_>>>()?
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("five views".into()))?;
-        let lse_guard = t.lse.storage_and_layout().0;
+        let [gq, gk, gv, go, gd, gl] =
+            [t.q, t.k, t.v, t.o, t.d_out, t.lse].map(|x| x.storage_and_layout().0);
         let read = Read {
-            q: qv,
-            k: kv,
-            v: vv,
-            d_out: dov,
-            lse: view::<f32>(&lse_guard, t.lse)?,
+            q: view::<T>(&gq, t.q)?,
+            k: view::<T>(&gk, t.k)?,
+            v: view::<T>(&gv, t.v)?,
+            d_out: view::<T>(&gd, t.d_out)?,
+            lse: view::<f32>(&gl, t.lse)?,
         };
+        let ov = view::<T>(&go, t.o)?;
         let sizes = Sizes::of(dims, s, causal);
 
         let func = load(&plan.delta)?;
