@@ -18,58 +18,107 @@
 #![warn(missing_docs)]
 
 use std::ffi::OsStr;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::process::{Command, Output};
 
 /// The directory holding `emulate.h`, `cuda_fp16.h` and `cuda_bf16.h`.
 pub fn include_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("include")
 }
 
+/// What every harness is compiled with. `-ffp-contract=off` keeps each
+/// operation rounded on its own, as the kernels' intrinsics are on a GPU.
+const FLAGS: [&str; 5] = ["-std=c++20", "-O1", "-pthread", "-w", "-ffp-contract=off"];
+
 /// Compiles the harness `source` (C++ that includes `emulate.h` and the
-/// kernels) into an executable in a directory of its own under the
-/// system's temporary directory, and returns its path. Panics with the
+/// kernels) into an executable and returns its path. Panics with the
 /// compiler's messages where it cannot: it is for tests.
+///
+/// The executable is kept in [`cache_dir`], named by the harness and a
+/// hash of what the compiler would read (the harness with every file it
+/// includes, after the preprocessor), the flags and the compiler's
+/// version. So a test run reuses what an earlier run compiled from the
+/// same kernels, and an edit to a kernel or a header compiles anew: the
+/// folder holds one executable per version of each harness, not one per
+/// run.
 pub fn compile(source: &Path) -> PathBuf {
     let stem = source
         .file_stem()
         .and_then(OsStr::to_str)
         .unwrap_or("harness");
-    let dir = std::env::temp_dir().join(format!(
-        "candle-cuda-emulation-{}-{stem}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("making {}: {e}", dir.display()));
-    let exe = dir.join(stem);
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let out = Command::new(&cxx)
-        .args([
-            "-std=c++20",
-            "-O1",
-            "-pthread",
-            "-w",
-            "-ffp-contract=off",
-            "-I",
-        ])
-        .arg(include_dir())
-        .arg("-o")
-        .arg(&exe)
-        .arg(source)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "running the C++ compiler `{cxx}`: {e}; the emulated kernels need a C++20 \
-                 compiler (g++ 12 or clang 15 and later), named in CXX if not `c++`"
-            )
-        });
-    assert!(
-        out.status.success(),
-        "compiling {} with `{cxx}` failed:\n{}",
-        source.display(),
-        String::from_utf8_lossy(&out.stderr)
+    let version = compiler(&cxx, Command::new(&cxx).arg("--version"));
+    let preprocessed = compiler(
+        &cxx,
+        Command::new(&cxx)
+            .args(FLAGS)
+            .args(["-E", "-P", "-I"])
+            .arg(include_dir())
+            .arg(source),
     );
+    if !preprocessed.status.success() {
+        panic!(
+            "preprocessing {} with `{cxx}` failed:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&preprocessed.stderr)
+        );
+    }
+    let mut hasher = DefaultHasher::new();
+    (&version.stdout, FLAGS, &preprocessed.stdout).hash(&mut hasher);
+    let dir = cache_dir();
+    let exe = dir.join(format!("{stem}-{:016x}", hasher.finish()));
+    if exe.is_file() {
+        return exe;
+    }
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("making {}: {e}", dir.display()));
+    // Written under a name of this process's, then renamed into place, so a
+    // test process running at the same time never runs a half-written one.
+    let partial = dir.join(format!("{stem}.{}.partial", std::process::id()));
+    let out = compiler(
+        &cxx,
+        Command::new(&cxx)
+            .args(FLAGS)
+            .arg("-I")
+            .arg(include_dir())
+            .arg("-o")
+            .arg(&partial)
+            .arg(source),
+    );
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&partial);
+        panic!(
+            "compiling {} with `{cxx}` failed:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::rename(&partial, &exe)
+        .unwrap_or_else(|e| panic!("moving {} to {}: {e}", partial.display(), exe.display()));
     exe
+}
+
+/// Where [`compile`] keeps its executables: `cuda-emulation/` beside the
+/// running test's executable (in cargo's target folder, so `cargo clean`
+/// removes them), or under the system's temporary folder where that
+/// executable's path is unknown.
+pub fn cache_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("cuda-emulation")
+}
+
+/// Runs the C++ compiler as `command` says.
+fn compiler(cxx: &str, command: &mut Command) -> Output {
+    command.output().unwrap_or_else(|e| {
+        panic!(
+            "running the C++ compiler `{cxx}`: {e}; the emulated kernels need a C++20 \
+             compiler (g++ 12 or clang 15 and later), named in CXX if not `c++`"
+        )
+    })
 }
 
 /// Runs `exe` with `args` and returns what it wrote to its standard
@@ -96,19 +145,24 @@ where
 /// little-endian, as `values.h` reads them), and returns its standard
 /// output read as f64s (as `values.h` writes them).
 pub fn run_on_f64(exe: &Path, args: &[&str], input: &[f64]) -> Vec<f64> {
-    static CALLS: AtomicUsize = AtomicUsize::new(0);
-    let call = CALLS.fetch_add(1, Ordering::Relaxed);
-    let path = exe.with_extension(format!("{call}.in"));
+    // A file of this call's own: harnesses are shared between test
+    // processes, and a process's tests run on several threads.
+    let mut file = tempfile::Builder::new()
+        .prefix("candle-cuda-emulation-")
+        .suffix(".in")
+        .tempfile()
+        .unwrap_or_else(|e| panic!("making an input file: {e}"));
     let bytes: Vec<u8> = input.iter().flat_map(|x| x.to_le_bytes()).collect();
-    std::fs::write(&path, bytes).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    file.write_all(&bytes)
+        .and_then(|()| file.flush())
+        .unwrap_or_else(|e| panic!("writing {}: {e}", file.path().display()));
     let out = run(
         exe,
         args.iter()
             .copied()
             .map(OsStr::new)
-            .chain([path.as_os_str()]),
+            .chain([file.path().as_os_str()]),
     );
-    let _ = std::fs::remove_file(&path);
     assert_eq!(out.len() % 8, 0, "{} wrote a partial f64", exe.display());
     out.chunks_exact(8)
         .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
