@@ -77,11 +77,9 @@ impl CustomOp2 for ActGrad {
         if gr.1 - gr.0 != sr.1 - sr.0 || g.dtype() != s.dtype() {
             bail!("activation-grad: a gradient and a saved tensor of one size and dtype only");
         }
+        // The kernels are named by candle's name for the dtype.
         let suffix = match g.dtype() {
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
+            d @ (DType::F32 | DType::F64 | DType::F16 | DType::BF16) => d.as_str(),
             d => bail!("activation-grad: float tensors only, not {d:?}"),
         };
         let name = format!("{}_{suffix}", self.kernel);

@@ -45,13 +45,7 @@ fn the_kernels_give_the_composed_operations_bits_in_every_dtype() -> Result<()> 
             (Activation::Relu, "relu_grad", &relu_out),
             (Activation::Gelu, "gelu_grad", &z),
         ] {
-            let suffix = match dtype {
-                DType::F32 => "f32",
-                DType::F64 => "f64",
-                DType::F16 => "f16",
-                _ => "bf16",
-            };
-            let name = format!("{kernel}_{suffix}");
+            let name = format!("{kernel}_{}", dtype.as_str());
             let input: Vec<f64> = values(&g).into_iter().chain(values(saved)).collect();
             // 3 blocks of 64 threads: the grid-stride loop covers the rest.
             let got = candle_toolkit_cuda_emulation::run_on_f64(

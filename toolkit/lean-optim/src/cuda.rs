@@ -16,11 +16,9 @@ mod ptx {
 const MODULE: &str = "candle_lean_optim_adamw";
 
 fn suffix(dtype: DType) -> Result<&'static str> {
+    // The kernels are named by candle's name for the dtype.
     Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
+        d @ (DType::F32 | DType::F64 | DType::F16 | DType::BF16) => d.as_str(),
         d => bail!("AdamW updates float parameters; this one is {d:?}"),
     })
 }

@@ -28,13 +28,7 @@ fn values(t: &Tensor) -> Vec<f64> {
 /// first), over a grid of 3 blocks of 64 threads (fewer threads than
 /// elements: the kernels' grid-stride loop covers the rest).
 fn emulate(kernel: &str, constants: &[f64], tensors: &[&Tensor]) -> Vec<f64> {
-    let suffix = match tensors[0].dtype() {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        _ => "bf16",
-    };
-    let name = format!("adamw_{kernel}_{suffix}");
+    let name = format!("adamw_{kernel}_{}", tensors[0].dtype().as_str());
     let mut input = [0f64; 5].to_vec();
     input[..constants.len()].copy_from_slice(constants);
     input.extend(tensors.iter().flat_map(|t| values(t)));

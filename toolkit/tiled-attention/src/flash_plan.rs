@@ -49,10 +49,9 @@ const DELTA_BLOCK: usize = 256;
 /// dimension of 0 or over [`MAX_HEAD_DIM`], or sizes past the kernels'
 /// 32-bit arguments and 65,535 rows of grid.
 pub(crate) fn plan(dims: &Dims, dtype: DType) -> Option<Plan> {
+    // The kernels are named by candle's name for the dtype.
     let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
+        DType::F32 | DType::F16 | DType::BF16 => dtype.as_str(),
         _ => return None,
     };
     let widest = dims.d.max(dims.dv);
