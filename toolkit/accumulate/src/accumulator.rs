@@ -219,11 +219,7 @@ fn add_to_sum(
     let total = match sum.remove(var.as_tensor()) {
         // Where candle refuses the write (storage shared after all), the
         // sum is made anew below rather than lost.
-        Some(s)
-            if owned.contains(&id) && candle_cuda_inplace::add_assign(&s, &g).unwrap_or(false) =>
-        {
-            s
-        }
+        Some(s) if owned.contains(&id) && candle_inplace::add_assign(&s, &g).unwrap_or(false) => s,
         Some(s) => {
             owned.insert(id);
             (s + g)?

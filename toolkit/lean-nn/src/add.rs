@@ -18,10 +18,10 @@ const MIN_PER_TASK: usize = 1 << 14;
 /// `sum + g`, added into `sum`'s storage when both are contiguous and of
 /// one shape and dtype (`sum` must be held by nothing else): f32 on the
 /// CPU, on rayon's pool, and with the `cuda` feature f32, f64, f16 or bf16
-/// on a CUDA GPU ([`candle_cuda_inplace::add_assign`]); through candle's
+/// on a CUDA GPU ([`candle_inplace::add_assign`]); through candle's
 /// addition otherwise.
 pub(crate) fn add_into(sum: Tensor, g: &Tensor) -> Result<Tensor> {
-    if candle_cuda_inplace::add_assign(&sum, g)? {
+    if candle_inplace::add_assign(&sum, g)? {
         return Ok(sum);
     }
     sum + g

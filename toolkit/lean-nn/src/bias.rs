@@ -74,9 +74,9 @@ impl InplaceOp2 for BiasAct {
         bl: &Layout,
     ) -> Result<()> {
         let bl = bl.broadcast_as(yl.shape().clone())?;
-        candle_cuda_inplace::assign(candle_cuda_inplace::Binary::Add, y, yl, b, &bl)?;
+        candle_inplace::assign(candle_inplace::Binary::Add, y, yl, b, &bl)?;
         if self.relu {
-            candle_cuda_inplace::relu(y, yl)?;
+            candle_inplace::relu(y, yl)?;
         }
         Ok(())
     }
@@ -96,7 +96,7 @@ pub(crate) fn add_bias(y: Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
         && b.dims().last().copied() == n
         && Some(b.elem_count()) == n;
     #[cfg(feature = "cuda")]
-    if same && candle_cuda_inplace::writable(&y) && y.device().same_device(b.device()) {
+    if same && candle_inplace::writable(&y) && y.device().same_device(b.device()) {
         y.inplace_op2(b, &BiasAct { relu })?;
         return Ok(y);
     }

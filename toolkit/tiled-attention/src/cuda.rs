@@ -1,7 +1,7 @@
 //! The materialized attention's softmax and its backward in place on a CUDA
 //! GPU: candle's own kernels (the scale's `affine`, the mask's `badd`,
 //! `softmax`, the backward's `bsub` and `bmul`), launched by
-//! `candle-cuda-inplace` with the scores' buffer, or their gradient's, as
+//! `candle-inplace` with the scores' buffer, or their gradient's, as
 //! their output. These are the launches candle's composed operations make,
 //! in the same order on the same values, so the bits are the same; what
 //! goes is the new matrix each of them allocates.
@@ -9,14 +9,14 @@
 use candle_core::{
     bail, CpuStorage, CudaStorage, InplaceOp1, InplaceOp2, InplaceOp3, Layout, Result, Tensor,
 };
-use candle_cuda_inplace::{assign, scale, softmax_last_dim, Binary};
+use candle_inplace::{assign, scale, softmax_last_dim, Binary};
 
 /// Whether the softmax's backward runs here on the probabilities' gradient
 /// `dp` and the probabilities `p`: both writable by candle's kernels in
-/// place (`candle_cuda_inplace::writable`), of one shape and dtype.
+/// place (`candle_inplace::writable`), of one shape and dtype.
 pub(crate) fn backward_applies(dp: &Tensor, p: &Tensor) -> bool {
-    candle_cuda_inplace::writable(dp)
-        && candle_cuda_inplace::writable(p)
+    candle_inplace::writable(dp)
+        && candle_inplace::writable(p)
         && (dp.shape(), dp.dtype()) == (p.shape(), p.dtype())
 }
 

@@ -39,7 +39,7 @@
 //! kernels', not the configuration's), tested on the CPU through an
 //! emulation of CUDA's threads (`candle-toolkit-cuda-emulation`); and the materialized
 //! attention's softmax and its backward write in place (candle's own
-//! kernels, through `candle-cuda-inplace`). Other devices, f64 and wider
+//! kernels, through `candle-inplace`). Other devices, f64 and wider
 //! heads compose candle operations block by block.
 //!
 //! This crate turns on `gemm`'s `x86-v4` feature, so that its products (and,

@@ -144,7 +144,7 @@ pub(crate) fn probabilities(q: &Tensor, k: &Tensor, scale: f64, causal: bool) ->
         return Ok(scores);
     }
     #[cfg(feature = "cuda")]
-    if candle_cuda_inplace::writable(&scores) {
+    if candle_inplace::writable(&scores) {
         let mask = causal
             .then(|| causal_mask(0, nq, 0, nk, scores.dtype(), scores.device()))
             .transpose()?;
