@@ -37,12 +37,13 @@ const FLAGS: [&str; 5] = ["-std=c++20", "-O1", "-pthread", "-w", "-ffp-contract=
 /// compiler's messages where it cannot: it is for tests.
 ///
 /// The executable is kept in [`cache_dir`], named by the harness and a
-/// hash of what the compiler would read (the harness with every file it
+/// hash of what the compiler reads (the harness with every file it
 /// includes, after the preprocessor), the flags and the compiler's
 /// version. So a test run reuses what an earlier run compiled from the
 /// same kernels, and an edit to a kernel or a header compiles anew: the
 /// folder holds one executable per version of each harness, not one per
-/// run.
+/// run. What is compiled is the very text that was hashed, so a file
+/// edited meanwhile cannot land under another version's name.
 pub fn compile(source: &Path) -> PathBuf {
     let stem = source
         .file_stem()
@@ -50,11 +51,13 @@ pub fn compile(source: &Path) -> PathBuf {
         .unwrap_or("harness");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let version = compiler(&cxx, Command::new(&cxx).arg("--version"));
+    // The preprocessor's line markers keep the compiler's messages pointing
+    // at the kernels' own files and lines.
     let preprocessed = compiler(
         &cxx,
         Command::new(&cxx)
             .args(FLAGS)
-            .args(["-E", "-P", "-I"])
+            .args(["-E", "-I"])
             .arg(include_dir())
             .arg(source),
     );
@@ -73,29 +76,34 @@ pub fn compile(source: &Path) -> PathBuf {
         return exe;
     }
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("making {}: {e}", dir.display()));
-    // Written under a name of this process's, then renamed into place, so a
-    // test process running at the same time never runs a half-written one.
-    let partial = dir.join(format!("{stem}.{}.partial", std::process::id()));
+    // Built in a folder of this call's own (removed however the call ends),
+    // then renamed into place, so that no other test, in this process or
+    // another, runs a half-written executable.
+    let work = tempfile::Builder::new()
+        .prefix(&format!("{stem}."))
+        .tempdir_in(&dir)
+        .unwrap_or_else(|e| panic!("making a folder in {}: {e}", dir.display()));
+    let text = work.path().join(format!("{stem}.ii"));
+    std::fs::write(&text, &preprocessed.stdout)
+        .unwrap_or_else(|e| panic!("writing {}: {e}", text.display()));
+    let built = work.path().join(stem);
     let out = compiler(
         &cxx,
         Command::new(&cxx)
             .args(FLAGS)
-            .arg("-I")
-            .arg(include_dir())
             .arg("-o")
-            .arg(&partial)
-            .arg(source),
+            .arg(&built)
+            .arg(&text),
     );
     if !out.status.success() {
-        let _ = std::fs::remove_file(&partial);
         panic!(
             "compiling {} with `{cxx}` failed:\n{}",
             source.display(),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    std::fs::rename(&partial, &exe)
-        .unwrap_or_else(|e| panic!("moving {} to {}: {e}", partial.display(), exe.display()));
+    std::fs::rename(&built, &exe)
+        .unwrap_or_else(|e| panic!("moving {} to {}: {e}", built.display(), exe.display()));
     exe
 }
 

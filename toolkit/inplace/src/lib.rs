@@ -1,9 +1,9 @@
 //! candle's operations written over an operand instead of into a new
 //! tensor. [`add_assign`] is `sum += g` on the CPU or a CUDA GPU; with the
 //! `cuda` feature, candle's own CUDA kernels launched with an operand's
-//! buffer as their output: the launches candle's operations make, in the same order on the
-//! same values, so the same bits, without the new tensor each of them
-//! allocates. For the `cuda_fwd` of candle's in-place operations
+//! buffer as their output: the launches candle's operations make, in the
+//! same order on the same values, so the same bits, without the new tensor
+//! each of them allocates. For the `cuda_fwd` of candle's in-place operations
 //! (`InplaceOp1`, `InplaceOp2`, `InplaceOp3`), which hand over the output's
 //! storage and layout.
 //!

@@ -15,7 +15,7 @@ use crate::forward::{causal_mask, scale_of};
 use crate::shapes::{repeat_kv, Dims};
 use crate::{naive_attention, FlashConfig};
 
-/// The harness, compiled once per test run.
+/// The harness, compiled (or found compiled) once per test process.
 fn harness() -> &'static Path {
     static HARNESS: OnceLock<PathBuf> = OnceLock::new();
     HARNESS.get_or_init(|| {
