@@ -19,7 +19,12 @@ pub fn closest<'a>(given: &str, candidates: impl IntoIterator<Item = &'a str>) -
 /// `; did you mean `a`?` (or `` `a` or `b` ``), or nothing when no
 /// candidate is close.
 pub fn did_you_mean<'a>(given: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
-    let near = closest(given, candidates);
+    offer(&closest(given, candidates))
+}
+
+/// `; did you mean `a`?` (or `` `a` or `b` ``) for names chosen by the
+/// caller, or nothing for none.
+pub fn offer(near: &[&str]) -> String {
     if near.is_empty() {
         return String::new();
     }

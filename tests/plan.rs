@@ -572,10 +572,22 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
 #[test]
 fn a_config_json_plan_refuses_what_it_cannot_plan() {
     let smollm2 = "models/smollm2-135m.config.json";
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 10] = [
         (
-            &["--model", smollm2, "--device", "h200"],
-            "error: `--device` is `h200`; allowed for a config.json: cpu, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090",
+            &["--model", smollm2, "--device", "h100"],
+            "error: `--device` is `h100`; allowed for a config.json: cpu, h200, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090; did you mean `h100-80gb`?",
+        ),
+        (
+            &["--model", smollm2, "--device", "a100"],
+            "error: `--device` is `a100`; allowed for a config.json: cpu, h200, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090; did you mean `a100-80gb` or `a100-40gb`?",
+        ),
+        (
+            &["--model", smollm2, "--device", "mi300x"],
+            "error: `--device` is `mi300x`; allowed for a config.json: cpu, h200, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090",
+        ),
+        (
+            &["--model", smollm2, "--device", "rtx4900"],
+            "error: `--device` is `rtx4900`; allowed for a config.json: cpu, h200, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090; did you mean `rtx4090`?",
         ),
         (
             &["--model", smollm2, "--dtypes", "f16"],

@@ -69,7 +69,7 @@ pub struct PlanArgs {
     /// support and one answers, else the CPU), cpu, or cuda (a build with
     /// `--features cuda`). The budget and the pre-flight are then that
     /// device's memory; `--verify` with `--ranks` runs on the CPU. For a
-    /// `config.json`, the card the plan is for: h100-80gb, a100-80gb,
+    /// `config.json`, the card the plan is for: h200, h100-80gb, a100-80gb,
     /// a100-40gb, l4, rtx4090, or cpu (this machine's available memory).
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -312,9 +312,24 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         }
         name => Card::named(name).ok_or_else(|| {
             let names: Vec<&str> = CARDS.iter().map(|(n, _)| *n).collect();
+            // A card named without its memory (`h100`, `a100`) means the
+            // presets of that card, not the name one edit away (`h200`).
+            let sized: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| {
+                    n.strip_prefix(name)
+                        .is_some_and(|rest| rest.starts_with('-'))
+                })
+                .collect();
+            let hint = if sized.is_empty() {
+                workbook::suggest::did_you_mean(name, names.iter().copied().chain(["cpu"]))
+            } else {
+                workbook::suggest::offer(&sized)
+            };
             anyhow::anyhow!(
-                "`--device` is `{name}`; allowed for a config.json: cpu, {}",
-                names.join(", ")
+                "`--device` is `{name}`; allowed for a config.json: cpu, {}{hint}",
+                names.join(", "),
             )
         })?,
     };
