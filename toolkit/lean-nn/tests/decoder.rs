@@ -1,24 +1,14 @@
 //! The Llama-family layers (RMS norm, rotary embeddings, SwiGLU) and the
 //! fused linear cross-entropy against plain compositions of candle's
-//! operations: values and gradients in every float dtype, bad inputs, and
-//! the memory the fused loss holds, counted by an allocator.
+//! operations: values and gradients in every float dtype, and bad inputs
+//! (the memory the fused loss holds is in memory.rs, whose tests take
+//! turns with the allocator).
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_nn::LinearCrossEntropy;
-use candle_toolkit_alloc_count::{measure, Counting};
 
 mod common;
-use common::{data, max_diff};
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// The memory test counts a global allocator: it runs alone.
-static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn turn() -> std::sync::MutexGuard<'static, ()> {
-    TURN.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::{data, max_diff, targets, var};
 
 /// The largest magnitude of `t`, to make a difference relative.
 fn max_abs(t: &Tensor) -> Result<f64> {
@@ -27,10 +17,6 @@ fn max_abs(t: &Tensor) -> Result<f64> {
         .flatten_all()?
         .max(0)?
         .to_scalar::<f64>()
-}
-
-fn var(shape: &[usize], scale: f32, seed: u64, dtype: DType) -> Result<Var> {
-    Var::from_tensor(&data(shape, scale, seed)?.to_dtype(dtype)?)
 }
 
 /// Tolerances relative to the largest magnitude: f32 and f64 sum in
@@ -143,13 +129,6 @@ fn plain_loss(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tens
         DType::F32
     };
     candle_nn::loss::cross_entropy(&logits.to_dtype(acc)?, targets)?.to_dtype(hidden.dtype())
-}
-
-fn targets(rows: usize, classes: usize) -> Result<Tensor> {
-    let t: Vec<u32> = (0..rows as u32)
-        .map(|i| (i * 7919 + 3) % classes as u32)
-        .collect();
-    Tensor::new(t, &Device::Cpu)
 }
 
 #[test]
@@ -303,79 +282,6 @@ fn bad_inputs_are_refused_with_what_was_given() -> Result<()> {
         ),
         "rotary embeddings rotate pairs: head_dim 7 must be even and positive"
     );
-    Ok(())
-}
-
-#[test]
-fn the_fused_loss_never_holds_the_logits() -> Result<()> {
-    let _turn = turn();
-    // A real vocabulary (SmolLM2's) over 256 rows of a narrow model.
-    let (rows, h, classes) = (256, 64, 49_152);
-    let logits_bytes = (rows * classes * 4) as isize;
-    let hidden = var(&[rows, h], 1.0, 37, DType::F32)?;
-    let weight = var(&[classes, h], 0.1, 41, DType::F32)?;
-    let t = targets(rows, classes)?;
-    let weight_bytes = (classes * h * 4) as isize;
-    let fused = LinearCrossEntropy::new().chunk_rows(4);
-    let chunk = fused.rows_per_chunk(rows, h, classes);
-    assert_eq!(chunk, 4);
-    let chunk_bytes = (chunk * classes * 4) as isize;
-
-    // Plain: the logits live until the backward, and their gradient beside
-    // them.
-    let (grads, plain) = measure(|| -> Result<_> {
-        let loss = candle_lean_nn::cross_entropy(&hidden.matmul(&weight.t()?)?, &t)?;
-        loss.backward()
-    });
-    drop(grads?);
-    assert!(plain.peak >= 2 * logits_bytes, "plain peak {}", plain.peak);
-
-    // Fused, forward: the graph holds no tensor beyond a scalar.
-    let (loss, forward) = measure(|| fused.loss(&hidden, &weight, &t));
-    let loss = loss?;
-    assert!(
-        forward.held < 1024,
-        "the forward holds {} bytes",
-        forward.held
-    );
-    assert!(
-        forward.peak < 4 * chunk_bytes,
-        "the forward peaked at {} bytes, a chunk's logits are {chunk_bytes}",
-        forward.peak
-    );
-    // Backward: the hidden states' gradient in parts before they are
-    // joined, a chunk's logits and their gradient, and the weight's
-    // gradient twice (the running sum and a chunk's part, added in place);
-    // candle's backward then adds each gradient into a zeros tensor of its
-    // size, a third weight-sized tensor.
-    let (grads, backward) = measure(|| loss.backward());
-    let grads = grads?;
-    let dh_bytes = (rows * h * 4) as isize;
-    let bound = 3 * weight_bytes + 2 * dh_bytes + 4 * chunk_bytes;
-    assert!(
-        backward.peak <= bound,
-        "the backward peaked at {} bytes, bound {bound}",
-        backward.peak
-    );
-    assert!(
-        backward.peak * 5 < plain.peak,
-        "fused {} plain {}",
-        backward.peak,
-        plain.peak
-    );
-    drop(grads);
-    // The one-pass form, with no graph: no zeros tensor.
-    let (direct, one_pass) = measure(|| fused.loss_and_grads(&hidden, &weight, &t, 1.0));
-    let bound = 2 * weight_bytes + 2 * dh_bytes + 4 * chunk_bytes;
-    assert!(
-        one_pass.peak <= bound,
-        "the one-pass form peaked at {} bytes, bound {bound}",
-        one_pass.peak
-    );
-    // What it hands back: the two gradients (and tensor headers).
-    let kept = one_pass.held - weight_bytes - dh_bytes;
-    assert!((0..4096).contains(&kept), "held {} bytes", one_pass.held);
-    drop(direct?);
     Ok(())
 }
 

@@ -1,9 +1,13 @@
 //! What the graph holds after a forward, candle-nn's against the fused
-//! layer and the one-operation cross-entropy, counted by an allocator.
+//! layer, the one-operation cross-entropy and the fused linear
+//! cross-entropy, counted by an allocator.
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use candle_lean_nn::{Activation, LeanLinear};
+use candle_lean_nn::{Activation, LeanLinear, LinearCrossEntropy};
 use candle_toolkit_alloc_count::{measure, Counting};
+
+mod common;
+use common::{targets, var};
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
@@ -220,5 +224,78 @@ fn a_bf16_layer_widens_a_slice_at_a_time() -> Result<()> {
         "{}",
         backward.peak
     );
+    Ok(())
+}
+
+#[test]
+fn the_fused_loss_never_holds_the_logits() -> Result<()> {
+    let _turn = turn();
+    // A real vocabulary (SmolLM2's) over 256 rows of a narrow model.
+    let (rows, h, classes) = (256, 64, 49_152);
+    let logits_bytes = (rows * classes * 4) as isize;
+    let hidden = var(&[rows, h], 1.0, 37, DType::F32)?;
+    let weight = var(&[classes, h], 0.1, 41, DType::F32)?;
+    let t = targets(rows, classes)?;
+    let weight_bytes = (classes * h * 4) as isize;
+    let fused = LinearCrossEntropy::new().chunk_rows(4);
+    let chunk = fused.rows_per_chunk(rows, h, classes);
+    assert_eq!(chunk, 4);
+    let chunk_bytes = (chunk * classes * 4) as isize;
+
+    // Plain: the logits live until the backward, and their gradient beside
+    // them.
+    let (grads, plain) = measure(|| -> Result<_> {
+        let loss = candle_lean_nn::cross_entropy(&hidden.matmul(&weight.t()?)?, &t)?;
+        loss.backward()
+    });
+    drop(grads?);
+    assert!(plain.peak >= 2 * logits_bytes, "plain peak {}", plain.peak);
+
+    // Fused, forward: the graph holds no tensor beyond a scalar.
+    let (loss, forward) = measure(|| fused.loss(&hidden, &weight, &t));
+    let loss = loss?;
+    assert!(
+        forward.held < 1024,
+        "the forward holds {} bytes",
+        forward.held
+    );
+    assert!(
+        forward.peak < 4 * chunk_bytes,
+        "the forward peaked at {} bytes, a chunk's logits are {chunk_bytes}",
+        forward.peak
+    );
+    // Backward: the hidden states' gradient in parts before they are
+    // joined, a chunk's logits and their gradient, and the weight's
+    // gradient twice (the running sum and a chunk's part, added in place);
+    // candle's backward then adds each gradient into a zeros tensor of its
+    // size, a third weight-sized tensor.
+    let (grads, backward) = measure(|| loss.backward());
+    let grads = grads?;
+    let dh_bytes = (rows * h * 4) as isize;
+    let bound = 3 * weight_bytes + 2 * dh_bytes + 4 * chunk_bytes;
+    assert!(
+        backward.peak <= bound,
+        "the backward peaked at {} bytes, bound {bound}",
+        backward.peak
+    );
+    assert!(
+        backward.peak * 5 < plain.peak,
+        "fused {} plain {}",
+        backward.peak,
+        plain.peak
+    );
+    drop(grads);
+    // The one-pass form, with no graph: no zeros tensor.
+    let (direct, one_pass) = measure(|| fused.loss_and_grads(&hidden, &weight, &t, 1.0));
+    let bound = 2 * weight_bytes + 2 * dh_bytes + 4 * chunk_bytes;
+    assert!(
+        one_pass.peak <= bound,
+        "the one-pass form peaked at {} bytes, bound {bound}",
+        one_pass.peak
+    );
+    // What it hands back: the two gradients (and tensor headers).
+    let kept = one_pass.held - weight_bytes - dh_bytes;
+    assert!((0..4096).contains(&kept), "held {} bytes", one_pass.held);
+    drop(direct?);
     Ok(())
 }

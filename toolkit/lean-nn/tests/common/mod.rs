@@ -3,7 +3,7 @@
 // Each test crate compiles this module and uses part of it.
 #![allow(dead_code)]
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor, Var};
 
 /// The largest absolute difference of `a` and `b`, in f64.
 pub fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -25,4 +25,17 @@ pub fn data(shape: &[usize], scale: f32, seed: u64) -> Result<Tensor> {
         })
         .collect();
     Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+/// [`data`] as a variable in `dtype`.
+pub fn var(shape: &[usize], scale: f32, seed: u64, dtype: DType) -> Result<Var> {
+    Var::from_tensor(&data(shape, scale, seed)?.to_dtype(dtype)?)
+}
+
+/// Class labels for `rows` rows, spread over `classes`.
+pub fn targets(rows: usize, classes: usize) -> Result<Tensor> {
+    let t: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 7919 + 3) % classes as u32)
+        .collect();
+    Tensor::new(t, &Device::Cpu)
 }
