@@ -21,7 +21,7 @@ use std::ffi::OsStr;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 /// The directory holding `emulate.h`, `cuda_fp16.h` and `cuda_bf16.h`.
 pub fn include_dir() -> PathBuf {
@@ -41,8 +41,9 @@ const FLAGS: [&str; 5] = ["-std=c++20", "-O1", "-pthread", "-w", "-ffp-contract=
 /// includes, after the preprocessor), the flags and the compiler's
 /// version. So a test run reuses what an earlier run compiled from the
 /// same kernels, and an edit to a kernel or a header compiles anew: the
-/// folder holds one executable per version of each harness, not one per
-/// run. What is compiled is the very text that was hashed, so a file
+/// folder holds one executable per version of each harness (and per
+/// checkout: the line markers name its paths), not one per run. What is
+/// compiled is the very text that was hashed, so a file
 /// edited meanwhile cannot land under another version's name.
 pub fn compile(source: &Path) -> PathBuf {
     let stem = source
@@ -50,26 +51,26 @@ pub fn compile(source: &Path) -> PathBuf {
         .and_then(OsStr::to_str)
         .unwrap_or("harness");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let version = compiler(&cxx, Command::new(&cxx).arg("--version"));
+    let version = compiler(
+        &cxx,
+        "taking the compiler's version for",
+        source,
+        Command::new(&cxx).arg("--version"),
+    );
     // The preprocessor's line markers keep the compiler's messages pointing
     // at the kernels' own files and lines.
     let preprocessed = compiler(
         &cxx,
+        "preprocessing",
+        source,
         Command::new(&cxx)
             .args(FLAGS)
             .args(["-E", "-I"])
             .arg(include_dir())
             .arg(source),
     );
-    if !preprocessed.status.success() {
-        panic!(
-            "preprocessing {} with `{cxx}` failed:\n{}",
-            source.display(),
-            String::from_utf8_lossy(&preprocessed.stderr)
-        );
-    }
     let mut hasher = DefaultHasher::new();
-    (&version.stdout, FLAGS, &preprocessed.stdout).hash(&mut hasher);
+    (&version, FLAGS, &preprocessed).hash(&mut hasher);
     let dir = cache_dir();
     let exe = dir.join(format!("{stem}-{:016x}", hasher.finish()));
     if exe.is_file() {
@@ -84,24 +85,19 @@ pub fn compile(source: &Path) -> PathBuf {
         .tempdir_in(&dir)
         .unwrap_or_else(|e| panic!("making a folder in {}: {e}", dir.display()));
     let text = work.path().join(format!("{stem}.ii"));
-    std::fs::write(&text, &preprocessed.stdout)
+    std::fs::write(&text, &preprocessed)
         .unwrap_or_else(|e| panic!("writing {}: {e}", text.display()));
     let built = work.path().join(stem);
-    let out = compiler(
+    compiler(
         &cxx,
+        "compiling",
+        source,
         Command::new(&cxx)
             .args(FLAGS)
             .arg("-o")
             .arg(&built)
             .arg(&text),
     );
-    if !out.status.success() {
-        panic!(
-            "compiling {} with `{cxx}` failed:\n{}",
-            source.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
     std::fs::rename(&built, &exe)
         .unwrap_or_else(|e| panic!("moving {} to {}: {e}", built.display(), exe.display()));
     exe
@@ -119,14 +115,24 @@ pub fn cache_dir() -> PathBuf {
         .join("cuda-emulation")
 }
 
-/// Runs the C++ compiler as `command` says.
-fn compiler(cxx: &str, command: &mut Command) -> Output {
-    command.output().unwrap_or_else(|e| {
+/// Runs the C++ compiler `cxx` as `command` says, `doing` that to the
+/// harness `source`, and returns its standard output. Panics with its
+/// messages where it fails.
+fn compiler(cxx: &str, doing: &str, source: &Path, command: &mut Command) -> Vec<u8> {
+    let out = command.output().unwrap_or_else(|e| {
         panic!(
             "running the C++ compiler `{cxx}`: {e}; the emulated kernels need a C++20 \
              compiler (g++ 12 or clang 15 and later), named in CXX if not `c++`"
         )
-    })
+    });
+    if !out.status.success() {
+        panic!(
+            "{doing} {} with `{cxx}` failed:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out.stdout
 }
 
 /// Runs `exe` with `args` and returns what it wrote to its standard
@@ -162,7 +168,6 @@ pub fn run_on_f64(exe: &Path, args: &[&str], input: &[f64]) -> Vec<f64> {
         .unwrap_or_else(|e| panic!("making an input file: {e}"));
     let bytes: Vec<u8> = input.iter().flat_map(|x| x.to_le_bytes()).collect();
     file.write_all(&bytes)
-        .and_then(|()| file.flush())
         .unwrap_or_else(|e| panic!("writing {}: {e}", file.path().display()));
     let out = run(
         exe,

@@ -49,3 +49,26 @@ fn a_harness_compiles_once_per_version_of_what_it_includes() {
         std::fs::remove_file(exe).unwrap();
     }
 }
+
+#[test]
+fn a_kernel_that_does_not_compile_is_named_at_its_own_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("broken.h"),
+        "int f() {\n  return undeclared;\n}\n",
+    )
+    .unwrap();
+    let source = dir.path().join("broken_probe.cpp");
+    std::fs::write(
+        &source,
+        "#include \"broken.h\"\nint main() { return f(); }\n",
+    )
+    .unwrap();
+    let panic = std::panic::catch_unwind(|| compile(&source)).unwrap_err();
+    let message = panic.downcast_ref::<String>().expect("a formatted panic");
+    assert!(
+        message.starts_with(&format!("compiling {} with `", source.display())),
+        "{message}"
+    );
+    assert!(message.contains("broken.h:2:"), "{message}");
+}
