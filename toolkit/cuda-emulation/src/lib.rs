@@ -22,6 +22,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, SystemTime};
 
 /// The directory holding `emulate.h`, `cuda_fp16.h` and `cuda_bf16.h`.
 pub fn include_dir() -> PathBuf {
@@ -40,11 +41,15 @@ const FLAGS: [&str; 5] = ["-std=c++20", "-O1", "-pthread", "-w", "-ffp-contract=
 /// hash of what the compiler reads (the harness with every file it
 /// includes, after the preprocessor), the flags and the compiler's
 /// version. So a test run reuses what an earlier run compiled from the
-/// same kernels, and an edit to a kernel or a header compiles anew: the
-/// folder holds one executable per version of each harness (and per
-/// checkout: the line markers name its paths), not one per run. What is
-/// compiled is the very text that was hashed, so a file
-/// edited meanwhile cannot land under another version's name.
+/// same kernels, and an edit to a kernel or a header compiles anew. What
+/// is compiled is the very text that was hashed, so a file edited
+/// meanwhile cannot land under another version's name.
+///
+/// The folder does not grow with every edit or every clone: a new
+/// executable replaces the earlier versions of the same harness file, and
+/// any executable no test has run for [`UNUSED_DAYS`] days goes (a clone
+/// at another path, whose line markers name other files, makes versions
+/// of its own).
 pub fn compile(source: &Path) -> PathBuf {
     let stem = source
         .file_stem()
@@ -72,8 +77,20 @@ pub fn compile(source: &Path) -> PathBuf {
     let mut hasher = DefaultHasher::new();
     (&version, FLAGS, &preprocessed).hash(&mut hasher);
     let dir = cache_dir();
-    let exe = dir.join(format!("{stem}-{:016x}", hasher.finish()));
-    if exe.is_file() {
+    // The harness file's versions share a prefix: its name and its path's
+    // hash, so that two harnesses of one name do not replace each other.
+    let mut by_path = DefaultHasher::new();
+    std::path::absolute(source)
+        .unwrap_or_else(|_| source.to_path_buf())
+        .hash(&mut by_path);
+    let family = format!("{stem}-{:08x}-", by_path.finish() as u32);
+    let exe = dir.join(format!("{family}{:016x}", hasher.finish()));
+    // Marked as used now, so that no prune removes it meanwhile; where that
+    // fails (another prune took it first), it is compiled again.
+    if std::fs::File::open(&exe)
+        .and_then(|f| f.set_modified(SystemTime::now()))
+        .is_ok()
+    {
         return exe;
     }
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("making {}: {e}", dir.display()));
@@ -100,7 +117,48 @@ pub fn compile(source: &Path) -> PathBuf {
     );
     std::fs::rename(&built, &exe)
         .unwrap_or_else(|e| panic!("moving {} to {}: {e}", built.display(), exe.display()));
+    prune(&dir, &family, &exe);
     exe
+}
+
+/// How long an executable no test has run stays in [`cache_dir`].
+pub const UNUSED_DAYS: u64 = 7;
+
+/// Removes from `dir` the other versions of the harness whose executables'
+/// names start with `family`, and everything not used for [`UNUSED_DAYS`]
+/// days (a build folder left by a killed test too). Best effort: what
+/// another process removed first is left to it.
+fn prune(dir: &Path, family: &str, keep: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let unused = Duration::from_secs(UNUSED_DAYS * 24 * 60 * 60);
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = entry.metadata() else { continue };
+        if path == keep {
+            continue;
+        }
+        let stale = meta
+            .modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age > unused);
+        if meta.is_dir() {
+            // A build folder in use is its call's own.
+            if stale {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+            continue;
+        }
+        let superseded = entry.file_name().to_str().is_some_and(|name| {
+            name.strip_prefix(family)
+                .is_some_and(|hash| hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
+        });
+        if superseded || stale {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
 }
 
 /// Where [`compile`] keeps its executables: `cuda-emulation/` beside the
