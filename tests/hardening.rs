@@ -512,7 +512,21 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
     assert!(made.success());
     let large = tmp.path().join("large.toml");
     std::fs::write(&large, format!("# {}\n", "x".repeat(100_000))).unwrap();
+    // A decoder's config.json is held to the same.
+    let fifo_json = tmp.path().join("fifo.json");
+    let made = Command::new("mkfifo").arg(&fifo_json).status().unwrap();
+    assert!(made.success());
+    let large_json = tmp.path().join("large.json");
+    std::fs::write(&large_json, format!("{{\"x\": \"{}\"}}", "x".repeat(100_000))).unwrap();
     for (file, says) in [
+        (
+            fifo_json.display().to_string(),
+            "is a FIFO (a named pipe); a decoder's config.json is a regular .json file",
+        ),
+        (
+            large_json.display().to_string(),
+            "is larger than a decoder's config.json may be (65536 bytes at most): it holds the decoder's shape",
+        ),
         (
             fifo.display().to_string(),
             "is a FIFO (a named pipe); a model file is a regular .toml file",

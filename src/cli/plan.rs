@@ -284,7 +284,8 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
 fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
     use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderRequest, CARDS};
     use workbook_planner::Stage;
-    let cfg = workbook_models::llama::LlamaConfig::from_file(path)?;
+    let text = workbook::plan::read_model_text(path, workbook::plan::DECODER_CONFIG)?;
+    let cfg = workbook_models::llama::LlamaConfig::from_json(&text, &path.display().to_string())?;
     if !(1..=1 << 20).contains(&args.batch) || !(1..=1 << 24).contains(&args.seq) {
         anyhow::bail!(
             "`--batch` is {} and `--seq` {}; allowed: a batch from 1 to 1048576 and a \

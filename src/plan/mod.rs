@@ -51,34 +51,64 @@ fn tied() -> bool {
 }
 
 /// The largest model file read: a few lines of TOML are a few hundred
-/// bytes.
+/// bytes, and a decoder's `config.json` a few kilobytes.
 pub const MAX_MODEL_FILE: u64 = 64 << 10;
+
+/// What a kind of model file is, for the errors of [`read_model_text`].
+#[derive(Debug, Clone, Copy)]
+pub struct ModelKind {
+    /// As the file is named in an error: "a model file".
+    pub name: &'static str,
+    /// What it is: "a regular .toml file".
+    pub is: &'static str,
+    /// What it holds, said when it is too large.
+    pub holds: &'static str,
+}
+
+/// A `--model` file of the workbook's GPT, in TOML.
+pub const GPT_MODEL: ModelKind = ModelKind {
+    name: "a model file",
+    is: "a regular .toml file",
+    holds: "`layers`, `hidden`, `heads`, `seq` and `vocab` (and `tied_head`)",
+};
+
+/// A `--model` decoder: a Hugging Face `config.json`.
+pub const DECODER_CONFIG: ModelKind = ModelKind {
+    name: "a decoder's config.json",
+    is: "a regular .json file",
+    holds: "the decoder's shape (`hidden_size`, `num_hidden_layers`, `vocab_size`, ...)",
+};
+
+/// The text of the model file `path`, a regular file of at most
+/// [`MAX_MODEL_FILE`] bytes: a pipe, a device or a huge file is refused
+/// before it is read, as `kind` says.
+pub fn read_model_text(path: &Path, kind: ModelKind) -> anyhow::Result<String> {
+    use std::io::Read as _;
+    let cannot_read = |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
+    if let Some(what) = crate::chapter::not_a_regular_file(path).map_err(cannot_read)? {
+        anyhow::bail!("{} {what}; {} is {}", path.display(), kind.name, kind.is);
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
+        .map_err(cannot_read)?;
+    if text.len() as u64 > MAX_MODEL_FILE {
+        anyhow::bail!(
+            "{} is larger than {} may be ({} bytes at most): it holds {}",
+            path.display(),
+            kind.name,
+            MAX_MODEL_FILE,
+            kind.holds
+        );
+    }
+    Ok(text)
+}
 
 impl ModelFile {
     /// Reads a model file, a regular file of at most [`MAX_MODEL_FILE`]
     /// bytes; errors name the file, line and column.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
-        use std::io::Read as _;
-        let cannot_read =
-            |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
-        if let Some(what) = crate::chapter::not_a_regular_file(path).map_err(cannot_read)? {
-            anyhow::bail!(
-                "{} {what}; a model file is a regular .toml file",
-                path.display()
-            );
-        }
-        let mut text = String::new();
-        std::fs::File::open(path)
-            .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
-            .map_err(cannot_read)?;
-        if text.len() as u64 > MAX_MODEL_FILE {
-            anyhow::bail!(
-                "{} is larger than a model file may be ({} bytes at most): a model file holds \
-                 `layers`, `hidden`, `heads`, `seq` and `vocab` (and `tied_head`)",
-                path.display(),
-                MAX_MODEL_FILE
-            );
-        }
+        let text = read_model_text(path, GPT_MODEL)?;
         toml::from_str(&text).map_err(|e| match e.span() {
             Some(span) => {
                 let at = Location::in_text(path, &text, span.start);
