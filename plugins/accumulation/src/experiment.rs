@@ -20,7 +20,7 @@ use workbook_sdk::{Category, Context, Figure, Table};
 /// The forward and backward passes of one training step of `model` on
 /// `(x, y)` in `steps` micro-batches, gradients summed, on the toolkit's
 /// lean path: its fused layers and cross-entropy, whose backwards
-/// `direct_backward` calls one after the other without candle's graph,
+/// `Sequential::direct(..).backward_with` calls one after the other without candle's graph,
 /// freeing each layer's activations once the backward has passed it and
 /// adding each layer's gradients to the sum as they are made. Returns the
 /// summed gradients; the optimizer step is the caller's.

@@ -1,7 +1,7 @@
 //! The checkpointing cell: activation checkpointing (recomputation) for
 //! candle, proven equal to plain backprop and measured.
 //!
-//! The technique is `candle_checkpoint::checkpoint_sequential` from the
+//! The technique is `candle_checkpoint::Sequential` from the
 //! toolkit; this cell is its experiment. With `n` layers in `sqrt(n)`
 //! segments, `O(sqrt(n))` activations for one extra forward (Chen et al.,
 //! 2016).
