@@ -34,23 +34,28 @@ pub fn include_dir() -> PathBuf {
 const FLAGS: [&str; 5] = ["-std=c++20", "-O1", "-pthread", "-w", "-ffp-contract=off"];
 
 /// Compiles the harness `source` (C++ that includes `emulate.h` and the
-/// kernels) into an executable and returns its path. Panics with the
-/// compiler's messages where it cannot: it is for tests.
-///
-/// The executable is kept in [`cache_dir`], named by the harness and a
-/// hash of what the compiler reads (the harness with every file it
-/// includes, after the preprocessor), the flags and the compiler's
-/// version. So a test run reuses what an earlier run compiled from the
-/// same kernels, and an edit to a kernel or a header compiles anew. What
-/// is compiled is the very text that was hashed, so a file edited
-/// meanwhile cannot land under another version's name.
-///
-/// The folder does not grow with every edit or every clone: a new
-/// executable replaces the earlier versions of the same harness file, and
-/// any executable no test has run for [`UNUSED_DAYS`] days goes (a clone
-/// at another path, whose line markers name other files, makes versions
-/// of its own).
+/// kernels) into an executable in [`cache_dir`] and returns its path.
+/// Panics with the compiler's messages where it cannot: it is for tests.
+/// See [`compile_in`].
 pub fn compile(source: &Path) -> PathBuf {
+    compile_in(source, &cache_dir())
+}
+
+/// Compiles the harness `source` into an executable kept in `dir`, named
+/// by the harness and a hash of what the compiler reads (the harness with
+/// every file it includes, after the preprocessor), the flags and the
+/// compiler's version. So a test run reuses what an earlier run compiled
+/// from the same kernels, and an edit to a kernel or a header compiles
+/// anew. What is compiled is the very text that was hashed, so a file
+/// edited meanwhile cannot land under another version's name.
+///
+/// The folder does not grow with every edit or every clone. Each compile
+/// that builds removes the versions of the same harness file by the same
+/// compiler that were last used over [`SUPERSEDED_MINUTES`] minutes ago
+/// (a test process still running holds its version's path), and anything
+/// last used over [`UNUSED_DAYS`] days ago (a clone at another path, whose
+/// line markers name other files, has versions of its own).
+pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
     let stem = source
         .file_stem()
         .and_then(OsStr::to_str)
@@ -76,30 +81,31 @@ pub fn compile(source: &Path) -> PathBuf {
     );
     let mut hasher = DefaultHasher::new();
     (&version, FLAGS, &preprocessed).hash(&mut hasher);
-    let dir = cache_dir();
-    // The harness file's versions share a prefix: its name and its path's
-    // hash, so that two harnesses of one name do not replace each other.
+    // A harness file's versions by one compiler share a prefix: its name
+    // and a hash of its path and the compiler, so that neither two
+    // harnesses of one name nor two compilers replace each other's.
     let mut by_path = DefaultHasher::new();
     std::path::absolute(source)
         .unwrap_or_else(|_| source.to_path_buf())
         .hash(&mut by_path);
+    version.hash(&mut by_path);
     let family = format!("{stem}-{:08x}-", by_path.finish() as u32);
     let exe = dir.join(format!("{family}{:016x}", hasher.finish()));
-    // Marked as used now, so that no prune removes it meanwhile; where that
-    // fails (another prune took it first), it is compiled again.
-    if std::fs::File::open(&exe)
-        .and_then(|f| f.set_modified(SystemTime::now()))
-        .is_ok()
-    {
-        return exe;
+    // Marked as used now (a read-only handle: the file may be running),
+    // which keeps it from the prunes to come. Only a file that is not there
+    // is built; one that cannot be marked (another user's) is used as it is.
+    match std::fs::File::open(&exe).and_then(|f| f.set_modified(SystemTime::now())) {
+        Ok(()) => return exe,
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound && exe.is_file() => return exe,
+        Err(_) => {}
     }
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("making {}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("making {}: {e}", dir.display()));
     // Built in a folder of this call's own (removed however the call ends),
     // then renamed into place, so that no other test, in this process or
     // another, runs a half-written executable.
     let work = tempfile::Builder::new()
         .prefix(&format!("{stem}."))
-        .tempdir_in(&dir)
+        .tempdir_in(dir)
         .unwrap_or_else(|e| panic!("making a folder in {}: {e}", dir.display()));
     let text = work.path().join(format!("{stem}.ii"));
     std::fs::write(&text, &preprocessed)
@@ -117,33 +123,37 @@ pub fn compile(source: &Path) -> PathBuf {
     );
     std::fs::rename(&built, &exe)
         .unwrap_or_else(|e| panic!("moving {} to {}: {e}", built.display(), exe.display()));
-    prune(&dir, &family, &exe);
+    prune(dir, &family, &exe);
     exe
 }
 
-/// How long an executable no test has run stays in [`cache_dir`].
+/// Days after its last use that anything in a cache folder is removed.
 pub const UNUSED_DAYS: u64 = 7;
 
+/// Minutes after its last use that an earlier version of a harness is
+/// removed once a later one is built.
+pub const SUPERSEDED_MINUTES: u64 = 60;
+
 /// Removes from `dir` the other versions of the harness whose executables'
-/// names start with `family`, and everything not used for [`UNUSED_DAYS`]
-/// days (a build folder left by a killed test too). Best effort: what
-/// another process removed first is left to it.
+/// names start with `family` that were last used over
+/// [`SUPERSEDED_MINUTES`] ago, and everything last used over
+/// [`UNUSED_DAYS`] ago (a build folder left by a killed test too). Best
+/// effort: what another process removed first is left to it.
 fn prune(dir: &Path, family: &str, keep: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
-    let unused = Duration::from_secs(UNUSED_DAYS * 24 * 60 * 60);
+    let minutes = |m: u64| Duration::from_secs(m * 60);
     for entry in entries.flatten() {
         let path = entry.path();
         let Ok(meta) = entry.metadata() else { continue };
+        let Some(idle) = meta.modified().ok().and_then(|m| m.elapsed().ok()) else {
+            continue;
+        };
         if path == keep {
             continue;
         }
-        let stale = meta
-            .modified()
-            .ok()
-            .and_then(|m| m.elapsed().ok())
-            .is_some_and(|age| age > unused);
+        let stale = idle > minutes(UNUSED_DAYS * 24 * 60);
         if meta.is_dir() {
             // A build folder in use is its call's own.
             if stale {
@@ -151,10 +161,12 @@ fn prune(dir: &Path, family: &str, keep: &Path) {
             }
             continue;
         }
-        let superseded = entry.file_name().to_str().is_some_and(|name| {
-            name.strip_prefix(family)
-                .is_some_and(|hash| hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
-        });
+        let superseded = idle > minutes(SUPERSEDED_MINUTES)
+            && entry.file_name().to_str().is_some_and(|name| {
+                name.strip_prefix(family).is_some_and(|hash| {
+                    hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit())
+                })
+            });
         if superseded || stale {
             let _ = std::fs::remove_file(&path);
         }
@@ -163,14 +175,16 @@ fn prune(dir: &Path, family: &str, keep: &Path) {
 
 /// Where [`compile`] keeps its executables: `cuda-emulation/` beside the
 /// running test's executable (in cargo's target folder, so `cargo clean`
-/// removes them), or under the system's temporary folder where that
-/// executable's path is unknown.
+/// removes them), or `candle-toolkit-cuda-emulation/` under the system's
+/// temporary folder where that executable's path is unknown.
 pub fn cache_dir() -> PathBuf {
-    std::env::current_exe()
+    match std::env::current_exe()
         .ok()
         .and_then(|exe| exe.parent().map(Path::to_path_buf))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("cuda-emulation")
+    {
+        Some(dir) => dir.join("cuda-emulation"),
+        None => std::env::temp_dir().join("candle-toolkit-cuda-emulation"),
+    }
 }
 
 /// Runs the C++ compiler `cxx` as `command` says, `doing` that to the
