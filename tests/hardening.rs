@@ -517,7 +517,14 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
     let made = Command::new("mkfifo").arg(&fifo_json).status().unwrap();
     assert!(made.success());
     let large_json = tmp.path().join("large.json");
-    std::fs::write(&large_json, format!("{{\"x\": \"{}\"}}", "x".repeat(100_000))).unwrap();
+    std::fs::write(
+        &large_json,
+        format!("{{\"x\": \"{}\"}}", "x".repeat(100_000)),
+    )
+    .unwrap();
+    // Weights given for a config: large, and not UTF-8 where it is cut.
+    let weights = tmp.path().join("model.safetensors.json");
+    std::fs::write(&weights, vec![0xff_u8; 100_000]).unwrap();
     for (file, says) in [
         (
             fifo_json.display().to_string(),
@@ -526,6 +533,10 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
         (
             large_json.display().to_string(),
             "is larger than a decoder's config.json may be (65536 bytes at most): it holds the decoder's shape",
+        ),
+        (
+            weights.display().to_string(),
+            "is larger than a decoder's config.json may be (65536 bytes at most)",
         ),
         (
             fifo.display().to_string(),

@@ -88,18 +88,26 @@ pub fn read_model_text(path: &Path, kind: ModelKind) -> anyhow::Result<String> {
     if let Some(what) = crate::chapter::not_a_regular_file(path).map_err(cannot_read)? {
         anyhow::bail!("{} {what}; {} is {}", path.display(), kind.name, kind.is);
     }
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
-        .map_err(cannot_read)?;
-    if text.len() as u64 > MAX_MODEL_FILE {
-        anyhow::bail!(
+    let too_large = || {
+        anyhow::anyhow!(
             "{} is larger than {} may be ({} bytes at most): it holds {}",
             path.display(),
             kind.name,
             MAX_MODEL_FILE,
             kind.holds
-        );
+        )
+    };
+    // By its size first, so that a large binary file is named as large,
+    // not as text that is not UTF-8; then as read, in case it grew.
+    if std::fs::metadata(path).map_err(cannot_read)?.len() > MAX_MODEL_FILE {
+        return Err(too_large());
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
+        .map_err(cannot_read)?;
+    if text.len() as u64 > MAX_MODEL_FILE {
+        return Err(too_large());
     }
     Ok(text)
 }
