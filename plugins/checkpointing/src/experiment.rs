@@ -265,7 +265,7 @@ pub fn sweep_table(p: &CheckpointingParams, plain: &Backprop) -> Table {
 }
 
 // notebook cell
-/// Checkpointing on the lean path (`Sequential::direct(..).segments(k)`: each recomputed
+/// Checkpointing on the lean path (`Sequential::direct(..).segments(k).backward`: each recomputed
 /// segment's backward called layer by layer, no graph): plain backprop
 /// (`plain`, from [`framework_cost`]) against every segment count of
 /// `p.segments`.

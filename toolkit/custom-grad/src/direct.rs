@@ -8,7 +8,7 @@
 //! pass of its own. A layer that implements [`DirectBackward`] runs its
 //! forward without recording a graph, keeps what its backward needs, and
 //! hands its gradients straight back: a driver (`candle_checkpoint`'s
-//! `direct_backward`) calls it layer after layer, as PyTorch's autograd
+//! `Sequential::direct(..).backward`) calls it layer after layer, as PyTorch's autograd
 //! calls a node's backward and moves its result on.
 
 use candle_core::{Result, Tensor};
