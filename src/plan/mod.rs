@@ -97,14 +97,15 @@ pub fn read_model_text(path: &Path, kind: ModelKind) -> anyhow::Result<String> {
             kind.holds
         )
     };
-    // By its size first, so that a large binary file is named as large,
-    // not as text that is not UTF-8; then as read, in case it grew.
-    if std::fs::metadata(path).map_err(cannot_read)?.len() > MAX_MODEL_FILE {
+    // By the opened file's size first, so that a large binary file is named
+    // as large, not as text that is not UTF-8; then as read, in case it grew.
+    let file = std::fs::File::open(path).map_err(cannot_read)?;
+    if file.metadata().map_err(cannot_read)?.len() > MAX_MODEL_FILE {
         return Err(too_large());
     }
     let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_MODEL_FILE + 1).read_to_string(&mut text))
+    file.take(MAX_MODEL_FILE + 1)
+        .read_to_string(&mut text)
         .map_err(cannot_read)?;
     if text.len() as u64 > MAX_MODEL_FILE {
         return Err(too_large());
