@@ -5,17 +5,18 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
-use common::{light, text};
+use common::{light, output_within, text, RUN_LIMIT};
 
 fn workbook(args: &[&str], dir: &Path) -> Output {
     let _light = light();
-    Command::new(env!("CARGO_BIN_EXE_workbook"))
-        .args(args)
-        .current_dir(dir)
-        .env_remove("WORKBOOK_CHECK_MODE")
-        .env_remove("WORKBOOK_CHAPTERS")
-        .output()
-        .expect("the binary runs")
+    output_within(
+        Command::new(env!("CARGO_BIN_EXE_workbook"))
+            .args(args)
+            .current_dir(dir)
+            .env_remove("WORKBOOK_CHECK_MODE")
+            .env_remove("WORKBOOK_CHAPTERS"),
+        RUN_LIMIT,
+    )
 }
 
 /// Runs `args` in `dir`, asserts exit code 2 and no panic, returns stderr.
@@ -198,8 +199,8 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
         ),
         format!(
             "{f}:16:1: cell `step`: check parameter `config` is models/no-such.config.json; \
-             allowed: a Llama-family config.json (models/no-such.config.json: No such file or \
-             directory (os error 2))"
+             allowed: a Llama-family config.json (cannot read models/no-such.config.json: No such \
+             file or directory (os error 2))"
         ),
         format!(
             "{f}:23:1: cell `shapes`: parameter `device_gib` is 0; allowed: a finite number above 0"

@@ -393,6 +393,38 @@ fn plan(recipes: &str, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("the plan is JSON")
 }
 
+/// A rank that crashes while the plan is verified fails the verification,
+/// not the command line: exit code 1, the plan printed, the rank's own
+/// error in the message, and no rank left behind.
+#[test]
+fn a_verification_whose_rank_crashes_exits_1_with_the_plan_printed() {
+    let _one = one_job();
+    let out = Command::new(env!("CARGO_BIN_EXE_workbook"))
+        .args([
+            "plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
+        ])
+        .args(["--vocab", "128", "--batch", "8", "--dtypes", "f32"])
+        .args([
+            "--budget", "1GiB", "--ranks", "2", "--stages", "zero1", "--verify",
+        ])
+        .env("WORKBOOK_RANK_FAULT", "1:zero1:crash")
+        .env("WORKBOOK_TEST_MARK", "plan-rank-crash")
+        .output()
+        .expect("the binary runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stdout.contains("chosen"), "{stdout}");
+    assert!(
+        stderr.contains("error: the verification failed: the verification on 2 ranks failed"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("crashing at zero1"), "{stderr}");
+    none_left("plan-rank-crash", std::time::Duration::from_secs(10));
+}
+
 #[test]
 fn a_plan_for_ranks_is_verified_on_real_ranks() {
     let _one = one_job();

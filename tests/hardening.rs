@@ -12,7 +12,7 @@ use workbook::sdk::protocol::{CellEnd, Message, PROTOCOL_VERSION};
 use workbook::sdk::Figure;
 
 mod common;
-use common::{none_left, text};
+use common::{none_left, output_within, text, RUN_LIMIT};
 
 fn workbook(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_workbook"));
@@ -24,7 +24,7 @@ fn workbook(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().expect("the binary runs")
+    output_within(&mut cmd, RUN_LIMIT)
 }
 
 fn line(m: &Message) -> String {
@@ -581,6 +581,56 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
             .contains("`0` is not a time limit; allowed: a whole number of seconds, at least 1"),
         "{}",
         text(&o).1
+    );
+}
+
+#[test]
+fn a_decoder_cell_reads_only_a_small_regular_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("fifo.json");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let large = tmp.path().join("model.safetensors");
+    std::fs::write(&large, vec![0xff_u8; 100_000]).unwrap();
+    let chapter = tmp.path().join("decoder.toml");
+    std::fs::write(
+        &chapter,
+        format!(
+            "format_version = 1\nid = \"decoder\"\ntitle = \"decoder\"\n\n\
+             [[cells]]\nid = \"step\"\ntitle = \"step\"\nplugin = \"decoder_step\"\n\
+             [cells.params]\nconfig = {}\n\n\
+             [[cells]]\nid = \"shapes\"\ntitle = \"shapes\"\nplugin = \"decoder_shapes\"\n\
+             [cells.params]\nmodels = [{{ config = {}, published = 1 }}]\n",
+            toml_string(&fifo.display().to_string()),
+            toml_string(&large.display().to_string()),
+        ),
+    )
+    .unwrap();
+    let o = workbook(
+        &["validate", &chapter.display().to_string()],
+        tmp.path(),
+        &[],
+    );
+    let err = text(&o).1;
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let at = chapter.display();
+    let (fifo, large) = (fifo.display(), large.display());
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        [
+            "error: 2 problems:".to_string(),
+            format!(
+                "{at}:10:1: cell `step`: parameter `config` is {fifo}; allowed: a Llama-family \
+                 config.json ({fifo} is a FIFO (a named pipe); a decoder's config.json is a \
+                 regular .json file)"
+            ),
+            format!(
+                "{at}:17:1: cell `shapes`: parameter `models[0].config` is {large}; allowed: a \
+                 Llama-family config.json ({large} is larger than a decoder's config.json may \
+                 be (65536 bytes at most): it holds the decoder's shape (`hidden_size`, \
+                 `num_hidden_layers`, `vocab_size`, ...))"
+            ),
+        ],
     );
 }
 

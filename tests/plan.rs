@@ -238,7 +238,7 @@ fn bad_input_is_named() {
         (vec!["--budget", "lots"], "`lots` is not a size"),
         (
             vec!["--budget", "1GiB", "--hidden", "66", "--heads", "4"],
-            "`hidden` is 66; allowed: a multiple of heads (4)",
+            "`--hidden` is 66; allowed: a multiple of --heads (4)",
         ),
         (
             vec!["--budget", "1GiB", "--recipes", "fast"],
@@ -309,6 +309,55 @@ fn bad_input_is_named() {
         err.contains(&format!("{}:6:1: unknown field `width`", model.display())),
         "{err}"
     );
+    // A file's sizes are named by the file, under its own field names; a
+    // flag the file overrides, or one a config.json does not read, is
+    // refused rather than dropped.
+    let uneven = dir.path().join("uneven.toml");
+    std::fs::write(
+        &uneven,
+        "layers = 2\nhidden = 66\nheads = 4\nseq = 64\nvocab = 128\n",
+    )
+    .unwrap();
+    let uneven = uneven.to_str().unwrap();
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/smollm2-135m.config.json"
+    );
+    for (args, message) in [
+        (
+            vec!["--budget", "1GiB", "--model", uneven],
+            format!("error: {uneven}: `hidden` is 66; allowed: a multiple of heads (4)\n"),
+        ),
+        (
+            vec!["--budget", "1GiB", "--model", uneven, "--seq", "32"],
+            format!(
+                "error: `--seq` is given with the model file {uneven}, which sets `seq` itself; \
+                 give one\n"
+            ),
+        ),
+        (
+            vec!["--model", config, "--recipes", "direct"],
+            "error: `--recipes` is for the GPT's plan, not a config.json's: a decoder is \
+             computed one way\n"
+                .to_string(),
+        ),
+        (
+            vec!["--model", config, "--timeout", "60"],
+            "error: `--timeout` is for the GPT's plan, not a config.json's: a decoder's ranks \
+             are rehearsed in this process, with no time limit to set\n"
+                .to_string(),
+        ),
+        (
+            vec!["--model", config, "--out", uneven],
+            "error: `--out` is for the GPT's plan, not a config.json's: a decoder's plan has \
+             no plot; `--json` writes its options\n"
+                .to_string(),
+        ),
+    ] {
+        let (code, err) = run(&args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert_eq!(err, message, "{args:?}");
+    }
 }
 
 /// The direct recipes (no graph: each stage's backward called directly)

@@ -8,6 +8,7 @@ use super::{parse, Chapter, ChapterError};
 use crate::excerpt::quote;
 use crate::registry::Registry;
 use crate::suggest;
+pub use workbook_sdk::file::not_a_regular_file;
 
 /// Reads and validates the chapter at `path`.
 pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterError> {
@@ -33,38 +34,6 @@ fn check_file(path: &Path) -> Result<(), ChapterError> {
             cause,
         }),
     }
-}
-
-/// What `path` is when it is not a regular file (through links): `is a
-/// directory`, `is a FIFO (a named pipe)`, a dangling link...; `None` for
-/// a regular file. Any input file is checked so before it is read: reading
-/// a FIFO would wait for a writer forever, a device such as /dev/zero
-/// would never end.
-pub fn not_a_regular_file(path: &Path) -> std::io::Result<Option<String>> {
-    use std::os::unix::fs::FileTypeExt;
-    let link = std::fs::symlink_metadata(path)?;
-    let meta = match std::fs::metadata(path) {
-        Ok(m) => m,
-        Err(_) if link.file_type().is_symlink() => {
-            let target = std::fs::read_link(path)
-                .map(|t| t.display().to_string())
-                .unwrap_or_default();
-            return Ok(Some(format!("is a link to {target}, which does not exist")));
-        }
-        Err(cause) => return Err(cause),
-    };
-    let kind = meta.file_type();
-    Ok(if kind.is_file() {
-        None
-    } else if kind.is_dir() {
-        Some("is a directory".into())
-    } else if kind.is_fifo() {
-        Some("is a FIFO (a named pipe)".into())
-    } else if kind.is_socket() {
-        Some("is a socket".into())
-    } else {
-        Some("is a device, not a regular file".into())
-    })
 }
 
 /// Where chapters are looked for, in order: `./chapters`, then the

@@ -41,9 +41,9 @@ pub struct PlanArgs {
     /// Attention heads.
     #[arg(long, default_value_t = 4)]
     pub heads: usize,
-    /// Sequence length.
-    #[arg(long, default_value_t = 256)]
-    pub seq: usize,
+    /// Sequence length [default: 256]; a model file gives its own.
+    #[arg(long, value_name = "N")]
+    pub seq: Option<usize>,
     /// Vocabulary.
     #[arg(long, default_value_t = 512)]
     pub vocab: usize,
@@ -55,10 +55,12 @@ pub struct PlanArgs {
     /// (candle-nn's layers, naive attention), lean (the toolkit's lean
     /// layers, the probabilities kept), tiled (lean, tiled attention),
     /// direct and direct_tiled (lean or tiled with no graph: each stage's
-    /// backward called directly). The default leaves out lean and tiled:
-    /// their direct forms hold less at about the same speed.
-    #[arg(long, value_delimiter = ',', default_value = "candle,direct,direct_tiled", value_parser = parse_recipe)]
-    pub recipes: Vec<workbook_models::Recipe>,
+    /// backward called directly) [default: candle,direct,direct_tiled:
+    /// lean and tiled are left out, their direct forms hold less at about
+    /// the same speed]. The GPT's only: a config.json's decoder has one
+    /// way.
+    #[arg(long, value_delimiter = ',', value_parser = parse_recipe)]
+    pub recipes: Option<Vec<workbook_models::Recipe>>,
     /// Leave checkpointing out of the options.
     #[arg(long)]
     pub no_checkpointing: bool,
@@ -88,9 +90,10 @@ pub struct PlanArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_stage)]
     pub stages: Option<Vec<workbook_planner::Stage>>,
     /// With --ranks and --verify, the ranks' time limit in seconds (at
-    /// least 1).
-    #[arg(long, default_value_t = 1800, value_name = "SECONDS", value_parser = parse_job_seconds)]
-    pub timeout: u64,
+    /// least 1) [default: 1800]. The GPT's only: a config.json's ranks are
+    /// rehearsed in this process.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_job_seconds)]
+    pub timeout: Option<u64>,
     /// Run the chosen plan and check that its measured peak is within
     /// the budget and within 5% of the prediction (exit code 1 if not).
     #[arg(long)]
@@ -98,7 +101,8 @@ pub struct PlanArgs {
     /// Steps the verification runs (at least 1).
     #[arg(long, default_value_t = 2, requires = "verify", value_parser = parse_steps)]
     pub steps: usize,
-    /// Write the options' plot (plan.svg, plan.png) into this folder.
+    /// Write the options' plot (plan.svg, plan.png) into this folder (the
+    /// GPT's plans).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Print the plan as JSON instead of text.
@@ -108,6 +112,20 @@ pub struct PlanArgs {
 
 /// The tolerance `plan --verify` holds a plan's measured peak to.
 const PLAN_TOLERANCE: f64 = 0.05;
+
+/// `--seq` when it is not given.
+const DEFAULT_SEQ: usize = 256;
+
+/// `--recipes` when it is not given: lean and tiled are left out, their
+/// direct forms hold less at about the same speed.
+const DEFAULT_RECIPES: [workbook_models::Recipe; 3] = [
+    workbook_models::Recipe::Candle,
+    workbook_models::Recipe::Direct,
+    workbook_models::Recipe::DirectTiled,
+];
+
+/// `--timeout` when it is not given: the ranks' time limit.
+const DEFAULT_RANKS_SECONDS: u64 = 1800;
 
 /// `workbook plan`: weighs the options, and with `--verify` runs the one
 /// chosen.
@@ -150,17 +168,32 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     let device = parse_device(device).map_err(|e| anyhow::anyhow!("`--device`: {e}"))?;
     let device = &device;
     let file = match model {
-        Some(path) => view::ModelFile::read(path)?,
+        Some(path) => {
+            if seq.is_some() {
+                anyhow::bail!(
+                    "`--seq` is given with the model file {}, which sets `seq` itself; give one",
+                    path.display()
+                );
+            }
+            view::ModelFile::read(path)?
+        }
         None => view::ModelFile {
             layers: *layers,
             hidden: *hidden,
             heads: *heads,
-            seq: *seq,
+            seq: seq.unwrap_or(DEFAULT_SEQ),
             vocab: *vocab,
             tied_head: !*untied_head,
         },
     };
-    let config = file.config()?;
+    // A model file's sizes are named by the file they are wrong in, the
+    // flags' by the flag.
+    let config = match model {
+        Some(path) => file
+            .config("")
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+        None => file.config("--")?,
+    };
     if *batch == 0 {
         anyhow::bail!("`--batch` is 0; allowed: at least 1");
     }
@@ -181,7 +214,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         budget: *budget,
         margin: PLAN_TOLERANCE,
         dtypes: dtypes.clone(),
-        recipes: recipes.clone(),
+        recipes: recipes.clone().unwrap_or_else(|| DEFAULT_RECIPES.to_vec()),
         checkpointing: !no_checkpointing,
         seed: 11,
         ranks: *ranks,
@@ -227,16 +260,31 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
                 );
             }
             let v = VerifyRequest::new(&request, chosen, *steps)?;
-            Some(if *ranks > 1 {
+            let ran = if *ranks > 1 {
                 progress.set_message(format!("verifying on {ranks} ranks"));
                 workbook_distributed::launch::verify_on_ranks(
                     v,
                     *ranks,
-                    Duration::from_secs(*timeout),
-                )?
+                    Duration::from_secs(timeout.unwrap_or(DEFAULT_RANKS_SECONDS)),
+                )
             } else {
-                run_plan(&mut ctx, &v, None)?
-            })
+                run_plan(&mut ctx, &v, None)
+            };
+            match ran {
+                Ok(v) => Some(v),
+                // The plan stands; its run failed, as a cell fails: exit 1.
+                Err(e) => {
+                    progress.finish_and_clear();
+                    if !*json {
+                        say(&view::text(&plan, *batch))?;
+                    }
+                    eprintln!(
+                        "error: {}",
+                        workbook::terminal::printable(&format!("the verification failed: {e:#}"))
+                    );
+                    return Ok(ExitCode::from(1));
+                }
+            }
         }
         _ => None,
     };
@@ -284,14 +332,35 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
 fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
     use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderRequest, CARDS};
     use workbook_planner::Stage;
-    let text = workbook::plan::read_model_text(path, workbook::plan::DECODER_CONFIG)?;
-    let cfg = workbook_models::llama::LlamaConfig::from_json(&text, &path.display().to_string())?;
-    if !(1..=1 << 20).contains(&args.batch) || !(1..=1 << 24).contains(&args.seq) {
+    let cfg = workbook_models::llama::LlamaConfig::from_file(path)?;
+    // What only the GPT's plan reads is refused, not silently dropped.
+    for (given, flag, why) in [
+        (
+            args.recipes.is_some(),
+            "--recipes",
+            "a decoder is computed one way",
+        ),
+        (
+            args.timeout.is_some(),
+            "--timeout",
+            "a decoder's ranks are rehearsed in this process, with no time limit to set",
+        ),
+        (
+            args.out.is_some(),
+            "--out",
+            "a decoder's plan has no plot; `--json` writes its options",
+        ),
+    ] {
+        if given {
+            anyhow::bail!("`{flag}` is for the GPT's plan, not a config.json's: {why}");
+        }
+    }
+    let seq = args.seq.unwrap_or(DEFAULT_SEQ);
+    if !(1..=1 << 20).contains(&args.batch) || !(1..=1 << 24).contains(&seq) {
         anyhow::bail!(
-            "`--batch` is {} and `--seq` {}; allowed: a batch from 1 to 1048576 and a \
+            "`--batch` is {} and `--seq` {seq}; allowed: a batch from 1 to 1048576 and a \
              sequence from 1 to 16777216 tokens",
             args.batch,
-            args.seq
         );
     }
     if let Some(d) = args.dtypes.iter().find(|d| {
@@ -361,7 +430,7 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
     }
     let ask = DecoderRequest {
         batch: args.batch,
-        seq: args.seq,
+        seq,
         dtypes: args.dtypes.clone(),
         budget,
         ranks: args.ranks,

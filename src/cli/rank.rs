@@ -56,6 +56,9 @@ fn verify_rank(request: &str) -> anyhow::Result<ExitCode> {
             let stage = request
                 .stage
                 .context("a rank's verification names how the ranks share the training")?;
+            if let Some(fault) = workbook_distributed::rank::Fault::from_env()? {
+                fault.strike(comm.rank(), stage);
+            }
             let parallel = Parallel::new(Arc::clone(comm), stage);
             let meter = Arc::new(workbook_sdk::meter::CpuMeter::new()?);
             let mut ctx =

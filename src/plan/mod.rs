@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 use workbook_models::{AttentionKind, GptConfig};
+use workbook_sdk::file::{read_small, FileKind};
 
 use crate::chapter::Location;
 use crate::render::text::bytes;
@@ -50,74 +51,24 @@ fn tied() -> bool {
     true
 }
 
-/// The largest model file read: a few lines of TOML are a few hundred
-/// bytes, and a decoder's `config.json` a few kilobytes.
-pub const MAX_MODEL_FILE: u64 = 64 << 10;
+/// The largest model file read; a decoder's `config.json` is held to the
+/// same bound ([`workbook_models::llama::MAX_CONFIG_FILE`]).
+pub const MAX_MODEL_FILE: u64 = workbook_models::llama::MAX_CONFIG_FILE;
 
-/// What a kind of model file is, for the errors of [`read_model_text`].
-#[derive(Debug, Clone, Copy)]
-pub struct ModelKind {
-    /// As the file is named in an error: "a model file".
-    pub name: &'static str,
-    /// What it is: "a regular .toml file".
-    pub is: &'static str,
-    /// What it holds, said when it is too large.
-    pub holds: &'static str,
-}
-
-/// A `--model` file of the workbook's GPT, in TOML.
-pub const GPT_MODEL: ModelKind = ModelKind {
+/// A `--model` file of the workbook's GPT, in TOML: a few lines, a few
+/// hundred bytes.
+pub const GPT_MODEL: FileKind = FileKind {
     name: "a model file",
     is: "a regular .toml file",
     holds: "`layers`, `hidden`, `heads`, `seq` and `vocab` (and `tied_head`)",
+    max_bytes: MAX_MODEL_FILE,
 };
-
-/// A `--model` decoder: a Hugging Face `config.json`.
-pub const DECODER_CONFIG: ModelKind = ModelKind {
-    name: "a decoder's config.json",
-    is: "a regular .json file",
-    holds: "the decoder's shape (`hidden_size`, `num_hidden_layers`, `vocab_size`, ...)",
-};
-
-/// The text of the model file `path`, a regular file of at most
-/// [`MAX_MODEL_FILE`] bytes: a pipe, a device or a huge file is refused
-/// before it is read, as `kind` says.
-pub fn read_model_text(path: &Path, kind: ModelKind) -> anyhow::Result<String> {
-    use std::io::Read as _;
-    let cannot_read = |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
-    if let Some(what) = crate::chapter::not_a_regular_file(path).map_err(cannot_read)? {
-        anyhow::bail!("{} {what}; {} is {}", path.display(), kind.name, kind.is);
-    }
-    let too_large = || {
-        anyhow::anyhow!(
-            "{} is larger than {} may be ({} bytes at most): it holds {}",
-            path.display(),
-            kind.name,
-            MAX_MODEL_FILE,
-            kind.holds
-        )
-    };
-    // By the opened file's size first, so that a large binary file is named
-    // as large, not as text that is not UTF-8; then as read, in case it grew.
-    let file = std::fs::File::open(path).map_err(cannot_read)?;
-    if file.metadata().map_err(cannot_read)?.len() > MAX_MODEL_FILE {
-        return Err(too_large());
-    }
-    let mut text = String::new();
-    file.take(MAX_MODEL_FILE + 1)
-        .read_to_string(&mut text)
-        .map_err(cannot_read)?;
-    if text.len() as u64 > MAX_MODEL_FILE {
-        return Err(too_large());
-    }
-    Ok(text)
-}
 
 impl ModelFile {
     /// Reads a model file, a regular file of at most [`MAX_MODEL_FILE`]
     /// bytes; errors name the file, line and column.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
-        let text = read_model_text(path, GPT_MODEL)?;
+        let text = read_small(path, GPT_MODEL)?;
         toml::from_str(&text).map_err(|e| match e.span() {
             Some(span) => {
                 let at = Location::in_text(path, &text, span.start);
@@ -128,8 +79,9 @@ impl ModelFile {
     }
 
     /// The model, checked: sizes above zero, the hidden size a multiple of
-    /// the heads.
-    pub fn config(&self) -> anyhow::Result<GptConfig> {
+    /// the heads. Errors name each size `{prefix}{field}`: `--hidden` for
+    /// the command line's flags, `hidden` for a file's fields.
+    pub fn config(&self, prefix: &str) -> anyhow::Result<GptConfig> {
         for (name, value) in [
             ("layers", self.layers),
             ("hidden", self.hidden),
@@ -137,15 +89,15 @@ impl ModelFile {
             ("seq", self.seq),
         ] {
             if value == 0 {
-                anyhow::bail!("`{name}` is 0; allowed: at least 1");
+                anyhow::bail!("`{prefix}{name}` is 0; allowed: at least 1");
             }
         }
         if self.vocab < 2 {
-            anyhow::bail!("`vocab` is {}; allowed: at least 2", self.vocab);
+            anyhow::bail!("`{prefix}vocab` is {}; allowed: at least 2", self.vocab);
         }
         if !self.hidden.is_multiple_of(self.heads) {
             anyhow::bail!(
-                "`hidden` is {}; allowed: a multiple of heads ({})",
+                "`{prefix}hidden` is {}; allowed: a multiple of {prefix}heads ({})",
                 self.hidden,
                 self.heads
             );

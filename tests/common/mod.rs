@@ -3,8 +3,9 @@
 // Each test crate compiles this module and uses part of it.
 #![allow(dead_code)]
 
-use std::process::Output;
+use std::process::{Command, Output, Stdio};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 /// Chapter 2's cells, in order: the techniques, then the exercises.
 pub const CELLS: [&str; 8] = [
@@ -38,6 +39,49 @@ pub fn text(o: &Output) -> (String, String) {
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
+}
+
+/// The longest a test waits for one run of the binary.
+pub const RUN_LIMIT: Duration = Duration::from_secs(300);
+
+/// `cmd`'s output as `Command::output` gives it, except that a process
+/// still running after `limit` is killed and the test fails: a regression
+/// that makes the binary wait (reading a FIFO, say) fails its test instead
+/// of hanging the suite.
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Output {
+    use std::io::Read;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
+    let until = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("the binary is waited for") {
+            break status;
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} still ran after {limit:?}; it was killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().expect("stdout read"),
+        stderr: stderr.join().expect("stderr read"),
+    }
 }
 
 /// The processes whose environment holds `WORKBOOK_TEST_MARK=mark` (a

@@ -157,7 +157,10 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
     let missing = LlamaConfig::from_file("no/such/config.json")
         .unwrap_err()
         .to_string();
-    assert!(missing.starts_with("no/such/config.json: "), "{missing}");
+    assert!(
+        missing.starts_with("cannot read no/such/config.json: "),
+        "{missing}"
+    );
 }
 
 fn max_rel(a: &Tensor, b: &Tensor) -> Result<f64> {

@@ -35,6 +35,7 @@
 
 #[cfg(feature = "candle")]
 pub mod device;
+pub mod file;
 pub mod meter;
 pub mod metric;
 #[cfg(feature = "candle")]

@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Published {
-    /// Its `config.json` (from the repository's root, or a path of yours).
+    /// Its `config.json`: an absolute path, one from the working directory
+    /// (not the chapter's folder), or one from the repository's root.
     pub config: String,
     /// Its published parameter count.
     pub published: u64,
@@ -51,8 +52,9 @@ impl Default for ShapesParams {
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StepParams {
-    /// The model's `config.json` (from the repository's root, or a path of
-    /// yours).
+    /// The model's `config.json`: an absolute path, one from the working
+    /// directory (not the chapter's folder), or one from the repository's
+    /// root, as `models/smollm2-135m.config.json`.
     pub config: String,
     /// Blocks to build, at most the config's (fewer scale it down).
     pub layers: Option<usize>,

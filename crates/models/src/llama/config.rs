@@ -74,14 +74,9 @@ pub const MAX_PARAMETERS: u64 = 1 << 50;
 /// A `config.json` that cannot be a decoder's: where, and what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// The file could not be read.
-    #[error("{path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
+    /// The file could not be read, or is not a small regular file.
+    #[error(transparent)]
+    Read(#[from] workbook_sdk::file::FileError),
     /// Not JSON, or a field of the wrong type.
     #[error("{origin}:{line}:{column}: {message}")]
     Syntax {
@@ -108,6 +103,17 @@ pub enum ConfigError {
     },
 }
 
+/// The largest `config.json` read: a published one is a few kilobytes.
+pub const MAX_CONFIG_FILE: u64 = 64 << 10;
+
+/// A decoder's `config.json`, as its read errors name it.
+pub const CONFIG_FILE: workbook_sdk::file::FileKind = workbook_sdk::file::FileKind {
+    name: "a decoder's config.json",
+    is: "a regular .json file",
+    holds: "the decoder's shape (`hidden_size`, `num_hidden_layers`, `vocab_size`, ...)",
+    max_bytes: MAX_CONFIG_FILE,
+};
+
 /// The fields of a Hugging Face `config.json` that set a decoder's shape;
 /// the others (tokens, generation, dtype) are ignored.
 #[derive(Debug, Deserialize)]
@@ -132,13 +138,12 @@ struct Raw {
 }
 
 impl LlamaConfig {
-    /// Reads a Hugging Face `config.json`.
+    /// Reads a Hugging Face `config.json`, a regular file of at most
+    /// [`MAX_CONFIG_FILE`] bytes: a pipe, a device or a weights file given
+    /// in its place is refused before it is read.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = workbook_sdk::file::read_small(path, CONFIG_FILE)?;
         Self::from_json(&text, &path.display().to_string())
     }
 

@@ -7,7 +7,7 @@
 
 mod config;
 
-pub use config::{ConfigError, Family, LlamaConfig};
+pub use config::{ConfigError, Family, LlamaConfig, CONFIG_FILE, MAX_CONFIG_FILE};
 
 use candle_checkpoint::{add_grad, Checkpointed, Observer, Sequential};
 use candle_core::backprop::GradStore;

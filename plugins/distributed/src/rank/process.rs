@@ -41,7 +41,8 @@ pub(super) fn write_report(report: &RankReport, dir: &Path) -> anyhow::Result<()
 
 /// What a test asks a rank to do wrong: `RANK:STAGE:crash` exits at the
 /// start of that stage, `RANK:STAGE:hang` sleeps there (from
-/// `WORKBOOK_RANK_FAULT`, read by [`rank_main`]).
+/// `WORKBOOK_RANK_FAULT`, read by [`rank_main`] and by a plan's
+/// verification on ranks, which strikes at the stage it verifies).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fault {
     rank: usize,
@@ -78,7 +79,8 @@ impl Fault {
         }))
     }
 
-    pub(super) fn strike(&self, rank: usize, stage: Stage) {
+    /// Crashes or hangs this process if it is rank `rank` at `stage`.
+    pub fn strike(&self, rank: usize, stage: Stage) {
         if self.rank != rank || self.stage != stage {
             return;
         }
