@@ -152,18 +152,19 @@ fn every_bad_parameter_value_of_a_chapter_is_reported_before_anything_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let f = "tests/fixtures/bad_values.toml";
     let expected = [
-        "error: 11 problems:",
+        "error: 12 problems:",
         "8:10: cell `accumulation`: parameter `compare_steps` (its default, at check size) is 4; allowed: from 1 to 1",
         "10:1: cell `accumulation`: parameter `steps[0]` is 0; allowed: at least 1",
         "11:1: cell `accumulation`: parameter `widths` is []; allowed: a list of at least 2 entries",
         "12:1: cell `accumulation`: parameter `lr` is NaN; allowed: a finite number above 0",
         "14:1: cell `accumulation`: check parameter `large_batch` is 0; allowed: at least 1",
         "21:1: cell `checkpointing`: parameter `segments` is []; allowed: a list of at least 1 entry",
-        "24:1: cell `checkpointing`: check parameter `segments[1]` is 9; allowed: at most the 8 modules of the stack (2 × stack_depth)",
-        "31:1: cell `footprint`: parameter `dtypes[0]` is \"fp16\"; allowed: one of f32, f16, bf16",
-        "32:1: cell `footprint`: parameter `small` is a layer's weight = 4294967296 × 4294967296; allowed: a product of at most 1099511627776 elements (2^40)",
-        "39:1: cell `attention`: parameter `heads` is 0; allowed: at least 1",
-        "40:1: cell `attention`: parameter `lengths` is []; allowed: a list of at least 1 entry",
+        "23:1: cell `checkpointing`: parameter `classes` is 4294967296; allowed: from 2 to 4294967295",
+        "25:1: cell `checkpointing`: check parameter `segments[1]` is 9; allowed: at most the 8 modules of the stack (2 × stack_depth)",
+        "32:1: cell `footprint`: parameter `dtypes[0]` is \"fp16\"; allowed: one of f32, f16, bf16",
+        "33:1: cell `footprint`: parameter `small` is a layer's weight = 4294967296 × 4294967296; allowed: a product of at most 1099511627776 elements (2^40)",
+        "40:1: cell `attention`: parameter `heads` is 0; allowed: at least 1",
+        "41:1: cell `attention`: parameter `lengths` is []; allowed: a list of at least 1 entry",
     ];
     for command in ["validate", "run"] {
         let (_, err) = text(&workbook(&[command, f], root));
@@ -175,6 +176,81 @@ fn every_bad_parameter_value_of_a_chapter_is_reported_before_anything_runs() {
         }
         refused(&[command, f], root);
     }
+}
+
+/// A GPT cell whose check table overrides the model's fields in `check`.
+fn nested_chapter(check: &str) -> String {
+    format!(
+        "format_version = 1\nid = \"nested\"\ntitle = \"nested\"\n\n\
+         [[cells]]\nid = \"saved\"\ntitle = \"saved\"\nplugin = \"saved_tensors\"\n\
+         [cells.params.model]\nlayers = 2\nhidden = 64\nheads = 4\nseq = 64\nvocab = 128\n\
+         attention = \"naive\"\nlean = false\n\
+         [cells.check.model]\n{check}\n"
+    )
+}
+
+#[test]
+fn a_check_table_overrides_nested_fields_one_by_one_and_errors_say_where_each_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("nested.toml");
+    // `seq` alone: the full table's other fields stay.
+    std::fs::write(&f, nested_chapter("seq = 32")).unwrap();
+    let o = workbook(&["validate", f.to_str().unwrap()], dir.path());
+    assert!(o.status.success(), "{}", text(&o).1);
+    // A field the check table writes is its; one it leaves is the full
+    // table's, read at check size.
+    std::fs::write(&f, nested_chapter("seq = 0\nheads = 3")).unwrap();
+    let err = refused(&["validate", f.to_str().unwrap()], dir.path());
+    let at = f.display();
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        [
+            "error: 2 problems:".to_string(),
+            format!(
+                "{at}:9:15: cell `saved`: parameter `model.hidden` (at check size) is 64; \
+                 allowed: a positive multiple of heads (3)"
+            ),
+            format!(
+                "{at}:17:14: cell `saved`: check parameter `model.seq` is 0; allowed: at least 1"
+            ),
+        ]
+    );
+}
+
+#[test]
+fn a_gpt_cell_whose_step_cannot_be_allocated_is_refused_by_its_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("huge_gpt.toml");
+    std::fs::write(
+        &f,
+        "format_version = 1\nid = \"huge_gpt\"\ntitle = \"huge\"\n\n\
+         [[cells]]\nid = \"logits\"\ntitle = \"logits\"\nplugin = \"gpt_training\"\n\
+         [cells.params]\nbatch = 4\nrecipe = \"direct_tiled\"\n\
+         [cells.params.model]\nlayers = 2\nhidden = 64\nheads = 4\nseq = 1000000\n\
+         vocab = 2000000\nattention = \"tiled\"\nlean = true\n\n\
+         [[cells]]\nid = \"scores\"\ntitle = \"scores\"\nplugin = \"saved_tensors\"\n\
+         [cells.params]\nbatch = 4\nrecipes = [\"candle\"]\n\
+         [cells.params.model]\nlayers = 2\nhidden = 64\nheads = 4\nseq = 600000\n\
+         vocab = 128\nattention = \"naive\"\nlean = false\n",
+    )
+    .unwrap();
+    let err = refused(&["validate", f.to_str().unwrap()], dir.path());
+    let at = f.display();
+    let most = "allowed: a product of at most 1099511627776 elements (2^40)";
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        [
+            "error: 2 problems:".to_string(),
+            format!(
+                "{at}:10:1: cell `logits`: parameter `batch` is batch × seq × vocab = 4 × \
+                 1000000 × 2000000; {most}"
+            ),
+            format!(
+                "{at}:26:1: cell `scores`: parameter `batch` is batch × heads × seq × seq = 4 × \
+                 4 × 600000 × 600000; {most}"
+            ),
+        ]
+    );
 }
 
 #[test]

@@ -113,6 +113,74 @@ fn a_cell_that_needs_terabytes_is_refused_before_it_runs_and_the_others_pass() {
 }
 
 #[test]
+fn a_gpt_cell_whose_weights_pass_the_cap_is_refused_before_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("wide_gpt.toml");
+    std::fs::write(
+        &f,
+        "format_version = 1\nid = \"wide_gpt\"\ntitle = \"wide\"\n\n\
+         [[cells]]\nid = \"wide\"\ntitle = \"wide\"\nplugin = \"gpt_training\"\n\
+         [cells.params]\nbatch = 16\n\
+         [cells.params.model]\nlayers = 4\nhidden = 4096\nheads = 4\nseq = 64\n\
+         vocab = 128\nattention = \"tiled\"\nlean = true\n",
+    )
+    .unwrap();
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--format",
+        "json",
+        "--max-memory",
+        "1GiB",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
+    let r = report(&o);
+    let wide = cell(&r, "wide");
+    assert_eq!(wide["status"], "error");
+    // 4·(12·4096² + 13·4096) + 4096·128 + 64·4096 + 2·4096 weights and
+    // 16 × 64 × 128 logits, in f32.
+    assert_eq!(
+        wide["error"],
+        "refused before running: it needs at least 3.0 GiB (the 806313984 weights and the 16 × \
+         64 × 128 logits of a step, 4 bytes each), more than the 1.0 GiB a cell may hold here \
+         (`--max-memory`)"
+    );
+    assert_eq!(
+        wide["printed"].as_array().unwrap().len(),
+        0,
+        "it did not run"
+    );
+}
+
+#[test]
+fn an_attention_sweep_of_one_length_records_no_growth_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("one_length.toml");
+    std::fs::write(
+        &f,
+        "format_version = 1\nid = \"one_length\"\ntitle = \"one\"\n\n\
+         [[cells]]\nid = \"attention\"\ntitle = \"attention\"\nplugin = \"attention\"\n\
+         assertions = [\"peak_ratio_naive_tiled > 1\"]\n\
+         [cells.params]\nheads = 2\nhead_dim = 16\nlengths = [64]\nq_block = 32\n\
+         k_block = 32\ncheck_length = 32\nrepeats = 1\n",
+    )
+    .unwrap();
+    let o = run(&["run", f.to_str().unwrap(), "--format", "json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
+    let r = report(&o);
+    let one = cell(&r, "attention");
+    let metrics = one["metrics"].as_object().unwrap();
+    assert!(metrics.contains_key("peak_naive"), "{one}");
+    assert!(!metrics.keys().any(|k| k.starts_with("growth_")), "{one}");
+    assert!(
+        one["printed"].as_array().unwrap().iter().any(|l| l
+            == "no growth_* metrics: the sweep's first and last lengths are both 64, \
+                 and how a peak grows with N needs two"),
+        "{one}"
+    );
+}
+
+#[test]
 fn a_cell_that_passes_the_memory_cap_while_it_runs_fails_alone() {
     let o = run(&[
         "run",

@@ -156,7 +156,8 @@ pub struct Cell {
     pub plugin: String,
     /// Full-size parameters.
     pub params: toml::Table,
-    /// Check-size parameters: `params` with the `check` table laid over it.
+    /// Check-size parameters: `params` with the `check` table laid over it,
+    /// nested tables merged key by key.
     pub check_params: toml::Table,
     /// The assertions, parsed.
     pub assertions: Vec<Assertion>,

@@ -124,6 +124,35 @@ fn plain(table: &SpannedTable) -> toml::Table {
         .collect()
 }
 
+/// `over` laid over `base`, as the check table over the full one: a table
+/// merges key by key at any depth (`[cells.check.scaler] init_scale = 1.0`
+/// keeps the full table's other scaler fields); any other value, a list
+/// included, replaces the one beneath it.
+pub(super) fn lay_over(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(below)), toml::Value::Table(above)) => lay_over(below, above),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// That the nested field `rest` (`.init_scale`, `.inner.x[2]`, or empty) is
+/// written within `value`: each table on the way holds its key. An index
+/// ends the walk: a list is written whole.
+fn holds(value: &toml::Value, rest: &str) -> bool {
+    let Some(rest) = rest.strip_prefix('.') else {
+        return true;
+    };
+    let end = rest.find(['.', '[']).unwrap_or(rest.len());
+    match value.get(&rest[..end]) {
+        Some(inner) => holds(inner, &rest[end..]),
+        None => false,
+    }
+}
+
 struct Source<'a> {
     path: &'a Path,
     text: &'a str,
@@ -219,7 +248,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
         let shown_id = quote(&id);
         let params = plain(&rc.params);
         let mut check_params = params.clone();
-        check_params.extend(plain(&rc.check));
+        lay_over(&mut check_params, plain(&rc.check));
         let plugin_name = rc.plugin.get_ref();
         match registry.resolve(plugin_name) {
             Err(unusable) => errors.push(src.error(
@@ -388,18 +417,22 @@ struct CellSource<'a> {
 
 impl CellSource<'_> {
     /// Where the parameter behind `field` (`steps[2]`, `scaler.init_scale`)
-    /// is written: in the check table when it is there and `check` is set,
-    /// else in the full-size table, else nowhere (its default: the error
-    /// points at the plugin).
+    /// is written: in the check table when it is there and `check` is set
+    /// (a nested field in the check table's copy of its table), else in the
+    /// full-size table, else nowhere (its default: the error points at the
+    /// plugin).
     fn locate(&self, field: &str, check: bool) -> (std::ops::Range<usize>, Written) {
-        let key = field.split(['.', '[']).next().unwrap_or_default();
-        let lookup = |t: &SpannedTable| t.get_key_value(key).map(|(k, _)| k.span());
-        match (
-            check.then(|| lookup(self.check)).flatten(),
-            lookup(self.params),
-        ) {
-            (Some(span), _) => (span, Written::Check),
-            (None, Some(span)) => (span, Written::Full),
+        let end = field.find(['.', '[']).unwrap_or(field.len());
+        let (key, rest) = field.split_at(end);
+        let lookup = |t: &SpannedTable| {
+            t.get_key_value(key)
+                .map(|(k, v)| (k.span(), holds(v.get_ref(), rest)))
+        };
+        let in_check = if check { lookup(self.check) } else { None };
+        match (in_check, lookup(self.params)) {
+            (Some((span, true)), _) => (span, Written::Check),
+            (_, Some((span, _))) => (span, Written::Full),
+            (Some((span, false)), None) => (span, Written::Check),
             (None, None) => (self.plugin.clone(), Written::Default),
         }
     }

@@ -304,7 +304,16 @@ pub fn attention_summary(ctx: &mut Context, p: &AttentionParams, s: &LengthSweep
     for (i, m) in METHODS.iter().enumerate() {
         ctx.metric(format!("peak_{}", m.name()), last(&s.peaks[i]));
         ctx.metric(format!("time_{}", m.name()), last(&s.times[i]));
-        ctx.metric(format!("growth_{}", m.name()), exponent(&s.peaks[i]));
+        // One length has no growth to measure: 0 / 0 is no exponent.
+        if n1 != n0 {
+            ctx.metric(format!("growth_{}", m.name()), exponent(&s.peaks[i]));
+        }
+    }
+    if n1 == n0 {
+        ctx.print(format!(
+            "no growth_* metrics: the sweep's first and last lengths are both {n0}, and how a \
+             peak grows with N needs two"
+        ));
     }
     let at = |m: Method| METHODS.iter().position(|&x| x == m).unwrap_or(0);
     let peak = |m: Method| last(&s.peaks[at(m)]);

@@ -105,7 +105,8 @@ impl Plugin for Checkpointing {
         let mut r = Rules::new();
         r.at_least("width", p.width, 1)
             .at_least("batch", p.batch, 1)
-            .at_least("classes", p.classes, 2)
+            // Labels are drawn as u32.
+            .between("classes", p.classes, 2, u32::MAX as usize)
             .at_least("stack_width", p.stack_width, 1)
             .at_least("stack_depth", p.stack_depth, 1)
             .at_least("stack_batch", p.stack_batch, 1)
@@ -141,6 +142,12 @@ impl Plugin for Checkpointing {
         let (w, sw) = (p.width as u64, p.stack_width as u64);
         r.elements("width", "width × width", &[w, w])
             .elements("batch", "batch × width", &[p.batch as u64, w])
+            .elements("classes", "width × classes", &[w, p.classes as u64])
+            .elements(
+                "batch",
+                "batch × classes",
+                &[p.batch as u64, p.classes as u64],
+            )
             .elements("stack_width", "stack_width × stack_width", &[sw, sw])
             .elements(
                 "stack_batch",

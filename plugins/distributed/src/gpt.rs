@@ -87,25 +87,10 @@ impl Plugin for GptRanks {
             .one_of("dtype", &p.dtype, &workbook_sdk::DTYPES)
             .at_least("steps", p.steps, 1)
             .within("timeout_seconds", p.timeout_seconds, 1.0, 604_800.0);
-        let m = &p.model;
-        r.require(
-            m.checked_param_count().is_some(),
-            "model",
-            format!("{} blocks of hidden {}", m.layers, m.hidden),
-            "allowed: a parameter count that fits 64 bits",
-        );
-        let (b, s, h) = (p.batch as u64, m.seq as u64, m.hidden as u64);
-        r.elements("model.vocab", "hidden × vocab", &[h, m.vocab as u64])
-            .elements("batch", "batch × seq × hidden", &[b, s, h])
-            .elements("batch", "batch × seq × vocab", &[b, s, m.vocab as u64]);
         // Tiled attention never holds a sequence's whole score matrix.
-        if p.recipe.apply(p.model).attention != AttentionKind::Tiled {
-            r.elements(
-                "batch",
-                "batch × heads × seq × seq",
-                &[b, m.heads as u64, s, s],
-            );
-        }
+        let scores = p.recipe.apply(p.model).attention != AttentionKind::Tiled;
+        p.model
+            .check_step(&mut r, "model", ("batch", p.batch), scores);
         counts::check(&mut r, "ranks", &p.ranks, Split::Sequences(p.batch));
         r.into_violations()
     }

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::training::check_run;
+use crate::training::{check_run, holds_scores, step_floor};
 use workbook_models::{GptConfig, Recipe};
 
 /// Parameters of the `layer_profile` cell.
@@ -79,7 +79,8 @@ impl Plugin for LayerProfile {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        let scores = holds_scores(p.model, p.recipe);
+        check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         r.at_least("repeats", p.repeats, 1);
         if p.recipe.direct() {
             r.violation(
@@ -90,6 +91,10 @@ impl Plugin for LayerProfile {
             );
         }
         r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        step_floor(&p.model, p.batch, &p.dtype)
     }
 
     fn metrics(&self) -> Vec<MetricSpec> {

@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::training::check_run;
-use workbook_models::GptConfig;
+use crate::training::{check_run, step_floor};
+use workbook_models::{AttentionKind, GptConfig};
 
 /// Parameters of the `gpt_checkpointing` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -58,12 +58,17 @@ impl Plugin for GptCheckpointing {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        let scores = p.model.attention != AttentionKind::Tiled;
+        check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         r.at_least("repeats", p.repeats, 1);
         for (i, k) in p.every.iter().enumerate() {
             r.between(&format!("every[{i}]"), *k, 1, p.model.layers + 1);
         }
         r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        step_floor(&p.model, p.batch, &p.dtype)
     }
 
     fn metrics(&self) -> Vec<MetricSpec> {

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::training::check_run;
+use crate::training::{check_run, holds_scores, step_floor};
 use workbook_models::{GptConfig, Recipe};
 
 /// Parameters of the `saved_tensors` cell.
@@ -54,7 +54,11 @@ impl Plugin for SavedTensors {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        let scores = p
+            .recipes
+            .iter()
+            .any(|&recipe| holds_scores(p.model, recipe));
+        check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         if p.recipes.is_empty() {
             let names: Vec<&str> = Recipe::ALL.iter().map(|r| r.name()).collect();
             r.violation(
@@ -64,6 +68,10 @@ impl Plugin for SavedTensors {
             );
         }
         r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        step_floor(&p.model, p.batch, &p.dtype)
     }
 
     fn metrics(&self) -> Vec<MetricSpec> {

@@ -52,11 +52,44 @@ impl Default for Params {
 }
 
 /// Checks what every cell of this crate takes: the model, a batch of at
-/// least `least` sequences, and a dtype by name.
-pub(crate) fn check_run(r: &mut Rules, model: &GptConfig, batch: usize, least: usize, dtype: &str) {
+/// least `least` sequences, a dtype by name, and a step whose tensors can
+/// be allocated at all (with every head's scores held when `scores`: an
+/// attention that is not tiled).
+pub(crate) fn check_run(
+    r: &mut Rules,
+    model: &GptConfig,
+    (batch, least): (usize, usize),
+    dtype: &str,
+    scores: bool,
+) {
     model.check(r, "model");
     r.at_least("batch", batch, least);
     r.one_of("dtype", dtype, &workbook_sdk::DTYPES);
+    model.check_step(r, "model", ("batch", batch), scores);
+}
+
+/// Whether `model` run as `recipe` holds every head's attention scores.
+pub(crate) fn holds_scores(model: GptConfig, recipe: Recipe) -> bool {
+    recipe.apply(model).attention != AttentionKind::Tiled
+}
+
+/// The least a step of `model` on `batch` sequences holds in `dtype`, for
+/// the runner's pre-flight against the memory it may use: the weights and
+/// one batch's logits. `None` where a size overflows (validation refuses
+/// those).
+pub(crate) fn step_floor(model: &GptConfig, batch: usize, dtype: &str) -> Option<(u64, String)> {
+    let size = workbook_sdk::parse_dtype(dtype).ok()?.size_in_bytes() as u64;
+    let psi = model.checked_param_count()?;
+    let logits = (batch as u64)
+        .checked_mul(model.seq as u64)?
+        .checked_mul(model.vocab as u64)?;
+    Some((
+        psi.checked_add(logits)?.checked_mul(size)?,
+        format!(
+            "the {psi} weights and the {batch} × {} × {} logits of a step, {size} bytes each",
+            model.seq, model.vocab
+        ),
+    ))
 }
 
 /// The `gpt_training` plugin.
@@ -76,10 +109,15 @@ impl Plugin for GptTraining {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        check_run(&mut r, &p.model, p.batch, 1, &p.dtype);
+        let scores = holds_scores(p.model, p.recipe);
+        check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         r.at_least("steps", p.steps, 2);
         r.positive("lr", p.lr);
         r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        step_floor(&p.model, p.batch, &p.dtype)
     }
 
     fn metrics(&self) -> Vec<MetricSpec> {

@@ -6,7 +6,7 @@ use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
 use crate::predict::Predictor;
-use crate::training::check_run;
+use crate::training::{check_run, holds_scores, step_floor};
 use workbook_models::GptConfig;
 use workbook_models::Recipe;
 
@@ -62,6 +62,18 @@ impl Default for Params {
     }
 }
 
+impl Params {
+    /// The model of run `v`: the base with its sizes changed.
+    fn variant_model(&self, v: &Variant) -> GptConfig {
+        GptConfig {
+            layers: v.layers.unwrap_or(self.model.layers),
+            hidden: v.hidden.unwrap_or(self.model.hidden),
+            seq: v.seq.unwrap_or(self.model.seq),
+            ..self.model
+        }
+    }
+}
+
 /// The `predictors` plugin.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Predictors;
@@ -81,7 +93,8 @@ impl Plugin for Predictors {
         let mut r = Rules::new();
         // The calibrated predictor measures batches 1 and 2: from 3 on, its
         // figure is an extrapolation, not one of its own measurements.
-        check_run(&mut r, &p.model, p.batch, 3, &p.dtype);
+        let scores = holds_scores(p.model, p.recipe);
+        check_run(&mut r, &p.model, (p.batch, 3), &p.dtype, scores);
         if p.recipe.direct() {
             r.violation(
                 "recipe",
@@ -91,21 +104,35 @@ impl Plugin for Predictors {
             );
         }
         for (i, v) in p.variants.iter().enumerate() {
-            let c = GptConfig {
-                layers: v.layers.unwrap_or(p.model.layers),
-                hidden: v.hidden.unwrap_or(p.model.hidden),
-                seq: v.seq.unwrap_or(p.model.seq),
-                ..p.model
-            };
+            let c = p.variant_model(v);
             c.check(&mut r, &format!("variants[{i}]"));
             if let Some(b) = v.batch {
                 r.at_least(&format!("variants[{i}].batch"), b, 3);
             }
+            c.check_step(
+                &mut r,
+                &format!("variants[{i}]"),
+                (&format!("variants[{i}].batch"), v.batch.unwrap_or(p.batch)),
+                scores,
+            );
             if let Some(d) = &v.dtype {
                 r.one_of(&format!("variants[{i}].dtype"), d, &workbook_sdk::DTYPES);
             }
         }
         r.into_violations()
+    }
+
+    fn memory_floor(&self, p: &Params) -> Option<(u64, String)> {
+        // The largest of the runs, each of which the cell trains in turn.
+        let variants = p.variants.iter().map(|v| {
+            let dtype = v.dtype.as_deref().unwrap_or(&p.dtype);
+            step_floor(&p.variant_model(v), v.batch.unwrap_or(p.batch), dtype)
+        });
+        std::iter::once(step_floor(&p.model, p.batch, &p.dtype))
+            .chain(variants)
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .max_by_key(|(bytes, _)| *bytes)
     }
 
     fn metrics(&self) -> Vec<MetricSpec> {

@@ -97,6 +97,43 @@ impl GptConfig {
         );
     }
 
+    /// Checks that a step of this model on `batch` sequences can be counted
+    /// and allocated at all: a parameter count that fits 64 bits, and each
+    /// large tensor (the token table, a layer's activations, the logits
+    /// and, with `scores`, every head's attention scores) within the 2^40
+    /// elements a cell may hold. `field` names the model, `batch_field`
+    /// the batch.
+    pub fn check_step(
+        &self,
+        r: &mut workbook_sdk::Rules,
+        field: &str,
+        (batch_field, batch): (&str, usize),
+        scores: bool,
+    ) {
+        r.require(
+            self.checked_param_count().is_some(),
+            field,
+            format!("{} blocks of hidden {}", self.layers, self.hidden),
+            "allowed: a parameter count that fits 64 bits",
+        );
+        let (b, s, h, v) = (
+            batch as u64,
+            self.seq as u64,
+            self.hidden as u64,
+            self.vocab as u64,
+        );
+        r.elements(&format!("{field}.vocab"), "hidden × vocab", &[h, v])
+            .elements(batch_field, "batch × seq × hidden", &[b, s, h])
+            .elements(batch_field, "batch × seq × vocab", &[b, s, v]);
+        if scores {
+            r.elements(
+                batch_field,
+                "batch × heads × seq × seq",
+                &[b, self.heads as u64, s, s],
+            );
+        }
+    }
+
     /// Parameters of the model: `h·v + s·h + L·(12h² + 13h) + 2h` with the
     /// head tied to the token embedding, `h·v` more with a head of its own.
     ///
