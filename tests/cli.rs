@@ -314,6 +314,33 @@ fn unknown_cell_lists_the_chapters_cells() {
     assert!(err.contains(&expected), "{err}");
 }
 
+#[test]
+fn a_refused_run_leaves_the_earlier_report_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let page = dir.path().join("report.html");
+    std::fs::write(&page, "the earlier report").unwrap();
+    let out = dir.path().to_str().unwrap();
+    let mut refused = vec![vec![
+        "run",
+        "chapter2",
+        "--out",
+        out,
+        "--cell",
+        "chekpointing",
+    ]];
+    if !cfg!(feature = "cuda") {
+        refused.push(vec!["run", "chapter2", "--out", out, "--device", "cuda"]);
+    }
+    for args in refused {
+        bad_input(&args);
+        assert_eq!(
+            std::fs::read_to_string(&page).unwrap(),
+            "the earlier report",
+            "{args:?}"
+        );
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_on_a_cpu_build_says_how_to_get_it() {

@@ -93,6 +93,13 @@ pub fn run(wb: &Workbook, args: &RunArgs) -> anyhow::Result<ExitCode> {
         std::env::set_var("WORKBOOK_RANKS", n.to_string());
     }
     let ch = wb.load(chapter)?;
+    // A misspelt `--cell`, or `--device cuda` in a build without CUDA, is
+    // refused before an earlier report is removed. (A CUDA build asks its
+    // worker, so that this process never holds a context on the card.)
+    workbook::runner::check_cells(&ch, cells)?;
+    if !cfg!(feature = "cuda") {
+        workbook_sdk::device::select(*device).map_err(workbook::RunError::Device)?;
+    }
     // An unwritable folder is found before any cell runs, and an
     // earlier report there is removed.
     let html = match out {

@@ -146,6 +146,18 @@ pub trait RunObserver {
 pub struct Quiet;
 impl RunObserver for Quiet {}
 
+/// That every id of `cells` (a `--cell` selection) names a cell of
+/// `chapter`; the first that does not is the error, with the ids it has.
+pub fn check_cells(chapter: &Chapter, cells: &[String]) -> Result<(), RunError> {
+    match cells
+        .iter()
+        .find(|id| !chapter.cells.iter().any(|c| &c.id == *id))
+    {
+        Some(id) => Err(RunError::unknown_cell(chapter, id)),
+        None => Ok(()),
+    }
+}
+
 /// Runs `chapter` with `registry`'s plugins.
 pub fn run(
     registry: &Registry,
@@ -153,11 +165,7 @@ pub fn run(
     options: &RunOptions,
     observer: &mut dyn RunObserver,
 ) -> Result<ChapterReport, RunError> {
-    for id in &options.cells {
-        if !chapter.cells.iter().any(|c| &c.id == id) {
-            return Err(RunError::unknown_cell(chapter, id));
-        }
-    }
+    check_cells(chapter, &options.cells)?;
     let selected: Vec<(usize, &Cell)> = chapter
         .cells
         .iter()
