@@ -29,11 +29,23 @@ from torch.utils.checkpoint import checkpoint_sequential
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def lay_over(base, over):
+    """`over` laid over `base` as the workbook lays a check table over the
+    full one: tables merged key by key at any depth, other values replaced."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(merged.get(key), dict) and isinstance(value, dict):
+            merged[key] = lay_over(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def params(chapter, cell_id, check):
     cell = next(c for c in chapter["cells"] if c["id"] == cell_id)
     p = dict(cell.get("params", {}))
     if check:
-        p.update(cell.get("check", {}))
+        p = lay_over(p, cell.get("check", {}))
     return p
 
 

@@ -182,15 +182,24 @@ fn toml_as_json(text: &str) -> serde_json::Value {
 fn the_chapter_schema_accepts_the_chapters_and_catches_what_validate_catches() {
     let schema = chapter_schema();
     let validator = jsonschema::draft7::new(&schema).unwrap();
-    let chapter2 = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("chapters/chapter2.toml"),
-    )
-    .unwrap();
-    let errors: Vec<String> = validator
-        .iter_errors(&toml_as_json(&chapter2))
-        .map(|e| e.to_string())
+    // Every chapter, check tables that override one field of a nested
+    // table included.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("chapters");
+    let mut chapters: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
-    assert!(errors.is_empty(), "{errors:?}");
+    chapters.sort();
+    assert!(chapters.len() >= 4, "{chapters:?}");
+    for path in chapters {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let errors: Vec<String> = validator
+            .iter_errors(&toml_as_json(&text))
+            .map(|e| format!("{}: {e}", e.instance_path()))
+            .collect();
+        assert!(errors.is_empty(), "{}: {errors:?}", path.display());
+    }
     let cell = |plugin: &str, params: &str| {
         toml_as_json(&format!(
             "format_version = 1\nid = \"c\"\ntitle = \"t\"\n[[cells]]\nid = \"a\"\n\
@@ -198,6 +207,7 @@ fn the_chapter_schema_accepts_the_chapters_and_catches_what_validate_catches() {
         ))
     };
     assert!(validator.is_valid(&cell("footprint", "params = { batch = 4 }")));
+    assert!(validator.is_valid(&cell("gpt_training", "check = { model = { seq = 16 } }")));
     // A misspelt parameter, a parameter of the wrong type, one out of its
     // range, a misspelt field of the cell.
     for (plugin, params) in [
@@ -209,6 +219,7 @@ fn the_chapter_schema_accepts_the_chapters_and_catches_what_validate_catches() {
             "params = { scaler = { init_scale = 2.0, growth = 2 } }",
         ),
         ("footprint", "asserts = [\"x > 1\"]"),
+        ("gpt_training", "check = { model = { sq = 16 } }"),
     ] {
         assert!(
             !validator.is_valid(&cell(plugin, params)),

@@ -8,7 +8,7 @@ use super::{parse, Chapter, ChapterError};
 use crate::excerpt::quote;
 use crate::registry::Registry;
 use crate::suggest;
-pub use workbook_sdk::file::not_a_regular_file;
+use workbook_sdk::file::not_a_regular_file;
 
 /// Reads and validates the chapter at `path`.
 pub fn load_path(path: &Path, registry: &Registry) -> Result<Chapter, ChapterError> {

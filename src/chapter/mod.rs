@@ -40,7 +40,7 @@ mod parse;
 mod raw_assertion;
 mod schema;
 
-pub use find::{available, default_dirs, load_path, not_a_regular_file, resolve};
+pub use find::{available, default_dirs, load_path, resolve};
 pub use parse::{parse, seconds, MAX_ID};
 pub use schema::json_schema;
 

@@ -431,8 +431,10 @@ impl CellSource<'_> {
         let in_check = if check { lookup(self.check) } else { None };
         match (in_check, lookup(self.params)) {
             (Some((span, true)), _) => (span, Written::Check),
-            (_, Some((span, _))) => (span, Written::Full),
-            (Some((span, false)), None) => (span, Written::Check),
+            (_, Some((span, true))) => (span, Written::Full),
+            // A table is written that does not write this field: its
+            // default, pointed at the table.
+            (Some((span, false)), _) | (None, Some((span, false))) => (span, Written::Default),
             (None, None) => (self.plugin.clone(), Written::Default),
         }
     }

@@ -27,6 +27,11 @@ pub fn json_schema(registry: &Registry) -> serde_json::Value {
             for (k, v) in defs {
                 let mut v = v;
                 rewrite_refs(&mut v, name);
+                // A check table's nested tables are merged over the full
+                // one's key by key: their fields are optional too.
+                let mut optional = v.clone();
+                all_optional(&mut optional);
+                definitions[format!("{name}.{k}{OPTIONAL}")] = optional;
                 definitions[format!("{name}.{k}")] = v;
             }
         }
@@ -35,11 +40,9 @@ pub fn json_schema(registry: &Registry) -> serde_json::Value {
             o.remove("$schema");
             o.remove("title");
         }
-        // `check` takes the same fields, none of them required.
+        // `check` takes the same fields, none of them required at any depth.
         let mut check = params.clone();
-        if let Some(o) = check.as_object_mut() {
-            o.remove("required");
-        }
+        all_optional(&mut check);
         per_plugin.push(json!({
             "if": { "properties": { "plugin": { "const": name } }, "required": ["plugin"] },
             "then": { "properties": { "params": params, "check": check } }
@@ -50,6 +53,34 @@ pub fn json_schema(registry: &Registry) -> serde_json::Value {
         cell["allOf"] = Value::Array(per_plugin);
     }
     schema
+}
+
+/// What the name of a definition whose fields are all optional ends with.
+const OPTIONAL: &str = ".optional";
+
+/// `schema` with no field required at any depth, its references pointing
+/// at the definitions' optional copies.
+fn all_optional(schema: &mut serde_json::Value) {
+    use serde_json::Value;
+    match schema {
+        Value::Object(o) => {
+            o.remove("required");
+            for (k, x) in o.iter_mut() {
+                match (k.as_str(), x) {
+                    ("$ref", Value::String(r)) => r.push_str(OPTIONAL),
+                    // Keys here are field names, each value a schema.
+                    ("properties", Value::Object(fields)) => {
+                        fields.values_mut().for_each(all_optional)
+                    }
+                    // Values, not schemas.
+                    ("default" | "examples" | "const" | "enum", _) => {}
+                    (_, x) => all_optional(x),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(all_optional),
+        _ => {}
+    }
 }
 
 /// Points a plugin schema's `#/$defs/X` at the document's
