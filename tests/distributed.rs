@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use serde_json::Value;
 
 mod common;
-use common::{marked, none_left};
+use common::{marked, none_left, output_within, RUN_LIMIT};
 
 /// One job at a time: each starts MPI ranks that would compete for this
 /// machine's cores, and the hang test's time limit must not be eaten by
@@ -399,30 +399,38 @@ fn plan(recipes: &str, args: &[&str]) -> Value {
 #[test]
 fn a_verification_whose_rank_crashes_exits_1_with_the_plan_printed() {
     let _one = one_job();
-    let out = Command::new(env!("CARGO_BIN_EXE_workbook"))
-        .args([
+    for json in [false, true] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_workbook"));
+        cmd.args([
             "plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
         ])
         .args(["--vocab", "128", "--batch", "8", "--dtypes", "f32"])
         .args([
             "--budget", "1GiB", "--ranks", "2", "--stages", "zero1", "--verify",
         ])
+        .args(json.then_some("--json"))
         .env("WORKBOOK_RANK_FAULT", "1:zero1:crash")
-        .env("WORKBOOK_TEST_MARK", "plan-rank-crash")
-        .output()
-        .expect("the binary runs");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stdout.contains("chosen"), "{stdout}");
-    assert!(
-        stderr.contains("error: the verification failed: the verification on 2 ranks failed"),
-        "{stderr}"
-    );
-    assert!(stderr.contains("crashing at zero1"), "{stderr}");
-    none_left("plan-rank-crash", std::time::Duration::from_secs(10));
+        .env("WORKBOOK_TEST_MARK", "plan-rank-crash");
+        let out = output_within(&mut cmd, RUN_LIMIT);
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        if json {
+            let v: Value = serde_json::from_str(&stdout).expect("the plan is JSON");
+            assert!(v["plan"]["chosen"].is_object(), "{v}");
+            assert!(v["verification"].is_null(), "{v}");
+        } else {
+            assert!(stdout.contains("\nPlan: "), "{stdout}");
+        }
+        assert!(
+            stderr.contains("error: the verification did not finish: the job on 2 ranks failed"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("crashing at zero1"), "{stderr}");
+        none_left("plan-rank-crash", std::time::Duration::from_secs(10));
+    }
 }
 
 #[test]

@@ -262,6 +262,11 @@ fn bad_input_is_named() {
             "`--stages` shares the training between ranks; give `--ranks` 2 or more",
         ),
         (
+            vec!["--budget", "1GiB", "--ranks", "2", "--timeout", "60"],
+            "`--timeout` is the time limit of the ranks `--verify` runs; give it with `--ranks` \
+             2 or more and `--verify`",
+        ),
+        (
             vec!["--budget", "1GiB", "--ranks", "2", "--stages", "zero9"],
             "`zero9` is not a stage; allowed: ddp, zero1, zero2, zero3",
         ),

@@ -26,8 +26,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
     /// A TOML file with the model's `layers`, `hidden`, `heads`, `seq`
-    /// and `vocab`, and optionally `tied_head = false` (the flags below
-    /// then are not used), or a Hugging Face `config.json` of a Llama,
+    /// and `vocab`, and optionally `tied_head = false` (the flags of
+    /// those sizes are then refused), or a Hugging Face `config.json` of a Llama,
     /// Qwen2 or Mistral decoder (chapter 5's), whose step's peak is
     /// predicted in closed form for `--seq` tokens.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "vocab", "untied_head"])]
@@ -226,6 +226,12 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     if stages.is_some() && *ranks == 1 {
         anyhow::bail!("`--stages` shares the training between ranks; give `--ranks` 2 or more");
     }
+    if timeout.is_some() && !(*verify && *ranks > 1) {
+        anyhow::bail!(
+            "`--timeout` is the time limit of the ranks `--verify` runs; give it with `--ranks` \
+             2 or more and `--verify`"
+        );
+    }
     request.batch_per_rank()?;
     if *verify && *ranks > 1 && !workbook_distributed::launch::built_with_mpi() {
         anyhow::bail!(
@@ -270,24 +276,13 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             } else {
                 run_plan(&mut ctx, &v, None)
             };
-            match ran {
-                Ok(v) => Some(v),
-                // The plan stands; its run failed, as a cell fails: exit 1.
-                Err(e) => {
-                    progress.finish_and_clear();
-                    if !*json {
-                        say(&view::text(&plan, *batch))?;
-                    }
-                    eprintln!(
-                        "error: {}",
-                        workbook::terminal::printable(&format!("the verification failed: {e:#}"))
-                    );
-                    return Ok(ExitCode::from(1));
-                }
-            }
+            Some(ran)
         }
         _ => None,
     };
+    // The plan stands when its run fails: it is written out, then the
+    // failure said, and the exit code is 1, as a failed cell's.
+    let (verification, failure) = split_run(verification);
     progress.finish_and_clear();
     if let Some(dir) = out {
         std::fs::create_dir_all(dir)
@@ -320,10 +315,42 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::from(1));
     }
-    Ok(match verification {
+    Ok(verdict(verification.as_ref(), failure))
+}
+
+/// A verification's outcome split into what it measured and why it could
+/// not run, if it could not.
+fn split_run(
+    ran: Option<anyhow::Result<workbook_planner::plan::Verification>>,
+) -> (
+    Option<workbook_planner::plan::Verification>,
+    Option<anyhow::Error>,
+) {
+    match ran {
+        Some(Ok(v)) => (Some(v), None),
+        Some(Err(e)) => (None, Some(e)),
+        None => (None, None),
+    }
+}
+
+/// The exit code of a plan that has a chosen option, once it is written
+/// out: 1 when its verification failed to run (said here) or broke its
+/// promise.
+fn verdict(
+    verification: Option<&workbook_planner::plan::Verification>,
+    failure: Option<anyhow::Error>,
+) -> ExitCode {
+    if let Some(e) = failure {
+        eprintln!(
+            "error: {}",
+            workbook::terminal::printable(&format!("the verification did not finish: {e:#}"))
+        );
+        return ExitCode::from(1);
+    }
+    match verification {
         Some(v) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
-    })
+    }
 }
 
 /// `workbook plan --model config.json`: a decoder's step predicted in
@@ -439,9 +466,13 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
     };
     let plan = weigh(&cfg, &ask, &card);
     let verification = match plan.chosen {
-        Some(i) if args.verify => Some(verify_decoder(&cfg, &ask, &plan.options[i], args.steps)?),
+        Some(i) if args.verify => {
+            decoder_verifiable_here(&cfg, &plan.options[i])?;
+            Some(verify_decoder(&cfg, &ask, &plan.options[i], args.steps))
+        }
         _ => None,
     };
+    let (verification, failure) = split_run(verification);
     if args.json {
         let value = serde_json::json!({
             "model": cfg,
@@ -459,21 +490,18 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             }
         }
     }
-    Ok(match (plan.chosen, verification) {
-        (None, _) => ExitCode::from(1),
-        (Some(_), Some(v)) if !v.kept(PLAN_TOLERANCE) => ExitCode::from(1),
-        _ => ExitCode::SUCCESS,
+    Ok(match plan.chosen {
+        None => ExitCode::from(1),
+        Some(_) => verdict(verification.as_ref(), failure),
     })
 }
 
-/// Trains the chosen option of a decoder plan on this machine's CPU, under
-/// the counting allocator, when the machine can hold it.
-fn verify_decoder(
+/// That this machine's memory can hold the chosen option of a decoder
+/// plan, or why it cannot be verified here.
+fn decoder_verifiable_here(
     cfg: &workbook_models::llama::LlamaConfig,
-    ask: &workbook_planner::decoder::DecoderRequest,
     chosen: &workbook_planner::decoder::DecoderOption,
-    steps: usize,
-) -> anyhow::Result<workbook_planner::plan::Verification> {
+) -> anyhow::Result<()> {
     use workbook_planner::decoder::Sharing;
     use workbook_sdk::candle::Device;
     let params = cfg.parameter_count();
@@ -495,6 +523,18 @@ fn verify_decoder(
             memory.place
         );
     }
+    Ok(())
+}
+
+/// Trains the chosen option of a decoder plan on this machine's CPU, under
+/// the counting allocator.
+fn verify_decoder(
+    cfg: &workbook_models::llama::LlamaConfig,
+    ask: &workbook_planner::decoder::DecoderRequest,
+    chosen: &workbook_planner::decoder::DecoderOption,
+    steps: usize,
+) -> anyhow::Result<workbook_planner::plan::Verification> {
+    use workbook_sdk::candle::Device;
     let meter = workbook_sdk::device::meter_for(&Device::Cpu)?;
     let progress = Spinner::new(0).bar;
     progress.enable_steady_tick(Duration::from_millis(120));

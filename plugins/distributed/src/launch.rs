@@ -353,7 +353,7 @@ pub fn verify_on_ranks(
     let mut problems = ran.problems();
     problems.extend(unread);
     if let Some(error) = ran.error(&problems) {
-        anyhow::bail!("the verification on {ranks} ranks failed: {error}");
+        anyhow::bail!("the job on {ranks} ranks failed: {error}");
     }
     of_ranks(&each).context("no rank reported")
 }
