@@ -231,7 +231,9 @@ fn a_gpt_cell_whose_step_cannot_be_allocated_is_refused_by_its_sizes() {
          [[cells]]\nid = \"scores\"\ntitle = \"scores\"\nplugin = \"saved_tensors\"\n\
          [cells.params]\nbatch = 4\nrecipes = [\"candle\"]\n\
          [cells.params.model]\nlayers = 2\nhidden = 64\nheads = 4\nseq = 600000\n\
-         vocab = 128\nattention = \"naive\"\nlean = false\n",
+         vocab = 128\nattention = \"naive\"\nlean = false\n\n\
+         [[cells]]\nid = \"wide\"\ntitle = \"wide\"\nplugin = \"predictors\"\n\
+         [cells.params]\nvariants = [{ layers = 1 }, { hidden = 1048576 }]\n",
     )
     .unwrap();
     let err = refused(&["validate", f.to_str().unwrap()], dir.path());
@@ -240,7 +242,7 @@ fn a_gpt_cell_whose_step_cannot_be_allocated_is_refused_by_its_sizes() {
     assert_eq!(
         err.lines().collect::<Vec<_>>(),
         [
-            "error: 2 problems:".to_string(),
+            "error: 3 problems:".to_string(),
             format!(
                 "{at}:10:1: cell `logits`: parameter `batch` is batch × seq × vocab = 4 × \
                  1000000 × 2000000; {most}"
@@ -248,6 +250,12 @@ fn a_gpt_cell_whose_step_cannot_be_allocated_is_refused_by_its_sizes() {
             format!(
                 "{at}:26:1: cell `scores`: parameter `batch` is batch × heads × seq × seq = 4 × \
                  4 × 600000 × 600000; {most}"
+            ),
+            // Named by the variant's own field; the first variant, whose
+            // sizes fit, adds nothing.
+            format!(
+                "{at}:42:1: cell `wide`: parameter `variants[1].hidden` is 4 × hidden × hidden = \
+                 4 × 1048576 × 1048576; {most}"
             ),
         ]
     );

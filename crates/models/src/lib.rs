@@ -15,7 +15,9 @@ pub mod gpt;
 pub mod llama;
 pub mod taped;
 
-pub use gpt::{AttentionKind, DirectSaved, DirectStage, Gpt, GptConfig, GptLayer, Recipe};
+pub use gpt::{
+    AttentionKind, DirectSaved, DirectStage, Gpt, GptConfig, GptLayer, Recipe, StepFields,
+};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Result, Shape, Tensor, Var};

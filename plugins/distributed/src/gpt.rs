@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use workbook_models::{AttentionKind, GptConfig, Recipe};
+use workbook_models::{AttentionKind, GptConfig, Recipe, StepFields};
 use workbook_planner::plan::{plan, verify, Candidate, PlanRequest, Verification, VerifyRequest};
 use workbook_planner::stage::Stage;
 use workbook_sdk::candle::Device;
@@ -90,7 +90,7 @@ impl Plugin for GptRanks {
         // Tiled attention never holds a sequence's whole score matrix.
         let scores = p.recipe.apply(p.model).attention != AttentionKind::Tiled;
         p.model
-            .check_step(&mut r, "model", ("batch", p.batch), scores);
+            .check_step(&mut r, StepFields::MODEL, p.batch, scores);
         counts::check(&mut r, "ranks", &p.ranks, Split::Sequences(p.batch));
         r.into_violations()
     }

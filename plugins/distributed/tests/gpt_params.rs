@@ -86,6 +86,9 @@ fn sizes_past_what_a_tensor_may_hold_are_refused() {
         [
             "model.vocab: hidden × vocab = 1048576 × 4194304 (allowed: a product of at most \
              1099511627776 elements (2^40))",
+            // An MLP weight, 4h × h.
+            "model.hidden: 4 × hidden × hidden = 4 × 1048576 × 1048576 (allowed: a product of \
+             at most 1099511627776 elements (2^40))",
         ]
     );
 }

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use workbook_models::{AttentionKind, GptConfig, Recipe};
+use workbook_models::{AttentionKind, GptConfig, Recipe, StepFields};
 
 /// Parameters of the `gpt_training` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -65,7 +65,7 @@ pub(crate) fn check_run(
     model.check(r, "model");
     r.at_least("batch", batch, least);
     r.one_of("dtype", dtype, &workbook_sdk::DTYPES);
-    model.check_step(r, "model", ("batch", batch), scores);
+    model.check_step(r, StepFields::MODEL, batch, scores);
 }
 
 /// Whether `model` run as `recipe` holds every head's attention scores.
@@ -75,16 +75,17 @@ pub(crate) fn holds_scores(model: GptConfig, recipe: Recipe) -> bool {
 
 /// The least a step of `model` on `batch` sequences holds in `dtype`, for
 /// the runner's pre-flight against the memory it may use: the weights and
-/// one batch's logits. `None` where a size overflows (validation refuses
-/// those).
+/// one batch's logits. `None` for a dtype that is not one (validation
+/// refuses it).
 pub(crate) fn step_floor(model: &GptConfig, batch: usize, dtype: &str) -> Option<(u64, String)> {
     let size = workbook_sdk::parse_dtype(dtype).ok()?.size_in_bytes() as u64;
-    let psi = model.checked_param_count()?;
+    // Saturating: a count past u64 is still more than any machine has.
+    let psi = model.param_count();
     let logits = (batch as u64)
-        .checked_mul(model.seq as u64)?
-        .checked_mul(model.vocab as u64)?;
+        .saturating_mul(model.seq as u64)
+        .saturating_mul(model.vocab as u64);
     Some((
-        psi.checked_add(logits)?.checked_mul(size)?,
+        psi.saturating_add(logits).saturating_mul(size),
         format!(
             "the {psi} weights and the {batch} × {} × {} logits of a step, {size} bytes each",
             model.seq, model.vocab

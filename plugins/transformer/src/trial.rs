@@ -7,8 +7,7 @@ use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
 use crate::predict::Predictor;
 use crate::training::{check_run, holds_scores, step_floor};
-use workbook_models::GptConfig;
-use workbook_models::Recipe;
+use workbook_models::{GptConfig, Recipe, StepFields};
 
 /// One training run of the sweep: the base model with some sizes changed.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
@@ -109,12 +108,22 @@ impl Plugin for Predictors {
             if let Some(b) = v.batch {
                 r.at_least(&format!("variants[{i}].batch"), b, 3);
             }
-            c.check_step(
-                &mut r,
-                &format!("variants[{i}]"),
-                (&format!("variants[{i}].batch"), v.batch.unwrap_or(p.batch)),
-                scores,
-            );
+            // A variant that changes no size is the base, checked above.
+            if v.layers.is_some() || v.hidden.is_some() || v.seq.is_some() || v.batch.is_some() {
+                let (model, hidden) = (format!("variants[{i}]"), format!("variants[{i}].hidden"));
+                let batch = match v.batch {
+                    Some(_) => format!("variants[{i}].batch"),
+                    None => "batch".to_string(),
+                };
+                let fields = StepFields {
+                    model: &model,
+                    // The vocabulary is the base's: the variant's hidden
+                    // size is what it changes.
+                    table: &hidden,
+                    batch: &batch,
+                };
+                c.check_step(&mut r, fields, v.batch.unwrap_or(p.batch), scores);
+            }
             if let Some(d) = &v.dtype {
                 r.one_of(&format!("variants[{i}].dtype"), d, &workbook_sdk::DTYPES);
             }

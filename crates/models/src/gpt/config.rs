@@ -32,6 +32,26 @@ impl AttentionKind {
     }
 }
 
+/// The fields a step's violations ([`GptConfig::check_step`]) are named by.
+#[derive(Debug, Clone, Copy)]
+pub struct StepFields<'a> {
+    /// The model's table (`model`); its hidden size is `{model}.hidden`.
+    pub model: &'a str,
+    /// The field blamed for the token table's size (`model.vocab`).
+    pub table: &'a str,
+    /// The batch (`batch`).
+    pub batch: &'a str,
+}
+
+impl StepFields<'static> {
+    /// A cell's `model` table and `batch`.
+    pub const MODEL: Self = StepFields {
+        model: "model",
+        table: "model.vocab",
+        batch: "batch",
+    };
+}
+
 /// The shape of a GPT and how its layers are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -98,21 +118,21 @@ impl GptConfig {
     }
 
     /// Checks that a step of this model on `batch` sequences can be counted
-    /// and allocated at all: a parameter count that fits 64 bits, and each
-    /// large tensor (the token table, a layer's activations, the logits
-    /// and, with `scores`, every head's attention scores) within the 2^40
-    /// elements a cell may hold. `field` names the model, `batch_field`
-    /// the batch.
+    /// and allocated at all: a parameter count that fits 64 bits, and the
+    /// largest tensors (the token table, an MLP weight of 4h² elements, the
+    /// MLP's 4h-wide activations, the logits and, with `scores`, every
+    /// head's attention scores) each within the 2^40 elements a cell may
+    /// hold. Violations are named as `fields` says.
     pub fn check_step(
         &self,
         r: &mut workbook_sdk::Rules,
-        field: &str,
-        (batch_field, batch): (&str, usize),
+        fields: StepFields<'_>,
+        batch: usize,
         scores: bool,
     ) {
         r.require(
             self.checked_param_count().is_some(),
-            field,
+            fields.model,
             format!("{} blocks of hidden {}", self.layers, self.hidden),
             "allowed: a parameter count that fits 64 bits",
         );
@@ -122,12 +142,17 @@ impl GptConfig {
             self.hidden as u64,
             self.vocab as u64,
         );
-        r.elements(&format!("{field}.vocab"), "hidden × vocab", &[h, v])
-            .elements(batch_field, "batch × seq × hidden", &[b, s, h])
-            .elements(batch_field, "batch × seq × vocab", &[b, s, v]);
+        r.elements(fields.table, "hidden × vocab", &[h, v])
+            .elements(
+                &format!("{}.hidden", fields.model),
+                "4 × hidden × hidden",
+                &[4, h, h],
+            )
+            .elements(fields.batch, "batch × seq × 4 × hidden", &[b, s, 4, h])
+            .elements(fields.batch, "batch × seq × vocab", &[b, s, v]);
         if scores {
             r.elements(
-                batch_field,
+                fields.batch,
                 "batch × heads × seq × seq",
                 &[b, self.heads as u64, s, s],
             );

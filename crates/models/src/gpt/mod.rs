@@ -9,7 +9,7 @@ mod config;
 mod direct;
 mod recipe;
 
-pub use config::{AttentionKind, GptConfig};
+pub use config::{AttentionKind, GptConfig, StepFields};
 pub use direct::{BlockSaved, DirectSaved, DirectStage};
 pub use recipe::Recipe;
 
