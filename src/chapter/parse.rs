@@ -128,7 +128,7 @@ fn plain(table: &SpannedTable) -> toml::Table {
 /// merges key by key at any depth (`[cells.check.scaler] init_scale = 1.0`
 /// keeps the full table's other scaler fields); any other value, a list
 /// included, replaces the one beneath it.
-pub(super) fn lay_over(base: &mut toml::Table, over: toml::Table) {
+fn lay_over(base: &mut toml::Table, over: toml::Table) {
     for (key, value) in over {
         match (base.get_mut(&key), value) {
             (Some(toml::Value::Table(below)), toml::Value::Table(above)) => lay_over(below, above),

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use workbook_models::{AttentionKind, GptConfig, Recipe, StepFields};
+use workbook_models::{GptConfig, Recipe, StepFields};
 use workbook_planner::plan::{plan, verify, Candidate, PlanRequest, Verification, VerifyRequest};
 use workbook_planner::stage::Stage;
 use workbook_sdk::candle::Device;
@@ -88,7 +88,7 @@ impl Plugin for GptRanks {
             .at_least("steps", p.steps, 1)
             .within("timeout_seconds", p.timeout_seconds, 1.0, 604_800.0);
         // Tiled attention never holds a sequence's whole score matrix.
-        let scores = p.recipe.apply(p.model).attention != AttentionKind::Tiled;
+        let scores = p.recipe.apply(p.model).holds_scores();
         p.model
             .check_step(&mut r, StepFields::MODEL, p.batch, scores);
         counts::check(&mut r, "ranks", &p.ranks, Split::Sequences(p.batch));

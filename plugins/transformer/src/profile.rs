@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::training::{check_run, holds_scores, step_floor};
+use crate::training::{check_run, step_floor};
 use workbook_models::{GptConfig, Recipe};
 
 /// Parameters of the `layer_profile` cell.
@@ -79,7 +79,7 @@ impl Plugin for LayerProfile {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        let scores = holds_scores(p.model, p.recipe);
+        let scores = p.recipe.apply(p.model).holds_scores();
         check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         r.at_least("repeats", p.repeats, 1);
         if p.recipe.direct() {

@@ -7,7 +7,7 @@ use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
 use crate::training::{check_run, step_floor};
-use workbook_models::{AttentionKind, GptConfig};
+use workbook_models::GptConfig;
 
 /// Parameters of the `gpt_checkpointing` cell.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -58,7 +58,7 @@ impl Plugin for GptCheckpointing {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        let scores = p.model.attention != AttentionKind::Tiled;
+        let scores = p.model.holds_scores();
         check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         r.at_least("repeats", p.repeats, 1);
         for (i, k) in p.every.iter().enumerate() {

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
-use crate::training::{check_run, holds_scores, step_floor};
+use crate::training::{check_run, step_floor};
 use workbook_models::{GptConfig, Recipe};
 
 /// Parameters of the `saved_tensors` cell.
@@ -57,7 +57,7 @@ impl Plugin for SavedTensors {
         let scores = p
             .recipes
             .iter()
-            .any(|&recipe| holds_scores(p.model, recipe));
+            .any(|recipe| recipe.apply(p.model).holds_scores());
         check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         if p.recipes.is_empty() {
             let names: Vec<&str> = Recipe::ALL.iter().map(|r| r.name()).collect();

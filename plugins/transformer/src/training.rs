@@ -68,11 +68,6 @@ pub(crate) fn check_run(
     model.check_step(r, StepFields::MODEL, batch, scores);
 }
 
-/// Whether `model` run as `recipe` holds every head's attention scores.
-pub(crate) fn holds_scores(model: GptConfig, recipe: Recipe) -> bool {
-    recipe.apply(model).attention != AttentionKind::Tiled
-}
-
 /// The least a step of `model` on `batch` sequences holds in `dtype`, for
 /// the runner's pre-flight against the memory it may use: the weights and
 /// one batch's logits. `None` for a dtype that is not one (validation
@@ -110,7 +105,7 @@ impl Plugin for GptTraining {
 
     fn validate(&self, p: &Params) -> Vec<Violation> {
         let mut r = Rules::new();
-        let scores = holds_scores(p.model, p.recipe);
+        let scores = p.recipe.apply(p.model).holds_scores();
         check_run(&mut r, &p.model, (p.batch, 1), &p.dtype, scores);
         r.at_least("steps", p.steps, 2);
         r.positive("lr", p.lr);

@@ -6,7 +6,7 @@ use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
 use crate::predict::Predictor;
-use crate::training::{check_run, holds_scores, step_floor};
+use crate::training::{check_run, step_floor};
 use workbook_models::{GptConfig, Recipe, StepFields};
 
 /// One training run of the sweep: the base model with some sizes changed.
@@ -92,7 +92,7 @@ impl Plugin for Predictors {
         let mut r = Rules::new();
         // The calibrated predictor measures batches 1 and 2: from 3 on, its
         // figure is an extrapolation, not one of its own measurements.
-        let scores = holds_scores(p.model, p.recipe);
+        let scores = p.recipe.apply(p.model).holds_scores();
         check_run(&mut r, &p.model, (p.batch, 3), &p.dtype, scores);
         if p.recipe.direct() {
             r.violation(

@@ -117,6 +117,12 @@ impl GptConfig {
         );
     }
 
+    /// Whether a step holds every head's whole score matrix at once: any
+    /// attention but the tiled one.
+    pub fn holds_scores(&self) -> bool {
+        self.attention != AttentionKind::Tiled
+    }
+
     /// Checks that a step of this model on `batch` sequences can be counted
     /// and allocated at all: a parameter count that fits 64 bits, and the
     /// largest tensors (the token table, an MLP weight of 4h² elements, the
