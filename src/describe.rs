@@ -163,6 +163,7 @@ fn kind(root: &Value, v: &Value, depth: usize, work: &Cell<usize>) -> String {
             Some(items) => format!("array of {}", kind(root, items, depth + 1, work)),
             None => "array".to_string(),
         },
+        Some(Value::String(t)) if t == "string" && is_path(v) => "path".to_string(),
         Some(Value::String(t)) => t.clone(),
         Some(Value::Array(ts)) => {
             let ts: Vec<&str> = ts
@@ -170,7 +171,10 @@ fn kind(root: &Value, v: &Value, depth: usize, work: &Cell<usize>) -> String {
                 .filter_map(Value::as_str)
                 .filter(|t| *t != "null")
                 .collect();
-            let base = ts.join(" or ");
+            let base = match ts.join(" or ") {
+                base if base == "string" && is_path(v) => "path".to_string(),
+                base => base,
+            };
             if base == "array" {
                 match v.get("items") {
                     Some(items) => {
@@ -184,6 +188,11 @@ fn kind(root: &Value, v: &Value, depth: usize, work: &Cell<usize>) -> String {
         }
         _ => "any".to_string(),
     }
+}
+
+/// A string that names a file, which a chapter gives from its folder.
+fn is_path(v: &Value) -> bool {
+    v.get("format").and_then(Value::as_str) == Some(workbook_sdk::file::PATH_FORMAT)
 }
 
 fn one_of<'a>(values: impl Iterator<Item = &'a Value>) -> String {

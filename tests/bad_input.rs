@@ -283,7 +283,8 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
         ),
         format!(
             "{f}:16:1: cell `step`: check parameter `config` is models/no-such.config.json; \
-             allowed: a Llama-family config.json (cannot read models/no-such.config.json: No such \
+             allowed: a Llama-family config.json, from the chapter's folder, the working \
+             directory or the repository's root (cannot read models/no-such.config.json: No such \
              file or directory (os error 2))"
         ),
         format!(

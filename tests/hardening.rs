@@ -635,6 +635,49 @@ fn a_decoder_cell_reads_only_a_small_regular_config() {
 }
 
 #[test]
+fn a_decoder_cell_reads_the_config_beside_its_chapter_from_any_working_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (folder, elsewhere) = (tmp.path().join("mine"), tmp.path().join("elsewhere"));
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::copy(
+        root.join("models/smollm2-135m.config.json"),
+        folder.join("mine.json"),
+    )
+    .unwrap();
+    let chapter = |config: &str| {
+        format!(
+            "format_version = 1\nid = \"mine\"\ntitle = \"mine\"\n\n\
+             [[cells]]\nid = \"step\"\ntitle = \"step\"\nplugin = \"decoder_step\"\n\
+             assertions = [\"params > 0\"]\n\
+             [cells.params]\nconfig = \"{config}\"\nlayers = 1\ndivisor = 32\nbatch = 1\n\
+             seq = 16\nsteps = 2\ndtypes = [\"f32\"]\nlosses = [\"plain\"]\n\
+             checkpointing = [false]\nmicro_batches = [1]\n"
+        )
+    };
+    std::fs::write(folder.join("mine.toml"), chapter("mine.json")).unwrap();
+    // The chapter named from another folder: its config is found beside it,
+    // by validation and by the worker that runs the cell.
+    let o = workbook(&["run", "../mine/mine.toml", "--check"], &elsewhere, &[]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert!(out.contains("1 passed, 0 failed"), "{out}");
+
+    // A config found nowhere says where it was looked for.
+    std::fs::write(folder.join("absent.toml"), chapter("absent.json")).unwrap();
+    let o = workbook(&["validate", "../mine/absent.toml"], &elsewhere, &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim_end(),
+        "error: ../mine/absent.toml:11:1: cell `step`: parameter `config` is absent.json; \
+         allowed: a Llama-family config.json, from the chapter's folder, the working directory \
+         or the repository's root (cannot read absent.json: No such file or directory (os \
+         error 2))"
+    );
+}
+
+#[test]
 fn plan_weighs_a_batch_of_a_hundred_billion_sequences_by_arithmetic() {
     let tmp = tempfile::tempdir().unwrap();
     let o = workbook(

@@ -37,6 +37,7 @@ use crate::assertion::Assertion;
 
 mod find;
 mod parse;
+mod paths;
 mod raw_assertion;
 mod schema;
 

@@ -8,6 +8,7 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 use toml::Spanned;
 
+use super::paths;
 use super::raw_assertion::{AssertionSchema, RawAssertion};
 use super::{Cell, Chapter, ChapterError, Location, FORMAT_VERSION};
 use crate::assertion::{Assertion, OnDevice};
@@ -246,7 +247,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             seen.insert(id.clone(), src.at(rc.id.span()));
         }
         let shown_id = quote(&id);
-        let params = plain(&rc.params);
+        let mut params = plain(&rc.params);
         let mut check_params = params.clone();
         lay_over(&mut check_params, plain(&rc.check));
         let plugin_name = rc.plugin.get_ref();
@@ -269,6 +270,10 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                 },
             )),
             Ok(plugin) => {
+                let schema = plugin.info().params;
+                let folder = path.parent().unwrap_or(Path::new(""));
+                paths::from_folder(&mut params, &schema, folder);
+                paths::from_folder(&mut check_params, &schema, folder);
                 let cell = CellSource {
                     src: &src,
                     id: &shown_id,

@@ -9,6 +9,13 @@
 use std::io::Read as _;
 use std::path::Path;
 
+/// The JSON Schema `format` of a parameter that names a file. A chapter
+/// gives such a path from its own folder, as a `Cargo.toml` does: where the
+/// file is there, the runner hands the plugin that path instead (an
+/// absolute path, or a file the chapter's folder does not hold, is handed
+/// on as written). Mark the field with `#[schemars(extend("format" = "path"))]`.
+pub const PATH_FORMAT: &str = "path";
+
 /// What `path` is when it is not a regular file (through links): `is a
 /// directory`, `is a FIFO (a named pipe)`, a dangling link...; `None` for
 /// a regular file.

@@ -22,15 +22,18 @@ pub use workbook_planner::decoder::{
     Run, Sharing,
 };
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use workbook_models::llama::{LlamaConfig, Loss};
+use workbook_models::llama::{ConfigError, LlamaConfig, Loss};
+use workbook_sdk::file::FileError;
 use workbook_sdk::metric::MetricSpec;
 use workbook_sdk::{anyhow, Context, NotebookSource, Plugin, Rules, Violation};
 
 /// Where a model's `config.json` is: an absolute path, a path from the
 /// working directory, or one from the repository's root (where `models/`
-/// holds the published shapes), in that order.
+/// holds the published shapes), in that order. (A chapter's cell has had a
+/// path its folder holds joined to that folder already: see
+/// `workbook_sdk::file::PATH_FORMAT`.)
 pub fn resolve(path: &str) -> PathBuf {
     let given = PathBuf::from(path);
     if given.is_absolute() || given.exists() {
@@ -121,13 +124,23 @@ pub fn sharing(name: &str, ranks: usize) -> anyhow::Result<Sharing> {
 
 /// The config at `path`, or a violation of `field` saying why not.
 fn check_config(r: &mut Rules, field: &str, path: &str) -> Option<LlamaConfig> {
-    match load(path) {
+    match LlamaConfig::from_file(resolve(path)) {
         Ok(cfg) => Some(cfg),
         Err(e) => {
+            // A relative path found nowhere: say where it was looked for.
+            let searched = match &e {
+                ConfigError::Read(FileError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound
+                        && Path::new(path).is_relative() =>
+                {
+                    ", from the chapter's folder, the working directory or the repository's root"
+                }
+                _ => "",
+            };
             r.violation(
                 field,
                 path,
-                format!("allowed: a Llama-family config.json ({e})"),
+                format!("allowed: a Llama-family config.json{searched} ({e})"),
             );
             None
         }

@@ -6,8 +6,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Published {
-    /// Its `config.json`: an absolute path, one from the working directory
-    /// (not the chapter's folder), or one from the repository's root.
+    /// Its `config.json`: an absolute path, or one from the chapter's
+    /// folder, the working directory or the repository's root, the first
+    /// that holds it.
+    #[schemars(extend("format" = "path"))]
     pub config: String,
     /// Its published parameter count.
     pub published: u64,
@@ -52,9 +54,10 @@ impl Default for ShapesParams {
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StepParams {
-    /// The model's `config.json`: an absolute path, one from the working
-    /// directory (not the chapter's folder), or one from the repository's
-    /// root, as `models/smollm2-135m.config.json`.
+    /// The model's `config.json`: an absolute path, or one from the
+    /// chapter's folder, the working directory or the repository's root,
+    /// the first that holds it (`models/smollm2-135m.config.json`).
+    #[schemars(extend("format" = "path"))]
     pub config: String,
     /// Blocks to build, at most the config's (fewer scale it down).
     pub layers: Option<usize>,
