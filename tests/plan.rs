@@ -626,7 +626,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
 #[test]
 fn a_config_json_plan_refuses_what_it_cannot_plan() {
     let smollm2 = "models/smollm2-135m.config.json";
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 14] = [
         (
             &["--model", smollm2, "--device", "h100"],
             "error: `--device` is `h100`; allowed for a config.json: cpu, h200, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090; did you mean `h100-80gb`?",
@@ -667,16 +667,122 @@ fn a_config_json_plan_refuses_what_it_cannot_plan() {
             &["--model", smollm2, "--batch", "6", "--ranks", "4"],
             "error: `--batch` is 6 over 4 ranks; allowed: a multiple of --ranks",
         ),
+        (
+            &["--model", smollm2, "--device", "l4", "--budget", "100GiB"],
+            "error: `--budget` is 100 GiB, more than the l4 holds (22.5 GiB); give at most that",
+        ),
+        (
+            &["--model", smollm2, "--ranks", "2", "--stages", "zero2", "--no-checkpointing"],
+            "error: `--stages zero2` with `--no-checkpointing` leaves nothing to weigh: ZeRO-2 is weighed with checkpointing only (without it, it holds what ZeRO-1 does); add zero1 to `--stages`, or leave out `--no-checkpointing`",
+        ),
+        (
+            &["--model", "tests"],
+            "error: `--model` is tests, a folder without a config.json; give a model's TOML file, a Hugging Face config.json, or the folder of a Hugging Face model that holds one",
+        ),
+        // The system's reason once, not once more as the error's cause.
+        (
+            &["--model", "models/no-such.config.json"],
+            "error: cannot read models/no-such.config.json: No such file or directory (os error 2)",
+        ),
     ];
     for (args, message) in cases {
         let o = plan_with(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(err.lines().next(), Some(message), "{err}");
+        assert_eq!(err.trim_end(), message, "{args:?}");
     }
     // The GPT's planner still needs its budget.
     let o = plan(&[]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("`--budget` is missing"));
+}
+
+#[test]
+fn a_config_json_is_found_in_its_models_folder_and_by_any_case_of_its_extension() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let smollm2 = root.join("models/smollm2-135m.config.json");
+    std::fs::copy(&smollm2, tmp.path().join("config.json")).unwrap();
+    std::fs::copy(&smollm2, tmp.path().join("SMOLLM2.JSON")).unwrap();
+    let planned = |model: &Path| {
+        let o = plan_with(&[
+            "--model",
+            model.to_str().unwrap(),
+            "--device",
+            "l4",
+            "--json",
+        ]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        json(&o)
+    };
+    let published = planned(&smollm2);
+    assert_eq!(published["plan"]["params"], 134_515_008);
+    assert_eq!(planned(tmp.path()), published);
+    assert_eq!(planned(&tmp.path().join("SMOLLM2.JSON")), published);
+}
+
+#[test]
+fn a_plan_this_machine_cannot_verify_is_written_and_says_why() {
+    // A decoder: Llama-3.1-8B on an 80 GB card chooses an option of
+    // 65.7 GiB, which no CI machine holds.
+    let o = plan_with(&[
+        "--model",
+        "models/llama-3.1-8b.config.json",
+        "--device",
+        "h100-80gb",
+        "--batch",
+        "8",
+        "--seq",
+        "2048",
+        "--verify",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let v = json(&o);
+    assert!(v["plan"]["chosen"].is_u64(), "{v}");
+    assert!(v["verification"].is_null(), "{v}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.starts_with("error: the chosen option is predicted to hold ")
+            && err.contains(": it cannot be verified here (plan without --verify, or ask for a smaller --batch or --seq)"),
+        "{err}"
+    );
+    // The GPT's: a batch of 2^20 sequences of chapter 3's small model.
+    let o = plan_with(&[
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq",
+        "64",
+        "--vocab",
+        "128",
+        "--batch",
+        "1048576",
+        "--budget",
+        "1000GiB",
+        "--recipes",
+        "direct",
+        "--verify",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("\nPlan: direct layers in f32, the whole batch of 1048576"),
+        "{out}"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.starts_with("error: the chosen plan is predicted to hold ")
+            && err.contains("it cannot be verified there"),
+        "{err}"
+    );
 }
 
 #[test]

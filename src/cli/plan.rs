@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::Args;
 
 use super::parse::{
@@ -19,7 +20,8 @@ use super::say;
 pub struct PlanArgs {
     /// The most memory a training step may hold: 2GiB, 500MB, or bytes.
     /// For a `config.json`, the card `--device` names is the budget when
-    /// this is not given.
+    /// this is not given, and a budget may not be more than that card's
+    /// memory.
     #[arg(long, value_parser = parse_budget)]
     pub budget: Option<u64>,
     /// Sequences per optimizer step.
@@ -28,8 +30,9 @@ pub struct PlanArgs {
     /// A TOML file with the model's `layers`, `hidden`, `heads`, `seq`
     /// and `vocab`, and optionally `tied_head = false` (the flags of
     /// those sizes are then refused), or a Hugging Face `config.json` of a Llama,
-    /// Qwen2 or Mistral decoder (chapter 5's), whose step's peak is
-    /// predicted in closed form for `--seq` tokens.
+    /// Qwen2 or Mistral decoder (chapter 5's), or the model's folder that
+    /// holds it, whose step's peak is predicted in closed form for `--seq`
+    /// tokens.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["layers", "hidden", "heads", "vocab", "untied_head"])]
     pub model: Option<PathBuf>,
     /// Transformer blocks.
@@ -154,11 +157,15 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     } = args;
     use workbook::plan as view;
     use workbook_planner::plan::{plan as weigh, verify as run_plan, PlanRequest, VerifyRequest};
-    if let Some(path) = model
-        .as_ref()
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-    {
-        return plan_decoder(args, path);
+    if let Some(path) = model.as_deref().and_then(decoder_config) {
+        return plan_decoder(args, &path);
+    }
+    if let Some(path) = model.as_ref().filter(|p| p.is_dir()) {
+        anyhow::bail!(
+            "`--model` is {}, a folder without a config.json; give a model's TOML file, a \
+             Hugging Face config.json, or the folder of a Hugging Face model that holds one",
+            path.display()
+        );
     }
     let Some(budget) = budget else {
         anyhow::bail!(
@@ -253,9 +260,8 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         (Some(chosen), true) => {
             // What the plan holds per rank, and all ranks on this machine.
             let needed = chosen.peak.saturating_mul(*ranks as u64);
-            if needed > memory.available {
-                progress.finish_and_clear();
-                anyhow::bail!(
+            let ran = if needed > memory.available {
+                Err(anyhow::anyhow!(
                     "the chosen plan is predicted to hold {} ({} per rank), more than the {} \
                      of memory available {}: it cannot be verified there (plan without \
                      --verify, or with a smaller --budget)",
@@ -263,18 +269,20 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
                     workbook::render::text::bytes(chosen.peak),
                     workbook::render::text::bytes(memory.available),
                     memory.place
-                );
-            }
-            let v = VerifyRequest::new(&request, chosen, *steps)?;
-            let ran = if *ranks > 1 {
-                progress.set_message(format!("verifying on {ranks} ranks"));
-                workbook_distributed::launch::verify_on_ranks(
-                    v,
-                    *ranks,
-                    Duration::from_secs(timeout.unwrap_or(DEFAULT_RANKS_SECONDS)),
-                )
+                ))
             } else {
-                run_plan(&mut ctx, &v, None)
+                let v = VerifyRequest::new(&request, chosen, *steps)?;
+                if *ranks > 1 {
+                    progress.set_message(format!("verifying on {ranks} ranks"));
+                    workbook_distributed::launch::verify_on_ranks(
+                        v,
+                        *ranks,
+                        Duration::from_secs(timeout.unwrap_or(DEFAULT_RANKS_SECONDS)),
+                    )
+                } else {
+                    run_plan(&mut ctx, &v, None)
+                }
+                .context("the verification did not finish")
             };
             Some(ran)
         }
@@ -334,8 +342,8 @@ fn split_run(
 }
 
 /// The exit code of a plan that has a chosen option, once it is written
-/// out: 1 when its verification failed to run (said here) or broke its
-/// promise.
+/// out: 1 when its verification could not run or did not finish (said
+/// here) or broke its promise.
 fn verdict(
     verification: Option<&workbook_planner::plan::Verification>,
     failure: Option<anyhow::Error>,
@@ -343,7 +351,7 @@ fn verdict(
     if let Some(e) = failure {
         eprintln!(
             "error: {}",
-            workbook::terminal::printable(&format!("the verification did not finish: {e:#}"))
+            workbook::terminal::printable(&format!("{e:#}"))
         );
         return ExitCode::from(1);
     }
@@ -430,7 +438,28 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             )
         })?,
     };
-    let budget = args.budget.unwrap_or(card.bytes).min(card.bytes);
+    let budget = match args.budget {
+        None => card.bytes,
+        Some(b) if b <= card.bytes => b,
+        Some(b) => {
+            let (holder, or) = if card.is_host() {
+                (
+                    "this machine's available memory".to_string(),
+                    format!(
+                        ", or name the card the plan is for with `--device` ({})",
+                        CARDS.map(|(n, _)| n).join(", ")
+                    ),
+                )
+            } else {
+                (format!("the {}", card.name), String::new())
+            };
+            anyhow::bail!(
+                "`--budget` is {}, more than {holder} holds ({}); give at most that{or}",
+                workbook::render::text::bytes(b),
+                workbook::render::text::bytes(card.bytes),
+            )
+        }
+    };
     let stages = match &args.stages {
         None => vec![Stage::Zero1, Stage::Zero2],
         Some(stages) => {
@@ -448,6 +477,13 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             stages.clone()
         }
     };
+    if args.no_checkpointing && args.ranks > 1 && stages.iter().all(|s| *s == Stage::Zero2) {
+        anyhow::bail!(
+            "`--stages zero2` with `--no-checkpointing` leaves nothing to weigh: ZeRO-2 is \
+             weighed with checkpointing only (without it, it holds what ZeRO-1 does); add \
+             zero1 to `--stages`, or leave out `--no-checkpointing`"
+        );
+    }
     if args.ranks > 1 && !args.batch.is_multiple_of(args.ranks) {
         anyhow::bail!(
             "`--batch` is {} over {} ranks; allowed: a multiple of --ranks",
@@ -466,10 +502,12 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
     };
     let plan = weigh(&cfg, &ask, &card);
     let verification = match plan.chosen {
-        Some(i) if args.verify => {
-            decoder_verifiable_here(&cfg, &plan.options[i])?;
-            Some(verify_decoder(&cfg, &ask, &plan.options[i], args.steps))
-        }
+        Some(i) if args.verify => Some(decoder_verifiable_here(&cfg, &plan.options[i]).and_then(
+            |()| {
+                verify_decoder(&cfg, &ask, &plan.options[i], args.steps)
+                    .context("the verification did not finish")
+            },
+        )),
         _ => None,
     };
     let (verification, failure) = split_run(verification);
@@ -494,6 +532,20 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         None => ExitCode::from(1),
         Some(_) => verdict(verification.as_ref(), failure),
     })
+}
+
+/// The `config.json` that `--model` names: a file whose name ends in
+/// `.json` (any case), or the one in a Hugging Face model's folder; `None`
+/// for a model's TOML file.
+fn decoder_config(model: &std::path::Path) -> Option<PathBuf> {
+    let in_folder = model.join("config.json");
+    if model.is_dir() {
+        return in_folder.exists().then_some(in_folder);
+    }
+    model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+        .then(|| model.to_path_buf())
 }
 
 /// That this machine's memory can hold the chosen option of a decoder

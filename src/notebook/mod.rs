@@ -74,15 +74,15 @@ pub struct Notebook {
 pub enum NotebookError {
     /// The binary could not be started.
     #[error(
-        "cannot run the workbook binary `{binary}`: {source}. Build it with \
+        "cannot run the workbook binary `{binary}`: {cause}. Build it with \
          `cargo build --release` and pass its path to `Notebook::binary` \
          (or set {BINARY_ENV})"
     )]
     Spawn {
         /// The binary tried.
         binary: PathBuf,
-        /// Why it did not start.
-        source: std::io::Error,
+        /// Why it did not start (said in the message, so not its `source`).
+        cause: std::io::Error,
     },
     /// The binary refused the request (exit status 2): a bad chapter, an
     /// unknown cell id.
@@ -199,9 +199,9 @@ impl Notebook {
         let out = cmd
             .stdin(Stdio::null())
             .output()
-            .map_err(|source| NotebookError::Spawn {
+            .map_err(|cause| NotebookError::Spawn {
                 binary: self.binary.clone(),
-                source,
+                cause,
             })?;
         let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
         if out.status.code() == Some(2) {

@@ -64,12 +64,13 @@ pub struct FileKind {
 pub enum FileError {
     /// The file could not be opened or read (absent, no permission, not
     /// UTF-8).
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: String,
-        /// Why.
-        source: std::io::Error,
+        /// Why. (Not the error's `source`: the message says it already, and
+        /// a chain printed whole would say it twice.)
+        cause: std::io::Error,
     },
     /// A directory, a pipe, a device or a dangling link.
     #[error("{path} {what}; {name} is {is}", name = kind.name, is = kind.is)]
@@ -100,9 +101,9 @@ pub enum FileError {
 /// pipe, a device or a larger file is refused before it is read.
 pub fn read_small(path: &Path, kind: FileKind) -> Result<String, FileError> {
     let shown = || path.display().to_string();
-    let io = |source| FileError::Io {
+    let io = |cause| FileError::Io {
         path: shown(),
-        source,
+        cause,
     };
     if let Some(what) = not_a_regular_file(path).map_err(io)? {
         return Err(FileError::NotRegular {

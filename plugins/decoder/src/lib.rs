@@ -129,8 +129,8 @@ fn check_config(r: &mut Rules, field: &str, path: &str) -> Option<LlamaConfig> {
         Err(e) => {
             // A relative path found nowhere: say where it was looked for.
             let searched = match &e {
-                ConfigError::Read(FileError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::NotFound
+                ConfigError::Read(FileError::Io { cause, .. })
+                    if cause.kind() == std::io::ErrorKind::NotFound
                         && Path::new(path).is_relative() =>
                 {
                     ", from the chapter's folder, the working directory or the repository's root"
