@@ -271,7 +271,7 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
          \"llama\", \"qwen2\" and \"mistral\" decoders)"
     );
     let expected = [
-        "error: 15 problems:".to_string(),
+        "error: 19 problems:".to_string(),
         format!("{f}:10:1: cell `step`: parameter `config` is {gpt2}; {not_llama}"),
         format!("{f}:11:1: cell `step`: parameter `batch` is 0; allowed: from 1 to 65536"),
         format!("{f}:12:1: cell `step`: parameter `steps` is 1; allowed: at least 2"),
@@ -316,6 +316,25 @@ fn a_decoder_cell_names_the_config_field_that_cannot_be_built() {
             "{f}:45:1: cell `shared`: parameter `checkpointing` is [false]; allowed with zero2: \
              [true] (stage 2 reduce-scatters each layer's gradients as the checkpointed \
              backward makes them)"
+        ),
+        format!(
+            "{f}:54:1: cell `windowed`: parameter `seq` is 8192; allowed: at most the config's \
+             attention window (`sliding_window` 4096), which this decoder does not slide past"
+        ),
+        format!(
+            "{f}:55:1: cell `windowed`: parameter `dtypes[2]` is \"f32\"; allowed: each at \
+             most once (dtypes[0] is \"f32\" already)"
+        ),
+        format!(
+            "{f}:56:1: cell `windowed`: parameter `micro_batches[1]` is 1; allowed: each at most \
+             once (micro_batches[0] is 1 already)"
+        ),
+        format!(
+            "{f}:63:1: cell `same_name`: parameter `models[1].config` is \
+             tests/fixtures/../../models/smollm2-135m.config.json; allowed: a file whose name is \
+             not models[0]'s: each model's metrics are named by its file's name \
+             (`params_smollm2_135m`), so rename one (a Hugging Face download's config.json to \
+             the model's name, say)"
         ),
     ];
     let (_, err) = text(&workbook(&["validate", f], root));

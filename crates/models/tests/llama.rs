@@ -325,6 +325,25 @@ fn absent_fields_take_hugging_faces_defaults_per_family() {
         (8, false, false)
     );
     assert_eq!(mistral.sliding_window, Some(4096));
+    // Mistral-7B-v0.2's `"sliding_window": null` is no window, not the
+    // default one; Qwen2's window is read only where it is used.
+    let unwindowed = parse(r#""model_type": "mistral", "sliding_window": null"#);
+    assert_eq!(unwindowed.sliding_window, None);
+    let narrow = parse(r#""model_type": "mistral", "sliding_window": 512"#);
+    assert_eq!(narrow.sliding_window, Some(512));
+    let qwen_window = |extra: &str| parse(&format!(r#""model_type": "qwen2", {extra}"#));
+    assert_eq!(
+        qwen_window(r#""sliding_window": 512, "use_sliding_window": true"#).sliding_window,
+        Some(512)
+    );
+    assert_eq!(
+        qwen_window(r#""sliding_window": 512, "use_sliding_window": false"#).sliding_window,
+        None
+    );
+    assert_eq!(
+        qwen_window(r#""sliding_window": null, "use_sliding_window": true"#).sliding_window,
+        None
+    );
     for cfg in [llama, qwen, mistral] {
         let listed: u64 = cfg
             .parameters()

@@ -147,6 +147,25 @@ fn check_config(r: &mut Rules, field: &str, path: &str) -> Option<LlamaConfig> {
     }
 }
 
+/// A violation of `field` at the first entry of `list` that an earlier
+/// one repeats.
+fn once<T: PartialEq + std::fmt::Debug>(r: &mut Rules, field: &str, list: &[T]) {
+    let repeat = list.iter().enumerate().find_map(|(i, v)| {
+        let first = list[..i].iter().position(|earlier| earlier == v)?;
+        Some((first, i))
+    });
+    if let Some((first, i)) = repeat {
+        r.violation(
+            format!("{field}[{i}]"),
+            format!("{:?}", list[i]),
+            format!(
+                "allowed: each at most once ({field}[{first}] is {:?} already)",
+                list[first]
+            ),
+        );
+    }
+}
+
 /// The `decoder_shapes` cell.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct DecoderShapes;
@@ -169,6 +188,22 @@ impl Plugin for DecoderShapes {
         }
         for (i, m) in p.models.iter().enumerate() {
             check_config(&mut r, &format!("models[{i}].config"), &m.config);
+            // Each model's metrics are named by its file's name.
+            let name = short_name(&m.config);
+            if let Some(first) = p.models[..i]
+                .iter()
+                .position(|o| short_name(&o.config) == name)
+            {
+                r.violation(
+                    format!("models[{i}].config"),
+                    &m.config,
+                    format!(
+                        "allowed: a file whose name is not models[{first}]'s: each model's \
+                         metrics are named by its file's name (`params_{name}`), so rename one \
+                         (a Hugging Face download's config.json to the model's name, say)"
+                    ),
+                );
+            }
         }
         r.positive("device_gib", p.device_gib);
         r.into_violations()
@@ -231,8 +266,21 @@ impl Plugin for DecoderStep {
     fn validate(&self, p: &StepParams) -> Vec<Violation> {
         let mut r = Rules::new();
         let cfg = check_config(&mut r, "config", &p.config);
-        if let (Some(layers), Some(cfg)) = (p.layers, cfg) {
+        if let (Some(layers), Some(cfg)) = (p.layers, &cfg) {
             r.between("layers", layers, 1, cfg.layers);
+        }
+        // The model built attends within its window only up to the window.
+        if let Some(window) = cfg.and_then(|c| c.sliding_window) {
+            if p.seq > window {
+                r.violation(
+                    "seq",
+                    p.seq.to_string(),
+                    format!(
+                        "allowed: at most the config's attention window (`sliding_window` \
+                         {window}), which this decoder does not slide past"
+                    ),
+                );
+            }
         }
         r.between("batch", p.batch, 1, 1 << 16)
             .between("seq", p.seq, 2, 1 << 16)
@@ -302,6 +350,12 @@ impl Plugin for DecoderStep {
                 r.one_of(&format!("{field}[{i}]"), v, allowed);
             }
         }
+        // A variant listed twice would run twice under one metric name.
+        once(&mut r, "dtypes", &p.dtypes);
+        once(&mut r, "losses", &p.losses);
+        once(&mut r, "optimizers", &p.optimizers);
+        once(&mut r, "checkpointing", &p.checkpointing);
+        once(&mut r, "micro_batches", &p.micro_batches);
         r.into_violations()
     }
 

@@ -133,8 +133,20 @@ struct Raw {
     mlp_bias: Option<bool>,
     hidden_act: Option<String>,
     max_position_embeddings: Option<usize>,
-    sliding_window: Option<usize>,
+    /// Absent (Mistral's default window), `null` (no window) or a width.
+    #[serde(default, deserialize_with = "present")]
+    sliding_window: Option<Option<usize>>,
     use_sliding_window: Option<bool>,
+}
+
+/// A field that is there, `null` included: `Some(None)` for `null`, where
+/// an absent field is `None` (serde's default).
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 impl LlamaConfig {
@@ -271,8 +283,10 @@ impl LlamaConfig {
             Family::Mistral => (false, false),
         };
         let sliding_window = match family {
-            Family::Mistral => Some(raw.sliding_window.unwrap_or(4096)),
-            Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
+            // Hugging Face's MistralConfig: 4096 when absent, none when null
+            // (Mistral-7B-v0.2 and later).
+            Family::Mistral => raw.sliding_window.unwrap_or(Some(4096)),
+            Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window.flatten(),
             _ => None,
         };
         let config = Self {
