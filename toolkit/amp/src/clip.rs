@@ -4,7 +4,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 
 /// Scales the gradients of `vars` so that their global L2 norm is at most
-/// `max_norm`; returns the norm before clipping. The squares are summed in
+/// `max_norm` (at least 0; `f64::INFINITY` leaves them as they are); returns
+/// the norm before clipping. The squares are summed in
 /// f32 on the device and read back once.
 ///
 /// ```
@@ -18,6 +19,13 @@ use candle_core::{DType, Result, Tensor, Var};
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
+    // A negative bound would flip every gradient, a NaN one clip nothing
+    // unseen. An infinite one clips nothing: torch's idiom for the norm alone.
+    if max_norm.is_nan() || max_norm < 0.0 {
+        candle_core::bail!(
+            "max_norm is {max_norm}; allowed: a number from 0 (infinity: the norm alone)"
+        );
+    }
     let mut sum: Option<Tensor> = None;
     for var in vars {
         if let Some(g) = grads.get(var.as_tensor()) {

@@ -61,9 +61,19 @@ impl MasterWeights {
         self.compute
     }
 
-    /// The f32 variables: give these to the optimizer.
+    /// The f32 variables in the order of their names: give these to the
+    /// optimizer. A `VarMap`'s own order is a hash map's, another in each
+    /// process; what goes by position (an optimizer's saved moments, the
+    /// ranks' buckets and collectives) needs the same order every time.
     pub fn vars(&self) -> Vec<Var> {
-        self.map.all_vars()
+        let data = self
+            .map
+            .data()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut named: Vec<(&String, &Var)> = data.iter().collect();
+        named.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        named.into_iter().map(|(_, var)| var.clone()).collect()
     }
 
     /// The `VarMap` of the masters (to save them, or to check gradients).

@@ -109,7 +109,7 @@ enum Stage {
 /// A dynamic loss scaler for f16 training, used as `torch.amp.GradScaler`:
 ///
 /// ```text
-/// let grads = scaler.scale(&loss)?.backward()?;
+/// let mut grads = scaler.scale(&loss)?.backward()?;
 /// scaler.unscale(&mut grads, &vars)?;      // optional: to clip first
 /// scaler.step(&mut optimizer, &mut grads, &vars)?;
 /// scaler.update()?;
@@ -228,11 +228,18 @@ impl GradScaler {
                 unscaled.insert(var.as_tensor(), g);
             }
         }
-        *grads = unscaled;
-        let found_inf = match flag {
-            Some(f) => !f.to_scalar::<f32>()?.is_finite(),
-            None => false,
+        // As torch's "No inf checks were recorded": stepping on an empty
+        // store would drop every gradient and grow the scale unchecked.
+        let Some(flag) = flag else {
+            bail!(
+                "none of the {} variables given has a gradient in the store: pass the \
+                 variables the loss was computed from (a MasterWeights' vars once the model \
+                 is built)",
+                vars.len()
+            );
         };
+        *grads = unscaled;
+        let found_inf = !flag.to_scalar::<f32>()?.is_finite();
         self.stage = Stage::Unscaled { found_inf };
         Ok(found_inf)
     }

@@ -303,3 +303,72 @@ fn masters_come_in_the_dtype_a_layer_asks_for() -> Result<()> {
     assert_eq!((half.dtype(), full.dtype()), (DType::BF16, DType::F32));
     Ok(())
 }
+
+#[test]
+fn masters_come_in_the_order_of_their_names() -> Result<()> {
+    let masters = MasterWeights::new(DType::F32);
+    let vb = masters.var_builder(&Device::Cpu);
+    for (name, size) in [("z", 1), ("a", 2), ("m", 3), ("b", 4)] {
+        vb.get_with_hints(size, name, candle_nn::Init::Const(0.0))?;
+    }
+    let sizes: Vec<usize> = masters.vars().iter().map(|v| v.elem_count()).collect();
+    assert_eq!(sizes, [2, 4, 3, 1]);
+    Ok(())
+}
+
+#[test]
+fn an_inf_check_over_no_gradient_is_an_error_and_keeps_the_store() -> Result<()> {
+    let (w, mut sgd) = setup()?;
+    let other = Var::new(&[0f32], &Device::Cpu)?;
+    let mut s = GradScaler::new(ScalerConfig::default())?;
+    let mut grads = grads_of(&s, &w, [1.0, 1.0, 1.0])?;
+    let expected = "none of the 1 variables given has a gradient in the store: pass the \
+                    variables the loss was computed from (a MasterWeights' vars once the model \
+                    is built)";
+    // The first line: candle adds a backtrace where RUST_BACKTRACE asks.
+    let first = |e: String| e.lines().next().unwrap_or_default().to_string();
+    assert_eq!(
+        first(err(s.unscale(&mut grads, std::slice::from_ref(&other)))),
+        expected
+    );
+    assert_eq!(
+        first(err(s.step(&mut sgd, &mut grads, &[]))),
+        expected.replace("of the 1 variables", "of the 0 variables")
+    );
+    // Nothing was dropped: the right variables still step.
+    assert!(grads.get(w.as_tensor()).is_some());
+    s.step(&mut sgd, &mut grads, std::slice::from_ref(&w))?;
+    assert_eq!(w.to_vec1::<f32>()?, [0.0, 1.0, 2.0]);
+    Ok(())
+}
+
+#[test]
+fn clipping_refuses_a_negative_or_nan_bound_and_takes_zero_and_infinity() -> Result<()> {
+    let w = Var::new(&[3f32, 4.0], &Device::Cpu)?;
+    for bound in [-1.0, f64::NAN] {
+        let mut grads = w.as_tensor().sqr()?.sum_all()?.backward()?;
+        let e = err(candle_amp::clip_grad_norm(
+            &mut grads,
+            std::slice::from_ref(&w),
+            bound,
+        ));
+        assert_eq!(
+            e.lines().next(),
+            Some(&*format!(
+                "max_norm is {bound}; allowed: a number from 0 (infinity: the norm alone)"
+            ))
+        );
+        assert_eq!(
+            grads.get(w.as_tensor()).unwrap().to_vec1::<f32>()?,
+            [6.0, 8.0]
+        );
+    }
+    // Infinity measures the norm and leaves the gradients; 0 zeroes them.
+    for (bound, left) in [(f64::INFINITY, [6.0, 8.0]), (0.0, [0.0, 0.0])] {
+        let mut grads = w.as_tensor().sqr()?.sum_all()?.backward()?;
+        let norm = candle_amp::clip_grad_norm(&mut grads, std::slice::from_ref(&w), bound)?;
+        assert_eq!(norm, 10.0);
+        assert_eq!(grads.get(w.as_tensor()).unwrap().to_vec1::<f32>()?, left);
+    }
+    Ok(())
+}

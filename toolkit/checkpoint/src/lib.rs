@@ -45,7 +45,7 @@ mod sequential;
 mod vjp;
 
 pub use builder::{Direct, Plain, Sequential, Taped};
-pub use candle_custom_grad::DirectBackward;
+pub use candle_custom_grad::{DirectBackward, DirectGrads};
 /// The measurement hook that calls here accept, and the one that does
 /// nothing (`&NoObserver`): re-exported, so that a caller needs no
 /// `candle-observe` of its own for them.

@@ -49,6 +49,9 @@ mod threads;
 mod traffic;
 mod zero;
 
+/// The activation `ShardedLinear::forward_act` takes: re-exported, so that
+/// a caller needs no `candle-lean-nn` of its own for it.
+pub use candle_lean_nn::Activation;
 /// The measurement hook that calls here accept, and the one that does
 /// nothing (`&NoObserver`): re-exported, so that a caller needs no
 /// `candle-observe` of its own for them.

@@ -16,10 +16,13 @@ use candle_core::{Result, Tensor};
 ///
 /// ```
 /// use candle_distributed::Shard;
-/// let rows: Vec<_> = (0..3).map(|r| Shard::new(8, 3, r).rows()).collect();
+/// let rows = (0..3)
+///     .map(|r| Ok(Shard::new(8, 3, r)?.rows()))
+///     .collect::<candle_core::Result<Vec<_>>>()?;
 /// assert_eq!(rows, [0..3, 3..6, 6..8]);
-/// assert_eq!(Shard::new(8, 3, 2).weight(), 0.75);
-/// assert_eq!(Shard::new(8, 4, 1).weight(), 1.0);
+/// assert_eq!(Shard::new(8, 3, 2)?.weight(), 0.75);
+/// assert_eq!(Shard::new(8, 4, 1)?.weight(), 1.0);
+/// # Ok::<(), candle_core::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shard {
@@ -29,13 +32,24 @@ pub struct Shard {
 }
 
 impl Shard {
-    /// `rank`'s share of `batch` rows over `ranks` (at least one).
-    pub fn new(batch: usize, ranks: usize, rank: usize) -> Self {
-        Self {
-            batch,
-            ranks: ranks.max(1),
-            rank,
+    /// `rank`'s share of `batch` rows over `ranks`: an error unless `rank`
+    /// is one of the ranks and every rank has a row (a rank without one
+    /// would average its loss over none: NaN, which the all-reduce would
+    /// hand every rank).
+    pub fn new(batch: usize, ranks: usize, rank: usize) -> Result<Self> {
+        if rank >= ranks {
+            candle_core::bail!(
+                "rank {rank} of {ranks} ranks; allowed: a rank from 0 to ranks - 1 \
+                 (`Shard::new(batch, ranks, rank)`)"
+            );
         }
+        if batch < ranks {
+            candle_core::bail!(
+                "a batch of {batch} rows over {ranks} ranks leaves a rank without a row; \
+                 allowed: at least as many rows as ranks"
+            );
+        }
+        Ok(Self { batch, ranks, rank })
     }
 
     /// The rows this rank trains on.
@@ -47,11 +61,8 @@ impl Shard {
     }
 
     /// What this rank's mean loss is multiplied by: its rows × ranks /
-    /// batch (0 for an empty batch).
+    /// batch.
     pub fn weight(&self) -> f64 {
-        if self.batch == 0 {
-            return 0.0;
-        }
         self.rows().len() as f64 * self.ranks as f64 / self.batch as f64
     }
 
@@ -75,7 +86,9 @@ mod tests {
     fn every_row_is_one_ranks_and_the_weights_average_to_one() {
         for batch in 1..40 {
             for ranks in 1..=batch {
-                let shards: Vec<Shard> = (0..ranks).map(|r| Shard::new(batch, ranks, r)).collect();
+                let shards: Vec<Shard> = (0..ranks)
+                    .map(|r| Shard::new(batch, ranks, r).unwrap())
+                    .collect();
                 let mut next = 0;
                 for s in &shards {
                     assert_eq!(s.rows().start, next, "batch {batch}, {ranks} ranks");
@@ -93,5 +106,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_rank_outside_the_ranks_or_without_a_row_is_an_error() {
+        let first = |e: candle_core::Error| e.to_string().lines().next().unwrap().to_string();
+        // Rank and ranks swapped.
+        assert_eq!(
+            first(Shard::new(8, 1, 3).unwrap_err()),
+            "rank 3 of 1 ranks; allowed: a rank from 0 to ranks - 1 \
+             (`Shard::new(batch, ranks, rank)`)"
+        );
+        assert!(Shard::new(8, 0, 0).is_err());
+        assert_eq!(
+            first(Shard::new(2, 4, 0).unwrap_err()),
+            "a batch of 2 rows over 4 ranks leaves a rank without a row; allowed: at least \
+             as many rows as ranks"
+        );
     }
 }

@@ -174,7 +174,7 @@ impl ZeroAdamW {
     /// block, then all-gathers the blocks into the whole parameters.
     pub fn step_reduced(&mut self) -> Result<()> {
         self.step_t += 1;
-        let k = AdamWStep::new(&self.params, self.step_t);
+        let k = AdamWStep::new(&self.params, self.step_t)?;
         let comm = &self.comm;
         for slot in &mut self.slots {
             // Every rank has the same variables' gradients (the same model

@@ -201,13 +201,13 @@ fn grads_match(
 
 /// This rank's rows of the batch: 3 ranks split it unevenly.
 fn shard(comm: &Comm, t: &Tensor) -> Result<Tensor> {
-    Shard::new(BATCH, comm.size(), comm.rank()).narrow(t)
+    Shard::new(BATCH, comm.size(), comm.rank())?.narrow(t)
 }
 
 /// The loss of this rank's rows, weighted by its share of the batch so that
 /// the average over the ranks is the whole batch's mean.
 fn shard_mse(comm: &Comm, out: &Tensor, y: &Tensor) -> Result<Tensor> {
-    Shard::new(BATCH, comm.size(), comm.rank()).weigh(&mse(out, y)?)
+    Shard::new(BATCH, comm.size(), comm.rank())?.weigh(&mse(out, y)?)
 }
 
 fn compare(

@@ -48,7 +48,7 @@ fn the_kernels_update_with_the_cpu_kernels_bits_in_every_dtype() -> Result<()> {
         ..Default::default()
     };
     // Step 3: bias corrections other than 1.
-    let step = AdamWStep::new(&params, 3);
+    let step = AdamWStep::new(&params, 3)?;
     let n = 1000;
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let r = |std: f32| -> Result<Tensor> {

@@ -22,18 +22,32 @@ pub struct AdamWStep {
 }
 
 impl AdamWStep {
-    /// The constants of step `t` (counted from 1) with `p`.
-    pub fn new(p: &candle_nn::ParamsAdamW, t: usize) -> Self {
-        let t = i32::try_from(t).unwrap_or(i32::MAX);
-        Self {
+    /// The constants of step `t` (counted from 1) with `p`; an error where
+    /// a bias correction would divide by 0 (step 0, or a beta of 1), which
+    /// would step every weight to NaN.
+    pub fn new(p: &candle_nn::ParamsAdamW, t: usize) -> Result<Self> {
+        let power = i32::try_from(t).unwrap_or(i32::MAX);
+        let (scale_m, scale_v) = (
+            1.0 / (1.0 - p.beta1.powi(power)),
+            1.0 / (1.0 - p.beta2.powi(power)),
+        );
+        if !(scale_m.is_finite() && scale_v.is_finite()) {
+            bail!(
+                "AdamW's step {t} with beta1 {} and beta2 {} has no bias correction \
+                 (1 - beta^t is 0); allowed: a step from 1, betas below 1",
+                p.beta1,
+                p.beta2
+            );
+        }
+        Ok(Self {
             beta1: p.beta1,
             beta2: p.beta2,
             lr: p.lr,
             weight_decay: p.weight_decay,
             eps: p.eps,
-            scale_m: 1.0 / (1.0 - p.beta1.powi(t)),
-            scale_v: 1.0 / (1.0 - p.beta2.powi(t)),
-        }
+            scale_m,
+            scale_v,
+        })
     }
 
     /// `(a, b)` of the first moment's `a m + b g`, as both kernels take
@@ -284,5 +298,34 @@ impl InplaceOp3 for Theta {
             ),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AdamWStep;
+    use candle_nn::ParamsAdamW;
+
+    #[test]
+    fn a_step_without_a_bias_correction_is_an_error() {
+        let p = ParamsAdamW::default();
+        let e = AdamWStep::new(&p, 0).unwrap_err().to_string();
+        assert_eq!(
+            e.lines().next(),
+            Some(
+                "AdamW's step 0 with beta1 0.9 and beta2 0.999 has no bias correction \
+                 (1 - beta^t is 0); allowed: a step from 1, betas below 1"
+            )
+        );
+        let flat = ParamsAdamW {
+            beta1: 1.0,
+            ..Default::default()
+        };
+        assert!(AdamWStep::new(&flat, 5).is_err());
+        let first = AdamWStep::new(&p, 1).unwrap();
+        assert_eq!(
+            (first.scale_m, first.scale_v),
+            (1.0 / (1.0 - 0.9), 1.0 / (1.0 - 0.999))
+        );
     }
 }

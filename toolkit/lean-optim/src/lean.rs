@@ -150,7 +150,7 @@ fn out_of_place(var: &Var, m: &Var, v: &Var, g: &Tensor, k: &AdamWStep) -> Resul
 /// let (m, v) = (Var::zeros(2, DType::F32, &dev)?, Var::zeros(2, DType::F32, &dev)?);
 /// let g = candle_core::Tensor::new(&[0.5f32, -0.5], &dev)?;
 /// let p = ParamsAdamW { lr: 0.1, weight_decay: 0.0, ..Default::default() };
-/// adamw_update(&w, (&m, &v), &g, &AdamWStep::new(&p, 1))?;
+/// adamw_update(&w, (&m, &v), &g, &AdamWStep::new(&p, 1)?)?;
 /// // The first step moves each weight by about lr against its gradient's sign.
 /// let w = w.to_vec1::<f32>()?;
 /// assert!((w[0] - 0.9).abs() < 1e-6 && (w[1] - 2.1).abs() < 1e-6);
@@ -182,7 +182,7 @@ impl Optimizer for LeanAdamW {
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         self.step_t += 1;
-        let k = AdamWStep::new(&self.params, self.step_t);
+        let k = AdamWStep::new(&self.params, self.step_t)?;
         let _state = scope(&*self.observer, Kind::OptimizerState, Place::Device);
         for s in &self.slots {
             if let Some(g) = grads.get(s.var.as_tensor()) {

@@ -93,7 +93,8 @@ impl Ledger {
                 "the tensor has no graph that leads to a variable, so nothing is held for a \
                  backward that the ledger can list; a checkpointed or direct step \
                  (candle-checkpoint) keeps its tensors outside candle's graph: count those \
-                 with an allocator (candle-alloc-count)"
+                 with a counting global allocator (as this workspace's tests do with \
+                 candle-toolkit-alloc-count)"
             );
         }
         let parameters: HashSet<usize> = nodes

@@ -152,7 +152,7 @@ impl HostAdamW {
     /// Steps with f32 gradients already on the host.
     fn step_host(&mut self, grads: &GradStore) -> Result<()> {
         self.step_t += 1;
-        let k = AdamWStep::new(&self.params, self.step_t);
+        let k = AdamWStep::new(&self.params, self.step_t)?;
         for s in &self.slots {
             let Some(g) = grads.get(s.var.as_tensor()) else {
                 continue;

@@ -20,6 +20,9 @@ mod source;
 mod stream;
 mod transfers;
 
+/// The activation `fetched_linear_act` takes: re-exported, so that a
+/// caller needs no `candle-lean-nn` of its own for it.
+pub use candle_lean_nn::Activation;
 /// The measurement hook that calls here accept, and the one that does
 /// nothing (`&NoObserver`): re-exported, so that a caller needs no
 /// `candle-observe` of its own for them.

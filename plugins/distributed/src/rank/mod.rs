@@ -154,7 +154,7 @@ fn run_rank(comm: &Arc<Comm>, req: &RankRequest) -> anyhow::Result<()> {
     // buffers): allocate them here, untagged, not in the first stage.
     Category::Other.scope(|| -> anyhow::Result<()> {
         let (layers, vars) = dense(req, &Device::Cpu)?;
-        let (x, y) = batch(req, shard_of(req, comm), 0, &Device::Cpu)?;
+        let (x, y) = batch(req, shard_of(req, comm)?, 0, &Device::Cpu)?;
         let grads = mse(&forward(&layers, &x)?, &y)?.backward()?;
         drop((grads, layers, vars));
         Ok(())

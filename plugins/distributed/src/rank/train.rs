@@ -54,8 +54,8 @@ fn init(req: &RankRequest, dev: &Device) -> Result<Vec<(Tensor, Tensor)>> {
 }
 
 /// This rank's share of the batch: its rows, and its loss's weight.
-pub(super) fn shard_of(req: &RankRequest, comm: &Comm) -> Shard {
-    Shard::new(req.batch, comm.size(), comm.rank())
+pub(super) fn shard_of(req: &RankRequest, comm: &Comm) -> anyhow::Result<Shard> {
+    Ok(Shard::new(req.batch, comm.size(), comm.rank())?)
 }
 
 /// `shard`'s rows of step `step`'s batch, in the dtype it trains in.
@@ -226,7 +226,7 @@ pub(super) fn run_stage(
     let mut held = ModelState::default();
     let mut loss = f32::NAN;
     let traffic_start = comm.traffic();
-    let shard = shard_of(req, comm);
+    let shard = shard_of(req, comm)?;
     let start = Instant::now();
     for step in 0..req.steps {
         let (x, y) = Category::Inputs.scope(|| batch(req, shard, step, &dev))?;
