@@ -365,7 +365,7 @@ fn verdict(
 /// closed form for each compute dtype and loss, against a card's memory or
 /// the budget.
 fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitCode> {
-    use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderRequest, CARDS};
+    use workbook_planner::decoder::{plan_decoder as weigh, Card, DecoderRequest, CARDS, MARGIN};
     use workbook_planner::Stage;
     let cfg = workbook_models::llama::LlamaConfig::from_file(path)?;
     // What only the GPT's plan reads is refused, not silently dropped.
@@ -499,6 +499,7 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         ranks: args.ranks,
         stages,
         checkpointing: !args.no_checkpointing,
+        margin: MARGIN,
     };
     let plan = weigh(&cfg, &ask, &card);
     let verification = match plan.chosen {

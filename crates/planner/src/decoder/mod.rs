@@ -33,7 +33,7 @@ mod predict;
 mod train;
 mod verify;
 
-pub use plan::{plan_decoder, Card, DecoderOption, DecoderPlan, DecoderRequest, CARDS};
+pub use plan::{plan_decoder, Card, DecoderOption, DecoderPlan, DecoderRequest, CARDS, MARGIN};
 pub use predict::{
     predict, predict_peak, saved_per_block, DecoderRecipe, Moment, Prediction, Sharing,
 };
