@@ -30,6 +30,21 @@ pub(crate) fn backward(
             fwd.out.dims()
         );
     }
+    // The inputs must be the forward's: its output is (batch, q_heads,
+    // seq, v_dim) of them, its log-sum-exp one per query row. Others
+    // would read past the saved rows.
+    let made = [dims.batch, dims.q_heads, dims.nq, dims.dv];
+    if fwd.out.dims() != made || fwd.lse.dims() != &made[..3] {
+        candle_core::bail!(
+            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs: its output \
+             has shape {:?} and its log-sum-exp {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            fwd.out.dims(),
+            fwd.lse.dims()
+        );
+    }
     if dims.nq == 0 || dims.nk == 0 || dims.rows() == 0 {
         return Ok((q.zeros_like()?, k.zeros_like()?, v.zeros_like()?));
     }

@@ -164,6 +164,23 @@ fn bad_input_is_an_error_that_says_why() -> Result<()> {
     assert!(err(flash_forward(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
     assert!(err(materialized_attention(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
     let _ = q0;
+
+    // A backward given other inputs than its forward's is an error, not a
+    // read past the saved rows: wider values, more queries.
+    let fwd = flash_forward(&q, &k, &v, &cfg)?;
+    let d_out = fwd.out.ones_like()?;
+    let (_, _, wide) = inputs(1, 2, 2, 4, 16, DType::F32)?;
+    assert_eq!(
+        err(fwd.backward(&q, &k, &wide, &d_out)).lines().next(),
+        Some(
+            "q, k and v (of shapes [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 16]) are not the \
+             forward's inputs: its output has shape [1, 2, 4, 8] and its log-sum-exp [1, 2, 4]"
+        )
+    );
+    let (long, _, _) = inputs(1, 2, 2, 6, 8, DType::F32)?;
+    assert!(
+        err(fwd.backward(&long, &k, &v, &d_out)).starts_with("q, k and v (of shapes [1, 2, 6, 8]")
+    );
     Ok(())
 }
 
