@@ -726,6 +726,54 @@ fn a_config_json_is_found_in_its_models_folder_and_by_any_case_of_its_extension(
 }
 
 #[test]
+fn a_decoder_that_nothing_fits_says_what_could_help_in_text_and_json() {
+    let last = |args: &[&str]| {
+        let o = plan_with(args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        out.lines().last().unwrap_or_default().to_string()
+    };
+    // Llama-3.1-8B's f32 weights (29.9 GiB) are over a 24 GiB card's
+    // memory on every rank: one token or more ranks cannot help.
+    let llama = "models/llama-3.1-8b.config.json";
+    for ranks in ["1", "8"] {
+        let said = last(&[
+            "--model", llama, "--device", "rtx4090", "--batch", "8", "--seq", "1", "--ranks", ranks,
+        ]);
+        assert!(
+            said.ends_with(
+                "The f32 weights alone take 29.9 GiB, and every device holds them (ZeRO-1 and -2 \
+                 share AdamW's state, not the weights): no --batch, --seq or --ranks helps; a \
+                 card with more memory does."
+            ),
+            "{said}"
+        );
+    }
+    // SmolLM2's 12 bytes a parameter (1.50 GiB) over 1 GiB: ranks help.
+    let smollm2 = [
+        "--model",
+        "models/smollm2-135m.config.json",
+        "--device",
+        "cpu",
+        "--budget",
+        "1GiB",
+    ];
+    assert!(last(&smollm2).ends_with(
+        "Its weights with its share of AdamW's state alone take 1.50 GiB: no --batch or --seq \
+         helps; several ranks sharing AdamW's state do."
+    ));
+    // With --json on stdout the reason goes to stderr.
+    let o = plan_with(&[&smollm2[..], &["--json"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(json(&o)["plan"]["chosen"].is_null());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.starts_with("error: Nothing fits: the smallest, f32 compute"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_plan_this_machine_cannot_verify_is_written_and_says_why() {
     // A decoder: Llama-3.1-8B on an 80 GB card chooses an option of
     // 65.7 GiB, which no CI machine holds.

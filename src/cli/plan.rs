@@ -530,7 +530,16 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
         }
     }
     Ok(match plan.chosen {
-        None => ExitCode::from(1),
+        None => {
+            // The text says it in its last line; JSON on stdout leaves it
+            // to stderr, as the GPT's plan does.
+            if args.json {
+                if let Some(line) = workbook::plan::decoder_nothing_fits(&plan) {
+                    eprintln!("error: {line}");
+                }
+            }
+            ExitCode::from(1)
+        }
         Some(_) => verdict(verification.as_ref(), failure),
     })
 }

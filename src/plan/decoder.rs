@@ -177,27 +177,57 @@ pub fn decoder_text(
             ));
         }
         None => {
-            if let Some(o) = plan.options.iter().min_by_key(|o| o.prediction.total()) {
-                let hint = if plan.ranks > 1 {
-                    "more --ranks"
-                } else {
-                    "several devices with --ranks N (ZeRO)"
-                };
-                let total = o.prediction.total();
-                let room = (total as f64 * (1.0 + plan.margin)).ceil() as u64;
-                out.push_str(&format!(
-                    "Nothing fits: the smallest, {}, needs {} ({} with the {:.0}% a plan \
-                     leaves), {} over the budget. Try a smaller --batch or --seq, or {hint}.\n",
-                    option_words(o),
-                    bytes(total),
-                    bytes(room),
-                    plan.margin * 100.0,
-                    bytes(room.saturating_sub(plan.budget))
-                ));
+            if let Some(line) = decoder_nothing_fits(plan) {
+                out.push_str(&line);
+                out.push('\n');
             }
         }
     }
     out
+}
+
+/// Why nothing of a decoder plan fits: its smallest option, what it
+/// needs with the plan's room and how far over the budget that is, and what
+/// could help. When the state that stays on every device (the weights,
+/// with what the option keeps of AdamW's state) is alone over the budget,
+/// no batch or sequence helps, and it says so. `None` for a plan with no
+/// option.
+pub fn decoder_nothing_fits(plan: &workbook_planner::decoder::DecoderPlan) -> Option<String> {
+    let o = plan.options.iter().min_by_key(|o| o.prediction.total())?;
+    let total = o.prediction.total();
+    let room = (total as f64 * (1.0 + plan.margin)).ceil() as u64;
+    let over = |b: u64| b as f64 * (1.0 + plan.margin) > plan.budget as f64;
+    // Every device holds the f32 weights: ZeRO-1 and -2 share AdamW's
+    // state and the gradients, not the weights.
+    let weights = plan.params.saturating_mul(4);
+    let hint = if over(weights) {
+        format!(
+            "The f32 weights alone take {}, and every device holds them (ZeRO-1 and -2 share \
+             AdamW's state, not the weights): no --batch, --seq or --ranks helps; a card with \
+             more memory does",
+            bytes(weights)
+        )
+    } else if over(o.prediction.state) {
+        format!(
+            "Its weights with its share of AdamW's state alone take {}: no --batch or --seq \
+             helps; {} ranks sharing AdamW's state do",
+            bytes(o.prediction.state),
+            if plan.ranks > 1 { "more" } else { "several" }
+        )
+    } else if plan.ranks > 1 {
+        "Try a smaller --batch or --seq, or more --ranks".to_string()
+    } else {
+        "Try a smaller --batch or --seq, or several devices with --ranks N (ZeRO)".to_string()
+    };
+    Some(format!(
+        "Nothing fits: the smallest, {}, needs {} ({} with the {:.0}% a plan leaves), {} over \
+         the budget. {hint}.",
+        option_words(o),
+        bytes(total),
+        bytes(room),
+        plan.margin * 100.0,
+        bytes(room.saturating_sub(plan.budget))
+    ))
 }
 
 /// The page `docs/decoder-fits.md`: for each published decoder of

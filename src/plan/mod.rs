@@ -14,7 +14,9 @@ use crate::render::text::bytes;
 pub mod decoder;
 pub mod gpt;
 
-pub use decoder::{decoder_fits_markdown, decoder_text, decoder_verified_where};
+pub use decoder::{
+    decoder_fits_markdown, decoder_nothing_fits, decoder_text, decoder_verified_where,
+};
 pub use gpt::{figure, nothing_fits, text, verified};
 
 /// A model file: the GPT's sizes, as `workbook plan --model FILE` reads it.
