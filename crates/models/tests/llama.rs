@@ -99,6 +99,17 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
             "my.json: `num_key_value_heads` is 4: a divisor of num_attention_heads (9): query heads share key/value heads in equal groups",
         ),
         (
+            {
+                // A Qwen2 without the field takes Hugging Face's 32, which
+                // 9 heads cannot share.
+                let mut v: serde_json::Value =
+                    serde_json::from_str(&with("model_type", "\"qwen2\"")).unwrap();
+                v.as_object_mut().unwrap().remove("num_key_value_heads");
+                v.to_string()
+            },
+            "my.json: `num_key_value_heads` is absent, so 32 (qwen2's default): a divisor of num_attention_heads (9): query heads share key/value heads in equal groups",
+        ),
+        (
             with("head_dim", "63"),
             "my.json: `head_dim` is 63: even and at least 2: rotary embeddings rotate pairs",
         ),

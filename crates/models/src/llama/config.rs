@@ -229,9 +229,14 @@ impl LlamaConfig {
             Family::Mistral => 8,
         });
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            // An absent field is named as the default it took.
+            let given = match raw.num_key_value_heads {
+                Some(_) => kv_heads.to_string(),
+                None => format!("absent, so {kv_heads} ({}'s default)", family.name()),
+            };
             return Err(field(
                 "num_key_value_heads",
-                kv_heads.to_string(),
+                given,
                 &format!("a divisor of num_attention_heads ({heads}): query heads share key/value heads in equal groups"),
             ));
         }
