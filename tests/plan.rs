@@ -626,7 +626,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
 #[test]
 fn a_config_json_plan_refuses_what_it_cannot_plan() {
     let smollm2 = "models/smollm2-135m.config.json";
-    let cases: [(&[&str], &str); 14] = [
+    let cases: [(&[&str], &str); 15] = [
         (
             &["--model", smollm2, "--device", "h100"],
             "error: `--device` is `h100`; allowed for a config.json: cpu, h200, h100-80gb, a100-80gb, a100-40gb, l4, rtx4090; did you mean `h100-80gb`?",
@@ -678,6 +678,10 @@ fn a_config_json_plan_refuses_what_it_cannot_plan() {
         (
             &["--model", "tests"],
             "error: `--model` is tests, a folder without a config.json; give a model's TOML file, a Hugging Face config.json, or the folder of a Hugging Face model that holds one",
+        ),
+        (
+            &["--model", "models/mistral-7b-v0.1.config.json", "--seq", "8192"],
+            "error: `--seq` is 8192; allowed for models/mistral-7b-v0.1.config.json: at most its attention window (`sliding_window` 4096), which this decoder does not slide past",
         ),
         // The system's reason once, not once more as the error's cause.
         (
@@ -821,10 +825,8 @@ fn a_plan_this_machine_cannot_verify_is_written_and_says_why() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        out.contains("\nPlan: direct layers in f32, the whole batch of 1048576"),
-        "{out}"
-    );
+    // (Which option is the fastest is measured, so not asserted.)
+    assert!(out.contains("\nPlan: direct layers in "), "{out}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.starts_with("error: the chosen plan is predicted to hold ")

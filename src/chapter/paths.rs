@@ -153,6 +153,7 @@ mod tests {
     fn an_absolute_path_a_chapter_in_the_working_directory_and_a_dangling_link() {
         let dir = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(dir.path().join("gone"), dir.path().join("link.json")).unwrap();
+        std::fs::write(dir.path().join("mine.json"), "{}").unwrap();
         let absolute = dir.path().join("mine.json").to_str().unwrap().to_string();
         let text = format!("config = \"{absolute}\"\nmaybe = \"link.json\"");
         let mut params: toml::Table = toml::from_str(&text).unwrap();

@@ -98,7 +98,8 @@ pub struct PlanArgs {
     #[arg(long, value_name = "SECONDS", value_parser = parse_job_seconds)]
     pub timeout: Option<u64>,
     /// Run the chosen plan and check that its measured peak is within
-    /// the budget and within 5% of the prediction (exit code 1 if not).
+    /// the budget and within 5% of the prediction (exit code 1 if not, or
+    /// if this machine cannot hold it: the plan is still written).
     #[arg(long)]
     pub verify: bool,
     /// Steps the verification runs (at least 1).
@@ -396,6 +397,13 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             "`--batch` is {} and `--seq` {seq}; allowed: a batch from 1 to 1048576 and a \
              sequence from 1 to 16777216 tokens",
             args.batch,
+        );
+    }
+    if let Some(window) = cfg.sliding_window.filter(|w| seq > *w) {
+        anyhow::bail!(
+            "`--seq` is {seq}; allowed for {}: at most its attention window (`sliding_window` \
+             {window}), which this decoder does not slide past",
+            path.display()
         );
     }
     if let Some(d) = args.dtypes.iter().find(|d| {

@@ -305,6 +305,9 @@ fn fits_cell(
         checkpointing: true,
         margin: MARGIN,
     };
+    if let Some(window) = cfg.sliding_window.filter(|w| seq > *w) {
+        return format!("no (past its {window}-token window)");
+    }
     let plan = plan_decoder(cfg, &ask, card);
     let Some(i) = plan.chosen else {
         let least = plan.options.iter().map(|o| o.prediction.total()).min();

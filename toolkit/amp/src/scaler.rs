@@ -195,7 +195,9 @@ impl GradScaler {
     /// can reach the optimizer. Gradients must be f32, f64 or bf16: f16
     /// gradients would lose in the division the small values the scale
     /// kept, so, as torch.amp, they are refused (keep f32 master weights,
-    /// `MasterWeights`).
+    /// `MasterWeights`). A store with no gradient of any of `vars` is an
+    /// error too, as torch's "no inf checks were recorded": the wrong
+    /// variables would otherwise step nothing while the scale grew.
     ///
     /// The check runs on the device: each gradient times zero is summed
     /// (inf and NaN make NaN), the sums are added up there, and one number
@@ -247,6 +249,7 @@ impl GradScaler {
     /// Steps `optimizer` with the unscaled gradients, unscaling them first if
     /// [`unscale`](Self::unscale) was not called, unless they hold an inf or
     /// NaN. Does not change the scale: call [`update`](Self::update) next.
+    /// Its unscaling's errors are [`unscale`](Self::unscale)'s.
     pub fn step<O: Optimizer>(
         &mut self,
         optimizer: &mut O,

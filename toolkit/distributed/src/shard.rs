@@ -37,6 +37,9 @@ impl Shard {
     /// would average its loss over none: NaN, which the all-reduce would
     /// hand every rank).
     pub fn new(batch: usize, ranks: usize, rank: usize) -> Result<Self> {
+        if ranks == 0 {
+            candle_core::bail!("0 ranks; allowed: at least 1");
+        }
         if rank >= ranks {
             candle_core::bail!(
                 "rank {rank} of {ranks} ranks; allowed: a rank from 0 to ranks - 1 \
@@ -117,7 +120,10 @@ mod tests {
             "rank 3 of 1 ranks; allowed: a rank from 0 to ranks - 1 \
              (`Shard::new(batch, ranks, rank)`)"
         );
-        assert!(Shard::new(8, 0, 0).is_err());
+        assert_eq!(
+            first(Shard::new(8, 0, 0).unwrap_err()),
+            "0 ranks; allowed: at least 1"
+        );
         assert_eq!(
             first(Shard::new(2, 4, 0).unwrap_err()),
             "a batch of 2 rows over 4 ranks leaves a rank without a row; allowed: at least \

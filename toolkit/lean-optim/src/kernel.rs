@@ -31,10 +31,13 @@ impl AdamWStep {
             1.0 / (1.0 - p.beta1.powi(power)),
             1.0 / (1.0 - p.beta2.powi(power)),
         );
-        if !(scale_m.is_finite() && scale_v.is_finite()) {
+        let beta = 0.0..1.0;
+        let corrected = scale_m.is_finite() && scale_v.is_finite();
+        if !(corrected && beta.contains(&p.beta1) && beta.contains(&p.beta2)) {
             bail!(
                 "AdamW's step {t} with beta1 {} and beta2 {} has no bias correction \
-                 (1 - beta^t is 0); allowed: a step from 1, betas below 1",
+                 (1 - beta^t is 0) or betas outside AdamW's; allowed: a step from 1, betas from \
+                 0 to below 1",
                 p.beta1,
                 p.beta2
             );
@@ -314,7 +317,8 @@ mod tests {
             e.lines().next(),
             Some(
                 "AdamW's step 0 with beta1 0.9 and beta2 0.999 has no bias correction \
-                 (1 - beta^t is 0); allowed: a step from 1, betas below 1"
+                 (1 - beta^t is 0) or betas outside AdamW's; allowed: a step from 1, betas \
+                 from 0 to below 1"
             )
         );
         let flat = ParamsAdamW {
@@ -322,6 +326,11 @@ mod tests {
             ..Default::default()
         };
         assert!(AdamWStep::new(&flat, 5).is_err());
+        let over = ParamsAdamW {
+            beta1: 1.5,
+            ..Default::default()
+        };
+        assert!(AdamWStep::new(&over, 5).is_err());
         let first = AdamWStep::new(&p, 1).unwrap();
         assert_eq!(
             (first.scale_m, first.scale_v),
