@@ -13,6 +13,19 @@ const SMALL: [&str; 12] = [
     "8",
 ];
 
+/// Llama-3.1-8B at 8 x 2,048 on an 80 GB card: a plan of 65.7 GiB, over
+/// what a CI machine holds.
+const LLAMA_8B_ON_H100: [&str; 8] = [
+    "--model",
+    "models/llama-3.1-8b.config.json",
+    "--device",
+    "h100-80gb",
+    "--batch",
+    "8",
+    "--seq",
+    "2048",
+];
+
 /// `workbook plan` with chapter 3's small GPT.
 fn plan(extra: &[&str]) -> Output {
     plan_with(&[&SMALL[..], extra].concat())
@@ -562,17 +575,7 @@ fn a_config_json_is_planned_for_a_card_fast_dtype_first() {
     // Llama-3.1-8B on one 80 GB card: only with AdamW on the host and
     // every block checkpointed; over 8 ranks with ZeRO-1, the figures one
     // rank's.
-    let llama = "models/llama-3.1-8b.config.json";
-    let card = [
-        "--model",
-        llama,
-        "--device",
-        "h100-80gb",
-        "--batch",
-        "8",
-        "--seq",
-        "2048",
-    ];
+    let card = LLAMA_8B_ON_H100;
     let out = fitting(&card);
     assert!(
         out.contains(
@@ -781,18 +784,7 @@ fn a_decoder_that_nothing_fits_says_what_could_help_in_text_and_json() {
 fn a_plan_this_machine_cannot_verify_is_written_and_says_why() {
     // A decoder: Llama-3.1-8B on an 80 GB card chooses an option of
     // 65.7 GiB, which no CI machine holds.
-    let o = plan_with(&[
-        "--model",
-        "models/llama-3.1-8b.config.json",
-        "--device",
-        "h100-80gb",
-        "--batch",
-        "8",
-        "--seq",
-        "2048",
-        "--verify",
-        "--json",
-    ]);
+    let o = plan_with(&[&LLAMA_8B_ON_H100[..], &["--verify", "--json"]].concat());
     assert_eq!(o.status.code(), Some(1));
     let v = json(&o);
     assert!(v["plan"]["chosen"].is_u64(), "{v}");
@@ -803,6 +795,12 @@ fn a_plan_this_machine_cannot_verify_is_written_and_says_why() {
             && err.contains(": it cannot be verified here (plan without --verify, or ask for a smaller --batch or --seq)"),
         "{err}"
     );
+    // In text, the plan on stdout and why it was not run on stderr.
+    let o = plan_with(&[&LLAMA_8B_ON_H100[..], &["--verify"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("\nChosen: "));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("it cannot be verified here"), "{err}");
     // The GPT's: a batch of 2^20 sequences of chapter 3's small model.
     let o = plan_with(&[
         "--layers",
@@ -863,16 +861,7 @@ fn the_fits_page_is_current() {
         "docs/decoder-fits.md is stale: regenerate it with `WORKBOOK_BLESS=1 cargo test --test plan`"
     );
     // The page agrees with the command: Llama-3.1-8B at 2,048 x 8 on an H100.
-    let out = fitting(&[
-        "--model",
-        "models/llama-3.1-8b.config.json",
-        "--device",
-        "h100-80gb",
-        "--batch",
-        "8",
-        "--seq",
-        "2048",
-    ]);
+    let out = fitting(&LLAMA_8B_ON_H100);
     let chosen = out.lines().find(|l| l.starts_with("Chosen: ")).unwrap();
     let peak = chosen
         .split(", ")
@@ -930,19 +919,8 @@ fn a_decoder_plan_is_verified_on_this_machine_and_keeps_its_promise() {
         assert!(out.contains("The plan kept its promise"), "{out}");
         assert!(out.contains(place), "{out}");
     }
-    // What the machine cannot hold is not run: the plan is written, and
-    // why it was not verified said.
-    let o = plan_with(&[
-        "--model",
-        "models/llama-3.1-8b.config.json",
-        "--device",
-        "h100-80gb",
-        "--verify",
-    ]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("\nChosen: "));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("it cannot be verified here"), "{err}");
+    // What the machine cannot hold is not run: that is
+    // `a_plan_this_machine_cannot_verify_is_written_and_says_why`.
 }
 
 /// `--untied-head` gives the head a table of its own: the parameters grow

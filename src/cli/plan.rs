@@ -442,7 +442,7 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
             };
             anyhow::anyhow!(
                 "`--device` is `{name}`; allowed for a config.json: cpu, {}{hint}",
-                names.join(", "),
+                card_names(),
             )
         })?,
     };
@@ -455,7 +455,7 @@ fn plan_decoder(args: &PlanArgs, path: &std::path::Path) -> anyhow::Result<ExitC
                     "this machine's available memory".to_string(),
                     format!(
                         ", or name the card the plan is for with `--device` ({})",
-                        CARDS.map(|(n, _)| n).join(", ")
+                        card_names()
                     ),
                 )
             } else {
@@ -623,4 +623,9 @@ fn verify_decoder(
     );
     progress.finish_and_clear();
     v
+}
+
+/// The cards `--device` knows, for a message: `h200, h100-80gb, …`.
+fn card_names() -> String {
+    workbook_planner::decoder::CARDS.map(|(n, _)| n).join(", ")
 }

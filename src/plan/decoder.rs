@@ -1,6 +1,8 @@
 //! A decoder's plan from its config.json in words, and the page of the
 //! six published decoders on the card presets.
 
+use workbook_planner::margin;
+
 use crate::render::text::bytes;
 
 /// An option in words: `bf16 compute, the fused loss, every block
@@ -195,8 +197,8 @@ pub fn decoder_text(
 pub fn decoder_nothing_fits(plan: &workbook_planner::decoder::DecoderPlan) -> Option<String> {
     let o = plan.options.iter().min_by_key(|o| o.prediction.total())?;
     let total = o.prediction.total();
-    let room = (total as f64 * (1.0 + plan.margin)).ceil() as u64;
-    let over = |b: u64| b as f64 * (1.0 + plan.margin) > plan.budget as f64;
+    let room = margin::room(total, plan.margin);
+    let over = |b: u64| !margin::fits(b, plan.budget, plan.margin);
     // Every device holds the f32 weights: ZeRO-1 and -2 share AdamW's
     // state and the gradients, not the weights.
     let weights = plan.params.saturating_mul(4);

@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod decoder;
+pub mod margin;
 pub mod plan;
 pub mod stage;
 pub mod step;

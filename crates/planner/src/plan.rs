@@ -60,6 +60,7 @@ use workbook_sdk::{anyhow, Context};
 
 use workbook_models::{GptConfig, Recipe};
 
+use crate::margin::fits;
 use crate::stage::Stage;
 use crate::step::{calibrate, measured_step, Parallel, StepShape};
 
@@ -515,7 +516,7 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     let batch = req.batch / req.ranks.max(1);
     for c in &calibrations {
         let mut micros = vec![batch];
-        let fits = |peak: u64| peak as f64 * (1.0 + req.margin) <= req.budget as f64;
+        let fits = |peak: u64| fits(peak, req.budget, req.margin);
         let largest_fitting = largest_micro(c, batch, fits);
         if !fits(c.peak(batch, batch)) && batch > 1 {
             // The largest micro-batch that fits, or, when none does, one

@@ -5,6 +5,7 @@ use workbook_models::llama::{LlamaConfig, Loss};
 use workbook_sdk::candle::DType;
 
 use super::predict::{predict, DecoderRecipe, Prediction, Sharing};
+use crate::margin::fits;
 use crate::stage::Stage;
 
 /// A device a plan is weighed against: a card preset, or this CPU.
@@ -211,7 +212,7 @@ pub fn plan_decoder(cfg: &LlamaConfig, ask: &DecoderRequest, card: &Card) -> Dec
                             micro_batches,
                             optimizer: sharing.name().into(),
                             recipe,
-                            fits: fits(prediction.total(), ask),
+                            fits: fits(prediction.total(), ask.budget, ask.margin),
                             prediction,
                         });
                     }
@@ -230,12 +231,6 @@ pub fn plan_decoder(cfg: &LlamaConfig, ask: &DecoderRequest, card: &Card) -> Dec
         options,
         chosen,
     }
-}
-
-/// Whether a step predicted to hold `peak` fits the ask's budget with its
-/// margin.
-fn fits(peak: u64, ask: &DecoderRequest) -> bool {
-    peak as f64 * (1.0 + ask.margin) <= ask.budget as f64
 }
 
 #[cfg(test)]
