@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Fuzzes the chapter loader and validator with libFuzzer (cargo-fuzz): any
-# text may be refused, none may crash the process.
+# Fuzzes what reads a user's files with libFuzzer (cargo-fuzz): any text
+# may be refused, none may crash the process. Two targets: `chapter`, the
+# chapter loader and validator (the default), and `config`, a decoder's
+# config.json read and planned.
 #
-#   scripts/fuzz.sh                       a 60-second run (what CI does)
-#   scripts/fuzz.sh -runs=1000000         a million inputs
+#   scripts/fuzz.sh                       the chapter loader for 60 seconds
+#   scripts/fuzz.sh config                a config.json for 60 seconds
+#   scripts/fuzz.sh chapter -runs=1000000 a million chapters
 #   scripts/fuzz.sh -max_total_time=600   any of libFuzzer's options
-#   scripts/fuzz.sh --build               cargo-fuzz and the target built, no run
+#   scripts/fuzz.sh --build               cargo-fuzz and both targets built, no run
 #
-# The corpus starts from the chapters and the test fixtures and grows in
-# ~/.cache/workbook/fuzz-corpus (WORKBOOK_FUZZ_CORPUS); a crash is written to
-# fuzz/artifacts/chapter/ and makes the script fail. cargo-fuzz needs
-# nightly's -Z flags: RUSTC_BOOTSTRAP lets the stable toolchain accept them.
+# Each target's corpus starts from the files it reads (the chapters and the
+# test fixtures; the published configs in models/) and grows in
+# ~/.cache/workbook/fuzz-corpus (the chapter's) or fuzz-corpus-config
+# (WORKBOOK_FUZZ_CORPUS names another for the target run); a crash is
+# written to fuzz/artifacts/<target>/ and makes the script fail. cargo-fuzz
+# needs nightly's -Z flags: RUSTC_BOOTSTRAP lets the stable toolchain accept
+# them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,19 +25,40 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
   cargo install cargo-fuzz --locked --quiet
 fi
 
-corpus="${WORKBOOK_FUZZ_CORPUS:-$HOME/.cache/workbook/fuzz-corpus}"
-mkdir -p "$corpus"
-cp chapters/*.toml tests/fixtures/*.toml "$corpus/"
-
 export RUSTC_BOOTSTRAP=1
 target="${WORKBOOK_FUZZ_TARGET:-$HOME/.cache/workbook/target-fuzz}"
 if [ "${1:-}" = --build ]; then
-  exec cargo fuzz build --sanitizer none --target-dir "$target" chapter
+  exec cargo fuzz build --sanitizer none --target-dir "$target"
 fi
+
+fuzzed=chapter
+case "${1:-}" in
+  chapter | config)
+    fuzzed="$1"
+    shift
+    ;;
+  -*| "") ;;
+  *)
+    echo "error: \`$1\` is not a fuzz target; allowed: chapter, config" >&2
+    exit 2
+    ;;
+esac
+
+case "$fuzzed" in
+  chapter) kept="$HOME/.cache/workbook/fuzz-corpus" ;;
+  config) kept="$HOME/.cache/workbook/fuzz-corpus-config" ;;
+esac
+corpus="${WORKBOOK_FUZZ_CORPUS:-$kept}"
+mkdir -p "$corpus"
+case "$fuzzed" in
+  chapter) cp chapters/*.toml tests/fixtures/*.toml "$corpus/" ;;
+  config) cp models/*.json "$corpus/" ;;
+esac
+
 if [ "$#" -eq 0 ]; then
   set -- -max_total_time=60
 fi
-# No sanitizer: the loader is safe Rust, and what is looked for is a panic,
-# an abort or a stack overflow, which libFuzzer catches on its own.
-cargo fuzz run --sanitizer none --target-dir "$target" chapter "$corpus" -- \
+# No sanitizer: the readers are safe Rust, and what is looked for is a
+# panic, an abort or a stack overflow, which libFuzzer catches on its own.
+cargo fuzz run --sanitizer none --target-dir "$target" "$fuzzed" "$corpus" -- \
   -max_len=65536 -timeout=10 "$@"

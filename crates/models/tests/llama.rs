@@ -139,21 +139,54 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
                 v["num_hidden_layers"] = 4096.into();
                 v.to_string()
             },
-            "my.json: `num_hidden_layers` is 4096: a model of at most 1125899906842624 parameters; these shapes make",
+            // 4096 blocks of 4·2^48 attention, 3·1536·2^20 MLP and 2·2^20
+            // norm parameters, with the tied 49152·2^20 table and a norm.
+            "my.json: these shapes make 4611705869767278592 parameters (hidden_size 1048576, intermediate_size 1536, num_hidden_layers 4096, num_attention_heads 4096, head_dim 65536, vocab_size 49152): at most 1125899906842624 (2^50) are planned; no published decoder is within a thousandth of that, so one of them is likely mistyped",
+        ),
+        (
+            with("architectures", "[\"LlamaForSequenceClassification\"]"),
+            "my.json: `architectures` is [\"LlamaForSequenceClassification\"]: a causal language model's (`...ForCausalLM`): this trains next-token prediction, whose head is the vocabulary",
         ),
         (
             with("rms_norm_eps", "-1.0"),
             "my.json: `rms_norm_eps` is -1: a small positive number",
-        ),
-        (
-            with("hidden_size", "\"576\""),
-            "my.json:1:",
         ),
     ];
     for (text, message) in cases {
         let got = error(&text);
         assert!(got.starts_with(message), "{got}\n  wanted {message}");
     }
+    // A value of the wrong type is named by its field, at its place.
+    let typed = "{\n  \"model_type\": \"llama\",\n  \"hidden_size\": \"576\"\n}";
+    assert_eq!(
+        error(typed),
+        "my.json:3:22: `hidden_size`: invalid type: string \"576\", expected usize"
+    );
+    assert_eq!(
+        error(&with("num_hidden_layers", "-1")),
+        format!(
+            "my.json:1:{}: `num_hidden_layers`: invalid value: integer `-1`, expected usize",
+            with("num_hidden_layers", "-1").find("-1").unwrap() + 2
+        )
+    );
+    assert!(
+        error(&with("architectures", "\"LlamaForCausalLM\"")).contains(
+            ": `architectures`: invalid type: string \"LlamaForCausalLM\", expected a sequence"
+        ),
+        "{}",
+        error(&with("architectures", "\"LlamaForCausalLM\""))
+    );
+    // What is missing, or not JSON at all, has no field to name.
+    assert_eq!(
+        error("{\"model_type\": \"llama\"}"),
+        "my.json:1:23: missing field `hidden_size`"
+    );
+    let trailing = format!("{} {{}}", with("vocab_size", "49152"));
+    assert_eq!(
+        error(&trailing),
+        // At the `{` the trailing text opens with.
+        format!("my.json:1:{}: trailing characters", trailing.len() - 1)
+    );
     assert_eq!(
         error("{\n  \"model_type\": \"llama\",\n  \"hidden_size\": 8,\n}"),
         "my.json:4:1: trailing comma"

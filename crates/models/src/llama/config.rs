@@ -78,7 +78,10 @@ pub enum ConfigError {
     #[error(transparent)]
     Read(#[from] workbook_sdk::file::FileError),
     /// Not JSON, or a field of the wrong type.
-    #[error("{origin}:{line}:{column}: {message}")]
+    #[error(
+        "{origin}:{line}:{column}: {}{message}",
+        field.as_ref().map(|f| format!("`{f}`: ")).unwrap_or_default()
+    )]
     Syntax {
         /// The file, or what the text came from.
         origin: String,
@@ -86,8 +89,26 @@ pub enum ConfigError {
         line: usize,
         /// Column of the error, from 1.
         column: usize,
+        /// The field whose value is of the wrong type (`rope_scaling.factor`
+        /// for a nested one), or `None` where the text is not JSON.
+        field: Option<String>,
         /// serde_json's description.
         message: String,
+    },
+    /// Shapes each within bounds that together make more parameters than a
+    /// byte count can hold.
+    #[error(
+        "{origin}: these shapes make {params} parameters ({shapes}): at most {MAX_PARAMETERS} \
+         (2^50) are planned; no published decoder is within a thousandth of that, so one of them \
+         is likely mistyped"
+    )]
+    TooLarge {
+        /// The file, or what the text came from.
+        origin: String,
+        /// The parameters the shapes make.
+        params: u64,
+        /// The shapes that make them, `hidden_size 4096, ...`.
+        shapes: String,
     },
     /// A field whose value this cannot build.
     #[error("{origin}: `{field}` is {given}: {allowed}")]
@@ -119,6 +140,8 @@ pub const CONFIG_FILE: workbook_sdk::file::FileKind = workbook_sdk::file::FileKi
 #[derive(Debug, Deserialize)]
 struct Raw {
     model_type: String,
+    /// The model classes the checkpoint loads as (`LlamaForCausalLM`).
+    architectures: Option<Vec<String>>,
     hidden_size: usize,
     intermediate_size: usize,
     num_hidden_layers: usize,
@@ -164,17 +187,26 @@ impl LlamaConfig {
     /// changes the rotary angles, not what a step holds, and the model built
     /// rotates with `rope_theta` alone.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let raw: Raw = serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
-            origin: origin.to_string(),
-            line: e.line(),
-            column: e.column(),
-            message: e
-                .to_string()
-                .split(" at line ")
-                .next()
-                .unwrap_or("")
-                .to_string(),
-        })?;
+        let mut json = serde_json::Deserializer::from_str(text);
+        let raw: Raw = serde_path_to_error::deserialize(&mut json)
+            .map_err(|e| (e.path().to_string(), e.into_inner()))
+            // Text after the object is refused, as serde_json's from_str does.
+            .and_then(|raw| json.end().map(|()| raw).map_err(|e| (".".into(), e)))
+            .map_err(|(path, e)| {
+                ConfigError::Syntax {
+                    origin: origin.to_string(),
+                    line: e.line(),
+                    column: e.column(),
+                    // `.` is the whole document: a missing field, or not JSON.
+                    field: (path != "." && !e.is_syntax() && !e.is_eof()).then_some(path),
+                    message: e
+                        .to_string()
+                        .split(" at line ")
+                        .next()
+                        .unwrap_or("")
+                        .to_string(),
+                }
+            })?;
         let field = |field: &'static str, given: String, allowed: &str| ConfigError::Field {
             origin: origin.to_string(),
             field,
@@ -193,6 +225,20 @@ impl LlamaConfig {
                 ))
             }
         };
+        // A head other than next-token prediction's (sequence
+        // classification, a value head) is not the step this builds.
+        if let Some(archs) = raw
+            .architectures
+            .as_ref()
+            .filter(|a| !a.iter().any(|a| a.ends_with("ForCausalLM")))
+        {
+            return Err(field(
+                "architectures",
+                format!("{archs:?}"),
+                "a causal language model's (`...ForCausalLM`): this trains next-token \
+                 prediction, whose head is the vocabulary",
+            ));
+        }
         if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(field(
                 "hidden_act",
@@ -314,13 +360,15 @@ impl LlamaConfig {
         };
         let params = config.parameter_count();
         if params > MAX_PARAMETERS {
-            return Err(field(
-                "num_hidden_layers",
-                raw.num_hidden_layers.to_string(),
-                &format!(
-                    "a model of at most {MAX_PARAMETERS} parameters; these shapes make {params}"
+            return Err(ConfigError::TooLarge {
+                origin: origin.to_string(),
+                params,
+                shapes: format!(
+                    "hidden_size {}, intermediate_size {}, num_hidden_layers {}, \
+                     num_attention_heads {heads}, head_dim {head_dim}, vocab_size {}",
+                    raw.hidden_size, raw.intermediate_size, raw.num_hidden_layers, raw.vocab_size
                 ),
-            ));
+            });
         }
         Ok(config)
     }
