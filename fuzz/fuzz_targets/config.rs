@@ -24,7 +24,10 @@ fuzz_target!(|data: &[u8]| {
         }
     };
     let card = Card::named("h200").expect("a preset");
-    for (ranks, stages) in [(1, vec![]), (8, vec![Stage::Ddp, Stage::Zero1, Stage::Zero2])] {
+    for (ranks, stages) in [
+        (1, vec![]),
+        (8, vec![Stage::Ddp, Stage::Zero1, Stage::Zero2]),
+    ] {
         let ask = DecoderRequest {
             batch: 8,
             seq: 2048,
