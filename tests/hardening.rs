@@ -675,6 +675,22 @@ fn a_decoder_cell_reads_the_config_beside_its_chapter_from_any_working_directory
          or the repository's root (cannot read absent.json: No such file or directory (os \
          error 2))"
     );
+
+    // A config beside the chapter that is refused: the parameter is said as
+    // written, the file's own error where the file is.
+    let mut bad: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("mine.json")).unwrap()).unwrap();
+    bad["num_key_value_heads"] = 4.into();
+    std::fs::write(folder.join("bad.json"), bad.to_string()).unwrap();
+    std::fs::write(folder.join("bad.toml"), chapter("bad.json")).unwrap();
+    let o = workbook(&["validate", "../mine/bad.toml"], &elsewhere, &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        text(&o).1.trim_end(),
+        "error: ../mine/bad.toml:11:1: cell `step`: parameter `config` is bad.json; allowed: a \
+         Llama-family config.json (../mine/bad.json: `num_key_value_heads` is 4: a divisor of \
+         num_attention_heads (9): query heads share key/value heads in equal groups)"
+    );
 }
 
 #[test]

@@ -272,8 +272,8 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
             Ok(plugin) => {
                 let schema = plugin.info().params;
                 let folder = path.parent().unwrap_or(Path::new(""));
-                paths::from_folder(&mut params, &schema, folder);
-                paths::from_folder(&mut check_params, &schema, folder);
+                let mut joined = paths::from_folder(&mut params, &schema, folder);
+                joined.extend(paths::from_folder(&mut check_params, &schema, folder));
                 let cell = CellSource {
                     src: &src,
                     id: &shown_id,
@@ -281,7 +281,7 @@ pub fn parse(path: &Path, text: &str, registry: &Registry) -> Result<Chapter, Ch
                     check: &rc.check,
                     plugin: rc.plugin.span(),
                 };
-                cell.check_params(plugin, &params, &check_params, &mut errors);
+                cell.check_params(plugin, &params, &check_params, &joined, &mut errors);
             }
         }
         let declared = registry.get(plugin_name).map(|p| p.declared_metrics());
@@ -445,12 +445,14 @@ impl CellSource<'_> {
     }
 
     /// Checks both modes' tables: types first, then values. A violation
-    /// that a value written once gives in both modes is reported once.
+    /// that a value written once gives in both modes is reported once, and
+    /// a path joined to the chapter's folder as it was written.
     fn check_params(
         &self,
         plugin: &dyn workbook_sdk::DynPlugin,
         params: &toml::Table,
         check_params: &toml::Table,
+        joined: &[paths::Joined],
         errors: &mut Vec<ChapterError>,
     ) {
         let mut said: Vec<(String, String)> = Vec::new();
@@ -512,7 +514,12 @@ impl CellSource<'_> {
                             // own error at length.
                             format!(
                                 "{what} is {}; {}",
-                                quote(&v.given),
+                                quote(
+                                    joined
+                                        .iter()
+                                        .find(|j| j.joined == v.given)
+                                        .map_or(&v.given, |j| &j.written)
+                                ),
                                 excerpt(&v.allowed, ALLOWED)
                             ),
                         ));

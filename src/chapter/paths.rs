@@ -13,30 +13,43 @@ use std::path::Path;
 use serde_json::Value as Json;
 use workbook_sdk::file::PATH_FORMAT;
 
-/// Joins every relative path in `params` that `schema` (a plugin's
-/// parameters' JSON Schema) marks as a path, at any depth, to `folder`
-/// where the file is there. A chapter in the working directory (`folder`
-/// empty) is left as it is: its paths already name its folder's files.
-pub(super) fn from_folder(params: &mut toml::Table, schema: &Json, folder: &Path) {
-    if folder.as_os_str().is_empty() {
-        return;
-    }
-    table(params, schema, schema, folder);
+/// A path as the chapter wrote it, and as the plugin is handed it.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Joined {
+    /// As written in the chapter: what an error says was given.
+    pub written: String,
+    /// From the chapter's folder: what the plugin reads.
+    pub joined: String,
 }
 
-fn table(values: &mut toml::Table, schema: &Json, root: &Json, folder: &Path) {
+/// Joins every relative path in `params` that `schema` (a plugin's
+/// parameters' JSON Schema) marks as a path, at any depth, to `folder`
+/// where the file is there, and returns what it joined. A chapter in the
+/// working directory (`folder` empty) is left as it is: its paths already
+/// name its folder's files.
+pub(super) fn from_folder(params: &mut toml::Table, schema: &Json, folder: &Path) -> Vec<Joined> {
+    let mut joined = Vec::new();
+    if !folder.as_os_str().is_empty() {
+        table(params, schema, schema, folder, &mut joined);
+    }
+    joined
+}
+
+type Found<'a> = &'a mut Vec<Joined>;
+
+fn table(values: &mut toml::Table, schema: &Json, root: &Json, folder: &Path, found: Found) {
     let alternatives = alternatives(schema, root);
     for (key, value) in values.iter_mut() {
         let field = alternatives
             .iter()
             .find_map(|s| s.get("properties")?.get(key.as_str()));
         if let Some(field) = field {
-            visit(value, field, root, folder);
+            visit(value, field, root, folder, found);
         }
     }
 }
 
-fn visit(value: &mut toml::Value, schema: &Json, root: &Json, folder: &Path) {
+fn visit(value: &mut toml::Value, schema: &Json, root: &Json, folder: &Path, found: Found) {
     let alternatives = alternatives(schema, root);
     match value {
         toml::Value::String(path)
@@ -45,14 +58,17 @@ fn visit(value: &mut toml::Value, schema: &Json, root: &Json, folder: &Path) {
                 .any(|s| s.get("format").and_then(Json::as_str) == Some(PATH_FORMAT)) =>
         {
             if let Some(there) = in_folder(path, folder) {
-                *path = there;
+                found.push(Joined {
+                    written: std::mem::replace(path, there.clone()),
+                    joined: there,
+                });
             }
         }
-        toml::Value::Table(values) => table(values, schema, root, folder),
+        toml::Value::Table(values) => table(values, schema, root, folder, found),
         toml::Value::Array(items) => {
             if let Some(item) = alternatives.iter().find_map(|s| s.get("items")) {
                 for value in items {
-                    visit(value, item, root, folder);
+                    visit(value, item, root, folder, found);
                 }
             }
         }
@@ -134,8 +150,13 @@ mod tests {
             "#,
         )
         .unwrap();
-        from_folder(&mut params, &schema(), dir.path());
+        let joined = from_folder(&mut params, &schema(), dir.path());
         let there = dir.path().join("mine.json").to_str().unwrap().to_string();
+        let mine = Joined {
+            written: "mine.json".into(),
+            joined: there.clone(),
+        };
+        assert_eq!(joined, vec![mine.clone(), mine.clone(), mine]);
         let expected: toml::Table = toml::from_str(&format!(
             r#"
             config = "{there}"
@@ -157,13 +178,18 @@ mod tests {
         let absolute = dir.path().join("mine.json").to_str().unwrap().to_string();
         let text = format!("config = \"{absolute}\"\nmaybe = \"link.json\"");
         let mut params: toml::Table = toml::from_str(&text).unwrap();
-        from_folder(&mut params, &schema(), dir.path());
+        let joined = from_folder(&mut params, &schema(), dir.path());
         assert_eq!(params["config"].as_str(), Some(absolute.as_str()));
         let link = dir.path().join("link.json");
         assert_eq!(params["maybe"].as_str(), link.to_str());
+        let link = Joined {
+            written: "link.json".into(),
+            joined: link.to_str().unwrap().into(),
+        };
+        assert_eq!(joined, vec![link]);
 
         let mut here: toml::Table = toml::from_str("config = \"mine.json\"").unwrap();
-        from_folder(&mut here, &schema(), Path::new(""));
+        assert_eq!(from_folder(&mut here, &schema(), Path::new("")), vec![]);
         assert_eq!(here["config"].as_str(), Some("mine.json"));
     }
 }
