@@ -108,9 +108,16 @@ impl LeanAdamW {
     }
 
     /// Restores what [`save`](Self::save) wrote, for the same variables in
-    /// the same order.
+    /// the same order. A file saved for other variables is refused before
+    /// anything is restored.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let mut loaded = StateFile::read(path.as_ref())?;
+        loaded.check(
+            self.slots
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| [(format!("m.{i}"), &s.m), (format!("v.{i}"), &s.v)]),
+        )?;
         for (i, s) in self.slots.iter().enumerate() {
             loaded.restore(&format!("m.{i}"), &s.m)?;
             loaded.restore(&format!("v.{i}"), &s.v)?;

@@ -55,8 +55,17 @@ impl StateFile {
         if step.len() != 1 || h.len() != 5 {
             bail!("{}: malformed AdamW state", path.display());
         }
+        // A count of steps: whole, and at most 2^53, where an f64 still
+        // holds every integer.
+        let count = step[0];
+        if !(count >= 0.0 && count.fract() == 0.0 && count <= (1u64 << 53) as f64) {
+            bail!(
+                "{}: the saved step is {count}; a step count is a whole number from 0",
+                path.display()
+            );
+        }
         Ok(Self {
-            step: step[0] as usize,
+            step: count as usize,
             params: ParamsAdamW {
                 lr: h[0],
                 beta1: h[1],
@@ -76,6 +85,35 @@ impl StateFile {
     /// The hyper-parameters saved.
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
+    }
+
+    /// Checks, before anything is restored, that the file holds a tensor
+    /// for each `(name, variable)` of the shape of the variable, and no
+    /// other: a load that checks first then fails on nothing it can see,
+    /// so it does not leave an optimizer half restored.
+    pub fn check<'a>(&self, expected: impl IntoIterator<Item = (String, &'a Var)>) -> Result<()> {
+        let mut seen = 0;
+        for (name, var) in expected {
+            let Some(t) = self.tensors.get(&name) else {
+                bail!("the saved state has no {name}: was it saved for the same variables?");
+            };
+            if t.dims() != var.dims() {
+                bail!(
+                    "saved {name} has shape {:?}, the variable {:?}",
+                    t.dims(),
+                    var.dims()
+                );
+            }
+            seen += 1;
+        }
+        if seen != self.tensors.len() {
+            bail!(
+                "the saved state has {} tensors, {seen} expected: it was saved for more variables \
+                 than this optimizer has",
+                self.tensors.len()
+            );
+        }
+        Ok(())
     }
 
     /// Sets `into` from the tensor `name`, which must match its shape.

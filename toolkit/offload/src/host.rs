@@ -186,8 +186,17 @@ impl HostAdamW {
 
     /// Restores what [`save`](Self::save) wrote, for the same variables in
     /// the same order, and copies the masters to the device's parameters.
+    /// A file saved for other variables is refused before anything is
+    /// restored.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let mut loaded = StateFile::read(path.as_ref())?;
+        loaded.check(self.slots.iter().enumerate().flat_map(|(i, s)| {
+            [
+                (format!("master.{i}"), &s.master),
+                (format!("m.{i}"), &s.m),
+                (format!("v.{i}"), &s.v),
+            ]
+        }))?;
         for (i, s) in self.slots.iter().enumerate() {
             loaded.restore(&format!("master.{i}"), &s.master)?;
             loaded.restore(&format!("m.{i}"), &s.m)?;

@@ -181,6 +181,104 @@ fn saved_state_resumes_exactly() -> Result<()> {
     Ok(())
 }
 
+/// The first two of [`vars`]' shapes, and a third of another: a state
+/// saved for [`vars`] matches these for two variables, then not.
+fn two_of_three(dtype: DType) -> Result<Vec<Var>> {
+    let mut v = vars(dtype)?;
+    v[2] = Var::zeros((5, 7), dtype, &Device::Cpu)?;
+    Ok(v)
+}
+
+/// A state file that does not match is refused before anything is
+/// restored: the optimizer that refused it steps on exactly as its twin
+/// that never tried. A step count that is not one is refused too.
+#[test]
+fn a_refused_state_file_changes_nothing() -> Result<()> {
+    let dir = tempfile_dir("refused");
+    let saved = vars(DType::F32)?;
+    let mut opt = LeanAdamW::new(saved.clone(), params())?;
+    run(&mut opt, &saved, 0..5)?;
+    opt.save(dir.join("lean.safetensors"))?;
+    let mut opt = HostAdamW::new(saved.clone(), params())?;
+    run(&mut opt, &saved, 0..5)?;
+    opt.save(dir.join("host.safetensors"))?;
+
+    let (a, b) = (two_of_three(DType::F32)?, two_of_three(DType::F32)?);
+    let (mut tried, mut twin) = (
+        LeanAdamW::new(a.clone(), params())?,
+        LeanAdamW::new(b.clone(), params())?,
+    );
+    run(&mut tried, &a, 0..3)?;
+    run(&mut twin, &b, 0..3)?;
+    let e = tried.load(dir.join("lean.safetensors")).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("saved m.2 has shape [7, 5], the variable [5, 7]"),
+        "{e}"
+    );
+    assert_eq!(tried.step_count(), 3);
+    run(&mut tried, &a, 3..6)?;
+    run(&mut twin, &b, 3..6)?;
+    assert_eq!(max_diff(&a, &b)?, 0.0);
+
+    let (a, b) = (two_of_three(DType::F16)?, two_of_three(DType::F16)?);
+    let (mut tried, mut twin) = (
+        HostAdamW::new(a.clone(), params())?,
+        HostAdamW::new(b.clone(), params())?,
+    );
+    run(&mut tried, &a, 0..3)?;
+    run(&mut twin, &b, 0..3)?;
+    let e = tried.load(dir.join("host.safetensors")).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("saved master.2 has shape [7, 5], the variable [5, 7]"),
+        "{e}"
+    );
+    run(&mut tried, &a, 3..6)?;
+    run(&mut twin, &b, 3..6)?;
+    assert_eq!(max_diff(&a, &b)?, 0.0);
+
+    // Saved for more variables than the optimizer has.
+    let e = LeanAdamW::new(vars(DType::F32)?[..2].to_vec(), params())?
+        .load(dir.join("lean.safetensors"))
+        .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "the saved state has 6 tensors, 4 expected: it was saved for more variables than \
+             this optimizer has"
+        ),
+        "{e}"
+    );
+
+    // A step count that is not a whole number from 0.
+    for bad in [-1.0, 2.5, f64::NAN] {
+        let mut map: std::collections::HashMap<String, Tensor> =
+            candle_core::safetensors::load(dir.join("lean.safetensors"), &Device::Cpu)?;
+        map.insert("step".into(), Tensor::new(&[bad], &Device::Cpu)?);
+        let file = dir.join("bad-step.safetensors");
+        candle_core::safetensors::save(&map, &file)?;
+        let e = LeanAdamW::new(vars(DType::F32)?, params())?
+            .load(&file)
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with(&format!(
+                "{}: the saved step is {bad}; a step count is a whole number from 0",
+                file.display()
+            )),
+            "{e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+/// A fresh folder for one test's files.
+fn tempfile_dir(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("adamw-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// Gradients received during a backward that then failed can be dropped,
 /// so that they do not join the next step's.
 #[test]
