@@ -22,6 +22,17 @@ pub(crate) fn backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     // Validated by the forward that made `fwd`.
     let cfg = &fwd.cfg;
+    let given = crate::forward::shapes_of(q, k, v);
+    if given != fwd.inputs {
+        let [q, k, v] = &fwd.inputs;
+        candle_core::bail!(
+            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs (of shapes \
+             {q:?}, {k:?}, {v:?})",
+            given[0],
+            given[1],
+            given[2],
+        );
+    }
     let dims = Dims::of(q, k, v)?;
     if d_out.dims() != fwd.out.dims() {
         candle_core::bail!(
@@ -30,19 +41,16 @@ pub(crate) fn backward(
             fwd.out.dims()
         );
     }
-    // The inputs must be the forward's: its output is (batch, q_heads,
-    // seq, v_dim) of them, its log-sum-exp one per query row. Others
-    // would read past the saved rows.
+    // The output and log-sum-exp are public fields: one replaced by another
+    // of other rows would read past the saved ones.
     let made = [dims.batch, dims.q_heads, dims.nq, dims.dv];
     if fwd.out.dims() != made || fwd.lse.dims() != &made[..3] {
         candle_core::bail!(
-            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs: its output \
-             has shape {:?} and its log-sum-exp {:?}",
-            q.dims(),
-            k.dims(),
-            v.dims(),
+            "the forward's output has shape {:?} and its log-sum-exp {:?}: not those of its \
+             inputs, {made:?} and {:?}",
             fwd.out.dims(),
-            fwd.lse.dims()
+            fwd.lse.dims(),
+            &made[..3]
         );
     }
     if dims.nq == 0 || dims.nk == 0 || dims.rows() == 0 {

@@ -141,6 +141,7 @@ pub(crate) fn forward(
         out: Tensor::from_vec(out, (b, h, dims.nq, dims.dv), &Device::Cpu)?.to_dtype(q.dtype())?,
         lse: Tensor::from_vec(lse, (b, h, dims.nq), &Device::Cpu)?,
         cfg: *cfg,
+        inputs: crate::forward::shapes_of(q, k, v),
     })
 }
 

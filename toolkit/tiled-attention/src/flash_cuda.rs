@@ -127,6 +127,7 @@ pub(crate) fn forward(
         out,
         lse,
         cfg: *cfg,
+        inputs: crate::forward::shapes_of(qkv[0], qkv[1], qkv[2]),
     })
 }
 

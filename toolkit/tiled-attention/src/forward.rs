@@ -17,6 +17,15 @@ pub struct Forward {
     /// The forward's configuration, validated when it ran, which its
     /// backward uses.
     pub(crate) cfg: FlashConfig,
+    /// The shapes of `q`, `k` and `v` it ran on: its backward must be given
+    /// the same (a key of another length or width would recompute other
+    /// scores against this log-sum-exp, and return wrong gradients).
+    pub(crate) inputs: [Vec<usize>; 3],
+}
+
+/// The shapes of `q`, `k` and `v`, as [`Forward`] keeps them.
+pub(crate) fn shapes_of(q: &Tensor, k: &Tensor, v: &Tensor) -> [Vec<usize>; 3] {
+    [q, k, v].map(|t| t.dims().to_vec())
 }
 
 impl Forward {
@@ -111,6 +120,7 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
             )?,
             lse: Tensor::zeros(lse_shape, acc, q.device())?,
             cfg: *cfg,
+            inputs: shapes_of(q, k, v),
         });
     }
     if dims.nk == 0 {
@@ -174,6 +184,7 @@ pub fn flash_forward(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &FlashConfig) -> R
         out,
         lse,
         cfg: *cfg,
+        inputs: shapes_of(q, k, v),
     })
 }
 

@@ -30,6 +30,8 @@ impl Backward3 for Flash {
             out: out.detach(),
             lse: self.lse.clone(),
             cfg: self.cfg,
+            // candle hands the backward the forward's own inputs.
+            inputs: crate::forward::shapes_of(q, k, v),
         };
         let (dq, dk, dv) = fwd.backward(q, k, v, grad)?;
         Ok((Some(dq), Some(dk), Some(dv)))

@@ -165,8 +165,10 @@ fn bad_input_is_an_error_that_says_why() -> Result<()> {
     assert!(err(materialized_attention(&q, &k0, &v0, &cfg)).starts_with("there are no keys"));
     let _ = q0;
 
-    // A backward given other inputs than its forward's is an error, not a
-    // read past the saved rows: wider values, more queries.
+    // A backward given other inputs than its forward's is an error, naming
+    // both: wider values and more queries would read past the saved rows, a
+    // longer key or a wider head would recompute other scores against the
+    // saved log-sum-exp and return wrong gradients.
     let fwd = flash_forward(&q, &k, &v, &cfg)?;
     let d_out = fwd.out.ones_like()?;
     let (_, _, wide) = inputs(1, 2, 2, 4, 16, DType::F32)?;
@@ -174,12 +176,29 @@ fn bad_input_is_an_error_that_says_why() -> Result<()> {
         err(fwd.backward(&q, &k, &wide, &d_out)).lines().next(),
         Some(
             "q, k and v (of shapes [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 16]) are not the \
-             forward's inputs: its output has shape [1, 2, 4, 8] and its log-sum-exp [1, 2, 4]"
+             forward's inputs (of shapes [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8])"
         )
     );
-    let (long, _, _) = inputs(1, 2, 2, 6, 8, DType::F32)?;
+    let (long, longer_k, longer_v) = inputs(1, 2, 2, 6, 8, DType::F32)?;
     assert!(
         err(fwd.backward(&long, &k, &v, &d_out)).starts_with("q, k and v (of shapes [1, 2, 6, 8]")
+    );
+    assert!(err(fwd.backward(&q, &longer_k, &longer_v, &d_out))
+        .starts_with("q, k and v (of shapes [1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8])"),);
+    let (wide_q, wide_k, _) = inputs(1, 2, 2, 4, 16, DType::F32)?;
+    assert!(err(fwd.backward(&wide_q, &wide_k, &v, &d_out))
+        .starts_with("q, k and v (of shapes [1, 2, 4, 16], [1, 2, 4, 16], [1, 2, 4, 8])"));
+    // Its output, a public field, replaced by one of other rows.
+    let mut replaced = flash_forward(&q, &k, &v, &cfg)?;
+    replaced.out = Tensor::zeros((1, 2, 3, 8), DType::F32, &Device::Cpu)?;
+    assert_eq!(
+        err(replaced.backward(&q, &k, &v, &replaced.out.ones_like()?))
+            .lines()
+            .next(),
+        Some(
+            "the forward's output has shape [1, 2, 3, 8] and its log-sum-exp [1, 2, 4]: not \
+             those of its inputs, [1, 2, 4, 8] and [1, 2, 4]"
+        )
     );
     Ok(())
 }
