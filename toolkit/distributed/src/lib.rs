@@ -69,7 +69,7 @@ pub use shard::Shard;
 pub use split::Split;
 pub use threads::Threads;
 pub use traffic::{OpTraffic, Traffic};
-pub use zero::ZeroAdamW;
+pub use zero::{ZeroAdamW, ZeroConfig};
 
 impl Comm {
     /// The world of the MPI job this process is a rank of (one rank when

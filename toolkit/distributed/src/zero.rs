@@ -1,12 +1,13 @@
 //! ZeRO stages 1 and 2: the optimizer state (and the gradients) partitioned
 //! over the ranks, the parameters whole on every rank.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{bail, DType, Result, Tensor, Var};
-use candle_lean_optim::{adamw_update, AdamWStep};
-use candle_nn::ParamsAdamW;
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_lean_optim::{adamw_update, save_state, AdamWStep, StateFile};
+use candle_nn::{Optimizer, ParamsAdamW};
 use candle_observe::{scope, Kind, Place};
 
 use crate::split::{all_gather_whole, own_block, reduce_scatter_mean, Split};
@@ -95,6 +96,91 @@ impl ZeroAdamW {
     /// The hyper-parameters.
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
+    }
+
+    /// Sets the hyper-parameters (a schedule, say). Every rank must set
+    /// the same, or their blocks step differently.
+    pub fn set_params(&mut self, params: ParamsAdamW) {
+        self.params = params;
+    }
+
+    /// Steps taken.
+    pub fn step_count(&self) -> usize {
+        self.step_t
+    }
+
+    /// Writes this rank's share of the state to `path` (safetensors): the
+    /// step count, the hyper-parameters, its blocks of the moments and of
+    /// the f32 masters, and which rank of how many it is. Each rank writes
+    /// its own file, as DeepSpeed's checkpoints do.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let tensors = self.slots.iter().enumerate().flat_map(|(i, s)| {
+            let master = s
+                .master
+                .as_ref()
+                .map(|w| (format!("master.{i}"), w.as_tensor().clone()));
+            [
+                (format!("m.{i}"), s.m.as_tensor().clone()),
+                (format!("v.{i}"), s.v.as_tensor().clone()),
+            ]
+            .into_iter()
+            .chain(master)
+        });
+        let rank = [self.comm.rank() as f64, self.comm.size() as f64];
+        let rank = ("zero.rank".to_string(), Tensor::new(&rank, &Device::Cpu)?);
+        save_state(
+            path.as_ref(),
+            self.step_t,
+            &self.params,
+            tensors.chain([rank]),
+        )
+    }
+
+    /// Restores what [`save`](Self::save) wrote on this rank, for the same
+    /// variables in the same order over as many ranks. A file of another
+    /// rank, or of other variables, is refused before anything is restored.
+    /// The parameters are not in the file: restore them first, alike on
+    /// every rank (a parameter that is not f32 is stepped from its restored
+    /// f32 master block).
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let mut loaded = StateFile::read(path)?;
+        let (rank, ranks) = (self.comm.rank(), self.comm.size());
+        let saved = match loaded.take("zero.rank") {
+            Some(t) => t.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+            None => bail!(
+                "{}: holds no ZeroAdamW state (no zero.rank)",
+                path.display()
+            ),
+        };
+        let [saved_rank, saved_ranks] = saved[..] else {
+            bail!("{}: malformed ZeroAdamW state (zero.rank)", path.display());
+        };
+        if (saved_rank, saved_ranks) != (rank as f64, ranks as f64) {
+            bail!(
+                "{}: the state of rank {saved_rank} of {saved_ranks}; this is rank {rank} of \
+                 {ranks}: each rank loads the file it saved, over as many ranks",
+                path.display(),
+            );
+        }
+        loaded.check(self.slots.iter().enumerate().flat_map(|(i, s)| {
+            let master = s.master.as_ref().map(|w| (format!("master.{i}"), w));
+            [(format!("m.{i}"), &s.m), (format!("v.{i}"), &s.v)]
+                .into_iter()
+                .chain(master)
+        }))?;
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            loaded.restore(&format!("m.{i}"), &s.m)?;
+            loaded.restore(&format!("v.{i}"), &s.v)?;
+            if let Some(master) = &s.master {
+                loaded.restore(&format!("master.{i}"), master)?;
+            }
+            // Gradients of before the save are not this state's.
+            s.grad = None;
+        }
+        self.step_t = loaded.step();
+        self.params = loaded.params().clone();
+        loaded.finish()
     }
 
     /// The bytes of optimizer state this rank holds: moments and master
@@ -209,6 +295,39 @@ impl ZeroAdamW {
     }
 }
 
+/// What [`ZeroAdamW`] is made from through candle's [`Optimizer`] trait:
+/// the ranks that share its state, and AdamW's hyper-parameters.
+#[derive(Debug, Clone)]
+pub struct ZeroConfig {
+    /// The ranks the state is partitioned over.
+    pub comm: Arc<Comm>,
+    /// AdamW's hyper-parameters.
+    pub params: ParamsAdamW,
+}
+
+/// ZeRO stage 1 as a candle optimizer: [`Optimizer::step`] is
+/// [`ZeroAdamW::step`], so a training loop (or a schedule) written for any
+/// candle optimizer takes it.
+impl Optimizer for ZeroAdamW {
+    type Config = ZeroConfig;
+
+    fn new(vars: Vec<Var>, config: ZeroConfig) -> Result<Self> {
+        ZeroAdamW::new(config.comm, vars, config.params)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        ZeroAdamW::step(self, grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,6 +370,135 @@ mod tests {
             let got = half.as_tensor().to_dtype(DType::F32)?;
             assert_eq!(got.to_vec1::<f32>()?, want.to_vec1::<f32>()?, "step {step}");
         }
+        Ok(())
+    }
+
+    /// A loss whose gradient differs each step.
+    fn loss(vars: &[Var], step: usize) -> Result<Tensor> {
+        let mut total = Tensor::new(0f32, &candle_core::Device::Cpu)?;
+        for (i, v) in vars.iter().enumerate() {
+            let t = (v.as_tensor().to_dtype(DType::F32)? - ((step + i) as f64 * 0.1))?;
+            total = (total + t.sqr()?.sum_all()?)?;
+        }
+        Ok(total)
+    }
+
+    fn vars(dtype: DType) -> Result<Vec<Var>> {
+        let dev = candle_core::Device::Cpu;
+        [(3usize, 4usize), (5, 1)]
+            .iter()
+            .map(|&(a, b)| {
+                let data: Vec<f32> = (0..a * b).map(|j| (j % 7) as f32 * 0.3 - 0.9).collect();
+                Var::from_tensor(&Tensor::from_vec(data, (a, b), &dev)?.to_dtype(dtype)?)
+            })
+            .collect()
+    }
+
+    fn values(vars: &[Var]) -> Result<Vec<Vec<f32>>> {
+        vars.iter()
+            .map(|v| v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1())
+            .collect()
+    }
+
+    /// Any candle optimizer, its learning rate halved each step.
+    fn scheduled<O: Optimizer>(opt: &mut O, vars: &[Var], steps: usize) -> Result<()> {
+        for step in 0..steps {
+            opt.set_learning_rate(opt.learning_rate() * 0.5);
+            opt.backward_step(&loss(vars, step)?)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn through_candles_optimizer_trait_a_schedule_steps_as_lean_adamw() -> Result<()> {
+        let (a, b) = (vars(DType::F32)?, vars(DType::F32)?);
+        let p = ParamsAdamW {
+            lr: 0.2,
+            ..Default::default()
+        };
+        let config = ZeroConfig {
+            comm: Arc::new(Comm::solo()),
+            params: p.clone(),
+        };
+        let mut zero = <ZeroAdamW as Optimizer>::new(a.clone(), config)?;
+        scheduled(&mut zero, &a, 4)?;
+        scheduled(&mut LeanAdamW::new(b.clone(), p)?, &b, 4)?;
+        assert_eq!(zero.learning_rate(), 0.2 / 16.0);
+        assert_eq!(zero.step_count(), 4);
+        assert_eq!(values(&a)?, values(&b)?);
+        Ok(())
+    }
+
+    #[test]
+    fn a_saved_state_resumes_exactly_and_another_ranks_is_refused() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("zero-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("rank0.safetensors");
+        let p = ParamsAdamW {
+            lr: 0.05,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        let solo = || Arc::new(Comm::solo());
+        let run = |opt: &mut ZeroAdamW, vars: &[Var], mut steps: std::ops::Range<usize>| {
+            steps.try_for_each(|s| opt.step(&loss(vars, s)?.backward()?))
+        };
+        // f32, and bf16 parameters stepped from their f32 masters.
+        for dtype in [DType::F32, DType::BF16] {
+            let (a, b) = (vars(dtype)?, vars(dtype)?);
+            run(&mut ZeroAdamW::new(solo(), a.clone(), p.clone())?, &a, 0..6)?;
+            let mut first = ZeroAdamW::new(solo(), b.clone(), p.clone())?;
+            run(&mut first, &b, 0..3)?;
+            first.save(&file)?;
+            drop(first);
+            let mut second = ZeroAdamW::new(solo(), b.clone(), ParamsAdamW::default())?;
+            second.load(&file)?;
+            assert_eq!(second.step_count(), 3);
+            assert_eq!(second.params().weight_decay, 0.1);
+            run(&mut second, &b, 3..6)?;
+            assert_eq!(values(&a)?, values(&b)?, "{dtype:?}");
+        }
+
+        // Rank 0 of 1's state is not rank 0 of 4's share.
+        let four = Arc::new(Comm::new(crate::Rehearsal::new(4)?));
+        let e = ZeroAdamW::new(four, vars(DType::BF16)?, p.clone())?
+            .load(&file)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string().lines().next(),
+            Some(
+                format!(
+                    "{}: the state of rank 0 of 1; this is rank 0 of 4: each rank loads the \
+                     file it saved, over as many ranks",
+                    file.display()
+                )
+                .as_str()
+            )
+        );
+        // Other variables: refused, and nothing restored.
+        let other = vec![Var::zeros((2, 2), DType::BF16, &candle_core::Device::Cpu)?];
+        let e = ZeroAdamW::new(solo(), other, p.clone())?
+            .load(&file)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("saved m.0 has shape [12], the variable [4]"),
+            "{e}"
+        );
+        // LeanAdamW's file is not a rank's share.
+        let lean = dir.join("lean.safetensors");
+        LeanAdamW::new(vars(DType::F32)?, p.clone())?.save(&lean)?;
+        let e = ZeroAdamW::new(solo(), vars(DType::F32)?, p)?
+            .load(&lean)
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with(&format!(
+                "{}: holds no ZeroAdamW state (no zero.rank)",
+                lean.display()
+            )),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
         Ok(())
     }
 }

@@ -87,6 +87,12 @@ impl StateFile {
         &self.params
     }
 
+    /// Takes the tensor `name` out, for what an optimizer saves beside its
+    /// moments (ZeRO's rank, say); `None` where there is none.
+    pub fn take(&mut self, name: &str) -> Option<Tensor> {
+        self.tensors.remove(name)
+    }
+
     /// Checks, before anything is restored, that the file holds a tensor
     /// for each `(name, variable)` of the shape of the variable, and no
     /// other: a load that checks first then fails on nothing it can see,
