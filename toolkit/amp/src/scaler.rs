@@ -269,6 +269,26 @@ impl GradScaler {
         Ok(StepOutcome::Stepped)
     }
 
+    /// Records the inf check of an optimizer that holds its own gradients,
+    /// in place of [`unscale`](Self::unscale): a ZeRO optimizer unscales its
+    /// blocks of the gradients and agrees over the ranks whether any holds
+    /// an inf or NaN (`candle_distributed::ZeroAdamW::unscale_gradients`),
+    /// as torch's `scaler.unscale_(optimizer)` does. Step that optimizer
+    /// only when `found_inf` is false, then call [`update`](Self::update).
+    /// Once per step: an error after [`unscale`](Self::unscale) or
+    /// [`step`](Self::step).
+    pub fn record_inf_check(&mut self, found_inf: bool) -> Result<()> {
+        if self.stage != Stage::Ready {
+            bail!(
+                "an inf check was already made (unscale, step or record_inf_check) since the \
+                 last update"
+            );
+        }
+        // The optimizer steps itself: `step` would step it a second time.
+        self.stage = Stage::Stepped { found_inf };
+        Ok(())
+    }
+
     /// Backs the scale off if this step found an inf or NaN, grows it after
     /// `growth_interval` clean steps, and starts the next step. An error if
     /// neither [`unscale`](Self::unscale) nor [`step`](Self::step) ran since

@@ -244,6 +244,50 @@ impl ZeroAdamW {
         Ok(())
     }
 
+    /// Multiplies this rank's gradient blocks by `factor` (a loss scaler's
+    /// `1 / scale`) and says whether any rank's blocks hold an inf or NaN.
+    /// Every rank gets the same answer (one number all-reduced), so the
+    /// ranks skip or step together where each checking its own block alone
+    /// could leave one stepping while another skips. Hand it to
+    /// `candle_amp::GradScaler::record_inf_check`, then
+    /// [`step_reduced`](Self::step_reduced), or
+    /// [`discard_gradients`](Self::discard_gradients) when it is true. An
+    /// error with no gradient block to check, on every rank alike (they
+    /// hold the same variables' gradients).
+    pub fn unscale_gradients(&mut self, factor: f64) -> Result<bool> {
+        let mut flag: Option<Tensor> = None;
+        for slot in &mut self.slots {
+            let Some(g) = slot.grad.take() else { continue };
+            let g = g.affine(factor, 0.0)?;
+            // Times zero, an inf or NaN is NaN and any other value 0: summed
+            // on the device, one number read back for all.
+            let probe = g.affine(0.0, 0.0)?.sum_all()?;
+            flag = Some(match flag {
+                Some(f) => (f + probe)?,
+                None => probe,
+            });
+            slot.grad = Some(g);
+        }
+        let Some(flag) = flag else {
+            bail!(
+                "ZeroAdamW: no gradient block to unscale: reduce the gradients first \
+                 (reduce_gradient)"
+            );
+        };
+        let mut found = [f32::from(!flag.to_scalar::<f32>()?.is_finite())];
+        self.comm.all_reduce_sum(&mut found)?;
+        Ok(found[0] != 0.0)
+    }
+
+    /// Drops this rank's gradient blocks: a step skipped for an inf or NaN,
+    /// or a backward that failed half way, so that they do not join the
+    /// next step's.
+    pub fn discard_gradients(&mut self) {
+        for slot in &mut self.slots {
+            slot.grad = None;
+        }
+    }
+
     /// Stage 1: reduce-scatters every gradient in `grads`, then updates as
     /// [`step_reduced`](Self::step_reduced).
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {

@@ -455,6 +455,23 @@ fn zero(
         if vars.iter().any(|v| v.dtype() != dtype) {
             return Ok(Err(format!("{what}: a parameter left {dtype:?}")));
         }
+        // Half way, each rank saves its share and resumes from it in a new
+        // optimizer: the steps after go on equal to one process's.
+        if step == 1 {
+            let file = std::env::temp_dir().join(format!(
+                "zero-{stage}-{dtype:?}-rank{}-{}.safetensors",
+                comm.rank(),
+                std::process::id()
+            ));
+            opt.save(&file)?;
+            opt = ZeroAdamW::new(
+                Arc::clone(&optimizer_comm),
+                vars.clone(),
+                ParamsAdamW::default(),
+            )?;
+            opt.load(&file)?;
+            std::fs::remove_file(&file)?;
+        }
         match compare_within(&what, step, &var_values(&vars)?, params, tolerance) {
             Ok(w) => worst = worst.max(w),
             e => return Ok(e),
@@ -658,6 +675,53 @@ fn collectives(comm: &Comm) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Under a loss scaler, an inf or NaN in one rank's gradient lands in one
+/// rank's block after the reduce-scatter: `unscale_gradients` must report
+/// it on every rank, so that all skip the step together, and a clean step
+/// after it on none. The parameters then equal one process's one step.
+fn overflow_agreed(comm: &Arc<Comm>, dev: &Device) -> Result<Check> {
+    let what = "ZeRO under a loss scaler";
+    let (_, vars) = dense_stack(dev)?;
+    let (_, alone) = dense_stack(dev)?;
+    let mut one_process = LeanAdamW::new(alone.clone(), params())?;
+    let mut grads = GradStore::default();
+    for v in &alone {
+        grads.insert(v.as_tensor(), v.as_tensor().ones_like()?);
+    }
+    one_process.step(&grads)?;
+    let mut opt = ZeroAdamW::new(Arc::clone(comm), vars.clone(), params())?;
+    let last = comm.size() - 1;
+    for (overflow, want) in [(true, true), (false, false)] {
+        for (i, v) in vars.iter().enumerate() {
+            let mut g = vec![1f32; v.elem_count()];
+            if overflow && comm.rank() == last && i == 0 {
+                g[0] = f32::INFINITY;
+            }
+            // Scaled by 1024, as a scaler's backward makes them.
+            opt.reduce_gradient(
+                v,
+                &Tensor::from_vec(g, v.shape(), dev)?.affine(1024.0, 0.0)?,
+            )?;
+        }
+        let found = opt.unscale_gradients(1.0 / 1024.0)?;
+        if found != want {
+            return Ok(Err(format!(
+                "{what}: with an overflow on rank {last} only ({overflow}), rank {} found an inf \
+                 {found}, expected {want}",
+                comm.rank()
+            )));
+        }
+        if found {
+            opt.discard_gradients();
+        } else {
+            opt.step_reduced()?;
+        }
+    }
+    // The clean step's gradients, 1024 scaled down by 1/1024, are all
+    // ones on every rank; the step skipped left no trace.
+    Ok(compare(what, 1, &var_values(&vars)?, &var_values(&alone)?))
+}
+
 fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
     let dev = Device::Cpu;
     let (rank, ranks) = (comm.rank(), comm.size());
@@ -675,6 +739,10 @@ fn rank_main(comm: &Arc<Comm>) -> Result<ExitCode> {
         ),
         ("ZeRO stage 1", zero(comm, 1, DType::F32, &want, &dev)?),
         ("ZeRO stage 2", zero(comm, 2, DType::F32, &want, &dev)?),
+        (
+            "ZeRO under a loss scaler, an overflow on one rank skipped by all",
+            overflow_agreed(comm, &dev)?,
+        ),
         (
             "ZeRO stage 3",
             stage3(comm, &want, &dev, false, DType::F32)?,
