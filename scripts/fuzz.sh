@@ -9,6 +9,7 @@
 #   scripts/fuzz.sh chapter -runs=1000000 a million chapters
 #   scripts/fuzz.sh -max_total_time=600   any of libFuzzer's options
 #   scripts/fuzz.sh --build               cargo-fuzz and both targets built, no run
+#   scripts/fuzz.sh config CRASH-FILE     one saved input rerun
 #
 # Each target's corpus starts from the files it reads (the chapters and the
 # test fixtures; the published configs in models/) and grows in
@@ -37,12 +38,21 @@ case "${1:-}" in
     fuzzed="$1"
     shift
     ;;
-  -*| "") ;;
+  # libFuzzer's options, or an input file to rerun (a crash it saved).
+  -* | "") ;;
   *)
-    echo "error: \`$1\` is not a fuzz target; allowed: chapter, config" >&2
-    exit 2
+    if [ ! -f "$1" ]; then
+      echo "error: \`$1\` is neither a fuzz target (chapter, config) nor an input file" >&2
+      exit 2
+    fi
     ;;
 esac
+for arg in "$@"; do
+  if [ "$arg" = --build ]; then
+    echo "error: --build builds both targets: give it alone, first" >&2
+    exit 2
+  fi
+done
 
 case "$fuzzed" in
   chapter) kept="$HOME/.cache/workbook/fuzz-corpus" ;;

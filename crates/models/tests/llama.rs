@@ -141,7 +141,7 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
             },
             // 4096 blocks of 4·2^48 attention, 3·1536·2^20 MLP and 2·2^20
             // norm parameters, with the tied 49152·2^20 table and a norm.
-            "my.json: these shapes make 4611705869767278592 parameters (hidden_size 1048576, intermediate_size 1536, num_hidden_layers 4096, num_attention_heads 4096, head_dim 65536, vocab_size 49152): at most 1125899906842624 (2^50) are planned; no published decoder is within a thousandth of that, so one of them is likely mistyped",
+            "my.json: these shapes make 4611705869767278592 parameters (hidden_size 1048576, intermediate_size 1536, num_hidden_layers 4096, num_attention_heads 4096, num_key_value_heads 4096, head_dim 65536, vocab_size 49152, a tied head): at most 1125899906842624 (2^50) are planned; no published decoder is within a thousandth of that, so one of them is likely mistyped",
         ),
         (
             with("architectures", "[\"LlamaForSequenceClassification\"]"),
@@ -175,6 +175,14 @@ fn bad_configs_are_refused_with_the_field_and_what_is_allowed() {
         ),
         "{}",
         error(&with("architectures", "\"LlamaForCausalLM\""))
+    );
+    // A value that quotes serde_json's own words is cut at its place only.
+    let quoting = error(&with("hidden_size", "\" at line 9\""));
+    assert!(
+        quoting.starts_with("my.json:1:")
+            && quoting
+                .ends_with(": `hidden_size`: invalid type: string \" at line 9\", expected usize"),
+        "{quoting}"
     );
     // What is missing, or not JSON at all, has no field to name.
     assert_eq!(

@@ -516,9 +516,9 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
     let batch = req.batch / req.ranks.max(1);
     for c in &calibrations {
         let mut micros = vec![batch];
-        let fits = |peak: u64| fits(peak, req.budget, req.margin);
-        let largest_fitting = largest_micro(c, batch, fits);
-        if !fits(c.peak(batch, batch)) && batch > 1 {
+        let within = |peak: u64| fits(peak, req.budget, req.margin);
+        let largest_fitting = largest_micro(c, batch, within);
+        if !within(c.peak(batch, batch)) && batch > 1 {
             // The largest micro-batch that fits, or, when none does, one
             // sequence at a time: the least this recipe and dtype can need.
             micros.push(largest_fitting.unwrap_or(1));
@@ -534,7 +534,7 @@ pub fn weigh(req: &PlanRequest, calibrations: Vec<Calibration>) -> Plan {
                 micro_steps: batch.div_ceil(m),
                 peak,
                 seconds: c.seconds(batch, m),
-                fits: fits(peak),
+                fits: within(peak),
                 on_frontier: false,
             });
         }

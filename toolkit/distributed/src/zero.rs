@@ -56,7 +56,11 @@ pub struct ZeroAdamW {
 
 impl ZeroAdamW {
     /// Partitions the state of `vars` over `comm`'s ranks. The parameters
-    /// must be equal on every rank (initialized alike, or broadcast).
+    /// must be equal on every rank (initialized alike, or broadcast) and
+    /// given in the same order on every rank and every run: the i-th
+    /// variable's blocks are reduced, gathered and saved as the i-th. A
+    /// `VarMap`'s `all_vars()` is a hash map's order, another in each
+    /// process: sort its variables by name first.
     pub fn new(comm: Arc<Comm>, vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
         let ranks = comm.size();
         let mut slots = Vec::with_capacity(vars.len());
@@ -126,22 +130,34 @@ impl ZeroAdamW {
             .into_iter()
             .chain(master)
         });
+        // Each variable's whole shape, `[ndims, dims...]`: the blocks alone
+        // would not tell a (3, 4) from a (4, 3).
+        let shapes = self.slots.iter().enumerate().map(|(i, s)| {
+            let dims = s.var.dims();
+            let shape: Vec<f64> = std::iter::once(dims.len() as f64)
+                .chain(dims.iter().map(|&d| d as f64))
+                .collect();
+            Ok((format!("shape.{i}"), Tensor::new(shape, &Device::Cpu)?))
+        });
+        let shapes = shapes.collect::<Result<Vec<_>>>()?;
         let rank = [self.comm.rank() as f64, self.comm.size() as f64];
         let rank = ("zero.rank".to_string(), Tensor::new(&rank, &Device::Cpu)?);
         save_state(
             path.as_ref(),
             self.step_t,
             &self.params,
-            tensors.chain([rank]),
+            tensors.chain(shapes).chain([rank]),
         )
     }
 
     /// Restores what [`save`](Self::save) wrote on this rank, for the same
     /// variables in the same order over as many ranks. A file of another
     /// rank, or of other variables, is refused before anything is restored.
-    /// The parameters are not in the file: restore them first, alike on
-    /// every rank (a parameter that is not f32 is stepped from its restored
-    /// f32 master block).
+    /// The parameters are not in the file: restore them from the model's
+    /// checkpoint of the same step, alike on every rank, before the next
+    /// step (an f32 parameter is its own master; one that is not f32 is
+    /// overwritten by the next step from its restored f32 master block).
+    /// Gradient blocks reduced before the load are dropped.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let mut loaded = StateFile::read(path)?;
@@ -162,6 +178,27 @@ impl ZeroAdamW {
                  {ranks}: each rank loads the file it saved, over as many ranks",
                 path.display(),
             );
+        }
+        for (i, s) in self.slots.iter().enumerate() {
+            let saved = match loaded.take(&format!("shape.{i}")) {
+                Some(t) => t.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                None => bail!(
+                    "{} has no shape.{i}: was it saved for as many variables?",
+                    path.display()
+                ),
+            };
+            let dims: Vec<f64> = std::iter::once(s.var.dims().len() as f64)
+                .chain(s.var.dims().iter().map(|&d| d as f64))
+                .collect();
+            if saved != dims {
+                let shape: Vec<u64> = saved.iter().skip(1).map(|&d| d as u64).collect();
+                bail!(
+                    "{}: variable {i} was saved of shape {shape:?}, this optimizer's is {:?}: \
+                     give the same variables in the same order as when it was saved",
+                    path.display(),
+                    s.var.dims()
+                );
+            }
         }
         loaded.check(self.slots.iter().enumerate().flat_map(|(i, s)| {
             let master = s.master.as_ref().map(|w| (format!("master.{i}"), w));
@@ -519,15 +556,48 @@ mod tests {
                 .as_str()
             )
         );
-        // Other variables: refused, and nothing restored.
-        let other = vec![Var::zeros((2, 2), DType::BF16, &candle_core::Device::Cpu)?];
-        let e = ZeroAdamW::new(solo(), other, p.clone())?
+        // Other variables, whose blocks are of the same sizes: refused, and
+        // nothing restored; the refused optimizer steps on as its twin.
+        let swapped = || -> Result<Vec<Var>> {
+            let mut v = vars(DType::BF16)?;
+            v[1] = Var::from_tensor(&v[1].as_tensor().reshape((1, 5))?)?;
+            Ok(v)
+        };
+        let (a, b) = (swapped()?, swapped()?);
+        let mut tried = ZeroAdamW::new(solo(), a.clone(), p.clone())?;
+        let mut twin = ZeroAdamW::new(solo(), b.clone(), p.clone())?;
+        run(&mut tried, &a, 0..2)?;
+        run(&mut twin, &b, 0..2)?;
+        let e = tried.load(&file).unwrap_err();
+        assert_eq!(
+            e.to_string().lines().next(),
+            Some(
+                format!(
+                    "{}: variable 1 was saved of shape [5, 1], this optimizer's is [1, 5]: give \
+                     the same variables in the same order as when it was saved",
+                    file.display()
+                )
+                .as_str()
+            )
+        );
+        assert_eq!(tried.step_count(), 2);
+        run(&mut tried, &a, 2..4)?;
+        run(&mut twin, &b, 2..4)?;
+        assert_eq!(values(&a)?, values(&b)?);
+        // The bf16 state in an f32 optimizer: masters it keeps none of.
+        let e = ZeroAdamW::new(solo(), vars(DType::F32)?, p.clone())?
             .load(&file)
             .unwrap_err();
-        assert!(
-            e.to_string()
-                .starts_with("saved m.0 has shape [12], the variable [4]"),
-            "{e}"
+        assert_eq!(
+            e.to_string().lines().next(),
+            Some(
+                format!(
+                    "{} has 6 tensors, 4 expected: it was saved for parameters of another dtype \
+                     (with f32 masters)",
+                    file.display()
+                )
+                .as_str()
+            )
         );
         // LeanAdamW's file is not a rank's share.
         let lean = dir.join("lean.safetensors");

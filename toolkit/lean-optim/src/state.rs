@@ -38,6 +38,8 @@ pub fn save_state(
 /// An AdamW state that [`save_state`] wrote, being restored.
 #[derive(Debug)]
 pub struct StateFile {
+    /// The file, as its errors name it.
+    path: std::path::PathBuf,
     step: usize,
     params: ParamsAdamW,
     tensors: HashMap<String, Tensor>,
@@ -60,11 +62,12 @@ impl StateFile {
         let count = step[0];
         if !(count >= 0.0 && count.fract() == 0.0 && count <= (1u64 << 53) as f64) {
             bail!(
-                "{}: the saved step is {count}; a step count is a whole number from 0",
+                "{}: the saved step is {count}; a step count is a whole number from 0 to 2^53",
                 path.display()
             );
         }
         Ok(Self {
+            path: path.to_path_buf(),
             step: count as usize,
             params: ParamsAdamW {
                 lr: h[0],
@@ -98,14 +101,16 @@ impl StateFile {
     /// other: a load that checks first then fails on nothing it can see,
     /// so it does not leave an optimizer half restored.
     pub fn check<'a>(&self, expected: impl IntoIterator<Item = (String, &'a Var)>) -> Result<()> {
+        let file = self.path.display();
         let mut seen = 0;
         for (name, var) in expected {
             let Some(t) = self.tensors.get(&name) else {
-                bail!("the saved state has no {name}: was it saved for the same variables?");
+                bail!("{file} has no {name}: was it saved for the same variables?");
             };
             if t.dims() != var.dims() {
                 bail!(
-                    "saved {name} has shape {:?}, the variable {:?}",
+                    "{file}: its {name} has shape {:?}, this optimizer's {:?}: was it saved for \
+                     the same variables?",
                     t.dims(),
                     var.dims()
                 );
@@ -113,9 +118,22 @@ impl StateFile {
             seen += 1;
         }
         if seen != self.tensors.len() {
+            let mut extra: Vec<&str> = self
+                .tensors
+                .keys()
+                .map(String::as_str)
+                .filter(|k| !k.starts_with("m.") && !k.starts_with("v."))
+                .collect();
+            extra.sort();
+            // Masters where this optimizer keeps none: parameters of another
+            // dtype, not more of them.
+            let why = if !extra.is_empty() && extra.iter().all(|k| k.starts_with("master.")) {
+                "it was saved for parameters of another dtype (with f32 masters)"
+            } else {
+                "it was saved for more variables than this optimizer has"
+            };
             bail!(
-                "the saved state has {} tensors, {seen} expected: it was saved for more variables \
-                 than this optimizer has",
+                "{file} has {} tensors, {seen} expected: {why}",
                 self.tensors.len()
             );
         }
@@ -124,12 +142,14 @@ impl StateFile {
 
     /// Sets `into` from the tensor `name`, which must match its shape.
     pub fn restore(&mut self, name: &str, into: &Var) -> Result<()> {
+        let file = self.path.display();
         let Some(t) = self.tensors.remove(name) else {
-            bail!("the saved state has no {name}: was it saved for the same variables?");
+            bail!("{file} has no {name}: was it saved for the same variables?");
         };
         if t.dims() != into.dims() {
             bail!(
-                "saved {name} has shape {:?}, the variable {:?}",
+                "{file}: its {name} has shape {:?}, this optimizer's {:?}: was it saved for the \
+                 same variables?",
                 t.dims(),
                 into.dims()
             );
@@ -143,7 +163,8 @@ impl StateFile {
             let mut extra: Vec<_> = self.tensors.into_keys().collect();
             extra.sort();
             bail!(
-                "the saved state has tensors for variables this optimizer lacks: {}",
+                "{} has tensors for variables this optimizer lacks: {}",
+                self.path.display(),
                 extra.join(", ")
             );
         }

@@ -187,7 +187,8 @@ impl HostAdamW {
     /// Restores what [`save`](Self::save) wrote, for the same variables in
     /// the same order, and copies the masters to the device's parameters.
     /// A file saved for other variables is refused before anything is
-    /// restored.
+    /// restored. Gradients received before it are dropped: they are not
+    /// the restored state's.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let mut loaded = StateFile::read(path.as_ref())?;
         loaded.check(self.slots.iter().enumerate().flat_map(|(i, s)| {
@@ -205,6 +206,7 @@ impl HostAdamW {
             s.var
                 .set(&self.transfers.to_device(&back, s.var.device())?)?;
         }
+        self.received = GradStore::default();
         self.step_t = loaded.step();
         self.params = loaded.params().clone();
         loaded.finish()

@@ -34,6 +34,7 @@ impl Forward {
     /// from the saved log-sum-exp: one block of scores at a time, never the
     /// whole matrix, with the forward's configuration. Gradients come in
     /// the inputs' dtype; grouped key/value heads get their group's sum.
+    /// An error for inputs of other shapes than the forward's.
     pub fn backward(
         &self,
         q: &Tensor,

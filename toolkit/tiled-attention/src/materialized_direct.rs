@@ -17,7 +17,6 @@ use rayon::prelude::*;
 
 use crate::config::FlashConfig;
 use crate::cpu::rows;
-use crate::forward::scale_of;
 use crate::materialized::{checked, half_rows2, probabilities, rows_apply, scores_grad};
 use crate::shapes::{repeat_kv, sum_kv_group, Dims};
 
@@ -32,9 +31,10 @@ pub struct Materialized {
     pub probs: Tensor,
     /// The scale the scores were multiplied by.
     scale: f64,
-    /// The forward's configuration, validated when it ran, which its
-    /// backward uses.
-    cfg: FlashConfig,
+    /// The shapes of `q`, `k` and `v` it ran on, which its backward must be
+    /// given: fewer key/value heads or a wider head (with a scale given)
+    /// would pass every other check and return wrong gradients.
+    inputs: [Vec<usize>; 3],
 }
 
 /// `softmax(Q K^T * s) V` as [`materialized_attention`](crate::materialized_attention)
@@ -68,9 +68,10 @@ pub fn materialized_forward(
             out,
             probs,
             scale,
-            cfg: *cfg,
+            inputs: crate::forward::shapes_of(q, k, v),
         });
     }
+    let inputs = crate::forward::shapes_of(q, k, v);
     let (k, v) = (
         repeat_kv(&k.detach(), dims.group())?,
         repeat_kv(&v.detach(), dims.group())?,
@@ -81,7 +82,7 @@ pub fn materialized_forward(
         out,
         probs,
         scale,
-        cfg: *cfg,
+        inputs,
     })
 }
 
@@ -89,7 +90,8 @@ impl Materialized {
     /// The gradients of `q`, `k` and `v` (the forward's inputs) given the
     /// output's gradient `d_out`, with the forward's configuration; taken
     /// by value, so that the probabilities are freed here once used.
-    /// Grouped key/value heads get their group's sum.
+    /// Grouped key/value heads get their group's sum. An error for inputs
+    /// of other shapes than the forward's.
     pub fn backward(
         self,
         q: &Tensor,
@@ -113,8 +115,19 @@ fn backward(
         out,
         probs,
         scale,
-        cfg,
+        inputs,
     } = fwd;
+    let given = crate::forward::shapes_of(q, k, v);
+    if given != inputs {
+        let [q, k, v] = &inputs;
+        bail!(
+            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs (of shapes \
+             {q:?}, {k:?}, {v:?})",
+            given[0],
+            given[1],
+            given[2],
+        );
+    }
     // Validated by the forward (`checked`).
     let dims = Dims::of(q, k, v)?;
     let out_dims = [dims.batch, dims.q_heads, dims.nq, dims.dv];
@@ -136,14 +149,6 @@ fn backward(
         );
     }
     drop(out);
-    let asked = scale_of(&cfg, dims.d);
-    if asked != scale {
-        bail!(
-            "the forward scaled the scores by {scale}; a head size of {} scales them by \
-             {asked}: pass the forward's inputs",
-            dims.d
-        );
-    }
     if crate::cpu::materialized::applies(q, &dims) {
         return crate::cpu::materialized::backward((q, k, v), &probs, d_out, &dims, scale);
     }

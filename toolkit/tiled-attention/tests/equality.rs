@@ -188,6 +188,26 @@ fn bad_input_is_an_error_that_says_why() -> Result<()> {
     let (wide_q, wide_k, _) = inputs(1, 2, 2, 4, 16, DType::F32)?;
     assert!(err(fwd.backward(&wide_q, &wide_k, &v, &d_out))
         .starts_with("q, k and v (of shapes [1, 2, 4, 16], [1, 2, 4, 16], [1, 2, 4, 8])"));
+    // The materialized backward alike: fewer key/value heads, and a wider
+    // head under a given scale, would pass every other check.
+    let (_, k1, v1) = inputs(1, 2, 1, 4, 8, DType::F32)?;
+    assert_eq!(
+        err(materialized_forward(&q, &k, &v, &cfg)?.backward(&q, &k1, &v1, &d_out))
+            .lines()
+            .next(),
+        Some(
+            "q, k and v (of shapes [1, 2, 4, 8], [1, 1, 4, 8], [1, 1, 4, 8]) are not the \
+             forward's inputs (of shapes [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8])"
+        )
+    );
+    let scaled = FlashConfig {
+        scale: Some(0.5),
+        ..cfg
+    };
+    assert!(
+        err(materialized_forward(&q, &k, &v, &scaled)?.backward(&wide_q, &wide_k, &v, &d_out))
+            .starts_with("q, k and v (of shapes [1, 2, 4, 16], [1, 2, 4, 16], [1, 2, 4, 8])")
+    );
     // Its output, a public field, replaced by one of other rows.
     let mut replaced = flash_forward(&q, &k, &v, &cfg)?;
     replaced.out = Tensor::zeros((1, 2, 3, 8), DType::F32, &Device::Cpu)?;
@@ -402,29 +422,38 @@ fn materialized_halves_refuse_mismatched_input() -> Result<()> {
         ),
         "{said}"
     );
-    // A forward of other inputs: its probabilities do not fit these.
+    // A forward of other inputs: refused before its probabilities, which do
+    // not fit these, are read; and probabilities replaced (a public field)
+    // by others.
     let (q6, k6, v6) = inputs(1, 2, 2, 6, 4, DType::F32)?;
     let other = materialized_forward(&q6, &k6, &v6, &cfg)?;
     let d_out = Tensor::ones((1, 2, 6, 4), DType::F32, &Device::Cpu)?;
-    let (q6b, _, _) = inputs(1, 2, 2, 6, 4, DType::F32)?;
-    let said = err(other.backward(&q6b, &k, &v, &d_out));
+    let said = err(other.clone().backward(&q6, &k, &v, &d_out));
     assert!(
         said.starts_with(
-            "the probabilities have shape [1, 2, 6, 6], these inputs make [1, 2, 6, 5]"
+            "q, k and v (of shapes [1, 2, 6, 4], [1, 2, 5, 4], [1, 2, 5, 4]) are not the \
+             forward's inputs (of shapes [1, 2, 6, 4], [1, 2, 6, 4], [1, 2, 6, 4])"
         ),
         "{said}"
     );
-    // Inputs of another head size than the forward's: another scale. (The
-    // forward's configuration travels with its result, so no other can be
-    // given to the backward.)
+    let mut replaced = other;
+    replaced.probs = replaced.probs.narrow(3, 0, 5)?;
+    let said = err(replaced.backward(&q6, &k6, &v6, &d_out));
+    assert!(
+        said.starts_with(
+            "the probabilities have shape [1, 2, 6, 5], these inputs make [1, 2, 6, 6]"
+        ),
+        "{said}"
+    );
+    // Inputs of another head size than the forward's, which would scale
+    // the scores otherwise. (The forward's configuration travels with its
+    // result, so no other can be given to the backward.)
     let fwd = materialized_forward(&q, &k, &v, &cfg)?;
     let d_out = fwd.out.ones_like()?;
     let (q8, k8, _) = inputs(1, 2, 2, 5, 8, DType::F32)?;
     let said = err(fwd.backward(&q8, &k8, &v, &d_out));
     assert!(
-        said.starts_with(
-            "the forward scaled the scores by 0.5; a head size of 8 scales them by 0.35355"
-        ),
+        said.starts_with("q, k and v (of shapes [1, 2, 5, 8], [1, 2, 5, 8], [1, 2, 5, 4])"),
         "{said}"
     );
     Ok(())

@@ -89,14 +89,17 @@ pub enum ConfigError {
         line: usize,
         /// Column of the error, from 1.
         column: usize,
-        /// The field whose value is of the wrong type (`rope_scaling.factor`
-        /// for a nested one), or `None` where the text is not JSON.
+        /// The field whose value is of the wrong type (`architectures[1]`
+        /// for an element of one), or `None` where the error is the
+        /// document's: not JSON, a field missing or given twice, text after
+        /// the object, a number past any type's range.
         field: Option<String>,
         /// serde_json's description.
         message: String,
     },
-    /// Shapes each within bounds that together make more parameters than a
-    /// byte count can hold.
+    /// Shapes each within bounds that together make more than
+    /// [`MAX_PARAMETERS`], 2^50: a bound far above any published model, so
+    /// that every byte count a plan makes fits 64 bits.
     #[error(
         "{origin}: these shapes make {params} parameters ({shapes}): at most {MAX_PARAMETERS} \
          (2^50) are planned; no published decoder is within a thousandth of that, so one of them \
@@ -107,7 +110,8 @@ pub enum ConfigError {
         origin: String,
         /// The parameters the shapes make.
         params: u64,
-        /// The shapes that make them, `hidden_size 4096, ...`.
+        /// The shapes that make them, `hidden_size 4096, ...`, and whether
+        /// the head is tied to the embedding.
         shapes: String,
     },
     /// A field whose value this cannot build.
@@ -199,12 +203,14 @@ impl LlamaConfig {
                     column: e.column(),
                     // `.` is the whole document: a missing field, or not JSON.
                     field: (path != "." && !e.is_syntax() && !e.is_eof()).then_some(path),
-                    message: e
-                        .to_string()
-                        .split(" at line ")
-                        .next()
-                        .unwrap_or("")
-                        .to_string(),
+                    // serde_json ends its message with the place, which
+                    // the error gives first; a value quoted in it may hold
+                    // the same words.
+                    message: {
+                        let m = e.to_string();
+                        m.rsplit_once(" at line ")
+                            .map_or(m.clone(), |(m, _)| m.to_string())
+                    },
                 }
             })?;
         let field = |field: &'static str, given: String, allowed: &str| ConfigError::Field {
@@ -365,8 +371,13 @@ impl LlamaConfig {
                 params,
                 shapes: format!(
                     "hidden_size {}, intermediate_size {}, num_hidden_layers {}, \
-                     num_attention_heads {heads}, head_dim {head_dim}, vocab_size {}",
-                    raw.hidden_size, raw.intermediate_size, raw.num_hidden_layers, raw.vocab_size
+                     num_attention_heads {heads}, num_key_value_heads {kv_heads}, head_dim \
+                     {head_dim}, vocab_size {}, {} head",
+                    raw.hidden_size,
+                    raw.intermediate_size,
+                    raw.num_hidden_layers,
+                    raw.vocab_size,
+                    if config.tied { "a tied" } else { "an untied" }
                 ),
             });
         }
