@@ -130,13 +130,10 @@ impl ZeroAdamW {
             .into_iter()
             .chain(master)
         });
-        // Each variable's whole shape, `[ndims, dims...]`: the blocks alone
-        // would not tell a (3, 4) from a (4, 3).
+        // Each variable's whole shape: the blocks alone would not tell a
+        // (3, 4) from a (4, 3).
         let shapes = self.slots.iter().enumerate().map(|(i, s)| {
-            let dims = s.var.dims();
-            let shape: Vec<f64> = std::iter::once(dims.len() as f64)
-                .chain(dims.iter().map(|&d| d as f64))
-                .collect();
+            let shape = shape_record(s.var.dims());
             Ok((format!("shape.{i}"), Tensor::new(shape, &Device::Cpu)?))
         });
         let shapes = shapes.collect::<Result<Vec<_>>>()?;
@@ -187,10 +184,7 @@ impl ZeroAdamW {
                     path.display()
                 ),
             };
-            let dims: Vec<f64> = std::iter::once(s.var.dims().len() as f64)
-                .chain(s.var.dims().iter().map(|&d| d as f64))
-                .collect();
-            if saved != dims {
+            if saved != shape_record(s.var.dims()) {
                 let shape: Vec<u64> = saved.iter().skip(1).map(|&d| d as u64).collect();
                 bail!(
                     "{}: variable {i} was saved of shape {shape:?}, this optimizer's is {:?}: \
@@ -374,6 +368,14 @@ impl ZeroAdamW {
         }
         Ok(())
     }
+}
+
+/// A variable's shape as [`ZeroAdamW::save`] writes it, `[ndims, dims...]`:
+/// never empty, a scalar's included.
+fn shape_record(dims: &[usize]) -> Vec<f64> {
+    std::iter::once(dims.len() as f64)
+        .chain(dims.iter().map(|&d| d as f64))
+        .collect()
 }
 
 /// What [`ZeroAdamW`] is made from through candle's [`Optimizer`] trait:

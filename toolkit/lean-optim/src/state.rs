@@ -104,17 +104,7 @@ impl StateFile {
         let file = self.path.display();
         let mut seen = 0;
         for (name, var) in expected {
-            let Some(t) = self.tensors.get(&name) else {
-                bail!("{file} has no {name}: was it saved for the same variables?");
-            };
-            if t.dims() != var.dims() {
-                bail!(
-                    "{file}: its {name} has shape {:?}, this optimizer's {:?}: was it saved for \
-                     the same variables?",
-                    t.dims(),
-                    var.dims()
-                );
-            }
+            self.matching(&name, var)?;
             seen += 1;
         }
         if seen != self.tensors.len() {
@@ -140,21 +130,33 @@ impl StateFile {
         Ok(())
     }
 
-    /// Sets `into` from the tensor `name`, which must match its shape.
-    pub fn restore(&mut self, name: &str, into: &Var) -> Result<()> {
+    /// The tensor `name`, an error unless it is there with `var`'s shape.
+    fn matching(&self, name: &str, var: &Var) -> Result<&Tensor> {
         let file = self.path.display();
-        let Some(t) = self.tensors.remove(name) else {
+        let Some(t) = self.tensors.get(name) else {
             bail!("{file} has no {name}: was it saved for the same variables?");
         };
-        if t.dims() != into.dims() {
+        if t.dims() != var.dims() {
             bail!(
                 "{file}: its {name} has shape {:?}, this optimizer's {:?}: was it saved for the \
                  same variables?",
                 t.dims(),
-                into.dims()
+                var.dims()
             );
         }
-        into.set(&t.to_dtype(into.dtype())?.to_device(into.device())?)
+        Ok(t)
+    }
+
+    /// Sets `into` from the tensor `name`, which must match its shape.
+    pub fn restore(&mut self, name: &str, into: &Var) -> Result<()> {
+        into.set(
+            &self
+                .matching(name, into)?
+                .to_dtype(into.dtype())?
+                .to_device(into.device())?,
+        )?;
+        self.tensors.remove(name);
+        Ok(())
     }
 
     /// An error if tensors are left over (saved for more variables).

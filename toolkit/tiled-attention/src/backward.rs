@@ -22,17 +22,7 @@ pub(crate) fn backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     // Validated by the forward that made `fwd`.
     let cfg = &fwd.cfg;
-    let given = crate::forward::shapes_of(q, k, v);
-    if given != fwd.inputs {
-        let [q, k, v] = &fwd.inputs;
-        candle_core::bail!(
-            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs (of shapes \
-             {q:?}, {k:?}, {v:?})",
-            given[0],
-            given[1],
-            given[2],
-        );
-    }
+    crate::forward::same_inputs(&fwd.inputs, q, k, v)?;
     let dims = Dims::of(q, k, v)?;
     if d_out.dims() != fwd.out.dims() {
         candle_core::bail!(

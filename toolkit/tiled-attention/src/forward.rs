@@ -28,6 +28,29 @@ pub(crate) fn shapes_of(q: &Tensor, k: &Tensor, v: &Tensor) -> [Vec<usize>; 3] {
     [q, k, v].map(|t| t.dims().to_vec())
 }
 
+/// An error naming both when `q`, `k` and `v` are not of the shapes a
+/// forward ran on (`inputs`, from [`shapes_of`]): what each backward checks
+/// first.
+pub(crate) fn same_inputs(
+    inputs: &[Vec<usize>; 3],
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<()> {
+    let given = shapes_of(q, k, v);
+    if &given != inputs {
+        let [q, k, v] = inputs;
+        bail!(
+            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs (of shapes \
+             {q:?}, {k:?}, {v:?})",
+            given[0],
+            given[1],
+            given[2],
+        );
+    }
+    Ok(())
+}
+
 impl Forward {
     /// The gradients of `q`, `k` and `v` (the forward's inputs) given the
     /// output's gradient `d_out`, recomputing each block of probabilities

@@ -117,17 +117,7 @@ fn backward(
         scale,
         inputs,
     } = fwd;
-    let given = crate::forward::shapes_of(q, k, v);
-    if given != inputs {
-        let [q, k, v] = &inputs;
-        bail!(
-            "q, k and v (of shapes {:?}, {:?}, {:?}) are not the forward's inputs (of shapes \
-             {q:?}, {k:?}, {v:?})",
-            given[0],
-            given[1],
-            given[2],
-        );
-    }
+    crate::forward::same_inputs(&inputs, q, k, v)?;
     // Validated by the forward (`checked`).
     let dims = Dims::of(q, k, v)?;
     let out_dims = [dims.batch, dims.q_heads, dims.nq, dims.dv];
