@@ -60,17 +60,14 @@ impl ZeroAdamW {
     /// given in the same order on every rank and every run: the i-th
     /// variable's blocks are reduced, gathered and saved as the i-th. A
     /// `VarMap`'s `all_vars()` is a hash map's order, another in each
-    /// process: sort its variables by name first.
+    /// process: sort its variables by name first. Variables that are not
+    /// floats are left out, as `candle_nn::AdamW` leaves them.
     pub fn new(comm: Arc<Comm>, vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
         let ranks = comm.size();
         let mut slots = Vec::with_capacity(vars.len());
-        for var in vars {
-            if !var.dtype().is_float() {
-                bail!(
-                    "ZeroAdamW: a parameter of type {:?} is not a float",
-                    var.dtype()
-                );
-            }
+        // An integer variable (a step counter, a mask) has no gradient to
+        // step: skipped, as candle's AdamW skips it.
+        for var in vars.into_iter().filter(|v| v.dtype().is_float()) {
             let split = Split::new(var.elem_count(), ranks);
             let _state = scope(comm.observer(), Kind::OptimizerState, Place::Device);
             let zeros = || Var::zeros(split.block(), DType::F32, var.device());
@@ -148,15 +145,56 @@ impl ZeroAdamW {
     }
 
     /// Restores what [`save`](Self::save) wrote on this rank, for the same
-    /// variables in the same order over as many ranks. A file of another
-    /// rank, or of other variables, is refused before anything is restored.
-    /// The parameters are not in the file: restore them from the model's
+    /// variables in the same order over as many ranks. Every rank calls it
+    /// (it is collective): each reads and checks its own file, then the
+    /// ranks tell each other whether they could and at which step, and
+    /// restore only if every rank could, at the same step. A file of
+    /// another rank, of other variables or of another step than the other
+    /// ranks' is refused on every rank before anything is restored. The
+    /// parameters are not in the file: restore them from the model's
     /// checkpoint of the same step, alike on every rank, before the next
     /// step (an f32 parameter is its own master; one that is not f32 is
     /// overwritten by the next step from its restored f32 master block).
     /// Gradient blocks reduced before the load are dropped.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        let local = self.read_state(path);
+        let steps = self.gather_steps(local.as_ref().ok().map(StateFile::step))?;
+        let mut loaded = local?;
+        let step = loaded.step();
+        for (r, other) in steps.iter().enumerate() {
+            match other {
+                None => bail!(
+                    "{}: not loaded: rank {r} of {} could not load its state (its error is \
+                     on that rank), and the ranks restore together or not at all",
+                    path.display(),
+                    steps.len()
+                ),
+                Some(s) if *s != step => bail!(
+                    "{}: not loaded: the state of step {step}, but rank {r}'s is of step {s}: \
+                     every rank loads the state saved at the same step",
+                    path.display()
+                ),
+                Some(_) => {}
+            }
+        }
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            loaded.restore(&format!("m.{i}"), &s.m)?;
+            loaded.restore(&format!("v.{i}"), &s.v)?;
+            if let Some(master) = &s.master {
+                loaded.restore(&format!("master.{i}"), master)?;
+            }
+            // Gradients of before the save are not this state's.
+            s.grad = None;
+        }
+        self.step_t = step;
+        self.params = loaded.params().clone();
+        loaded.finish()
+    }
+
+    /// Reads `path` and checks it against this rank and these variables,
+    /// restoring nothing.
+    fn read_state(&self, path: &Path) -> Result<StateFile> {
         let mut loaded = StateFile::read(path)?;
         let (rank, ranks) = (self.comm.rank(), self.comm.size());
         let saved = match loaded.take("zero.rank") {
@@ -200,18 +238,32 @@ impl ZeroAdamW {
                 .into_iter()
                 .chain(master)
         }))?;
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            loaded.restore(&format!("m.{i}"), &s.m)?;
-            loaded.restore(&format!("v.{i}"), &s.v)?;
-            if let Some(master) = &s.master {
-                loaded.restore(&format!("master.{i}"), master)?;
+        Ok(loaded)
+    }
+
+    /// Every rank's step as it read it (`None`: it could not read its
+    /// state), rank `r` at index `r`: one all-gather of four f32 per rank,
+    /// the step in 24-bit pieces, each exact in an f32 (a step is below
+    /// 2^53).
+    fn gather_steps(&self, step: Option<usize>) -> Result<Vec<Option<usize>>> {
+        const PIECE: u64 = 1 << 24;
+        let send = match step {
+            Some(s) => {
+                let s = s as u64;
+                [1, s % PIECE, s / PIECE % PIECE, s / PIECE / PIECE].map(|x| x as f32)
             }
-            // Gradients of before the save are not this state's.
-            s.grad = None;
-        }
-        self.step_t = loaded.step();
-        self.params = loaded.params().clone();
-        loaded.finish()
+            None => [0.0; 4],
+        };
+        let mut recv = vec![0f32; 4 * self.comm.size()];
+        self.comm.all_gather(&send, &mut recv)?;
+        Ok(recv
+            .chunks(4)
+            .map(|r| {
+                let piece = |x: f32| x as u64;
+                (r[0] == 1.0)
+                    .then(|| (piece(r[1]) + PIECE * (piece(r[2]) + PIECE * piece(r[3]))) as usize)
+            })
+            .collect())
     }
 
     /// The bytes of optimizer state this rank holds: moments and master
@@ -417,6 +469,8 @@ mod tests {
     use candle_lean_optim::LeanAdamW;
     use candle_nn::Optimizer;
 
+    use crate::Threads;
+
     /// A bf16 parameter keeps an f32 master block: one rank's ZeroAdamW
     /// equals LeanAdamW on an f32 copy, cast back to bf16 after each step.
     #[test]
@@ -614,6 +668,120 @@ mod tests {
             )),
             "{e}"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+        Ok(())
+    }
+
+    /// Integer variables are left out, as candle's AdamW and LeanAdamW
+    /// leave them: no state for them, the floats stepped as without them.
+    #[test]
+    fn an_integer_variable_is_left_out() -> Result<()> {
+        let (a, b) = (vars(DType::F32)?, vars(DType::F32)?);
+        let counter = Var::new(&[7u32, 9], &candle_core::Device::Cpu)?;
+        let with = a.iter().cloned().chain([counter.clone()]).collect();
+        let p = ParamsAdamW {
+            lr: 0.1,
+            ..Default::default()
+        };
+        let mut zero = ZeroAdamW::new(Arc::new(Comm::solo()), with, p.clone())?;
+        // Moments of the 12 + 5 float elements only; f32 needs no master.
+        assert_eq!(zero.state_bytes(), 2 * (12 + 5) * 4);
+        let mut lean = LeanAdamW::new(b.clone(), p)?;
+        for step in 0..3 {
+            zero.step(&loss(&a, step)?.backward()?)?;
+            lean.step(&loss(&b, step)?.backward()?)?;
+        }
+        assert_eq!(values(&a)?, values(&b)?);
+        assert_eq!(counter.as_tensor().to_vec1::<u32>()?, [7, 9]);
+        Ok(())
+    }
+
+    /// Two thread ranks: one rank's file of another step, or one rank
+    /// without a file, and neither rank restores anything; the files of
+    /// one step, and both do.
+    #[test]
+    fn ranks_restore_together_at_one_step_or_not_at_all() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("zero-agree-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let at = |rank: usize, step: usize| dir.join(format!("rank{rank}-step{step}.safetensors"));
+        let p = ParamsAdamW {
+            lr: 0.05,
+            ..Default::default()
+        };
+        // Each rank's errors, and its step count after them and after the
+        // good load. No assertion inside a rank: a rank that panicked would
+        // leave the other waiting in a collective.
+        let rank = |t: Threads| -> Result<(Vec<String>, [usize; 2])> {
+            let comm = Arc::new(Comm::new(t));
+            let r = comm.rank();
+            let v = vars(DType::F32)?;
+            let mut opt = ZeroAdamW::new(Arc::clone(&comm), v.clone(), p.clone())?;
+            for step in 0..3 {
+                opt.step(&loss(&v, step)?.backward()?)?;
+                opt.save(at(r, step + 1))?;
+            }
+            let mut fresh = ZeroAdamW::new(comm, v, p.clone())?;
+            let tries = [
+                if r == 0 { at(0, 2) } else { at(1, 3) },
+                if r == 0 {
+                    at(0, 2)
+                } else {
+                    dir.join("missing")
+                },
+            ];
+            let mut errors = Vec::new();
+            for file in tries {
+                match fresh.load(&file) {
+                    Ok(()) => errors.push("loaded".to_string()),
+                    // The first line: a backtrace may follow.
+                    Err(e) => errors.push(e.to_string().lines().next().unwrap_or("").to_string()),
+                }
+            }
+            let before = fresh.step_count();
+            fresh.load(at(r, 2))?;
+            Ok((errors, [before, fresh.step_count()]))
+        };
+        let got: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = Threads::world(2)
+                .into_iter()
+                .map(|t| s.spawn(move || rank(t)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let got = got.into_iter().collect::<Result<Vec<_>>>()?;
+        let (p0, p3) = (at(0, 2), at(1, 3));
+        assert_eq!(
+            got[0].0,
+            [
+                format!(
+                    "{}: not loaded: the state of step 2, but rank 1's is of step 3: every \
+                     rank loads the state saved at the same step",
+                    p0.display()
+                ),
+                format!(
+                    "{}: not loaded: rank 1 of 2 could not load its state (its error is on \
+                     that rank), and the ranks restore together or not at all",
+                    p0.display()
+                ),
+            ]
+        );
+        assert_eq!(
+            got[1].0[0],
+            format!(
+                "{}: not loaded: the state of step 3, but rank 0's is of step 2: every rank \
+                 loads the state saved at the same step",
+                p3.display()
+            )
+        );
+        let missing = dir.join("missing");
+        assert!(
+            got[1].0[1].starts_with(&format!("{}: ", missing.display())),
+            "{}",
+            got[1].0[1]
+        );
+        for (errors, steps) in &got {
+            assert_eq!(steps, &[0, 2], "{errors:?}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
         Ok(())
     }

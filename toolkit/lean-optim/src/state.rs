@@ -48,7 +48,8 @@ pub struct StateFile {
 impl StateFile {
     /// Reads `path`.
     pub fn read(path: &Path) -> Result<Self> {
-        let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
         let (Some(step), Some(hyper)) = (tensors.remove("step"), tensors.remove("hyper")) else {
             bail!("{} holds no AdamW state (no step or hyper)", path.display());
         };
