@@ -152,7 +152,7 @@ fn every_bad_parameter_value_of_a_chapter_is_reported_before_anything_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let f = "tests/fixtures/bad_values.toml";
     let expected = [
-        "error: 12 problems:",
+        "error: 13 problems:",
         "8:10: cell `accumulation`: parameter `compare_steps` (its default, at check size) is 4; allowed: from 1 to 1",
         "10:1: cell `accumulation`: parameter `steps[0]` is 0; allowed: at least 1",
         "11:1: cell `accumulation`: parameter `widths` is []; allowed: a list of at least 2 entries",
@@ -161,10 +161,11 @@ fn every_bad_parameter_value_of_a_chapter_is_reported_before_anything_runs() {
         "21:1: cell `checkpointing`: parameter `segments` is []; allowed: a list of at least 1 entry",
         "23:1: cell `checkpointing`: parameter `classes` is 4294967296; allowed: from 2 to 4294967295",
         "25:1: cell `checkpointing`: check parameter `segments[1]` is 9; allowed: at most the 8 modules of the stack (2 × stack_depth)",
-        "32:1: cell `footprint`: parameter `dtypes[0]` is \"fp16\"; allowed: one of f32, f16, bf16",
-        "33:1: cell `footprint`: parameter `small` is a layer's weight = 4294967296 × 4294967296; allowed: a product of at most 1099511627776 elements (2^40)",
-        "40:1: cell `attention`: parameter `heads` is 0; allowed: at least 1",
-        "41:1: cell `attention`: parameter `lengths` is []; allowed: a list of at least 1 entry",
+        "26:1: cell `checkpointing`: check parameter `overhead_repeats` is 0; allowed: at least 1",
+        "33:1: cell `footprint`: parameter `dtypes[0]` is \"fp16\"; allowed: one of f32, f16, bf16",
+        "34:1: cell `footprint`: parameter `small` is a layer's weight = 4294967296 × 4294967296; allowed: a product of at most 1099511627776 elements (2^40)",
+        "41:1: cell `attention`: parameter `heads` is 0; allowed: at least 1",
+        "42:1: cell `attention`: parameter `lengths` is []; allowed: a list of at least 1 entry",
     ];
     for command in ["validate", "run"] {
         let (_, err) = text(&workbook(&[command, f], root));

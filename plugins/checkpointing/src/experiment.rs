@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use candle_checkpoint::{Policy, Sequential};
+use candle_checkpoint::{DirectBackward, Policy, Sequential};
 use workbook_checkpointing::Params as CheckpointingParams;
 use workbook_models::taped::{batch, Config as TransformerConfig, Transformer};
 use workbook_models::{
@@ -18,6 +18,7 @@ use workbook_sdk::candle::{DType, Module, Result, Tensor, Var};
 use workbook_sdk::candle_nn::VarMap;
 use workbook_sdk::observe::{Marks, Tags};
 use workbook_sdk::output::{mib, Axis, Marker, Series, Unit};
+use workbook_sdk::timing::timed;
 use workbook_sdk::{median, Category, Context, Figure, Table};
 
 // notebook cell
@@ -268,7 +269,7 @@ pub fn sweep_table(p: &CheckpointingParams, plain: &Backprop) -> Table {
 /// Checkpointing on the lean path (`Sequential::direct(..).segments(k).backward`: each recomputed
 /// segment's backward called layer by layer, no graph): plain backprop
 /// (`plain`, from [`framework_cost`]) against every segment count of
-/// `p.segments`.
+/// `p.segments`. Returns the segment count with the lowest peak.
 pub fn sweep(
     ctx: &mut Context,
     p: &CheckpointingParams,
@@ -276,7 +277,7 @@ pub fn sweep(
     x: &Tensor,
     y: &Tensor,
     plain: &Backprop,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<usize> {
     let vars = model.vars();
     let layers = model.fused_layers()?;
     let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
@@ -334,7 +335,71 @@ pub fn sweep(
     ctx.metric("sqrt_layers", sqrt_n);
     ctx.metric("stack_grad_max_abs_diff", worst_diff);
     ctx.metric("time_best", best.2);
-    ctx.metric("time_overhead", best.2 / plain.time);
+    Ok(best.1)
+}
+
+// notebook cell
+/// What the recomputation costs, counted in forward passes: plain backprop,
+/// the backward checkpointed in `segments` and the forward alone take turns
+/// `p.overhead_repeats` times, so that load from elsewhere on the machine
+/// falls on all three alike. Each turn gives the checkpointed time over
+/// plain's and the time it adds over one forward's; the medians are
+/// reported. CPU time on a CPU (all threads' work, which other programs
+/// barely move), wall time on a GPU (its kernels are not this process's
+/// CPU time).
+pub fn recompute_cost(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    model: &Mlp,
+    x: &Tensor,
+    y: &Tensor,
+    segments: usize,
+) -> anyhow::Result<()> {
+    let vars = model.vars();
+    let layers = model.fused_layers()?;
+    let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
+    let device = ctx.device().clone();
+    let seconds = |run: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        let (out, t) = timed(|| -> anyhow::Result<()> {
+            run()?;
+            device.synchronize()?;
+            Ok(())
+        });
+        out?;
+        Ok(if device.is_cpu() { t.cpu } else { t.wall })
+    };
+    let (mut ratios, mut extra) = (Vec::new(), Vec::new());
+    for turn in 1..=p.overhead_repeats {
+        ctx.progress(&format!("recomputation's cost, turn {turn}"));
+        let plain = seconds(&|| {
+            Sequential::direct(&layers).backward(x, &vars, head)?;
+            Ok(())
+        })?;
+        let checkpointed = seconds(&|| {
+            Sequential::direct(&layers)
+                .segments(segments)
+                .backward(x, &vars, head)?;
+            Ok(())
+        })?;
+        // The forward the recomputation repeats: each layer's, keeping what
+        // its backward would need, dropped at once.
+        let forward = seconds(&|| {
+            layers
+                .iter()
+                .try_fold(x.clone(), |h, l| l.forward_saved(&h).map(|(out, _)| out))?;
+            Ok(())
+        })?;
+        ratios.push(checkpointed / plain);
+        extra.push((checkpointed - plain) / forward);
+    }
+    let (ratio, extra) = (median(ratios), median(extra));
+    ctx.print(format!(
+        "{segments} segments take x{ratio:.2} plain backprop's time: {extra:.2} forward passes more (medians of {} turns, {} time)",
+        p.overhead_repeats,
+        if device.is_cpu() { "CPU" } else { "wall" }
+    ));
+    ctx.metric("time_overhead", ratio);
+    ctx.metric("extra_forwards", extra);
     Ok(())
 }
 
@@ -459,6 +524,10 @@ pub fn checkpointing_experiment(ctx: &mut Context, p: CheckpointingParams) -> an
     let device = ctx.device().clone();
     let mut rng = Rng::seeded(p.seed);
     anyhow::ensure!(p.repeats > 0, "repeats must be at least 1");
+    anyhow::ensure!(
+        p.overhead_repeats > 0,
+        "overhead_repeats must be at least 1"
+    );
 
     // The notebook's cell: a checkpointed block, a head, an input that needs a gradient.
     let block = Mlp::new(
@@ -530,8 +599,10 @@ pub fn checkpointing_experiment(ctx: &mut Context, p: CheckpointingParams) -> an
         ))
     })?;
     let plain = framework_cost(ctx, &p, &model, &x, &y)?;
-    sweep(ctx, &p, &model, &x, &y, &plain)?;
-    drop((plain, model, x, y));
+    let best = sweep(ctx, &p, &model, &x, &y, &plain)?;
+    drop(plain);
+    recompute_cost(ctx, &p, &model, &x, &y, best)?;
+    drop((model, x, y));
     heavy(ctx, &p)?;
     policies(ctx, &p)?;
     Ok(())

@@ -46,6 +46,10 @@ pub struct Params {
     /// Timed repetitions of each variant (the median is reported).
     #[schemars(range(min = 1))]
     pub repeats: usize,
+    /// Turns of plain backprop, the checkpointed backward and the forward
+    /// alone timed for the recomputation's cost (the medians are reported).
+    #[schemars(range(min = 1))]
+    pub overhead_repeats: usize,
     /// Calls of the heavy function.
     pub heavy_calls: usize,
     /// Additions inside one call of the heavy function.
@@ -75,6 +79,7 @@ impl Default for Params {
             stack_batch: 1024,
             segments: vec![1, 2, 4, 8, 16],
             repeats: 3,
+            overhead_repeats: 5,
             heavy_calls: 1000,
             heavy_adds: 100,
             policy_width: 256,
@@ -112,6 +117,7 @@ impl Plugin for Checkpointing {
             .at_least("stack_batch", p.stack_batch, 1)
             .list("segments", &p.segments, 1, 1)
             .at_least("repeats", p.repeats, 1)
+            .at_least("overhead_repeats", p.overhead_repeats, 1)
             .at_least("heavy_calls", p.heavy_calls, 1)
             .at_least("heavy_adds", p.heavy_adds, 1)
             .at_least("policy_width", p.policy_width, 1)
@@ -290,7 +296,14 @@ impl Plugin for Checkpointing {
                 "time_best",
                 "median time of the segment count with the lowest peak",
             ),
-            MetricSpec::ratio("time_overhead", "time_best over time_plain"),
+            MetricSpec::ratio(
+                "time_overhead",
+                "checkpointed time over plain backprop's at the best segment count, median of turns (CPU time on a CPU)",
+            ),
+            MetricSpec::number(
+                "extra_forwards",
+                "time checkpointing adds at the best segment count, in forward passes, median of turns",
+            ),
             MetricSpec::count("heavy_ops", "additions of the heavy function, calls × adds"),
             MetricSpec::number(
                 "heavy_blocks_per_tensor",
