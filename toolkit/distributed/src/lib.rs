@@ -34,6 +34,7 @@
 //! `(4 + K)Ψ/N`.
 #![warn(missing_docs)]
 
+mod agree;
 mod comm;
 mod ddp;
 mod fsdp;

@@ -119,6 +119,14 @@ mod tests {
                 .map(|&n| Var::from_tensor(&Tensor::ones(n, DType::F32, &dev)?))
                 .collect::<Result<_>>()?;
             let mut opt = ZeroAdamW::new(Arc::clone(&comm), vars.clone(), ParamsAdamW::default())?;
+            // The ranks' check of their variables: two all-gathers, of one
+            // whole number and of one per variable, three f32 each.
+            let set_up = comm.traffic();
+            assert_eq!(
+                set_up.all_gather.sent,
+                ((ranks - 1) * (1 + sizes.len()) * 3 * 4) as u64,
+                "{ranks} ranks"
+            );
             let blocks: usize = sizes.iter().map(|&n| Split::new(n, ranks).block()).sum();
             // Two moments per element of this rank's blocks.
             assert_eq!(opt.state_bytes(), (2 * 4 * blocks) as u64);
@@ -132,7 +140,7 @@ mod tests {
             opt.step(&grads)?;
             // One reduce-scatter and one all-gather per tensor, each
             // sending (N - 1) blocks.
-            let t = comm.traffic();
+            let t = comm.traffic().since(&set_up);
             let expected = ((ranks - 1) * blocks * 4) as u64;
             assert_eq!(t.reduce_scatter.sent, expected, "{ranks} ranks");
             assert_eq!(t.all_gather.sent, expected, "{ranks} ranks");

@@ -10,6 +10,7 @@ use candle_lean_optim::{adamw_update, save_state, AdamWStep, StateFile};
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_observe::{scope, Kind, Place};
 
+use crate::agree::{gather_u64s, same_vars_on_every_rank};
 use crate::split::{all_gather_whole, own_block, reduce_scatter_mean, Split};
 use crate::Comm;
 
@@ -60,14 +61,19 @@ impl ZeroAdamW {
     /// given in the same order on every rank and every run: the i-th
     /// variable's blocks are reduced, gathered and saved as the i-th. A
     /// `VarMap`'s `all_vars()` is a hash map's order, another in each
-    /// process: sort its variables by name first. Variables that are not
-    /// floats are left out, as `candle_nn::AdamW` leaves them.
+    /// process: sort its variables by name first. The ranks check this
+    /// together (it is collective): each variable's dtype, shape and the
+    /// bits of its first and last elements are compared with rank 0's, and
+    /// a difference is refused on every rank. Variables that are not floats
+    /// are left out, as `candle_nn::AdamW` leaves them.
     pub fn new(comm: Arc<Comm>, vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
         let ranks = comm.size();
-        let mut slots = Vec::with_capacity(vars.len());
         // An integer variable (a step counter, a mask) has no gradient to
         // step: skipped, as candle's AdamW skips it.
-        for var in vars.into_iter().filter(|v| v.dtype().is_float()) {
+        let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
+        same_vars_on_every_rank(&comm, &vars, "ZeroAdamW::new")?;
+        let mut slots = Vec::with_capacity(vars.len());
+        for var in vars {
             let split = Split::new(var.elem_count(), ranks);
             let _state = scope(comm.observer(), Kind::OptimizerState, Place::Device);
             let zeros = || Var::zeros(split.block(), DType::F32, var.device());
@@ -242,27 +248,13 @@ impl ZeroAdamW {
     }
 
     /// Every rank's step as it read it (`None`: it could not read its
-    /// state), rank `r` at index `r`: one all-gather of four f32 per rank,
-    /// the step in 24-bit pieces, each exact in an f32 (a step is below
-    /// 2^53).
+    /// state), rank `r` at index `r`: one all-gather of two whole numbers
+    /// per rank.
     fn gather_steps(&self, step: Option<usize>) -> Result<Vec<Option<usize>>> {
-        const PIECE: u64 = 1 << 24;
-        let send = match step {
-            Some(s) => {
-                let s = s as u64;
-                [1, s % PIECE, s / PIECE % PIECE, s / PIECE / PIECE].map(|x| x as f32)
-            }
-            None => [0.0; 4],
-        };
-        let mut recv = vec![0f32; 4 * self.comm.size()];
-        self.comm.all_gather(&send, &mut recv)?;
-        Ok(recv
-            .chunks(4)
-            .map(|r| {
-                let piece = |x: f32| x as u64;
-                (r[0] == 1.0)
-                    .then(|| (piece(r[1]) + PIECE * (piece(r[2]) + PIECE * piece(r[3]))) as usize)
-            })
+        let send = [u64::from(step.is_some()), step.unwrap_or(0) as u64];
+        Ok(gather_u64s(&self.comm, &send)?
+            .into_iter()
+            .map(|r| (r[0] == 1).then_some(r[1] as usize))
             .collect())
     }
 
