@@ -321,7 +321,7 @@ pub fn sweep(
     let sqrt_n = (layers.len() as f64).sqrt();
     segments_figure(ctx, p, plain.peak, [points, act_points], sqrt_n);
     ctx.print(format!(
-        "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), time x{:.2}",
+        "plain backprop peak {:.1} MiB; best {} segments {:.1} MiB ({:.0}% of plain), median wall time x{:.2}",
         mib(plain.peak),
         best.1,
         mib(best.0),
@@ -335,18 +335,21 @@ pub fn sweep(
     ctx.metric("sqrt_layers", sqrt_n);
     ctx.metric("stack_grad_max_abs_diff", worst_diff);
     ctx.metric("time_best", best.2);
+    ctx.metric("time_overhead", best.2 / plain.time);
     Ok(best.1)
 }
 
 // notebook cell
 /// What the recomputation costs, counted in forward passes: plain backprop,
 /// the backward checkpointed in `segments` and the forward alone take turns
-/// `p.overhead_repeats` times, so that load from elsewhere on the machine
-/// falls on all three alike. Each turn gives the checkpointed time over
-/// plain's and the time it adds over one forward's; the medians are
-/// reported. CPU time on a CPU (all threads' work, which other programs
-/// barely move), wall time on a GPU (its kernels are not this process's
-/// CPU time).
+/// `p.overhead_repeats` times, each turn starting with the next of the
+/// three, so that neither load from elsewhere on the machine nor what ran
+/// just before falls on one of them alone. Each turn gives the checkpointed
+/// time over plain's, the time it adds over one forward's, and plain
+/// backprop's backward in forwards; the medians are reported. CPU time on a
+/// CPU (this process's work on all its threads, not the machine's),
+/// synchronized wall time on a GPU (its kernels are not this process's CPU
+/// time).
 pub fn recompute_cost(
     ctx: &mut Context,
     p: &CheckpointingParams,
@@ -359,47 +362,53 @@ pub fn recompute_cost(
     let layers = model.fused_layers()?;
     let head = |h: &Tensor| candle_lean_nn::cross_entropy_and_grad(h, y, 1.0);
     let device = ctx.device().clone();
-    let seconds = |run: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-        let (out, t) = timed(|| -> anyhow::Result<()> {
-            run()?;
-            device.synchronize()?;
-            Ok(())
-        });
-        out?;
-        Ok(if device.is_cpu() { t.cpu } else { t.wall })
+    let clock = if device.is_cpu() { "CPU" } else { "wall" };
+    let plain = || -> Result<()> {
+        Sequential::direct(&layers).backward(x, &vars, head)?;
+        Ok(())
     };
-    let (mut ratios, mut extra) = (Vec::new(), Vec::new());
-    for turn in 1..=p.overhead_repeats {
-        ctx.progress(&format!("recomputation's cost, turn {turn}"));
-        let plain = seconds(&|| {
-            Sequential::direct(&layers).backward(x, &vars, head)?;
-            Ok(())
-        })?;
-        let checkpointed = seconds(&|| {
-            Sequential::direct(&layers)
-                .segments(segments)
-                .backward(x, &vars, head)?;
-            Ok(())
-        })?;
-        // The forward the recomputation repeats: each layer's, keeping what
-        // its backward would need, dropped at once.
-        let forward = seconds(&|| {
-            layers
-                .iter()
-                .try_fold(x.clone(), |h, l| l.forward_saved(&h).map(|(out, _)| out))?;
-            Ok(())
-        })?;
+    let checkpointed = || -> Result<()> {
+        Sequential::direct(&layers)
+            .segments(segments)
+            .backward(x, &vars, head)?;
+        Ok(())
+    };
+    // The forward the recomputation repeats: each layer's, keeping what its
+    // backward would need, dropped at once.
+    let forward = || -> Result<()> {
+        layers
+            .iter()
+            .try_fold(x.clone(), |h, l| l.forward_saved(&h).map(|(out, _)| out))?;
+        Ok(())
+    };
+    let runs: [&dyn Fn() -> Result<()>; 3] = [&plain, &checkpointed, &forward];
+    let (mut ratios, mut extra, mut backward) = (Vec::new(), Vec::new(), Vec::new());
+    for turn in 0..p.overhead_repeats {
+        ctx.progress(&format!("recomputation's cost, turn {}", turn + 1));
+        let mut t = [0f64; 3];
+        for k in 0..3 {
+            let i = (turn + k) % 3;
+            let (out, took) = timed(|| -> Result<()> {
+                runs[i]()?;
+                device.synchronize()
+            });
+            out?;
+            t[i] = if device.is_cpu() { took.cpu } else { took.wall };
+        }
+        let [plain, checkpointed, forward] = t;
         ratios.push(checkpointed / plain);
         extra.push((checkpointed - plain) / forward);
+        backward.push(plain / forward - 1.0);
     }
-    let (ratio, extra) = (median(ratios), median(extra));
+    let (ratio, extra, backward) = (median(ratios), median(extra), median(backward));
     ctx.print(format!(
-        "{segments} segments take x{ratio:.2} plain backprop's time: {extra:.2} forward passes more (medians of {} turns, {} time)",
-        p.overhead_repeats,
-        if device.is_cpu() { "CPU" } else { "wall" }
+        "{segments} segments take x{ratio:.2} plain backprop's {clock} time: {extra:.2} forward \
+         passes more, where plain backprop's backward takes {backward:.2} (medians of {} turns)",
+        p.overhead_repeats
     ));
-    ctx.metric("time_overhead", ratio);
+    ctx.metric("recompute_time_ratio", ratio);
     ctx.metric("extra_forwards", extra);
+    ctx.metric("backward_forwards", backward);
     Ok(())
 }
 

@@ -296,13 +296,19 @@ impl Plugin for Checkpointing {
                 "time_best",
                 "median time of the segment count with the lowest peak",
             ),
+            MetricSpec::ratio("time_overhead", "time_best over time_plain"),
             MetricSpec::ratio(
-                "time_overhead",
-                "checkpointed time over plain backprop's at the best segment count, median of turns (CPU time on a CPU)",
+                "recompute_time_ratio",
+                "checkpointed time over plain backprop's at the best segment count, median of \
+                 turns taken in turn (CPU time on a CPU, wall time on a GPU)",
             ),
             MetricSpec::number(
                 "extra_forwards",
                 "time checkpointing adds at the best segment count, in forward passes, median of turns",
+            ),
+            MetricSpec::number(
+                "backward_forwards",
+                "plain backprop's time less one forward's, in forward passes, median of turns",
             ),
             MetricSpec::count("heavy_ops", "additions of the heavy function, calls × adds"),
             MetricSpec::number(
