@@ -2,8 +2,6 @@
 //! the same variables in the same order, and whole numbers gathered exactly
 //! over a library that moves `f32`s.
 
-use std::hash::{DefaultHasher, Hash, Hasher};
-
 use candle_core::{bail, DType, Result, Var};
 
 use crate::Comm;
@@ -45,15 +43,24 @@ pub(crate) fn gather_u64s(comm: &Comm, values: &[u64]) -> Result<Vec<Vec<u64>>> 
         .collect())
 }
 
+/// FNV-1a over `bytes` from `h`: the same on every rank whatever toolchain
+/// built it (std's `DefaultHasher` may change between Rust releases).
+fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// What tells a variable from another without moving it: its dtype, its
 /// shape and the bits of its first and last [`SAMPLE`] elements. Equal
 /// variables (initialized alike, or broadcast) have equal fingerprints on
 /// every rank; two of the same shape initialized at random have different
 /// ones.
 fn fingerprint(var: &Var) -> Result<u64> {
-    let mut h = DefaultHasher::new();
-    var.dtype().as_str().hash(&mut h);
-    var.dims().hash(&mut h);
+    let mut h = fnv1a(0xcbf2_9ce4_8422_2325, var.dtype().as_str().as_bytes());
+    for &d in var.dims() {
+        h = fnv1a(h, &(d as u64).to_le_bytes());
+    }
     let flat = var.as_tensor().flatten_all()?;
     let n = flat.elem_count();
     let ends = [
@@ -61,20 +68,27 @@ fn fingerprint(var: &Var) -> Result<u64> {
         (n.saturating_sub(SAMPLE), SAMPLE.min(n)),
     ];
     for (start, len) in ends {
-        // An f64 read as f32 is still the same bits on every rank.
-        let part = flat.narrow(0, start, len)?.to_dtype(DType::F32)?;
-        for x in part.to_vec1::<f32>()? {
-            x.to_bits().hash(&mut h);
+        let part = flat.narrow(0, start, len)?;
+        // An f64 keeps its own bits; every other float is exact in f32.
+        if part.dtype() == DType::F64 {
+            for x in part.to_vec1::<f64>()? {
+                h = fnv1a(h, &x.to_bits().to_le_bytes());
+            }
+        } else {
+            for x in part.to_dtype(DType::F32)?.to_vec1::<f32>()? {
+                h = fnv1a(h, &x.to_bits().to_le_bytes());
+            }
         }
     }
-    Ok(h.finish())
+    Ok(h)
 }
 
-/// Checks, on every rank together, that each gave the same variables in the
-/// same order (same dtypes, shapes and values, as far as their
+/// Checks, on every rank together, that each holds the same variables in
+/// the same order (same dtypes, shapes and values, as far as their
 /// fingerprints tell): refused alike on every rank otherwise, naming the
 /// first variable and rank that differ from rank 0's. `who` names the
-/// caller in the message. Nothing moves on one rank.
+/// caller in the message. A rank that cannot take its fingerprints still
+/// joins both all-gathers, so that no rank is left waiting.
 pub(crate) fn same_vars_on_every_rank(comm: &Comm, vars: &[Var], who: &str) -> Result<()> {
     if comm.size() == 1 {
         return Ok(());
@@ -82,19 +96,22 @@ pub(crate) fn same_vars_on_every_rank(comm: &Comm, vars: &[Var], who: &str) -> R
     let advice = "every rank must give the same variables, equal (initialized alike or \
                   broadcast), in the same order (a VarMap's all_vars() is in another order in \
                   each process: sort its variables by name)";
-    let counts = gather_u64s(comm, &[vars.len() as u64])?;
-    if let Some((r, n)) = counts
-        .iter()
-        .enumerate()
-        .find(|(_, c)| c[0] != counts[0][0])
-    {
+    let prints = vars.iter().map(fingerprint).collect::<Result<Vec<_>>>();
+    let heads = gather_u64s(comm, &[vars.len() as u64, u64::from(prints.is_ok())])?;
+    let prints = prints?;
+    if let Some(r) = heads.iter().position(|h| h[1] == 0) {
         bail!(
-            "{who}: rank {r} gave {} variables, rank 0 gave {}: {advice}",
-            n[0],
-            counts[0][0]
+            "{who}: rank {r} could not read its variables to compare them (its error is on \
+             that rank)"
         );
     }
-    let prints = vars.iter().map(fingerprint).collect::<Result<Vec<_>>>()?;
+    if let Some((r, h)) = heads.iter().enumerate().find(|(_, h)| h[0] != heads[0][0]) {
+        bail!(
+            "{who}: rank {r} gave {} variables, rank 0 gave {}: {advice}",
+            h[0],
+            heads[0][0]
+        );
+    }
     let all = gather_u64s(comm, &prints)?;
     for (r, theirs) in all.iter().enumerate().skip(1) {
         if let Some(i) = (0..theirs.len()).find(|&i| theirs[i] != all[0][i]) {
@@ -167,26 +184,46 @@ mod tests {
         Ok(())
     }
 
-    /// Two thread ranks, the second given other variables three ways:
-    /// both ranks refuse, with the first difference named.
+    /// Two thread ranks, the second given other variables five ways: both
+    /// ranks refuse, with the first difference named. The variables are of
+    /// f32, bf16 and f64, one of no elements and a scalar.
     #[test]
     fn ranks_that_gave_other_variables_are_refused_on_every_rank() -> Result<()> {
         let dev = Device::Cpu;
-        let w = |seed: f32, shape: (usize, usize)| -> Result<Var> {
+        let w = |seed: f32, shape: (usize, usize)| -> Result<Tensor> {
             let n = shape.0 * shape.1;
-            let t = Tensor::arange(0f32, n as f32, &dev)?.affine(1.0, seed as f64)?;
-            Var::from_tensor(&t.reshape(shape)?)
+            Tensor::arange(0f32, n as f32, &dev)?
+                .affine(1.0, seed as f64)?
+                .reshape(shape)
         };
-        let same =
-            || -> Result<Vec<Var>> { Ok(vec![w(1.0, (3, 4))?, w(2.0, (3, 4))?, w(3.0, (1, 4))?]) };
-        let check = |other: &(dyn Fn() -> Result<Vec<Var>> + Sync)| -> Vec<String> {
+        // Rank 0's variables, the i-th replaced by `swap`'s where given.
+        let with = |swap: &[(usize, Tensor)]| -> Result<Vec<Var>> {
+            let mut ts = [
+                w(1.0, (3, 4))?,
+                w(2.0, (3, 4))?,
+                w(3.0, (1, 4))?,
+                w(5.0, (2, 2))?.to_dtype(DType::BF16)?,
+                Tensor::new(&[0.1f64, 0.2], &dev)?,
+                Tensor::zeros((0, 3), DType::F32, &dev)?,
+                Tensor::new(7f32, &dev)?,
+            ];
+            for (i, t) in swap {
+                ts[*i] = t.clone();
+            }
+            ts.iter().map(Var::from_tensor).collect()
+        };
+        let check = |other: Vec<(usize, Tensor)>, len: usize| -> Vec<String> {
             std::thread::scope(|s| {
                 let handles: Vec<_> = Threads::world(2)
                     .into_iter()
                     .map(|t| {
+                        let other = &other;
                         s.spawn(move || {
                             let comm = Comm::new(t);
-                            let vars = if comm.rank() == 0 { same() } else { other() }?;
+                            let mut vars = with(if comm.rank() == 0 { &[] } else { other })?;
+                            if comm.rank() == 1 {
+                                vars.truncate(len);
+                            }
                             same_vars_on_every_rank(&comm, &vars, "test")
                         })
                     })
@@ -200,51 +237,55 @@ mod tests {
                     .collect()
             })
         };
-        assert_eq!(check(&same), ["ok", "ok"]);
+        assert_eq!(check(vec![], 7), ["ok", "ok"]);
         let advice = "every rank must give the same variables, equal (initialized alike or \
                       broadcast), in the same order (a VarMap's all_vars() is in another order \
                       in each process: sort its variables by name)";
+        let differs = |i: usize, what: &str| {
+            [0, 1].map(|r| {
+                format!(
+                    "test: variable {i} differs between rank 0 and rank 1 (in its dtype, shape \
+                     or values; on this rank, rank {r}, it is {what}): {advice}"
+                )
+            })
+        };
         // The two weights of one shape in the other order.
-        let swapped =
-            || -> Result<Vec<Var>> { Ok(vec![w(2.0, (3, 4))?, w(1.0, (3, 4))?, w(3.0, (1, 4))?]) };
+        let swapped = vec![(0, w(2.0, (3, 4))?), (1, w(1.0, (3, 4))?)];
+        assert_eq!(check(swapped, 7), differs(0, "F32 of shape [3, 4]"));
+        // A variable initialized otherwise.
         assert_eq!(
-            check(&swapped),
-            [0, 1].map(|r| format!(
-                "test: variable 0 differs between rank 0 and rank 1 (in its dtype, shape or \
-                 values; on this rank, rank {r}, it is F32 of shape [3, 4]): {advice}"
-            ))
+            check(vec![(2, w(4.0, (1, 4))?)], 7),
+            differs(2, "F32 of shape [1, 4]")
         );
-        // The last variable initialized otherwise.
-        let unequal =
-            || -> Result<Vec<Var>> { Ok(vec![w(1.0, (3, 4))?, w(2.0, (3, 4))?, w(4.0, (1, 4))?]) };
+        // An f64 that differs below f32's precision.
+        let close = Tensor::new(&[0.1f64 + 1e-12, 0.2], &dev)?;
+        assert_eq!(check(vec![(4, close)], 7), differs(4, "F64 of shape [2]"));
+        // The same values in another float type: this rank's dtype named.
+        let f16 = w(5.0, (2, 2))?.to_dtype(DType::F16)?;
+        let got = check(vec![(3, f16)], 7);
+        assert_eq!(got[0], differs(3, "BF16 of shape [2, 2]")[0]);
+        assert_eq!(got[1], differs(3, "F16 of shape [2, 2]")[1]);
         assert_eq!(
-            check(&unequal),
-            [0, 1].map(|r| format!(
-                "test: variable 2 differs between rank 0 and rank 1 (in its dtype, shape or \
-                 values; on this rank, rank {r}, it is F32 of shape [1, 4]): {advice}"
-            ))
-        );
-        let fewer = || -> Result<Vec<Var>> { Ok(vec![w(1.0, (3, 4))?, w(2.0, (3, 4))?]) };
-        assert_eq!(
-            check(&fewer),
-            vec![format!("test: rank 1 gave 2 variables, rank 0 gave 3: {advice}"); 2]
+            check(vec![], 6),
+            vec![format!("test: rank 1 gave 6 variables, rank 0 gave 7: {advice}"); 2]
         );
         Ok(())
     }
 
     #[test]
-    fn one_rank_or_a_rehearsal_moves_nothing_but_the_check() -> Result<()> {
+    fn one_rank_moves_nothing_and_a_rehearsal_what_a_real_rank_sends() -> Result<()> {
         let vars = vec![Var::new(&[1f32, 2.0], &Device::Cpu)?];
         let solo = Comm::solo();
         same_vars_on_every_rank(&solo, &vars, "test")?;
         assert_eq!(solo.traffic().total().calls, 0);
-        // A rehearsal's stand-ins hold this rank's variables: they agree,
-        // after the two all-gathers a real rank sends.
+        // Two all-gathers: two whole numbers (the count and whether the
+        // fingerprints could be taken), then one per variable, three f32
+        // each, to the three other ranks.
         let four = Comm::new(Rehearsal::new(4)?);
         same_vars_on_every_rank(&four, &vars, "test")?;
         let t = four.traffic();
         assert_eq!(t.all_gather.calls, 2);
-        assert_eq!(t.all_gather.sent, 3 * (1 + 1) * 3 * 4);
+        assert_eq!(t.all_gather.sent, 3 * (2 + 1) * 3 * 4);
         Ok(())
     }
 }

@@ -119,12 +119,12 @@ mod tests {
                 .map(|&n| Var::from_tensor(&Tensor::ones(n, DType::F32, &dev)?))
                 .collect::<Result<_>>()?;
             let mut opt = ZeroAdamW::new(Arc::clone(&comm), vars.clone(), ParamsAdamW::default())?;
-            // The ranks' check of their variables: two all-gathers, of one
-            // whole number and of one per variable, three f32 each.
+            // The ranks' check of their variables: two all-gathers, of two
+            // whole numbers and of one per variable, three f32 each.
             let set_up = comm.traffic();
             assert_eq!(
                 set_up.all_gather.sent,
-                ((ranks - 1) * (1 + sizes.len()) * 3 * 4) as u64,
+                ((ranks - 1) * (2 + sizes.len()) * 3 * 4) as u64,
                 "{ranks} ranks"
             );
             let blocks: usize = sizes.iter().map(|&n| Split::new(n, ranks).block()).sum();

@@ -62,7 +62,7 @@ impl ZeroAdamW {
     /// variable's blocks are reduced, gathered and saved as the i-th. A
     /// `VarMap`'s `all_vars()` is a hash map's order, another in each
     /// process: sort its variables by name first. The ranks check this
-    /// together (it is collective): each variable's dtype, shape and the
+    /// together (`new` is collective): each variable's dtype, shape and the
     /// bits of its first and last elements are compared with rank 0's, and
     /// a difference is refused on every rank. Variables that are not floats
     /// are left out, as `candle_nn::AdamW` leaves them.
@@ -161,6 +161,8 @@ impl ZeroAdamW {
     /// checkpoint of the same step, alike on every rank, before the next
     /// step (an f32 parameter is its own master; one that is not f32 is
     /// overwritten by the next step from its restored f32 master block).
+    /// [`new`](Self::new) already asks for parameters equal on every rank:
+    /// restore them before it, or initialize them alike.
     /// Gradient blocks reduced before the load are dropped.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
