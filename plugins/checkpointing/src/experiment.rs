@@ -339,6 +339,52 @@ pub fn sweep(
     Ok(best.1)
 }
 
+/// Peak against segments (log axis): the total and the activations at the
+/// peak, plain backprop's as a line, and a marker at sqrt(n).
+pub fn segments_figure(
+    ctx: &mut Context,
+    p: &CheckpointingParams,
+    plain_peak: u64,
+    [points, act_points]: [Vec<(f64, f64)>; 2],
+    sqrt_n: f64,
+) {
+    let plain: Vec<(f64, f64)> = points
+        .iter()
+        .map(|(x, _)| (*x, plain_peak as f64))
+        .collect();
+    let series = |name: &str, points| Series {
+        name: name.into(),
+        points,
+    };
+    ctx.figure(Figure {
+        id: "checkpointing-segments".into(),
+        title: format!(
+            "Peak memory against checkpoint segments ({} layers)",
+            p.stack_depth
+        ),
+        x: Axis {
+            label: "segments".into(),
+            unit: Unit::Count,
+            log: true,
+        },
+        y: Axis {
+            label: "peak memory".into(),
+            unit: Unit::Bytes,
+            log: false,
+        },
+        series: vec![
+            series("checkpointed, total peak", points),
+            series("checkpointed, activations at their peak", act_points),
+            series("plain backprop", plain),
+        ],
+        markers: vec![Marker {
+            x: sqrt_n,
+            label: format!("sqrt(n) = {sqrt_n:.1}"),
+        }],
+        guides: Vec::new(),
+    });
+}
+
 // notebook cell
 /// What the recomputation costs, counted in forward passes: plain backprop,
 /// the backward checkpointed in `segments` and the forward alone take turns
@@ -410,52 +456,6 @@ pub fn recompute_cost(
     ctx.metric("extra_forwards", extra);
     ctx.metric("backward_forwards", backward);
     Ok(())
-}
-
-/// Peak against segments (log axis): the total and the activations at the
-/// peak, plain backprop's as a line, and a marker at sqrt(n).
-pub fn segments_figure(
-    ctx: &mut Context,
-    p: &CheckpointingParams,
-    plain_peak: u64,
-    [points, act_points]: [Vec<(f64, f64)>; 2],
-    sqrt_n: f64,
-) {
-    let plain: Vec<(f64, f64)> = points
-        .iter()
-        .map(|(x, _)| (*x, plain_peak as f64))
-        .collect();
-    let series = |name: &str, points| Series {
-        name: name.into(),
-        points,
-    };
-    ctx.figure(Figure {
-        id: "checkpointing-segments".into(),
-        title: format!(
-            "Peak memory against checkpoint segments ({} layers)",
-            p.stack_depth
-        ),
-        x: Axis {
-            label: "segments".into(),
-            unit: Unit::Count,
-            log: true,
-        },
-        y: Axis {
-            label: "peak memory".into(),
-            unit: Unit::Bytes,
-            log: false,
-        },
-        series: vec![
-            series("checkpointed, total peak", points),
-            series("checkpointed, activations at their peak", act_points),
-            series("plain backprop", plain),
-        ],
-        markers: vec![Marker {
-            x: sqrt_n,
-            label: format!("sqrt(n) = {sqrt_n:.1}"),
-        }],
-        guides: Vec::new(),
-    });
 }
 
 // notebook cell
