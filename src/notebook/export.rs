@@ -250,6 +250,148 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
     )
 }
 
+/// The names a `use` tree imports, each with the path it imports
+/// (`prefix` is the path above `tree`).
+fn flatten(tree: &syn::UseTree, prefix: String, out: &mut Vec<(String, String)>) {
+    let join = |name: String| {
+        if prefix.is_empty() {
+            name
+        } else {
+            format!("{prefix}::{name}")
+        }
+    };
+    match tree {
+        syn::UseTree::Path(p) => flatten(&p.tree, join(p.ident.to_string()), out),
+        // `use a::{self}` names `a` itself.
+        syn::UseTree::Name(n) if n.ident == "self" => {
+            let last = prefix.rsplit("::").next().unwrap_or_default();
+            out.push((last.to_string(), prefix.clone()))
+        }
+        syn::UseTree::Name(n) => out.push((n.ident.to_string(), join(n.ident.to_string()))),
+        syn::UseTree::Rename(r) if r.ident == "self" => {
+            out.push((r.rename.to_string(), prefix.clone()))
+        }
+        syn::UseTree::Rename(r) => out.push((r.rename.to_string(), join(r.ident.to_string()))),
+        syn::UseTree::Glob(_) => out.push((join("*".into()), join("*".into()))),
+        syn::UseTree::Group(g) => g.items.iter().for_each(|t| flatten(t, prefix.clone(), out)),
+    }
+}
+
+/// The experiment's whole text ([`NotebookSource::text`]) and its items.
+fn parse(source: &NotebookSource) -> anyhow::Result<(String, syn::File)> {
+    let text = source.text()?;
+    let file = syn::parse_file(&text).map_err(|e| {
+        let (file, line) = source.place(e.span().start().line);
+        anyhow::anyhow!(
+            "the experiment of {} does not parse: {e} ({}line {line}, column {})",
+            source.package,
+            file.map(|f| format!("{f} ")).unwrap_or_default(),
+            e.span().start().column + 1
+        )
+    })?;
+    Ok((text, file))
+}
+
+/// The name a top-level item other than a `use` defines, if it names one.
+fn item_name(item: &syn::Item) -> Option<(&syn::Ident, &'static str)> {
+    Some(match item {
+        syn::Item::Fn(f) => (&f.sig.ident, "fn"),
+        syn::Item::Struct(i) => (&i.ident, "struct"),
+        syn::Item::Enum(i) => (&i.ident, "enum"),
+        syn::Item::Const(i) => (&i.ident, "const"),
+        syn::Item::Static(i) => (&i.ident, "static"),
+        syn::Item::Type(i) => (&i.ident, "type"),
+        syn::Item::Trait(i) => (&i.ident, "trait"),
+        syn::Item::Mod(i) => (&i.ident, "mod"),
+        syn::Item::Union(i) => (&i.ident, "union"),
+        _ => return None,
+    })
+}
+
+/// Refuses an experiment one of whose notebook cells names an item that
+/// only a later cell defines. The crate sees the whole file and builds; the
+/// kernel runs the cells in order, and there the earlier cell does not
+/// compile ("cannot find function"). Within a cell, order is free.
+///
+/// Names are read from the tokens, leaving out those that cannot name an
+/// item: after a `.` (a method or field), before a lone `:` (a field or a
+/// binding's type) and after `let` or `mut`.
+fn check_cell_order(source: &NotebookSource) -> anyhow::Result<()> {
+    use proc_macro2::{Spacing, TokenStream, TokenTree};
+    use workbook_sdk::notebook::{CELL_BREAK, EXERCISE_BREAK};
+
+    fn named(stream: TokenStream, out: &mut Vec<(String, usize)>) {
+        let tokens: Vec<TokenTree> = stream.into_iter().collect();
+        let punct = |t: Option<&TokenTree>, c: char, alone: bool| {
+            matches!(t, Some(TokenTree::Punct(p))
+                if p.as_char() == c && (!alone || p.spacing() == Spacing::Alone))
+        };
+        for (k, token) in tokens.iter().enumerate() {
+            match token {
+                TokenTree::Group(g) => named(g.stream(), out),
+                TokenTree::Ident(ident) => {
+                    let before = k.checked_sub(1).and_then(|b| tokens.get(b));
+                    let binding =
+                        matches!(before, Some(TokenTree::Ident(b)) if b == "let" || b == "mut");
+                    let colon = punct(tokens.get(k + 1), ':', true) && !punct(before, ':', false);
+                    if !binding && !colon && !punct(before, '.', false) {
+                        out.push((ident.to_string(), ident.span().start().line));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    let (text, file) = parse(source)?;
+    // The lines of the breaks: the cell of a line is how many come before it.
+    let breaks: Vec<usize> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| matches!(l.trim(), CELL_BREAK | EXERCISE_BREAK))
+        .map(|(i, _)| i + 1)
+        .collect();
+    let cell_of = |line: usize| breaks.partition_point(|&b| b < line);
+    let mut defined: HashMap<String, usize> = HashMap::new();
+    for item in &file.items {
+        let (names, line) = match item {
+            syn::Item::Use(u) => {
+                let mut imported = Vec::new();
+                flatten(&u.tree, String::new(), &mut imported);
+                let names = imported.into_iter().map(|(name, _)| name).collect();
+                (names, u.use_token.span.start().line)
+            }
+            other => match item_name(other) {
+                Some((ident, _)) => (vec![ident.to_string()], ident.span().start().line),
+                None => continue,
+            },
+        };
+        for name in names {
+            defined.entry(name).or_insert(line);
+        }
+    }
+    let tokens: TokenStream = text
+        .parse()
+        .map_err(|e| anyhow::anyhow!("the experiment of {} does not parse: {e}", source.package))?;
+    let mut uses = Vec::new();
+    named(tokens, &mut uses);
+    for (name, line) in uses {
+        if let Some(&at) = defined.get(&name) {
+            if cell_of(at) > cell_of(line) {
+                let (file, at) = source.place(at);
+                let why = format!(
+                    "`{name}` is defined in a later notebook cell ({}line {at}): the kernel runs \
+                     the cells in order, so move it into this cell or an earlier one, or move \
+                     this use after it",
+                    file.map(|f| format!("{f} ")).unwrap_or_default()
+                );
+                return Err(source.error_at(line, &why).into());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What a source's top-level items define, by name: each `use` name with
 /// the path it imports, each other item with its text. A notebook keeps
 /// items by name, so two experiments may share a name only for the same
@@ -259,39 +401,7 @@ pub fn setup_source(chapter: &Chapter, options: &ExportOptions) -> String {
 /// `alloc`, or one of `crates` (the crates of this source tree the plugin
 /// depends on, its own included), never at `crate`, `self` or `super`.
 fn names(source: &NotebookSource, crates: &[String]) -> anyhow::Result<Vec<(String, String)>> {
-    fn flatten(tree: &syn::UseTree, prefix: String, out: &mut Vec<(String, String)>) {
-        let join = |name: String| {
-            if prefix.is_empty() {
-                name
-            } else {
-                format!("{prefix}::{name}")
-            }
-        };
-        match tree {
-            syn::UseTree::Path(p) => flatten(&p.tree, join(p.ident.to_string()), out),
-            // `use a::{self}` names `a` itself.
-            syn::UseTree::Name(n) if n.ident == "self" => {
-                let last = prefix.rsplit("::").next().unwrap_or_default();
-                out.push((last.to_string(), prefix.clone()))
-            }
-            syn::UseTree::Name(n) => out.push((n.ident.to_string(), join(n.ident.to_string()))),
-            syn::UseTree::Rename(r) if r.ident == "self" => {
-                out.push((r.rename.to_string(), prefix.clone()))
-            }
-            syn::UseTree::Rename(r) => out.push((r.rename.to_string(), join(r.ident.to_string()))),
-            syn::UseTree::Glob(_) => out.push((join("*".into()), join("*".into()))),
-            syn::UseTree::Group(g) => g.items.iter().for_each(|t| flatten(t, prefix.clone(), out)),
-        }
-    }
-    let text = source.text()?;
-    let file = syn::parse_file(&text).map_err(|e| {
-        anyhow::anyhow!(
-            "the experiment of {} does not parse: {e} (line {}, column {})",
-            source.package,
-            e.span().start().line,
-            e.span().start().column + 1
-        )
-    })?;
+    let (_, file) = parse(source)?;
     let mut out = Vec::new();
     for item in &file.items {
         let (ident, text) = match item {
@@ -321,16 +431,10 @@ fn names(source: &NotebookSource, crates: &[String]) -> anyhow::Result<Vec<(Stri
                 }
                 continue;
             }
-            syn::Item::Fn(f) => (&f.sig.ident, "fn"),
-            syn::Item::Struct(i) => (&i.ident, "struct"),
-            syn::Item::Enum(i) => (&i.ident, "enum"),
-            syn::Item::Const(i) => (&i.ident, "const"),
-            syn::Item::Static(i) => (&i.ident, "static"),
-            syn::Item::Type(i) => (&i.ident, "type"),
-            syn::Item::Trait(i) => (&i.ident, "trait"),
-            syn::Item::Mod(i) => (&i.ident, "mod"),
-            syn::Item::Union(i) => (&i.ident, "union"),
-            _ => continue,
+            other => match item_name(other) {
+                Some(named) => named,
+                None => continue,
+            },
         };
         // Defined by this experiment: equal to no other's.
         out.push((
@@ -474,6 +578,9 @@ pub fn notebook(
             .map(|(name, _)| name)
             .collect())
     })?;
+    for source in &shown {
+        check_cell_order(source)?;
+    }
     let live = !shown.is_empty();
     let setup = if live {
         // Every notebook adds the same crates, those of every plugin that
@@ -596,6 +703,61 @@ mod tests {
             source: text,
             parts: &[],
         }
+    }
+
+    #[test]
+    fn a_cell_may_not_name_what_only_a_later_cell_defines() {
+        // Within a cell any order; a method, a field or a binding of the
+        // same name is not the item.
+        let fine = source(
+            "a",
+            "//! Docs.\nuse std::time::Instant;\n// notebook cell\n\
+             pub fn run(p: Params) { helper(); p.figure(); let s = S { figure: 1 }; \
+             let mut figure = 2; }\nfn helper() { let _ = Instant::now(); }\n\
+             // notebook cell\npub fn figure() {}\n",
+        );
+        check_cell_order(&fine).unwrap();
+
+        let early = source(
+            "a",
+            "// notebook cell\npub fn sweep() {\n    segments_figure();\n}\n\
+             // notebook cell\nfn segments_figure() {}\n",
+        );
+        let err = check_cell_order(&early).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "a's experiment, line 3: `segments_figure` is defined in a later notebook cell \
+             (line 6): the kernel runs the cells in order, so move it into this cell or an \
+             earlier one, or move this use after it"
+        );
+        // A type and an import count as well, and a part is named.
+        let typed = source(
+            "a",
+            "// notebook cell\nfn run(r: Report) {}\n// notebook cell\nstruct Report;\n",
+        );
+        assert!(check_cell_order(&typed)
+            .unwrap_err()
+            .to_string()
+            .starts_with(
+                "a's experiment, line 2: `Report` is defined in a later notebook cell (line 4)"
+            ));
+        let imported = NotebookSource {
+            parts: &[(
+                "experiment/late.rs",
+                "// notebook cell\nuse std::time::Instant;\n",
+            )],
+            ..source(
+                "a",
+                "fn run() { Instant::now(); }\ninclude!(\"experiment/late.rs\");\n",
+            )
+        };
+        assert!(check_cell_order(&imported)
+            .unwrap_err()
+            .to_string()
+            .starts_with(
+                "a's experiment, line 1: `Instant` is defined in a later notebook cell \
+                 (experiment/late.rs line 2)"
+            ));
     }
 
     #[test]

@@ -135,12 +135,14 @@ pub struct SourceCell {
 /// An experiment source whose exercise markers do not pair up, or that
 /// includes a file that is not among its parts.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{package}'s experiment, line {line}: {why}")]
+#[error("{package}'s experiment, {}line {line}: {why}", file.as_ref().map(|f| format!("{f} ")).unwrap_or_default())]
 pub struct SourceError {
     /// The plugin's package.
     pub package: String,
-    /// The line (from 1) of the experiment's text, its parts included
-    /// ([`NotebookSource::text`]).
+    /// The part the line is in, by the path its `include!` line names
+    /// (`experiment/policies.rs`); `None` for the experiment's own file.
+    pub file: Option<String>,
+    /// The line (from 1) of that file.
     pub line: usize,
     /// What is wrong there.
     pub why: String,
@@ -170,6 +172,7 @@ impl NotebookSource {
                     None => {
                         return Err(SourceError {
                             package: self.package.to_string(),
+                            file: None,
                             line: i + 1,
                             why: format!(
                                 "`include!(\"{path}\")` names a file that is not among the \
@@ -183,6 +186,39 @@ impl NotebookSource {
             text.push('\n');
         }
         Ok(text)
+    }
+
+    /// Where line `line` (from 1) of [`NotebookSource::text`] was written:
+    /// the part it comes from (by the path its `include!` line names, `None`
+    /// for the experiment's own file) and its line there.
+    pub fn place(&self, line: usize) -> (Option<&'static str>, usize) {
+        let mut at = 0;
+        for (i, own) in self.source.lines().enumerate() {
+            let part =
+                included_part(own).and_then(|path| self.parts.iter().find(|(p, _)| *p == path));
+            // A part takes the lines of its trimmed text, or one if empty.
+            let taken = part.map_or(1, |(_, t)| t.trim_end().lines().count().max(1));
+            if line <= at + taken {
+                return match part {
+                    Some((path, _)) => (Some(path), line - at),
+                    None => (None, i + 1),
+                };
+            }
+            at += taken;
+        }
+        (None, line - at + self.source.lines().count())
+    }
+
+    /// A [`SourceError`] at line `line` of [`NotebookSource::text`], placed
+    /// in the file that line was written in.
+    pub fn error_at(&self, line: usize, why: &str) -> SourceError {
+        let (file, line) = self.place(line);
+        SourceError {
+            package: self.package.to_string(),
+            file: file.map(str::to_string),
+            line,
+            why: why.to_string(),
+        }
     }
 
     /// The source as notebook code cells: the file's documentation (the
@@ -201,11 +237,7 @@ impl NotebookSource {
             start: usize,
             solved: bool,
         }
-        let error = |line: usize, why: &str| SourceError {
-            package: self.package.to_string(),
-            line,
-            why: why.to_string(),
-        };
+        let error = |line: usize, why: &str| self.error_at(line, why);
         let mut drafts = vec![Draft {
             code: String::new(),
             solution: None,
@@ -443,6 +475,30 @@ mod tests {
             "workbook-example's experiment, line 5: `include!(\"experiment/two.rs\")` names a \
              file that is not among the experiment's parts: add it to `parts` in the plugin's \
              `notebook_source!`"
+        );
+
+        // Lines are placed in the file they were written in.
+        assert_eq!(source.place(4), (None, 4));
+        assert_eq!(source.place(5), (Some("experiment/two.rs"), 1));
+        assert_eq!(source.place(6), (Some("experiment/two.rs"), 2));
+        assert_eq!(source.place(7), (None, 6));
+        assert_eq!(source.place(8), (None, 7));
+        let broken = NotebookSource {
+            parts: &[(
+                "experiment/two.rs",
+                "// notebook cell\nfn two() {}\n// solution end\n",
+            )],
+            ..source
+        };
+        assert_eq!(
+            broken.cells().unwrap_err().to_string(),
+            "workbook-example's experiment, experiment/two.rs line 3: `// solution end` without \
+             its `// solution begin`"
+        );
+        let err = broken.cells().unwrap_err();
+        assert_eq!(
+            (err.file.as_deref(), err.line),
+            (Some("experiment/two.rs"), 3)
         );
     }
 
