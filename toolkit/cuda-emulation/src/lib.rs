@@ -91,10 +91,10 @@ pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
     version.hash(&mut by_path);
     let family = format!("{stem}-{:08x}-", by_path.finish() as u32);
     let exe = dir.join(format!("{family}{:016x}", hasher.finish()));
-    // Marked as used now (a read-only handle: the file may be running),
-    // which keeps it from the prunes to come. Only a file that is not there
-    // is built; one that cannot be marked (another user's) is used as it is.
-    match std::fs::File::open(&exe).and_then(|f| f.set_modified(SystemTime::now())) {
+    // Marked as used now, which keeps it from the prunes to come. Only a
+    // file that is not there is built; one that cannot be marked (another
+    // user's) is used as it is.
+    match mark_used(&exe) {
         Ok(()) => return exe,
         Err(e) if e.kind() != std::io::ErrorKind::NotFound && exe.is_file() => return exe,
         Err(_) => {}
@@ -127,6 +127,24 @@ pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
     exe
 }
 
+/// Sets `exe`'s last use to now, under a shared lock: a [`prune`] decides
+/// on a file under an exclusive one, so a mark either comes first (and the
+/// prune sees it) or waits for the prune, then finds whether the file is
+/// still there. Through a read-only handle: the file may be running.
+fn mark_used(exe: &Path) -> std::io::Result<()> {
+    mark_open(&std::fs::File::open(exe)?, exe)
+}
+
+/// [`mark_used`] through `file`, a handle opened on `exe`.
+fn mark_open(file: &std::fs::File, exe: &Path) -> std::io::Result<()> {
+    file.lock_shared()?;
+    // A prune that held the lock may have removed it meanwhile.
+    if !exe.is_file() {
+        return Err(std::io::ErrorKind::NotFound.into());
+    }
+    file.set_modified(SystemTime::now())
+}
+
 /// Days after its last use that anything in a cache folder is removed.
 pub const UNUSED_DAYS: u64 = 7;
 
@@ -138,7 +156,8 @@ pub const SUPERSEDED_MINUTES: u64 = 60;
 /// names start with `family` that were last used over
 /// [`SUPERSEDED_MINUTES`] ago, and everything last used over
 /// [`UNUSED_DAYS`] ago (a build folder left by a killed test too). Best
-/// effort: what another process removed first is left to it.
+/// effort: what another process removed first is left to it, and a file
+/// that another process is marking as used right now is kept.
 fn prune(dir: &Path, family: &str, keep: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -161,13 +180,36 @@ fn prune(dir: &Path, family: &str, keep: &Path) {
             }
             continue;
         }
-        let superseded = idle > minutes(SUPERSEDED_MINUTES)
-            && entry.file_name().to_str().is_some_and(|name| {
-                name.strip_prefix(family).is_some_and(|hash| {
-                    hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit())
-                })
-            });
-        if superseded || stale {
+        let ours = entry.file_name().to_str().is_some_and(|name| {
+            name.strip_prefix(family)
+                .is_some_and(|hash| hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
+        });
+        // Removed: anything stale, and this harness's other versions once
+        // superseded long enough.
+        let due = |idle: Duration| {
+            idle > minutes(UNUSED_DAYS * 24 * 60) || (ours && idle > minutes(SUPERSEDED_MINUTES))
+        };
+        if !due(idle) {
+            continue;
+        }
+        // Decided again under an exclusive lock, taken without waiting: a
+        // file being marked as used (see `mark_used`) is kept, and a mark
+        // made before the lock shows in its last use.
+        let Ok(file) = std::fs::File::open(&path) else {
+            continue;
+        };
+        if file.try_lock().is_err() {
+            continue;
+        }
+        let Some(idle) = file
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+        else {
+            continue;
+        };
+        if due(idle) {
             let _ = std::fs::remove_file(&path);
         }
     }
@@ -252,4 +294,39 @@ pub fn run_on_f64(exe: &Path, args: &[&str], input: &[f64]) -> Vec<f64> {
     out.chunks_exact(8)
         .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mark_waits_for_a_prune_and_finds_what_it_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("probe-00000000-0123456789abcdef");
+        std::fs::write(&exe, b"").unwrap();
+        let handle = std::fs::File::open(&exe).unwrap();
+        // A prune deciding on the file.
+        let pruning = std::fs::File::open(&exe).unwrap();
+        pruning.lock().unwrap();
+        let marking = {
+            let exe = exe.clone();
+            std::thread::spawn(move || mark_open(&handle, &exe))
+        };
+        std::fs::remove_file(&exe).unwrap();
+        drop(pruning);
+        let err = marking.join().unwrap().unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+
+        // Without a prune, the mark sets the last use.
+        std::fs::write(&exe, b"").unwrap();
+        let old = SystemTime::now() - Duration::from_secs(3600);
+        std::fs::File::open(&exe)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        mark_used(&exe).unwrap();
+        let used = std::fs::metadata(&exe).unwrap().modified().unwrap();
+        assert!(used.elapsed().unwrap() < Duration::from_secs(600));
+    }
 }

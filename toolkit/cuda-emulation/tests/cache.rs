@@ -2,7 +2,8 @@
 //! sources give the same executable without compiling again, an edit to a
 //! file the harness includes gives another, which replaces the earlier
 //! one once that has gone unused for an hour, and what has gone unused for
-//! a week goes. Each test keeps its executables in a folder of its own.
+//! a week goes, unless another process is marking it as used at that
+//! moment. Each test keeps its executables in a folder of its own.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -62,6 +63,29 @@ fn a_harness_compiles_once_per_version_of_what_it_includes() {
 
     // Once unused for longer than that, the next version replaces both.
     used_ago(&first, SUPERSEDED_MINUTES + 1);
+    used_ago(&second, SUPERSEDED_MINUTES + 1);
+    let third = compile_in(&harness(dir.path(), 3), cache.path());
+    assert!(!first.exists(), "{} was kept", first.display());
+    assert!(!second.exists(), "{} was kept", second.display());
+    assert_eq!(run(&third, [] as [&str; 0]), b"3");
+}
+
+#[test]
+fn a_version_being_marked_as_used_is_not_pruned() {
+    let (dir, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = compile_in(&harness(dir.path(), 1), cache.path());
+    used_ago(&first, SUPERSEDED_MINUTES + 1);
+    // Another test process marking it as used right now holds a shared lock.
+    let marking = std::fs::File::open(&first).unwrap();
+    marking.lock_shared().unwrap();
+    let second = compile_in(&harness(dir.path(), 2), cache.path());
+    assert!(
+        first.exists(),
+        "{} went while being marked",
+        first.display()
+    );
+    drop(marking);
+    // Once no one holds it, the next version that builds removes it.
     used_ago(&second, SUPERSEDED_MINUTES + 1);
     let third = compile_in(&harness(dir.path(), 3), cache.path());
     assert!(!first.exists(), "{} was kept", first.display());
