@@ -363,7 +363,7 @@ pub fn measured_step(
     let stack = model.stack();
     // Stages 2 and 3 sum the micro-batches' gradient blocks themselves.
     let mut accumulator = (micro < shape.batch && !opt.reduces_each_gradient())
-        .then(|| GradAccumulator::new(vars.clone(), shape.batch).with_observer(Tags));
+        .then(|| GradAccumulator::new(vars.clone(), shape.batch).observed(Tags));
     let mut first = None;
     let mut ledger_time = std::time::Duration::ZERO;
     let mut loss_value = 0f32;

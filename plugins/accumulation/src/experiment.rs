@@ -35,7 +35,7 @@ pub fn accumulate(
     let size = rows.div_ceil(steps);
     let layers = model.fused_layers()?;
     let vars = model.vars();
-    let mut acc = GradAccumulator::new(vars.clone(), rows).with_observer(Tags);
+    let mut acc = GradAccumulator::new(vars.clone(), rows).observed(Tags);
     for (xb, yb) in micro_batches(x, size)?
         .iter()
         .zip(micro_batches(y, size)?.iter())
@@ -82,7 +82,7 @@ pub fn accumulate_candle(
 ) -> anyhow::Result<GradAccumulator> {
     let rows = x.dim(0)?;
     let size = rows.div_ceil(steps);
-    let mut acc = GradAccumulator::new(model.vars(), rows).with_observer(Tags);
+    let mut acc = GradAccumulator::new(model.vars(), rows).observed(Tags);
     for (xb, yb) in micro_batches(x, size)?
         .iter()
         .zip(micro_batches(y, size)?.iter())

@@ -83,7 +83,7 @@ pub fn step_with_plan(
     );
     let size = rows / plan.micro_batches;
     let weight = size as f64 / rows as f64;
-    let mut sum = GradAccumulator::new(vars.to_vec(), rows).with_observer(Tags);
+    let mut sum = GradAccumulator::new(vars.to_vec(), rows).observed(Tags);
     for (xb, yb) in micro_batches(x, size)?.iter().zip(&micro_batches(y, size)?) {
         let head = |h: &Tensor| candle_lean_nn::cross_entropy(h, yb)? * weight;
         let grads = Sequential::new(layers)

@@ -63,8 +63,8 @@ impl GradAccumulator {
         }
     }
 
-    /// Reports the gradient sum's memory to `observer`.
-    pub fn with_observer(mut self, observer: impl Observer + 'static) -> Self {
+    /// Reports the gradient sum's memory to `observer` from now on.
+    pub fn observed(mut self, observer: impl Observer + 'static) -> Self {
         self.observer = Box::new(observer);
         self
     }

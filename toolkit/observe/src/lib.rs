@@ -7,6 +7,14 @@
 //! A profiler implements it to tag allocations by [`Kind`] and [`Place`] and
 //! to mark a timeline.
 //!
+//! They take it by one rule: a type that allocates as it is made has a
+//! constructor `with_observer(..., observer)` beside its `new`
+//! (`LeanAdamW::with_observer`, `StreamedLinear::with_observer`); one that
+//! allocates later is told with `observed(observer)` on the value
+//! (`GradAccumulator::new(vars, rows).observed(tags)`, `Comm::observed`,
+//! `StreamedLinear::observed`); a builder names the setting `observer`, as
+//! it names its other settings (the checkpointing crate's `Sequential`).
+//!
 //! ```
 //! use std::cell::RefCell;
 //! use candle_observe::{Kind, Observer, Place, Token};

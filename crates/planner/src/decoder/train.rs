@@ -122,7 +122,7 @@ pub fn train_step(
         opt.step_taken()?;
         return Ok(loss);
     }
-    let mut sum = GradAccumulator::new(model.vars(), batch).with_observer(Tags);
+    let mut sum = GradAccumulator::new(model.vars(), batch).observed(Tags);
     for (x, y) in parts {
         if recipe.checkpoint {
             let c = model.checkpointed_backward(&x, &y, &options, weight, &Tags)?;
