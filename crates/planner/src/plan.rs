@@ -595,7 +595,7 @@ impl Verification {
 /// or for each rank of a job (which reads it as JSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VerifyRequest {
-    /// The model (the recipe sets its attention and layers).
+    /// The model (the recipe sets its attention kind and `lean`).
     pub model: GptConfig,
     /// How the layers are computed.
     pub recipe: Recipe,

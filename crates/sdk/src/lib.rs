@@ -10,8 +10,9 @@
 //! # Features
 //!
 //! `candle` (on by default) brings the plugin API, candle and the training
-//! helpers. Without it the crate is the [`meter`] and the [`output`] types
-//! alone, which is all that displaying a report needs.
+//! helpers. Without it the crate is the [`meter`], the [`output`] types and
+//! the plain-data modules ([`metric`], [`protocol`], [`rules`], [`timing`],
+//! [`file`]), which is all that displaying a report needs.
 //!
 //! # Why the trait lives here
 //!

@@ -28,7 +28,7 @@ const NO_BUDGET: u64 = 1 << 50;
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Params {
-    /// The model (the recipe sets its attention and layers).
+    /// The model (the recipe sets its attention kind and `lean`).
     pub model: GptConfig,
     /// How each rank computes the layers: `direct_tiled` (the direct
     /// backward with tiled attention) unless named.

@@ -18,7 +18,8 @@ struct Slot {
 
 /// `candle_nn::AdamW`'s update without its temporaries: on the CPU each
 /// step rewrites the moments and the parameter in place, allocating
-/// nothing. On other devices it falls back to candle's own operations.
+/// nothing, as it does on a CUDA GPU with the `cuda` feature. On other
+/// devices it falls back to candle's own operations.
 ///
 /// ```
 /// use candle_core::{Device, Var};

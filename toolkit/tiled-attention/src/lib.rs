@@ -23,7 +23,8 @@
 //! * [`materialized_attention`]: the plain computation as PyTorch's autograd
 //!   keeps it (the probabilities only), the honest baseline for tiling.
 //! * [`materialized_forward`] / [`Materialized::backward`]: the same without
-//!   a graph, its backward holding two `n x n` matrices at most.
+//!   a graph, its backward holding under two `n x n` matrices on the CPU
+//!   in f32 (more elsewhere: see the module's notes).
 //!
 //! On the CPU, f32, f16 and bf16 calls run a kernel of their own, built as
 //! PyTorch's CPU flash kernel is: query blocks (forward) and heads
