@@ -1,5 +1,5 @@
-//! LeanAdamW's step allocates nothing; candle_nn::AdamW's allocates about
-//! ten times the parameters. Measured with a counting allocator.
+//! LeanAdamW's step allocates nothing; candle_nn::AdamW's allocates fifteen
+//! temporaries the size of the parameter. Measured with a counting allocator.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_lean_optim::LeanAdamW;
@@ -18,7 +18,7 @@ fn allocated(f: impl FnOnce() -> Result<()>) -> Result<u64> {
 }
 
 #[test]
-fn lean_step_allocates_nothing_where_candle_allocates_ten_parameters() -> Result<()> {
+fn lean_step_allocates_nothing_where_candle_allocates_fifteen_parameters() -> Result<()> {
     let n = 1 << 18; // 1 MiB of f32
     let dev = Device::Cpu;
     let make = || -> Result<(Var, candle_core::backprop::GradStore)> {
@@ -36,9 +36,14 @@ fn lean_step_allocates_nothing_where_candle_allocates_ten_parameters() -> Result
     let candle_bytes = allocated(|| adamw.step(&grads))?;
     let param = (n * DType::F32.size_in_bytes()) as u64;
     assert!(lean_bytes < 1024, "LeanAdamW allocated {lean_bytes} bytes");
+    // candle 0.11.1's update, out of place: three tensors for the first
+    // moment, four for the second, the two corrected moments, the decayed
+    // weight, the root, the root plus eps, the ratio, its product with lr
+    // and the new weight.
+    // Past the 15 tensors, only scalars' and shapes' bookkeeping.
     assert!(
-        candle_bytes >= 10 * param,
-        "candle's AdamW allocated {candle_bytes} bytes"
+        (15 * param..15 * param + 16 * 1024).contains(&candle_bytes),
+        "candle's AdamW allocated {candle_bytes} bytes, not 15 x {param}"
     );
     println!("per step: LeanAdamW {lean_bytes} bytes, candle_nn::AdamW {candle_bytes} bytes ({:.1}x the parameter)", candle_bytes as f64 / param as f64);
     Ok(())
