@@ -163,19 +163,19 @@ fn prune(dir: &Path, family: &str, keep: &Path) {
         return;
     };
     let minutes = |m: u64| Duration::from_secs(m * 60);
+    let stale = |idle: Duration| idle > minutes(UNUSED_DAYS * 24 * 60);
     for entry in entries.flatten() {
         let path = entry.path();
         let Ok(meta) = entry.metadata() else { continue };
-        let Some(idle) = meta.modified().ok().and_then(|m| m.elapsed().ok()) else {
+        let Some(idle) = idle_for(&meta) else {
             continue;
         };
         if path == keep {
             continue;
         }
-        let stale = idle > minutes(UNUSED_DAYS * 24 * 60);
         if meta.is_dir() {
             // A build folder in use is its call's own.
-            if stale {
+            if stale(idle) {
                 let _ = std::fs::remove_dir_all(&path);
             }
             continue;
@@ -186,9 +186,7 @@ fn prune(dir: &Path, family: &str, keep: &Path) {
         });
         // Removed: anything stale, and this harness's other versions once
         // superseded long enough.
-        let due = |idle: Duration| {
-            idle > minutes(UNUSED_DAYS * 24 * 60) || (ours && idle > minutes(SUPERSEDED_MINUTES))
-        };
+        let due = |idle: Duration| stale(idle) || (ours && idle > minutes(SUPERSEDED_MINUTES));
         if !due(idle) {
             continue;
         }
@@ -201,18 +199,19 @@ fn prune(dir: &Path, family: &str, keep: &Path) {
         if file.try_lock().is_err() {
             continue;
         }
-        let Some(idle) = file
-            .metadata()
-            .and_then(|m| m.modified())
-            .ok()
-            .and_then(|m| m.elapsed().ok())
-        else {
+        let Some(idle) = file.metadata().ok().as_ref().and_then(idle_for) else {
             continue;
         };
         if due(idle) {
             let _ = std::fs::remove_file(&path);
         }
     }
+}
+
+/// How long ago what `meta` describes was last used (its modification
+/// time, which a mark of use sets); `None` where the system cannot say.
+fn idle_for(meta: &std::fs::Metadata) -> Option<Duration> {
+    meta.modified().ok()?.elapsed().ok()
 }
 
 /// Where [`compile`] keeps its executables: `cuda-emulation/` beside the
