@@ -78,6 +78,7 @@ impl Plugin for GptCheckpointing {
             MetricSpec::number("grad_diff_{strategy}", "largest difference of a gradient from candle's plain backward, per strategy"),
             MetricSpec::count("kept_products", "products the selective policy keeps per block (of 4)"),
             MetricSpec::count("kept_{product}", "1 when the selective policy keeps the product's output (qkv, proj, fc, fc2), else 0"),
+            MetricSpec::ratio("cost_{product}", "the product's forward time per byte of output over the four products' average: kept when at least 1"),
         ]
     }
 
