@@ -112,18 +112,18 @@ pub fn selective_policy(ctx: &mut Context, bytes: &[u64; 4], times: &[f64]) -> V
     let mut kept = Vec::new();
     for (k, (name, _)) in PRODUCTS.iter().enumerate() {
         let per_byte = times[k] / bytes[k].max(1) as f64;
-        let keep = per_byte >= average;
-        if keep {
-            kept.push(name.to_string());
-        }
-        ctx.metric(format!("kept_{name}"), if keep { 1.0 } else { 0.0 });
-        // Against the average, the unit the rule above compares in (1 when
-        // nothing took measurable time and every product is kept).
+        // In units of the average (1 when nothing took measurable time, so
+        // that every product is kept).
         let cost = if average > 0.0 {
             per_byte / average
         } else {
             1.0
         };
+        let keep = cost >= 1.0;
+        if keep {
+            kept.push(name.to_string());
+        }
+        ctx.metric(format!("kept_{name}"), if keep { 1.0 } else { 0.0 });
         ctx.metric(format!("cost_{name}"), cost);
         profile.row(vec![
             (*name).into(),
