@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import time
 
+import torch_required  # noqa: F401  (before torch: says how to install it)
+
 import torch
 
 from compare_gpt import build

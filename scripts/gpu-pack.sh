@@ -29,7 +29,7 @@ esac
 # What gpu-check.sh reads from the source tree; it must be tracked or
 # otherwise travel with it.
 needed=(scripts/gpu-check.sh scripts/gpu_report.py scripts/compare.py
-  scripts/torch_chapter2.py scripts/torch_gpt.py chapters/chapter2.toml chapters/chapter3.toml)
+  scripts/torch_required.py scripts/torch_chapter2.py scripts/torch_gpt.py chapters/chapter2.toml chapters/chapter3.toml)
 for f in "${needed[@]}"; do
   [ -f "$f" ] || {
     echo "error: $f is missing" >&2

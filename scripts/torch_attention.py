@@ -14,6 +14,8 @@ scripts/torch_chapter2.py's meter (checked first on a tensor of known size). Thr
 import argparse
 import time
 
+import torch_required  # noqa: F401  (before torch: says how to install it)
+
 import torch
 import torch.nn.functional as F
 

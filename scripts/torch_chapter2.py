@@ -20,6 +20,8 @@ import sys
 import time
 import tomllib
 
+import torch_required  # noqa: F401  (before torch: says how to install it)
+
 import torch
 import torch.nn.functional as F
 from torch import nn

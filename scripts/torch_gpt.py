@@ -33,6 +33,8 @@ import statistics
 import sys
 import time
 
+import torch_required  # noqa: F401  (before torch: says how to install it)
+
 import torch
 import torch.nn.functional as F
 from torch import nn
