@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{heavy, text};
+use common::{heavy, listed_plugin, text};
 
 fn workbook(args: &[&str], path: &str, cwd: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_workbook"))
@@ -65,6 +65,12 @@ fn a_new_plugin_builds_runs_and_is_measured_like_a_built_in_one() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
     assert!(out.contains("cargo build"), "{out}");
+    let export = out
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("export PATH="))
+        .unwrap_or_else(|| panic!("no PATH line in the next steps:\n{out}"))
+        .to_string();
 
     // A panic and an abort on cue, to show each is its cell's error alone,
     // and a `print!` that must not garble the protocol's next line (the
@@ -89,6 +95,20 @@ fn a_new_plugin_builds_runs_and_is_measured_like_a_built_in_one() {
     cargo(&["build", "--quiet"], &dir);
     let bin = plugin_target().join("debug");
     assert!(bin.join("workbook-plugin-demo").is_file());
+    // The printed PATH line finds what `cargo build` built, in the target
+    // folder cargo was told to use.
+    let found = Command::new("bash")
+        .arg("-c")
+        .arg(format!("{export}\ncommand -v workbook-plugin-demo"))
+        .current_dir(&dir)
+        .env("CARGO_TARGET_DIR", plugin_target())
+        .output()
+        .expect("bash runs");
+    assert_eq!(
+        String::from_utf8_lossy(&found.stdout).trim(),
+        bin.join("workbook-plugin-demo").display().to_string(),
+        "{export}"
+    );
     let path = path_with(&bin);
 
     let o = workbook(&["list"], &path, &dir);
@@ -227,12 +247,16 @@ fn a_plugin_of_another_protocol_version_is_named_with_both_versions() {
     let o = workbook(&["list"], &path, tmp.path());
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    assert!(
-        out.contains(&format!(
-            "old              (cannot be used: plugin program {}: it speaks protocol version 1; \
-             this workbook speaks version 3 (rebuild the plugin against this workbook's SDK))",
-            bin.join("workbook-plugin-old").display()
-        )),
+    assert_eq!(
+        listed_plugin(&out, "old"),
+        Some(
+            format!(
+                "(cannot be used: plugin program {}: it speaks protocol version 1; this \
+                 workbook speaks version 3 (rebuild the plugin against this workbook's SDK))",
+                bin.join("workbook-plugin-old").display()
+            )
+            .as_str()
+        ),
         "{out}"
     );
     // A chapter that names it says why it cannot run.
@@ -273,8 +297,12 @@ fn an_external_plugin_with_a_built_in_name_is_an_error_naming_both() {
     );
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
+    // Listed twice: the built-in one, then the external one it shadows.
+    let wanted = format!("(cannot be used: {both})");
     assert!(
-        out.contains(&format!("footprint        (cannot be used: {both})")),
+        out.lines().any(|l| l
+            .strip_prefix("  footprint  ")
+            .is_some_and(|rest| rest.trim_start() == wanted)),
         "{out}"
     );
     // ...and a chapter that names it is refused.
@@ -300,12 +328,16 @@ fn a_program_that_does_not_answer_is_set_aside_with_what_it_said() {
     script(&bin, "mute", "echo 'no protocol here' >&2; exit 3");
     let o = workbook(&["list"], &path_with(&bin), tmp.path());
     let (out, _) = text(&o);
-    assert!(
-        out.contains(&format!(
-            "mute             (cannot be used: plugin program {}: it ended (exit status: 3) \
-             without an answer; it said: no protocol here)",
-            bin.join("workbook-plugin-mute").display()
-        )),
+    assert_eq!(
+        listed_plugin(&out, "mute"),
+        Some(
+            format!(
+                "(cannot be used: plugin program {}: it ended (exit status: 3) without an \
+                 answer; it said: no protocol here)",
+                bin.join("workbook-plugin-mute").display()
+            )
+            .as_str()
+        ),
         "{out}"
     );
 }

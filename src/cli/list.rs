@@ -17,12 +17,32 @@ pub fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
         let _ = writeln!(text, "no chapters found in {:?}", wb.chapter_dirs());
     }
     let mut code = ExitCode::SUCCESS;
-    for (id, path) in found {
-        match workbook::chapter::load_path(&path, wb.registry()) {
+    let loaded: Vec<_> = found
+        .into_iter()
+        .map(|(id, path)| {
+            let chapter = workbook::chapter::load_path(&path, wb.registry());
+            (id, path, chapter)
+        })
+        .collect();
+    // Columns as wide as their longest entry, over every chapter.
+    let cells = || {
+        loaded
+            .iter()
+            .filter_map(|(.., ch)| ch.as_ref().ok())
+            .flat_map(|ch| &ch.cells)
+    };
+    let id_width = cells().map(|c| c.id.chars().count()).max().unwrap_or(0);
+    let plugin_width = cells().map(|c| c.plugin.chars().count()).max().unwrap_or(0);
+    for (id, path, chapter) in &loaded {
+        match chapter {
             Ok(ch) => {
                 let _ = writeln!(text, "{id}  {}  ({})", ch.title, path.display());
                 for c in &ch.cells {
-                    let _ = writeln!(text, "  {:<16} {:<14} {}", c.id, c.plugin, c.title);
+                    let _ = writeln!(
+                        text,
+                        "  {:<id_width$}  {:<plugin_width$}  {}",
+                        c.id, c.plugin, c.title
+                    );
                 }
             }
             Err(e) => {
@@ -32,14 +52,22 @@ pub fn list(wb: &Workbook) -> anyhow::Result<ExitCode> {
         }
     }
     let _ = writeln!(text, "\nplugins:");
+    let refused = wb.registry().refused();
+    let width = wb
+        .registry()
+        .iter()
+        .map(|p| p.name().chars().count())
+        .chain(refused.iter().map(|(name, _)| name.chars().count()))
+        .max()
+        .unwrap_or(0);
     for p in wb.registry().iter() {
-        let _ = writeln!(text, "  {:<16} {}", p.name(), p.description());
+        let _ = writeln!(text, "  {:<width$}  {}", p.name(), p.description());
         if let Some(program) = wb.registry().program(p.name()) {
-            let _ = writeln!(text, "  {:<16} (external: {})", "", program.display());
+            let _ = writeln!(text, "  {:<width$}  (external: {})", "", program.display());
         }
     }
-    for (name, why) in wb.registry().refused() {
-        let _ = writeln!(text, "  {name:<16} (cannot be used: {why})");
+    for (name, why) in refused {
+        let _ = writeln!(text, "  {name:<width$}  (cannot be used: {why})");
     }
     say(&printable(&text))?;
     Ok(code)

@@ -45,7 +45,7 @@ pub fn new_plugin(wb: &Workbook, args: &NewPluginArgs) -> anyhow::Result<ExitCod
          cd {d}\n  \
          cargo test                      # its test: the buffer counted to the byte\n  \
          cargo build\n  \
-         export PATH=\"$PWD/target/debug:$PATH\"\n  \
+         export PATH=\"${{CARGO_TARGET_DIR:-$PWD/target}}/debug:$PATH\"   # where cargo built it\n  \
          workbook describe {name}\n  \
          workbook run chapters/{name}.toml --check\n"
     ))?;

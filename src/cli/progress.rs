@@ -14,7 +14,10 @@ use workbook::RunObserver;
 /// A spinner on stderr while a cell runs; hidden when stderr is not a terminal.
 pub struct Spinner {
     pub bar: ProgressBar,
+    /// Cells this run runs (those `--cell` selects).
     total: usize,
+    /// Cells begun so far.
+    begun: usize,
 }
 
 impl Spinner {
@@ -29,7 +32,11 @@ impl Spinner {
             ProgressStyle::with_template("{spinner} {prefix} {msg} [{elapsed}]")
                 .unwrap_or_else(|_| ProgressStyle::default_spinner()),
         );
-        Self { bar, total }
+        Self {
+            bar,
+            total,
+            begun: 0,
+        }
     }
 }
 
@@ -96,9 +103,11 @@ impl<O: RunObserver> RunObserver for WithSpinner<'_, O> {
     }
 
     fn cell_started(&mut self, index: usize, cell: &Cell) {
+        // Counted over the cells this run selected, not the chapter's.
+        self.spinner.begun += 1;
         self.spinner.bar.set_prefix(format!(
             "[{}/{}] {}",
-            index + 1,
+            self.spinner.begun,
             self.spinner.total,
             printable(&cell.id)
         ));

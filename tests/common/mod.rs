@@ -41,6 +41,16 @@ pub fn text(o: &Output) -> (String, String) {
     )
 }
 
+/// What `workbook list` says of plugin `name`, after the padding that
+/// aligns the plugins' column; `None` where it lists no such plugin.
+pub fn listed_plugin<'a>(list: &'a str, name: &str) -> Option<&'a str> {
+    let plugins = list.split("\nplugins:\n").nth(1)?;
+    plugins.lines().find_map(|l| {
+        let rest = l.strip_prefix("  ")?.strip_prefix(name)?;
+        rest.starts_with("  ").then(|| rest.trim_start())
+    })
+}
+
 /// The longest a test waits for one run of the binary.
 pub const RUN_LIMIT: Duration = Duration::from_secs(300);
 
