@@ -178,6 +178,7 @@ fn failed_check(message: String) -> Verdict {
         }),
         violations: Vec::new(),
         memory_floor: None,
+        unavailable: None,
     }
 }
 
@@ -209,6 +210,10 @@ impl DynPlugin for ExternalPlugin {
 
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)> {
         self.verdict_of(params).memory_floor
+    }
+
+    fn unavailable_with(&self, params: &toml::Table) -> Option<String> {
+        self.verdict_of(params).unavailable
     }
 
     fn run_with(&self, _ctx: &mut Context, _params: &toml::Table) -> anyhow::Result<()> {

@@ -118,7 +118,8 @@ pub enum Status {
     Failed,
     /// The plugin returned an error or panicked.
     Error,
-    /// It did not run (after a failure with `--fail-fast`).
+    /// It did not run: this build cannot run it, or it came after a failure
+    /// with `--fail-fast` or an interruption (see [`CellReport::not_run`]).
     Skipped,
 }
 
@@ -156,6 +157,11 @@ pub struct CellReport {
     pub tables: Vec<Table>,
     /// Figures recorded.
     pub figures: Vec<Figure>,
+    /// Why the cell did not run, when it was skipped: this build cannot
+    /// run it (what to install is said), an earlier cell failed under
+    /// `--fail-fast`, or the run was interrupted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_run: Option<String>,
 }
 
 /// A cell's memory: over the whole cell, and per measured region.

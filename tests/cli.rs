@@ -220,7 +220,10 @@ fn fail_fast_skips_the_cells_after_a_failure() {
     let o = workbook(&["run", &fixture("failing.toml"), "--fail-fast"]);
     let (out, _) = text(&o);
     assert_eq!(o.status.code(), Some(1));
-    assert!(out.contains("(skipped)"), "{out}");
+    assert!(
+        out.contains("  (not run: an earlier cell failed and --fail-fast is set)\n"),
+        "{out}"
+    );
     assert_eq!(out.lines().last(), Some("1 passed, 2 failed, 1 skipped"));
 }
 
@@ -358,11 +361,91 @@ fn list_and_validate_describe_chapter2() {
     for cell in CELLS {
         assert!(out.contains(&format!("  {cell}")), "{out}");
     }
+    // Every column starts where the others of its kind do, over all the
+    // chapters (a cell's plugin, its title) and all the plugins.
+    let (chapters, plugins) = out.split_once("\nplugins:\n").unwrap();
+    let starts = |line: &str| -> Vec<usize> {
+        let mut starts = Vec::new();
+        let mut gap = 0;
+        for (i, ch) in line.char_indices() {
+            if ch == ' ' {
+                gap += 1;
+            } else {
+                if gap >= 2 && i > gap {
+                    starts.push(i);
+                }
+                gap = 0;
+            }
+        }
+        starts
+    };
+    let cell_columns: std::collections::BTreeSet<Vec<usize>> = chapters
+        .lines()
+        .filter(|l| l.starts_with("  "))
+        .map(|l| starts(l).into_iter().take(2).collect())
+        .collect();
+    assert_eq!(cell_columns.len(), 1, "{cell_columns:?} in:\n{out}");
+    let plugin_columns: std::collections::BTreeSet<usize> =
+        plugins.lines().map(|l| starts(l)[0]).collect();
+    assert_eq!(plugin_columns.len(), 1, "{plugin_columns:?} in:\n{out}");
     let o = workbook(&["validate", "chapter2"]);
     let (out, _) = text(&o);
     assert!(o.status.success());
     assert!(
         out.contains(&format!("{} cells", CELLS.len())) && out.contains("valid"),
+        "{out}"
+    );
+}
+
+/// Chapter 4 in a build without MPI: each cell is reported as not run, the
+/// reason and what to install said once under them, and the run passes;
+/// `--require-all` makes each a failure.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn chapter4_without_mpi_is_not_run_and_says_what_to_install_once() {
+    let why = "this runs MPI ranks, and this workbook was built without the `mpi` feature: \
+               install Open MPI and libclang (Debian and Ubuntu: apt install openmpi-bin \
+               libopenmpi-dev libclang-dev) and build with `--features mpi`";
+    let o = workbook(&["run", "chapter4", "--check"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(
+        out.matches(&format!("  (not run: {why})\n")).count(),
+        3,
+        "{out}"
+    );
+    assert_eq!(
+        out.matches(why).count(),
+        4,
+        "each cell and the line under them, nothing else:\n{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "\nnot run (cells zero, zero_mixed, gpt_ranks): {why}\n"
+        )),
+        "{out}"
+    );
+    let last = out.lines().last().unwrap();
+    assert!(
+        last.starts_with("0 passed, 0 failed, ") && last.ends_with(" skipped"),
+        "{out}"
+    );
+    assert!(!out.contains("= ?") && !out.contains("1 ranks"), "{out}");
+
+    let o = workbook(&[
+        "run",
+        "chapter4",
+        "--check",
+        "--require-all",
+        "--cell",
+        "zero",
+    ]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains(&format!(
+            "ERROR: this build cannot run it, and --require-all is set: {why}"
+        )),
         "{out}"
     );
 }

@@ -120,6 +120,7 @@ fn sample() -> ChapterReport {
                 label: "grows as N^2".into(),
             }],
         }],
+        not_run: None,
     };
     let failed = CellReport {
         id: "precision".into(),
@@ -156,7 +157,31 @@ fn sample() -> ChapterReport {
         memory: CellMemory::default(),
         ..cell.clone()
     };
-    let cells = vec![cell, failed, errored];
+    // A cell this build cannot run: skipped, and why.
+    let why = "rank count 2: this runs MPI ranks, and this workbook was built without the `mpi` \
+               feature";
+    let not_run = CellReport {
+        id: "zero".into(),
+        title: "4.1 Ranks".into(),
+        plugin: "zero_stages".into(),
+        status: Status::Skipped,
+        seconds: 0.0,
+        printed: Vec::new(),
+        assertions: vec![AssertionResult {
+            expr: "ddp_n2_state > 0".into(),
+            passed: false,
+            skipped: true,
+            values: IndexMap::new(),
+            message: Some(format!("not run: {why}")),
+        }],
+        metrics: IndexMap::new(),
+        tables: Vec::new(),
+        figures: Vec::new(),
+        memory: CellMemory::default(),
+        not_run: Some(why.into()),
+        ..cell.clone()
+    };
+    let cells = vec![cell, failed, errored, not_run];
     ChapterReport {
         format_version: workbook::report::FORMAT_VERSION,
         workbook_version: "0.0.0-golden".into(),
@@ -184,7 +209,7 @@ fn the_json_report_matches_the_golden_file() {
         Summary {
             passed: 1,
             failed: 2,
-            skipped: 1,
+            skipped: 2,
             cells_passed: 1,
             cells_failed: 1,
             cells_errored: 1
@@ -216,6 +241,14 @@ fn the_json_report_matches_the_golden_file() {
     assert_eq!(bits(&back), bits(&report));
     assert_eq!(back.cells[0].memory, report.cells[0].memory);
     assert_eq!(back.cells[2], report.cells[2]);
+    assert_eq!(back.cells[3], report.cells[3]);
+    assert!(back.cells[3]
+        .not_run
+        .as_deref()
+        .unwrap()
+        .contains("`mpi` feature"));
+    // A cell that ran carries no `not_run` at all.
+    assert!(!golden.contains("\"not_run\": null"));
     assert_eq!(back.summary, report.summary);
 }
 

@@ -12,7 +12,7 @@ use workbook::sdk::protocol::{CellEnd, Message, PROTOCOL_VERSION};
 use workbook::sdk::Figure;
 
 mod common;
-use common::{none_left, output_within, text, RUN_LIMIT};
+use common::{listed_plugin, none_left, output_within, text, RUN_LIMIT};
 
 fn workbook(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_workbook"));
@@ -141,6 +141,57 @@ fn a_line_past_the_protocols_cap_is_that_cells_error_and_the_run_goes_on() {
 }
 
 #[test]
+fn an_external_plugin_that_this_machine_cannot_run_is_reported_as_not_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plugins = tmp.path().join("plugins");
+    let ran = tmp.path().join("ran");
+    let program = plugin(&plugins, "needy", &format!("touch '{}'", ran.display()));
+    let script = std::fs::read_to_string(&program).unwrap();
+    std::fs::write(
+        &program,
+        script.replace(
+            r#""memory_floor":null"#,
+            r#""memory_floor":null,"unavailable":"it needs a frobnicator: install one""#,
+        ),
+    )
+    .unwrap();
+    plugin(&plugins, "fine", "");
+    let path = chapter(tmp.path(), "t", &["needy", "fine"]);
+    let o = run_with_report(&path, &tmp.path().join("out"));
+    let r = report(&o);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o).1);
+    let cell = &r["cells"][0];
+    assert_eq!(cell["status"], "skipped", "{cell}");
+    assert_eq!(
+        cell["not_run"], "it needs a frobnicator: install one",
+        "{cell}"
+    );
+    assert!(!ran.exists(), "the cell was started");
+    assert_eq!(r["cells"][1]["status"], "passed", "{}", r["cells"][1]);
+
+    // Where every cell must run, it is the cell's error, and the rest run.
+    let o = workbook(
+        &[
+            "run",
+            path.to_str().unwrap(),
+            "--format",
+            "json",
+            "--require-all",
+        ],
+        tmp.path(),
+        &[],
+    );
+    let r = report(&o);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o).1);
+    assert_eq!(
+        r["cells"][0]["error"],
+        "this build cannot run it, and --require-all is set: it needs a frobnicator: install one"
+    );
+    assert!(!ran.exists(), "the cell was started");
+    assert_eq!(r["cells"][1]["status"], "passed", "{}", r["cells"][1]);
+}
+
+#[test]
 fn a_line_that_is_not_utf8_is_named_with_its_offset() {
     let tmp = tempfile::tempdir().unwrap();
     plugin(
@@ -222,10 +273,7 @@ fn plugins_are_asked_to_describe_themselves_at_once() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
     for name in ["slow-a", "slow-b", "slow-c"] {
-        assert!(
-            out.contains(&format!("  {name:<16} a test plugin")),
-            "{out}"
-        );
+        assert_eq!(listed_plugin(&out, name), Some("a test plugin"), "{out}");
     }
     // One after another they would take 12 s.
     assert!(took < Duration::from_secs(11), "{took:?}");

@@ -57,6 +57,11 @@ pub struct RunArgs {
     /// the run (for a debugger, and to measure what isolation costs).
     #[arg(long, conflicts_with_all = ["timeout", "max_memory"])]
     pub in_process: bool,
+    /// A cell this build cannot run (chapter 4's MPI ranks without the
+    /// `mpi` feature) fails instead of being reported as not run, as CI
+    /// wants.
+    #[arg(long)]
+    pub require_all: bool,
     /// Data-parallel cells (chapter 4) also run with N ranks (1 to
     /// 64), beside the counts their chapter names.
     #[arg(long, value_name = "N", env = "WORKBOOK_RANKS", value_parser = parse_run_ranks)]
@@ -85,6 +90,7 @@ pub fn run(wb: &Workbook, args: &RunArgs) -> anyhow::Result<ExitCode> {
         timeout,
         max_memory,
         in_process,
+        require_all,
         ranks,
     } = args;
     if let Some(n) = ranks {
@@ -106,7 +112,12 @@ pub fn run(wb: &Workbook, args: &RunArgs) -> anyhow::Result<ExitCode> {
         Some(dir) => Some(HtmlWriter::create(dir)?),
         None => None,
     };
-    let spinner = Spinner::new(ch.cells.len());
+    let selected = ch
+        .cells
+        .iter()
+        .filter(|c| cells.is_empty() || cells.contains(&c.id))
+        .count();
+    let spinner = Spinner::new(selected);
     let bar = spinner.bar.clone();
     let options =
         RunOptions {
@@ -138,6 +149,7 @@ pub fn run(wb: &Workbook, args: &RunArgs) -> anyhow::Result<ExitCode> {
                 *max_memory
             },
             interrupt: (!*in_process).then(workbook::runner::interrupt_flag),
+            require_all: *require_all,
         };
     let mut writer = ReportWriter {
         html,

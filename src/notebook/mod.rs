@@ -350,7 +350,10 @@ impl CellView {
                 c.id,
                 c.error.as_deref().unwrap_or("no message")
             )),
-            Status::Skipped => Some(format!("cell `{}` did not run", c.id)),
+            Status::Skipped => Some(match &c.not_run {
+                Some(why) => format!("cell `{}` did not run: {why}", c.id),
+                None => format!("cell `{}` did not run", c.id),
+            }),
             Status::Failed => {
                 let failed: Vec<String> = c
                     .assertions

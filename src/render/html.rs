@@ -309,6 +309,9 @@ fn cell_html(out: &mut String, c: &CellReport, plots: &[Plot], embed: Embed, pro
     if let Some(e) = &c.error {
         let _ = write!(out, "<p class=\"why\">Error: {}</p>", escape(e));
     }
+    if let Some(why) = &c.not_run {
+        let _ = write!(out, "<p class=\"why\">Not run: {}</p>", escape(why));
+    }
     if !c.printed.is_empty() {
         let _ = write!(
             out,

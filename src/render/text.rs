@@ -181,7 +181,10 @@ fn write_cell(out: &mut dyn Write, c: &CellReport) -> std::io::Result<()> {
         writeln!(out, "  {line}")?;
     }
     if c.status == Status::Skipped {
-        writeln!(out, "  (skipped)")?;
+        match &c.not_run {
+            Some(why) => writeln!(out, "  (not run: {why})")?,
+            None => writeln!(out, "  (not run)")?,
+        }
         return Ok(());
     }
     if !c.printed.is_empty() {
@@ -261,6 +264,17 @@ impl<W: Write> crate::runner::RunObserver for TextRenderer<W> {
                     r.cells_run(),
                     r.cells.len()
                 )?;
+            }
+            // Each reason a cell did not run, said once under the cells.
+            let mut not_run: indexmap::IndexMap<&str, Vec<&str>> = Default::default();
+            for c in &r.cells {
+                if let Some(why) = &c.not_run {
+                    not_run.entry(why).or_default().push(&c.id);
+                }
+            }
+            for (why, ids) in &not_run {
+                let cells = if ids.len() == 1 { "cell" } else { "cells" };
+                writeln!(out, "\nnot run ({cells} {}): {why}", ids.join(", "))?;
             }
             writeln!(out, "\n{}", r.summary.line())
         });

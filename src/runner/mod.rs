@@ -69,6 +69,11 @@ pub struct RunOptions {
     /// Set when the run is to stop (Ctrl-C): the cell running is stopped and
     /// the rest are not run; the report is marked incomplete.
     pub interrupt: Option<Arc<AtomicBool>>,
+    /// A cell this build cannot run (see
+    /// [`Plugin::unavailable`](workbook_sdk::Plugin::unavailable)) fails
+    /// instead of being reported as not run: for CI, where a skip would
+    /// hide what is missing.
+    pub require_all: bool,
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -81,6 +86,7 @@ impl std::fmt::Debug for RunOptions {
             .field("isolation", &self.isolation)
             .field("timeout", &self.timeout)
             .field("max_memory", &self.max_memory)
+            .field("require_all", &self.require_all)
             .finish()
     }
 }
@@ -215,7 +221,8 @@ fn interrupted(options: &RunOptions) -> bool {
 
 /// Whether the cells after one that ended with `status` are not run.
 fn stops(options: &RunOptions, status: Status) -> bool {
-    (options.fail_fast && status != Status::Passed) || interrupted(options)
+    // A cell this build cannot run is not a failure.
+    (options.fail_fast && matches!(status, Status::Failed | Status::Error)) || interrupted(options)
 }
 
 /// Every cell on one thread of this process.
@@ -253,12 +260,14 @@ fn run_in_process(
                 for (position, &(_, cell)) in selected.iter().enumerate() {
                     let cell_report = if stop {
                         skipped(registry, cell, options.check, not_run_reason(options))
+                    } else if let Some(why) = unavailable(registry, cell, options) {
+                        skipped(registry, cell, options.check, &why)
                     } else {
                         let _ = tx.send(Event::Started(position));
                         let plugin = registry.get(&cell.plugin);
                         let external = registry.program(&cell.plugin);
                         let (outcome, ran_on) =
-                            match (refused(registry, cell, options), plugin, external) {
+                            match (not_started(registry, cell, options), plugin, external) {
                                 (Some(why), _, _) => (not_run(why), None),
                                 (None, Some(_), Some(program)) => {
                                     // An external plugin runs in its own
@@ -331,7 +340,9 @@ fn run_in_workers(
     for &(index, cell) in selected {
         let cell_report = if stop {
             skipped(registry, cell, options.check, not_run_reason(options))
-        } else if let Some(why) = refused(registry, cell, options) {
+        } else if let Some(why) = unavailable(registry, cell, options) {
+            skipped(registry, cell, options.check, &why)
+        } else if let Some(why) = not_started(registry, cell, options) {
             begin(&mut started, observer, report);
             observer.cell_started(index, cell);
             assemble(registry, cell, options.check, None, not_run(why))
@@ -420,10 +431,37 @@ fn begin(started: &mut bool, observer: &mut dyn RunObserver, report: &ChapterRep
 /// What a cell that did not run says, and why.
 fn not_run_reason(options: &RunOptions) -> &'static str {
     if interrupted(options) {
-        "not run: the run was interrupted"
+        "the run was interrupted"
     } else {
-        "not run: an earlier cell failed and --fail-fast is set"
+        "an earlier cell failed and --fail-fast is set"
     }
+}
+
+/// Why this build cannot run `cell`, as its plugin says, where the run
+/// skips such a cell (without `require_all`).
+fn unavailable(registry: &Registry, cell: &Cell, options: &RunOptions) -> Option<String> {
+    if options.require_all {
+        return None;
+    }
+    registry
+        .get(&cell.plugin)?
+        .unavailable_with(cell.params_for(options.check))
+}
+
+/// Why `cell` fails before it starts, if it does: it cannot run in this
+/// build and every cell is required to, or its plugin's floor is above
+/// the cap.
+fn not_started(registry: &Registry, cell: &Cell, options: &RunOptions) -> Option<String> {
+    let params = cell.params_for(options.check);
+    let plugin = registry.get(&cell.plugin)?;
+    if options.require_all {
+        if let Some(why) = plugin.unavailable_with(params) {
+            return Some(format!(
+                "this build cannot run it, and --require-all is set: {why}"
+            ));
+        }
+    }
+    refused(registry, cell, options)
 }
 
 fn not_registered(cell: &Cell) -> CellOutcome {
@@ -462,7 +500,9 @@ fn params_json(registry: &Registry, cell: &Cell, check: bool) -> serde_json::Val
         .unwrap_or(serde_json::Value::Null)
 }
 
+/// The report of a cell that did not run, and `why`.
 fn skipped(registry: &Registry, cell: &Cell, check: bool, why: &str) -> CellReport {
+    let not_run = format!("not run: {why}");
     CellReport {
         id: cell.id.clone(),
         title: cell.title.clone(),
@@ -478,8 +518,9 @@ fn skipped(registry: &Registry, cell: &Cell, check: bool, why: &str) -> CellRepo
             .assertions
             .iter()
             .chain(&cell.full_size_assertions)
-            .map(|a| a.skip(why))
+            .map(|a| a.skip(&not_run))
             .collect(),
+        not_run: Some(why.to_string()),
         memory: CellMemory::default(),
         tables: Vec::new(),
         figures: Vec::new(),
@@ -574,5 +615,6 @@ fn assemble(
         },
         tables: output.tables,
         figures: output.figures,
+        not_run: None,
     }
 }

@@ -61,6 +61,17 @@ pub trait Plugin: Send + Sync + 'static {
         None
     }
 
+    /// Why this build cannot run the experiment with these parameters (a
+    /// feature it was built without, a program that is not installed),
+    /// with what would let it, where it cannot; `None`, the default, when
+    /// it can. A runner reports such a cell as not run, with this reason,
+    /// rather than as failed: nothing it would measure is wrong, it is
+    /// missing (`workbook run --require-all` makes it a failure, for CI).
+    fn unavailable(&self, params: &Self::Params) -> Option<String> {
+        let _ = params;
+        None
+    }
+
     /// Every metric `run` may record, with its unit and meaning. The runner
     /// holds the plugin to it (a metric recorded but not declared is the
     /// cell's error), and `workbook validate` checks each assertion's
@@ -114,6 +125,9 @@ pub trait DynPlugin: Send + Sync {
     fn validate_params(&self, params: &toml::Table) -> Result<Vec<crate::Violation>, ParamError>;
     /// See [`Plugin::memory_floor`]; `None` for a table that does not parse.
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)>;
+    /// See [`Plugin::unavailable`]; `None` for a table that does not parse
+    /// (its error is the cell's).
+    fn unavailable_with(&self, params: &toml::Table) -> Option<String>;
     /// See [`Plugin::notebook`]; `None` for a plugin whose experiment a
     /// notebook cannot compile (an external program's).
     fn notebook_source(&self) -> Option<crate::notebook::NotebookSource> {
@@ -130,11 +144,13 @@ pub trait DynPlugin: Send + Sync {
                 params: Ok(filled),
                 violations: self.validate_params(params).unwrap_or_default(),
                 memory_floor: self.memory_floor_of(params),
+                unavailable: self.unavailable_with(params),
             },
             Err(e) => Verdict {
                 params: Err(e),
                 violations: Vec::new(),
                 memory_floor: None,
+                unavailable: None,
             },
         }
     }
@@ -195,6 +211,11 @@ impl<T: Plugin> DynPlugin for T {
     fn memory_floor_of(&self, params: &toml::Table) -> Option<(u64, String)> {
         let typed: T::Params = parse(params).ok()?;
         self.memory_floor(&typed)
+    }
+
+    fn unavailable_with(&self, params: &toml::Table) -> Option<String> {
+        let typed: T::Params = parse(params).ok()?;
+        self.unavailable(&typed)
     }
 
     fn notebook_source(&self) -> Option<crate::notebook::NotebookSource> {

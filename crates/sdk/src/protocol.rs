@@ -135,6 +135,11 @@ pub struct Verdict {
     pub violations: Vec<Violation>,
     /// The least memory the cell must hold, and what it is.
     pub memory_floor: Option<(u64, String)>,
+    /// Why this build of the plugin cannot run the cell, if it cannot (see
+    /// [`Plugin::unavailable`](crate::Plugin::unavailable)); absent from
+    /// the answers of plugins built before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// One line from a worker.

@@ -209,6 +209,7 @@ pub fn serve(plugins: &[&dyn DynPlugin], mut input: impl BufRead) -> ExitCode {
                         }),
                         violations: Vec::new(),
                         memory_floor: None,
+                        unavailable: None,
                     },
                 })
                 .collect();

@@ -6,6 +6,15 @@ use workbook_sdk::{anyhow, Rules};
 /// The most ranks a cell may ask for (`--ranks` included).
 pub const MAX_RANKS: usize = 64;
 
+/// `n` ranks, as a message says it: "1 rank", "2 ranks".
+pub fn ranks(n: usize) -> String {
+    if n == 1 {
+        "1 rank".to_owned()
+    } else {
+        format!("{n} ranks")
+    }
+}
+
 /// How a cell splits its batch over the ranks, which sets the counts it
 /// can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -107,6 +107,13 @@ impl Plugin for GptRanks {
         ))
     }
 
+    fn unavailable(&self, p: &Params) -> Option<String> {
+        // One process runs here; the counts above it are MPI jobs.
+        let (counts, _) = counts::with_flag(&p.ranks, Split::Sequences(p.batch)).ok()?;
+        let jobs: Vec<usize> = counts.into_iter().filter(|&n| n > 1).collect();
+        launch::unavailable(&jobs)
+    }
+
     fn metrics(&self) -> Vec<MetricSpec> {
         vec![
             MetricSpec::count("psi", "parameters of the model, Ψ"),
@@ -175,12 +182,12 @@ impl Plugin for GptRanks {
                 ranks: n,
                 stages: Stage::ALL.to_vec(),
             };
-            ctx.progress(&format!("planning {n} rank(s) from one rehearsed"));
+            ctx.progress(&format!("planning {} from one rehearsed", counts::ranks(n)));
             // A plan that fails loses only its own count's rows.
             let planned = match plan(&mut own, &req) {
                 Ok(planned) => planned,
                 Err(e) => {
-                    failures.push(format!("planning {n} rank(s): {e:#}"));
+                    failures.push(format!("planning {}: {e:#}", counts::ranks(n)));
                     continue;
                 }
             };
@@ -193,7 +200,10 @@ impl Plugin for GptRanks {
                 let name = stage.map_or("one process", |s| s.name());
                 let Some(option) = whole_batch(&planned.candidates, stage, planned.batch_per_rank)
                 else {
-                    failures.push(format!("{name} on {n} rank(s): no plan of the whole batch"));
+                    failures.push(format!(
+                        "{name} on {}: no plan of the whole batch",
+                        counts::ranks(n)
+                    ));
                     continue;
                 };
                 let v = VerifyRequest {
@@ -201,7 +211,7 @@ impl Plugin for GptRanks {
                     max_memory: workbook_sdk::meter::limit(),
                     ..VerifyRequest::new(&req, option, p.steps)?
                 };
-                ctx.progress(&format!("{name} on {n} rank(s)"));
+                ctx.progress(&format!("{name} on {}", counts::ranks(n)));
                 let measured = match stage {
                     None => {
                         // A warm-up step first, as each rank runs.
@@ -240,13 +250,13 @@ impl Plugin for GptRanks {
                         cannot_start = Some(e.to_string());
                         break;
                     }
-                    Err(e) => failures.push(format!("{name} on {n} rank(s): {e:#}")),
+                    Err(e) => failures.push(format!("{name} on {}: {e:#}", counts::ranks(n))),
                 }
             }
         }
         if let (Some(why), false) = (&cannot_start, skipped.is_empty()) {
             let listed: Vec<String> = skipped.iter().map(|n| n.to_string()).collect();
-            failures.push(format!("{} rank(s): {why}", listed.join(", ")));
+            failures.push(format!("{} ranks: {why}", listed.join(" and ")));
         }
         if !rows.is_empty() {
             table(ctx, &rows, &p);

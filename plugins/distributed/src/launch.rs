@@ -66,14 +66,32 @@ impl std::fmt::Display for CannotStart {
 
 impl std::error::Error for CannotStart {}
 
-/// Why this build cannot start ranks, if it cannot.
+/// Why this build cannot start ranks, if it cannot: it was built without
+/// MPI, or no `mpirun` is on the `PATH`.
 pub fn cannot_start() -> Option<CannotStart> {
-    (!built_with_mpi()).then(|| {
-        CannotStart(format!(
+    if !built_with_mpi() {
+        return Some(CannotStart(format!(
             "this runs MPI ranks, and this workbook was built without the `mpi` feature: \
              {INSTALL}"
+        )));
+    }
+    which::which("mpirun").err().map(|e| {
+        CannotStart(format!(
+            "this runs MPI ranks, and no `mpirun` was found on the PATH ({e}): install Open MPI \
+             (Debian and Ubuntu: apt install openmpi-bin)"
         ))
     })
+}
+
+/// Why a cell that starts MPI jobs of these rank counts cannot run in this
+/// build (see [`Plugin::unavailable`](workbook_sdk::Plugin::unavailable));
+/// `None` when it can, or starts none. The same for every such cell, so
+/// that a run says it once for them all.
+pub fn unavailable(counts: &[usize]) -> Option<String> {
+    if counts.is_empty() {
+        return None;
+    }
+    cannot_start().map(|why| why.to_string())
 }
 
 /// The executable that serves as a rank: `$WORKBOOK_BIN`, else this one.

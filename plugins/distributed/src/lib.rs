@@ -122,6 +122,13 @@ impl Plugin for ZeroStages {
         ))
     }
 
+    fn unavailable(&self, p: &Params) -> Option<String> {
+        // Every count, one rank included, is an MPI job. A `--ranks` that
+        // cannot be read is the cell's error when it runs.
+        let (counts, _) = counts::with_flag(&p.ranks, Split::Rows(p.batch)).ok()?;
+        launch::unavailable(&counts)
+    }
+
     fn metrics(&self) -> Vec<MetricSpec> {
         vec![
             MetricSpec::count("psi", "parameters of the model, Ψ"),
@@ -181,7 +188,7 @@ impl Plugin for ZeroStages {
         // rank by rank.
         let mut largest: Vec<RankReport> = Vec::new();
         for &n in &to_run {
-            ctx.progress(&format!("{n} rank(s)"));
+            ctx.progress(&counts::ranks(n));
             let job = Job {
                 ranks: n,
                 layers: p.layers,
@@ -198,12 +205,12 @@ impl Plugin for ZeroStages {
             let outcome = match launch(&job) {
                 Ok(o) => o,
                 Err(e) => {
-                    failures.push(format!("{n} ranks: {e:#}"));
+                    failures.push(format!("{}: {e:#}", counts::ranks(n)));
                     break;
                 }
             };
             if let Some(e) = &outcome.error {
-                failures.push(format!("{n} ranks: {e}"));
+                failures.push(format!("{}: {e}", counts::ranks(n)));
             }
             for stage in Stage::ALL {
                 let per_rank = stage_reports(&outcome.reports, stage);

@@ -31,7 +31,7 @@ fn one_process_is_measured_and_the_install_is_said_once() {
     assert_eq!(
         err,
         format!(
-            "2, 4 rank(s): this runs MPI ranks, and this workbook was built without the `mpi` \
+            "2 and 4 ranks: this runs MPI ranks, and this workbook was built without the `mpi` \
              feature: {INSTALL}"
         )
     );
