@@ -43,6 +43,8 @@
 pub mod export;
 #[cfg(feature = "runner")]
 pub mod live;
+#[cfg(feature = "runner")]
+mod names;
 
 use std::ffi::OsString;
 use std::io::Write as _;
