@@ -59,26 +59,48 @@ def run(check, device, cells):
     return json.loads(ours.stdout), json.loads(theirs.stdout)
 
 
+def number(value):
+    """A metric as a float: the workbook writes NaN and the infinities as the
+    strings "NaN", "inf" and "-inf" (JSON has no such numbers); None where
+    the value is missing or not a number at all."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 def fmt(name, value):
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    value = number(value)
+    if value is None or math.isnan(value):
         return "n/a"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
     if "ratio" in name or "overhead" in name:
         return f"{value:,.3g}"
     if "bytes" in name or name.startswith(("peak", "act_peak", "act_held", "activation_peak")):
         return f"{value / 2**20:,.2f} MiB"
     if "time" in name or "seconds" in name:
         return f"{value * 1e3:,.2f} ms"
-    if float(value).is_integer():
+    if value.is_integer():
         return f"{value:,.0f}"
     return f"{value:,.4g}"
 
 
 def ratio(mine, theirs):
-    """mine / theirs, or n/a where either is missing, NaN or theirs is 0."""
-    numbers = isinstance(mine, (int, float)) and isinstance(theirs, (int, float))
-    if numbers and theirs and not math.isnan(theirs) and not math.isnan(mine):
-        return f"{mine / theirs:.2f}"
-    return "n/a"
+    """mine / theirs, or n/a where either is missing or not finite, or
+    theirs is 0."""
+    mine, theirs = number(mine), number(theirs)
+    if mine is None or theirs is None or not theirs:
+        return "n/a"
+    if not (math.isfinite(mine) and math.isfinite(theirs)):
+        return "n/a"
+    return f"{mine / theirs:.2f}"
 
 
 def rows(ours, theirs):

@@ -5,10 +5,13 @@
 
 RESULTS holds what gpu-check.sh wrote: summary.tsv (each step's status and
 seconds), info.out, chapter2.json and torch-chapter2.json (chapter 2 on both
-sides), gpt-f32.json / gpt-bf16.json (`workbook plan --json`: the GPT step's
-peaks and times at batch 1, 2 and 4) and torch-gpt-f32.json /
-torch-gpt-bf16.json (scripts/torch_gpt.py at batch 4). What a step did not
-produce is said, not guessed. Needs only Python's standard library.
+sides), gpt-f32-RECIPE.json / gpt-bf16-RECIPE.json (`workbook plan --json`,
+one recipe each: the GPT step's peaks and times at batch 1, 2 and 4; a
+single gpt-f32.json of every recipe is read too), torch-gpt-f32.json /
+torch-gpt-bf16.json (scripts/torch_gpt.py at batch 4), meter.out (the
+meter's test) and plan-verify.json. What a step did not produce is said, not
+guessed, and a file that cannot be read costs only its own section. Needs
+only Python's standard library.
 """
 
 import json
@@ -69,6 +72,8 @@ def chapter2(folder):
     if ours is None or theirs is None:
         missing = [n for n, v in (("chapter2.json", ours), ("torch-chapter2.json", theirs)) if v is None]
         return f"Not measured: {', '.join(missing)} missing or unreadable (see summary.tsv)."
+    if ours["mode"] != theirs.get("mode"):
+        return f"Not compared: the workbook ran at {ours['mode']} size, PyTorch at {theirs.get('mode')} size."
     head = (
         f"workbook {ours['workbook_version']} on {ours['device']} (meter {ours['meter']}); "
         f"torch {theirs['torch']} on {theirs['device']}; {ours['mode']} size.\n\n"
@@ -103,23 +108,41 @@ def chapters(folder):
     return table(("chapter", "cell", "status", "what failed", "checked on another device only"), body)
 
 
+def gpt_calibrations(folder, dtype):
+    """The uncheckpointed calibrations of every recipe `plan` measured in
+    `dtype`, by recipe: from one file per recipe (a recipe that failed
+    costs only its own) or one file of them all."""
+    found = {}
+    paths = sorted(folder.glob(f"gpt-{dtype}-*.json")) + [folder / f"gpt-{dtype}.json"]
+    for path in paths:
+        ours = load(folder, path.name)
+        if ours is None:
+            continue
+        for c in ours["plan"]["calibrations"]:
+            if not c["checkpointed"]:
+                found.setdefault(c["recipe"], c)
+    return found
+
+
 def gpt(folder, dtype):
-    ours, theirs = load(folder, f"gpt-{dtype}.json"), load(folder, f"torch-gpt-{dtype}.json")
-    if ours is None:
+    calibrations = gpt_calibrations(folder, dtype)
+    theirs = load(folder, f"torch-gpt-{dtype}.json")
+    if not calibrations:
         return f"Not measured in {dtype}: the workbook's result is missing (see summary.tsv)."
-    calibrations = {c["recipe"]: c for c in ours["plan"]["calibrations"] if not c["checkpointed"]}
     if theirs is None:
         # The workbook's side alone: PyTorch's was not measured.
         theirs = {"config": {"batch": 4}, "metrics": {}}
     batch = theirs["config"]["batch"]
-    if batch not in (1, 2, 4):
-        return f"PyTorch ran batch {batch}; the workbook calibrates batch 1, 2 and 4."
-    i = (1, 2, 4).index(batch)
     body = []
     for recipe, attention in GPT_PAIRS:
         c = calibrations.get(recipe)
         if c is None:
+            body.append((recipe, attention, "not measured", "", "", "", "", ""))
             continue
+        if batch not in c["batches"]:
+            body.append((recipe, attention, f"batch {batch} not calibrated", "", "", "", "", ""))
+            continue
+        i = c["batches"].index(batch)
         peak, seconds = c["peaks"][i], c["seconds"][i]
         torch_peak = theirs["metrics"].get(f"peak_{attention}")
         # The workbook's calibrated step follows two warm-up steps of the
@@ -170,6 +193,51 @@ def machine(info):
     return "\n".join(out)
 
 
+def meter(folder):
+    """The meter's test: its result line and every test that did not pass."""
+    try:
+        lines = (folder / "meter.out").read_text().splitlines()
+    except OSError:
+        return "Not run (see summary.tsv)."
+    kept = [
+        line
+        for line in lines
+        if line.startswith("test result:") or (line.startswith("test ") and not line.endswith(" ok"))
+    ]
+    try:
+        err = (folder / "meter.err").read_text().splitlines()
+    except OSError:
+        err = []
+    kept += [line for line in err if "panicked" in line or line.startswith(("error", "thread"))][:20]
+    return "```\n" + "\n".join(kept or ["(no test lines: see gpu-check.log)"]) + "\n```"
+
+
+def verified(folder):
+    """`plan --verify`: the chosen step, predicted and measured on the card."""
+    result = load(folder, "plan-verify.json")
+    if result is None:
+        return "Not measured (see summary.tsv)."
+    chosen, check = result["plan"]["chosen"], result["verification"]
+    how = f"{chosen['recipe']}, {chosen['dtype']}, micro-batch {chosen['micro_batch']} x {chosen['micro_steps']}"
+    if chosen.get("checkpointed"):
+        how += ", checkpointed"
+    body = [
+        ("peak", fmt("peak", check["predicted"]), fmt("peak", check["peak"]), ratio(check["peak"], check["predicted"])),
+        ("step", fmt("time", chosen["seconds"]), fmt("time", check["seconds"]), ratio(check["seconds"], chosen["seconds"])),
+    ]
+    head = f"Within {fmt('bytes', check['budget'])} on {check['ranks']} rank(s) the plan chose {how}.\n\n"
+    return head + table(("", "predicted", "measured", "measured / predicted"), body)
+
+
+def section(title, make, *args):
+    """A titled section; a file it cannot read costs only this section."""
+    try:
+        text = make(*args)
+    except Exception as e:  # noqa: BLE001 (any malformed input: say it and go on)
+        text = f"Could not be read: {type(e).__name__}: {e}"
+    return f"## {title}\n\n{text}"
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -182,11 +250,13 @@ def main():
         "(the workbook's CUDA meter; PyTorch's `max_memory_allocated`); a ratio above 1 means "
         "the workbook held more or took longer.",
         "## The machine\n\n```\n" + machine(info) + "\n```",
-        "## The run\n\n" + table(("step", "status", "seconds", "limit"), steps(folder)),
-        "## The chapters' cells\n\n" + chapters(folder),
-        "## Chapter 2's experiments\n\n" + chapter2(folder),
-        "## Chapter 3's GPT step, f32\n\n" + gpt(folder, "f32"),
-        "## Chapter 3's GPT step, bf16\n\n" + gpt(folder, "bf16"),
+        section("The run", lambda: table(("step", "status", "seconds", "limit"), steps(folder))),
+        section("The meter's test", meter, folder),
+        section("The chapters' cells", chapters, folder),
+        section("Chapter 2's experiments", chapter2, folder),
+        section("Chapter 3's GPT step, f32", gpt, folder, "f32"),
+        section("Chapter 3's GPT step, bf16", gpt, folder, "bf16"),
+        section("The plan, verified on the card", verified, folder),
     ]
     print("\n\n".join(parts))
 
