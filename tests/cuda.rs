@@ -716,10 +716,21 @@ fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits
 }
 
 /// `workbook` (this CUDA build) with `args`, from the repository's root.
+/// Runs the workbook binary in the source tree. This test binary may run
+/// where it was not built (`scripts/gpu-check.sh` carries it, packed): there
+/// `WORKBOOK_BIN` names the packed workbook, run from the current folder
+/// (the tree's root), as the build folder's path is of no use.
 fn workbook(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_workbook"))
+    let mut command = match std::env::var_os("WORKBOOK_BIN") {
+        Some(bin) => std::process::Command::new(bin),
+        None => {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_workbook"));
+            c.current_dir(env!("CARGO_MANIFEST_DIR"));
+            c
+        }
+    };
+    command
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("the workbook binary runs")
 }
