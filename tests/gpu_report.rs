@@ -8,24 +8,8 @@ use std::fs;
 use std::path::Path;
 use std::process::Command;
 
-/// The Python that runs the scripts, or `None` (the test skipped) where
-/// there is none and CI did not ask for one.
-fn python() -> Option<String> {
-    let python = std::env::var("WORKBOOK_PYTHON").unwrap_or_else(|_| "python3".into());
-    let runs = Command::new(&python)
-        .args(["-c", "import json"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !runs {
-        assert!(
-            std::env::var("WORKBOOK_REQUIRE_NBFORMAT").is_err(),
-            "WORKBOOK_REQUIRE_NBFORMAT is set but `{python}` does not run"
-        );
-        eprintln!("skipped: no `{python}`");
-        return None;
-    }
-    Some(python)
-}
+mod common;
+use common::python_with;
 
 fn calibration(recipe: &str, peaks: [u64; 3], seconds: [f64; 3]) -> String {
     format!(
@@ -83,7 +67,10 @@ fn results(dir: &Path) {
 
 #[test]
 fn a_run_with_non_finite_metrics_and_failed_steps_still_gets_its_whole_report() {
-    let Some(python) = python() else { return };
+    // The standard library's json: any Python 3.
+    let Some(python) = python_with("json", "install Python 3") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     results(dir.path());
     let out = Command::new(python)

@@ -9,7 +9,7 @@ use serde_json::Value;
 use workbook::{Notebook, NotebookError, Status};
 
 mod common;
-use common::{light, text, CELLS};
+use common::{light, python_with, text, CELLS};
 
 fn workbook(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_workbook"))
@@ -96,19 +96,7 @@ fn export(args: &[&str]) -> (Value, tempfile::TempDir, PathBuf) {
 
 /// nbformat's reference validator, when Python has it.
 fn nbformat_validate(path: &Path) -> Option<Result<(), String>> {
-    let python = std::env::var("WORKBOOK_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&python)
-        .args(["-c", "import nbformat"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        assert!(
-            std::env::var("WORKBOOK_REQUIRE_NBFORMAT").is_err(),
-            "WORKBOOK_REQUIRE_NBFORMAT is set but `{python}` cannot import nbformat"
-        );
-        eprintln!("skipped: `{python}` cannot import nbformat (pip install nbformat)");
-        return None;
-    }
+    let python = python_with("nbformat", "pip install nbformat")?;
     let o = Command::new(&python)
         .args([
             "-c",

@@ -131,3 +131,23 @@ pub fn none_left(mark: &str, limit: std::time::Duration) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// The Python that runs the repository's scripts (`WORKBOOK_PYTHON`, else
+/// `python3`) when it can import `module`; `None`, the test to be skipped,
+/// where it cannot, unless CI (`WORKBOOK_REQUIRE_NBFORMAT`) requires it.
+pub fn python_with(module: &str, install: &str) -> Option<String> {
+    let python = std::env::var("WORKBOOK_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = Command::new(&python)
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        assert!(
+            std::env::var("WORKBOOK_REQUIRE_NBFORMAT").is_err(),
+            "WORKBOOK_REQUIRE_NBFORMAT is set but `{python}` cannot import {module}"
+        );
+        eprintln!("skipped: `{python}` cannot import {module} ({install})");
+        return None;
+    }
+    Some(python)
+}
