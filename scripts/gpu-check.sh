@@ -15,12 +15,13 @@
 # machine must carry it.
 #
 # Each step has its own time limit, so a hang costs only its share; the
-# limits, with each step's grace to stop, add up to at most 8 minutes.
-# Everything lands in DIR (default $OUT): gpu-check.log (every step's
-# output), comparison-gpu.md (the tables, from scripts/gpu_report.py,
-# written anew after every step, so that a run cut short keeps what it
-# measured) and results.tar.gz (each step's files). Exit status: 0 when every step passed or was skipped for a reason
-# it names, 1 when a step failed, 2 for a bad command line or a missing pack.
+# limits, with each step's grace to stop, add up to at most 7 minutes (a
+# minute of the 8 is left for the rest). Everything lands in DIR (default
+# $OUT): gpu-check.log (every step's output), comparison-gpu.md (the tables,
+# from scripts/gpu_report.py, written anew after every step, so that a run
+# cut short keeps what it measured) and results.tar.gz (each step's files).
+# Exit status: 0 when every step passed or was skipped for a reason it
+# names, 1 when a step failed, 2 for a bad command line or a missing pack.
 #
 # Environment: WORKBOOK_GPU_PACK (default gpu-pack), WORKBOOK_TORCH_PYTHON
 # (the Python that has PyTorch; default python3), WORKBOOK_CUDA_CACHE (for

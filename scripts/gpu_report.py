@@ -194,21 +194,25 @@ def machine(info):
 
 
 def meter(folder):
-    """The meter's test: its result line and every test that did not pass."""
-    try:
-        lines = (folder / "meter.out").read_text().splitlines()
-    except OSError:
+    """The meter's test: its result line, every test that did not pass and
+    where each panicked (the harness prints a failed test's panic with its
+    output, on stdout)."""
+    lines = []
+    for name in ("meter.out", "meter.err"):
+        try:
+            lines += (folder / name).read_text().splitlines()
+        except OSError:
+            pass
+    if not lines:
         return "Not run (see summary.tsv)."
     kept = [
         line
         for line in lines
-        if line.startswith("test result:") or (line.startswith("test ") and not line.endswith(" ok"))
-    ]
-    try:
-        err = (folder / "meter.err").read_text().splitlines()
-    except OSError:
-        err = []
-    kept += [line for line in err if "panicked" in line or line.startswith(("error", "thread"))][:20]
+        if line.startswith("test result:")
+        or (line.startswith("test ") and not line.endswith(" ok"))
+        or "panicked" in line
+        or line.startswith(("error", "thread"))
+    ][:40]
     return "```\n" + "\n".join(kept or ["(no test lines: see gpu-check.log)"]) + "\n```"
 
 

@@ -716,10 +716,10 @@ fn the_lean_layers_bias_and_relu_are_added_in_place_on_the_gpu_with_candles_bits
 }
 
 /// `workbook` (this CUDA build) with `args`, from the repository's root.
-/// Runs the workbook binary in the source tree. This test binary may run
-/// where it was not built (`scripts/gpu-check.sh` carries it, packed): there
-/// `WORKBOOK_BIN` names the packed workbook, run from the current folder
-/// (the tree's root), as the build folder's path is of no use.
+/// This test binary may run where it was not built (`scripts/gpu-check.sh`
+/// carries it, packed): there `WORKBOOK_BIN` names the packed workbook, run
+/// from the current folder (the tree's root), as the build folder's path is
+/// of no use.
 fn workbook(args: &[&str]) -> std::process::Output {
     let mut command = match std::env::var_os("WORKBOOK_BIN") {
         Some(bin) => std::process::Command::new(bin),
