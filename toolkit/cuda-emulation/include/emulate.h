@@ -2,7 +2,10 @@
 // arithmetic, indexing, masking and launch grids are tested where there is
 // no GPU: each block's threads are real threads, released together at
 // every __syncthreads by a std::barrier, and blocks run one after the other
-// (so a block's __shared__ arrays can be function statics). The rounded
+// (so a block's __shared__ arrays can be function statics). A warp's
+// shuffle meets its 32 threads at a barrier of their own, so a kernel whose
+// threads of one warp reach different shuffles hangs here instead of
+// passing. The rounded
 // intrinsics are C++'s own float and double operations, IEEE's, each
 // rounded on its own (compiled with -ffp-contract=off, so nothing fuses).
 #pragma once
@@ -10,6 +13,10 @@
 #include <barrier>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -25,6 +32,47 @@ inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 inline std::barrier<> *emulated_barrier = nullptr;
 inline void __syncthreads() { emulated_barrier->arrive_and_wait(); }
+
+// One warp of the block being run: its threads' barrier and the values
+// they hand each other in a shuffle.
+struct EmulatedWarp {
+  explicit EmulatedWarp(unsigned size) : size(size), barrier(size) {}
+  unsigned size;
+  std::barrier<> barrier;
+  unsigned char slots[32][8];
+};
+inline std::vector<std::unique_ptr<EmulatedWarp>> emulated_warps;
+
+// `__shfl_xor_sync(mask, var, lane_mask, width)`: the value of `var` in lane
+// `lane ^ lane_mask`, or the caller's own where that lane lies in a later
+// group of `width` lanes. Every lane of the warp must take part (the
+// kernels shuffle only with a full mask); anything else stops the harness.
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8, "a shuffled value has at most 8 bytes");
+  EmulatedWarp &warp = *emulated_warps[threadIdx.x / 32];
+  const unsigned lane = threadIdx.x % 32;
+  const unsigned full = warp.size == 32 ? 0xffffffffu : (1u << warp.size) - 1;
+  if ((mask & full) != full) {
+    std::fprintf(stderr, "__shfl_xor_sync with mask %#x leaves out lanes of a warp of %u\n", mask,
+                 warp.size);
+    std::abort();
+  }
+  const unsigned source = lane ^ static_cast<unsigned>(lane_mask);
+  std::memcpy(warp.slots[lane], &var, sizeof(T));
+  warp.barrier.arrive_and_wait();
+  T got = var;
+  if (source / width <= lane / width) {
+    if (source >= warp.size) {
+      std::fprintf(stderr, "__shfl_xor_sync reads lane %u of a warp of %u\n", source, warp.size);
+      std::abort();
+    }
+    std::memcpy(&got, warp.slots[source], sizeof(T));
+  }
+  // No lane writes its next value before every lane has read this one.
+  warp.barrier.arrive_and_wait();
+  return got;
+}
 using std::max;
 using std::min;
 
@@ -51,6 +99,10 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
       std::barrier<> barrier(block.x);
       emulated_barrier = &barrier;
+      emulated_warps.clear();
+      for (unsigned first = 0; first < block.x; first += 32) {
+        emulated_warps.push_back(std::make_unique<EmulatedWarp>(std::min(32u, block.x - first)));
+      }
       std::vector<std::thread> threads;
       for (unsigned tx = 0; tx < block.x; ++tx) {
         threads.emplace_back([=] {

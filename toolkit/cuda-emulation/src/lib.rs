@@ -2,7 +2,8 @@
 //!
 //! `include/` holds just enough of CUDA for the toolkit's `.cu` files to
 //! compile as C++20: `__global__` functions, a block's threads as real
-//! threads meeting at a `std::barrier` for `__syncthreads`, `__shared__`
+//! threads meeting at a `std::barrier` for `__syncthreads` (and each warp's
+//! at one of its own for `__shfl_xor_sync`), `__shared__`
 //! arrays as statics (blocks run one after another), the intrinsics that
 //! round each operation on their own, and `__half` and `__nv_bfloat16`
 //! with round-to-nearest-even. A test writes a C++ harness that includes

@@ -1,0 +1,56 @@
+//! `__shfl_xor_sync` as the kernels use it: a butterfly over a warp or a
+//! group of lanes leaves every lane holding the group's sum, and a lane
+//! past its group of `width` reads its own value.
+
+use std::path::Path;
+
+use candle_toolkit_cuda_emulation::{compile, run};
+
+/// Each thread's (warp sum, group-of-4 sum, value read across groups).
+fn shuffled(block: u32) -> Vec<[i64; 3]> {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shuffle/harness.cpp");
+    let out = run(&compile(&source), [block.to_string()]);
+    String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let v: Vec<i64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+            [v[0], v[1], v[2]]
+        })
+        .collect()
+}
+
+#[test]
+fn butterflies_sum_over_their_lanes_in_every_warp() {
+    let got = shuffled(64);
+    assert_eq!(got.len(), 64);
+    for (t, [warp, group, crossed]) in got.into_iter().enumerate() {
+        let t = t as i64;
+        let first = t / 32 * 32;
+        assert_eq!(warp, (first..first + 32).sum::<i64>(), "thread {t}");
+        let start = t / 4 * 4;
+        assert_eq!(group, (start..start + 4).sum::<i64>(), "thread {t}");
+        // Lane ^ 4 is in the next group of 4 for lanes 0-3 of each 8 and
+        // in the previous one for lanes 4-7, which may read it.
+        let lane = t % 32;
+        let want = if lane % 8 < 4 {
+            t * 10
+        } else {
+            (first + (lane ^ 4)) * 10
+        };
+        assert_eq!(crossed, want, "thread {t}");
+    }
+}
+
+#[test]
+fn a_shuffle_past_a_partial_warp_stops_the_harness() {
+    // 40 threads: a warp of 32 and one of 8.
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shuffle/harness.cpp");
+    let exe = compile(&source);
+    let status = std::process::Command::new(&exe).arg("40").output().unwrap();
+    // The warp-wide butterfly reads lane 8 and up of an 8-lane warp: the
+    // emulation stops rather than make a value up.
+    assert!(!status.status.success());
+    let err = String::from_utf8_lossy(&status.stderr);
+    assert!(err.contains("reads lane"), "{err}");
+}
