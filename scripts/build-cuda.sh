@@ -5,8 +5,9 @@
 #   scripts/build-cuda.sh          build the release binary, print how to run it
 #   scripts/build-cuda.sh build-dev  the same with the dev profile (optimised
 #                                  dependencies; what CI packs for the dry run)
-#   scripts/build-cuda.sh check    lint the cuda feature and test its meter's interposer
-#                                  against a stand-in driver (what CI does)
+#   scripts/build-cuda.sh check    lint the cuda feature, test its meter's interposer
+#                                  against a stand-in driver, and hold the toolkit's
+#                                  kernels to no spill to local memory (what CI does)
 #   scripts/build-cuda.sh wheels   only install the wheels
 #
 # Exit status 3: the wheels could not be installed (no PyPI); anything else
@@ -143,7 +144,31 @@ if [ "$mode" = check ]; then
   # The interposer against the stand-in driver; the GPU tests skip.
   LD_LIBRARY_PATH="$lib/fake:$cuda/lib" WORKBOOK_FAKE_DRIVER=1 \
     cargo test --features cuda --test cuda
-  exit 0
+  # The toolkit's kernels as ptxas assembles them for the card: registers a
+  # thread, and no spill to local memory, which would cost every launch
+  # (the tiled attention's backward spilled at head dimension 128 once).
+  resources="$(mktemp -d)"
+  trap 'rm -rf "$resources"' EXIT
+  spilled=0
+  for source in toolkit/*/kernels/*.cu; do
+    nvcc -arch="sm_$CUDA_COMPUTE_CAP" -O3 -cubin -Xptxas -v -o "$resources/kernel.cubin" \
+      "$source" 2>"$resources/ptxas.txt"
+    # ptxas prints, per kernel, its name, then its stack and spills, then
+    # its registers.
+    awk -v file="$source" '
+      /Compiling entry function/ { match($0, /\x27[^\x27]+\x27/); name = substr($0, RSTART + 1, RLENGTH - 2) }
+      /spill stores/ { stores = $5 + 0; loads = $9 + 0 }
+      /Used [0-9]+ registers/ {
+        match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15)
+        printf "%-34s %3d registers, %d bytes spilled, %d reloaded\n", name, regs, stores, loads
+        if (stores > 0 || loads > 0) bad = 1
+      }
+      END { exit bad }' "$resources/ptxas.txt" || {
+      echo "error: a kernel of $source spills to local memory (above)" >&2
+      spilled=1
+    }
+  done
+  exit "$spilled"
 fi
 
 if [ "$mode" = build ]; then

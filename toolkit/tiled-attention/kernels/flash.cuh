@@ -1,12 +1,15 @@
 // The tiled attention on a CUDA GPU: the forward with its log-sum-exp and
 // the recomputing backward (src/forward.rs and src/backward.rs compose the
 // same arithmetic from candle's operations, one launch per operation and
-// block). Each thread owns one row (a query in the forward and in dQ's
-// kernel, a key in dK's and dV's), holds it in registers (at D = 128 the
-// backward's two rows of 128 floats spill to local memory), and walks the
-// other side's rows through shared memory a tile at a time; its running sums
-// live in shared memory, padded by one column so that a warp's threads hit
-// 32 different banks. Nothing of size `n x n` exists anywhere.
+// block). Each row (a query in the forward and in dQ's kernel, a key in
+// dK's and dV's) belongs to a group of D / 16 consecutive threads, its
+// lanes: each lane holds 16 of the row's columns in registers, interleaved
+// (lane l holds columns l, l + lanes, ...) so that a group reads
+// consecutive words of a tile, and its share of every running sum. A dot
+// product is each lane's partial sum, added across the group by warp
+// shuffles (a butterfly, which leaves every lane the same bits). The block
+// walks the other side's rows through shared memory a tile at a time.
+// Nothing of size `n x n` exists anywhere.
 //
 // The kernels' bodies; flash_32.cu, flash_64.cu and flash_128.cu each
 // instantiate them at one D (src/flash_cuda.rs launches them).
@@ -17,6 +20,10 @@
 // are read as f32 and every sum is f32; outputs are rounded once to the
 // element type. The causal mask is top-left aligned: query i sees keys
 // 0..=i.
+//
+// Every thread of a block runs the same loops the same number of times
+// (their bounds depend on the block, never on the row), so every lane of a
+// warp reaches every shuffle, as a full mask requires.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,16 +37,26 @@ __device__ __forceinline__ void put(float *p, float x) { *p = x; }
 __device__ __forceinline__ void put(__half *p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void put(__nv_bfloat16 *p, float x) { *p = __float2bfloat16_rn(x); }
 
-// Threads (owned rows) per block: 64, or 32 at D = 128, where each row's
-// sums take twice the room. A streamed tile holds a fixed number of
-// elements, so that a block's shared memory stays under the 48 KiB every
-// launch may have, and the fully unrolled loops over a tile (which keep
-// each row's scores in registers) stay one size whatever D is.
+// A block is 128 threads, four warps: 64 rows of 2 lanes at D = 32, 32 of
+// 4 at 64, 16 of 8 at 128. A streamed tile is 32 rows of the other side,
+// at most 2 x 16 KiB of shared memory at D = 128, under the 48 KiB every
+// launch may have. (src/flash_plan.rs gives the same grid.)
 template <int D> struct Tiles {
-  static constexpr int ROWS = D <= 64 ? 64 : 32;
-  static constexpr int STREAM = 1024 / D;  // forward and dQ: keys per tile
-  static constexpr int STREAM_KV = 512 / D; // dK and dV: queries per tile
+  static constexpr int COLS = 16;               // columns a lane holds
+  static constexpr int LANES = D / COLS;        // lanes a row has
+  static constexpr int THREADS = 128;           // threads a block has
+  static constexpr int ROWS = THREADS / LANES;  // rows a block owns
+  static constexpr int STREAM = 32;             // rows a streamed tile has
+  static_assert(D % COLS == 0 && 32 % LANES == 0, "a row's lanes lie in one warp");
 };
+
+// `x` summed over the L lanes of a row (L a power of two, the lanes
+// consecutive and aligned): the same value on every lane.
+template <int L> __device__ __forceinline__ float lanes_sum(float x) {
+#pragma unroll
+  for (int m = L / 2; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
 
 // The element `c` of row `row` of a `(rows, width)` matrix, or 0 past its
 // end or its width (the padding).
@@ -50,31 +67,47 @@ __device__ __forceinline__ float at(const T *m, int rows, int width, int row, in
 
 // Rows `first..first + S` of two `(rows, width)` matrices (keys and values,
 // or queries and their output's gradient) into shared tiles, padded; the
-// block's R threads share the work, consecutive threads reading
+// block's N threads share the work, consecutive threads reading
 // consecutive elements.
-template <int D, int S, int R, typename T>
+template <int D, int S, int N, typename T>
 __device__ __forceinline__ void load_tiles(float (&a)[S][D], float (&b)[S][D], const T *ma,
                                            int width_a, const T *mb, int width_b, int rows,
                                            int first) {
-  for (int e = threadIdx.x; e < S * D; e += R) {
+  for (int e = threadIdx.x; e < S * D; e += N) {
     const int row = e / D, c = e % D;
     a[row][c] = at(ma, rows, width_a, first + row, c);
     b[row][c] = at(mb, rows, width_b, first + row, c);
   }
 }
 
-// The two dot products of the backward, `x . xs` (a score before its
-// scale) and `y . ys` (an element of dO V^T), over the padded dimension.
-template <int D>
-__device__ __forceinline__ void two_dots(const float (&x)[D], const float (&xs)[D],
-                                         const float (&y)[D], const float (&ys)[D], float &s,
-                                         float &dp) {
-  s = 0.0f;
-  dp = 0.0f;
+// A lane's columns of row `row`: column `lane + L * u` into `x[u]`.
+template <int D, typename T>
+__device__ __forceinline__ void load_row(float (&x)[Tiles<D>::COLS], const T *m, int rows,
+                                         int width, int row, int lane) {
 #pragma unroll
-  for (int c = 0; c < D; ++c) {
-    s = fmaf(x[c], xs[c], s);
-    dp = fmaf(y[c], ys[c], dp);
+  for (int u = 0; u < Tiles<D>::COLS; ++u) x[u] = at(m, rows, width, row, lane + Tiles<D>::LANES * u);
+}
+
+// A lane's share of `x . tile_row` over its columns.
+template <int D>
+__device__ __forceinline__ float partial_dot(const float (&x)[Tiles<D>::COLS],
+                                             const float (&tile_row)[D], int lane) {
+  float s = 0.0f;
+#pragma unroll
+  for (int u = 0; u < Tiles<D>::COLS; ++u) s = fmaf(x[u], tile_row[lane + Tiles<D>::LANES * u], s);
+  return s;
+}
+
+// A lane's columns of `x` (times `factor`) into row `row` of a `(_, width)`
+// matrix, those within its width.
+template <int D, typename T>
+__device__ __forceinline__ void store_row(T *m, int width, size_t row,
+                                          const float (&x)[Tiles<D>::COLS], float factor,
+                                          int lane) {
+#pragma unroll
+  for (int u = 0; u < Tiles<D>::COLS; ++u) {
+    const int c = lane + Tiles<D>::LANES * u;
+    if (c < width) put(&m[row * width + c], x[u] * factor);
   }
 }
 
@@ -83,41 +116,39 @@ __device__ __forceinline__ void two_dots(const float (&x)[D], const float (&xs)[
 template <typename T, int D>
 __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, int nq, int nk,
                         int d, int dv, int hq, int group, float scale, int causal) {
-  constexpr int R = Tiles<D>::ROWS, S = Tiles<D>::STREAM;
+  using Tl = Tiles<D>;
+  constexpr int L = Tl::LANES, C = Tl::COLS, R = Tl::ROWS, S = Tl::STREAM;
   __shared__ float ks[S][D];
   __shared__ float vs[S][D];
-  __shared__ float acc[R][D + 1];
-  const int t = threadIdx.x, r = blockIdx.y, i0 = blockIdx.x * R, i = i0 + t;
+  const int lane = threadIdx.x % L, r = blockIdx.y, i0 = blockIdx.x * R;
+  const int i = i0 + threadIdx.x / L;
   const int kv = (r / hq) * (hq / group) + (r % hq) / group;
-  const T *qr = q + (size_t)r * nq * d;
   const T *kr = k + (size_t)kv * nk * d;
   const T *vr = v + (size_t)kv * nk * dv;
-  float qi[D];
+  float qi[C], acc[C];
+  load_row<D>(qi, q + (size_t)r * nq * d, nq, d, i, lane);
 #pragma unroll
-  for (int c = 0; c < D; ++c) {
-    qi[c] = at(qr, nq, d, i, c);
-    acc[t][c] = 0.0f;
-  }
+  for (int u = 0; u < C; ++u) acc[u] = 0.0f;
   float m = -INFINITY, l = 0.0f;
   // The keys any of the block's queries sees.
   const int k_end = causal ? min(nk, i0 + R) : nk;
   for (int j0 = 0; j0 < k_end; j0 += S) {
     __syncthreads(); // every thread is done with the previous tile
-    load_tiles<D, S, R>(ks, vs, kr, d, vr, dv, nk, j0);
+    load_tiles<D, S, Tl::THREADS>(ks, vs, kr, d, vr, dv, nk, j0);
     __syncthreads();
     float p[S];
     float tile_max = -INFINITY;
 #pragma unroll
     for (int j = 0; j < S; ++j) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int c = 0; c < D; ++c) dot = fmaf(qi[c], ks[j][c], dot);
+      const float dot = lanes_sum<L>(partial_dot<D>(qi, ks[j], lane));
       const int key = j0 + j;
       p[j] = key < nk && (!causal || key <= i) ? dot * scale : -INFINITY;
       tile_max = fmaxf(tile_max, p[j]);
     }
     const float m_new = fmaxf(m, tile_max);
-    if (m_new == -INFINITY) continue; // no key of this tile is seen (rows past nq)
+    // No key of this tile is seen: the same on all of a row's lanes, and no
+    // shuffle follows before the next tile.
+    if (m_new == -INFINITY) continue;
     // Earlier tiles were exponentiated against the old maximum.
     const float correction = expf(m - m_new);
     float tile_sum = 0.0f;
@@ -128,30 +159,38 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     }
     l = l * correction + tile_sum;
     m = m_new;
-#pragma unroll 4
-    for (int c = 0; c < D; ++c) {
-      float a = acc[t][c] * correction;
 #pragma unroll
-      for (int j = 0; j < S; ++j) a = fmaf(p[j], vs[j][c], a);
-      acc[t][c] = a;
+    for (int u = 0; u < C; ++u) {
+      float a = acc[u] * correction;
+#pragma unroll
+      for (int j = 0; j < S; ++j) a = fmaf(p[j], vs[j][lane + L * u], a);
+      acc[u] = a;
     }
   }
   if (i < nq) {
-    T *o = out + ((size_t)r * nq + i) * dv;
-    for (int c = 0; c < dv; ++c) put(&o[c], acc[t][c] / l);
-    lse[(size_t)r * nq + i] = m + logf(l);
+#pragma unroll
+    for (int u = 0; u < C; ++u) acc[u] /= l;
+    store_row<D>(out, dv, (size_t)r * nq + i, acc, 1.0f, lane);
+    if (lane == 0) lse[(size_t)r * nq + i] = m + logf(l);
   }
 }
 
-// delta = rowsum(d_out * out), the softmax backward's correction term, one
-// thread per row of `rows`.
+// Rows of `delta` each block of the row-wise kernel computes at once: one
+// per warp of its 256 threads.
+constexpr int DELTA_THREADS = 256;
+
+// delta = rowsum(d_out * out), the softmax backward's correction term: a
+// warp per row of `rows`, its 32 lanes reading consecutive elements.
 template <typename T>
 __device__ void delta(const T *d_out, const T *out, float *dl, size_t rows, int dv) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < rows;
-       i += (size_t)blockDim.x * gridDim.x) {
+  const int lane = threadIdx.x % 32, warps = DELTA_THREADS / 32;
+  // The bound and the step are the warp's own: its lanes shuffle together.
+  for (size_t i = (size_t)blockIdx.x * warps + threadIdx.x / 32; i < rows;
+       i += (size_t)gridDim.x * warps) {
     float s = 0.0f;
-    for (int c = 0; c < dv; ++c) s = fmaf(to_f32(d_out[i * dv + c]), to_f32(out[i * dv + c]), s);
-    dl[i] = s;
+    for (int c = lane; c < dv; c += 32) s = fmaf(to_f32(d_out[i * dv + c]), to_f32(out[i * dv + c]), s);
+    s = lanes_sum<32>(s);
+    if (lane == 0) dl[i] = s;
   }
 }
 
@@ -163,22 +202,22 @@ template <typename T, int D>
 __device__ void backward_kv(const T *q, const T *k, const T *v, const T *d_out, const float *lse,
                             const float *dl, T *dk, T *dv_out, int nq, int nk, int d, int dv,
                             int hq, int group, float scale, int causal) {
-  constexpr int R = Tiles<D>::ROWS, S = Tiles<D>::STREAM_KV;
+  using Tl = Tiles<D>;
+  constexpr int L = Tl::LANES, C = Tl::COLS, R = Tl::ROWS, S = Tl::STREAM;
   __shared__ float qs[S][D];
   __shared__ float dos[S][D];
   __shared__ float ls[S];
   __shared__ float dls[S];
-  __shared__ float dk_acc[R][D + 1];
-  __shared__ float dv_acc[R][D + 1];
-  const int t = threadIdx.x, kv = blockIdx.y, j0 = blockIdx.x * R, j = j0 + t;
+  const int lane = threadIdx.x % L, kv = blockIdx.y, j0 = blockIdx.x * R;
+  const int j = j0 + threadIdx.x / L;
   const int hkv = hq / group, b = kv / hkv, h0 = (kv % hkv) * group;
-  float kj[D], vj[D];
+  float kj[C], vj[C], dk_acc[C], dv_acc[C];
+  load_row<D>(kj, k + (size_t)kv * nk * d, nk, d, j, lane);
+  load_row<D>(vj, v + (size_t)kv * nk * dv, nk, dv, j, lane);
 #pragma unroll
-  for (int c = 0; c < D; ++c) {
-    kj[c] = at(k + (size_t)kv * nk * d, nk, d, j, c);
-    vj[c] = at(v + (size_t)kv * nk * dv, nk, dv, j, c);
-    dk_acc[t][c] = 0.0f;
-    dv_acc[t][c] = 0.0f;
+  for (int u = 0; u < C; ++u) {
+    dk_acc[u] = 0.0f;
+    dv_acc[u] = 0.0f;
   }
   for (int g = 0; g < group; ++g) {
     const size_t r = (size_t)b * hq + h0 + g;
@@ -187,41 +226,46 @@ __device__ void backward_kv(const T *q, const T *k, const T *v, const T *d_out, 
     // Queries before the block's first key see none of its keys.
     for (int i0 = causal ? j0 : 0; i0 < nq; i0 += S) {
       __syncthreads();
-      load_tiles<D, S, R>(qs, dos, qr, d, dor, dv, nq, i0);
-      for (int ii = t; ii < S; ii += R) {
+      load_tiles<D, S, Tl::THREADS>(qs, dos, qr, d, dor, dv, nq, i0);
+      for (int ii = threadIdx.x; ii < S; ii += Tl::THREADS) {
         const bool in = i0 + ii < nq;
         ls[ii] = in ? lse[r * nq + i0 + ii] : 0.0f;
         dls[ii] = in ? dl[r * nq + i0 + ii] : 0.0f;
       }
       __syncthreads();
-      float p[S], ds[S];
-#pragma unroll
+      // One query at a time, its two dot products and both sums from the
+      // same registers: a query's columns are read from the tile once.
+#pragma unroll 2
       for (int ii = 0; ii < S; ++ii) {
-        float s, dp;
-        two_dots<D>(kj, qs[ii], vj, dos[ii], s, dp);
+        float qc[C], doc[C];
+#pragma unroll
+        for (int u = 0; u < C; ++u) {
+          qc[u] = qs[ii][lane + L * u];
+          doc[u] = dos[ii][lane + L * u];
+        }
+        float s = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (int u = 0; u < C; ++u) {
+          s = fmaf(kj[u], qc[u], s);
+          dp = fmaf(vj[u], doc[u], dp);
+        }
+        s = lanes_sum<L>(s);
+        dp = lanes_sum<L>(dp);
         const int i = i0 + ii;
         const bool seen = j < nk && i < nq && (!causal || j <= i);
-        p[ii] = seen ? expf(s * scale - ls[ii]) : 0.0f;
-        ds[ii] = p[ii] * (dp - dls[ii]);
-      }
-#pragma unroll 4
-      for (int c = 0; c < D; ++c) {
-        float a = dv_acc[t][c], bk = dk_acc[t][c];
+        const float p = seen ? expf(s * scale - ls[ii]) : 0.0f;
+        const float ds = p * (dp - dls[ii]);
 #pragma unroll
-        for (int ii = 0; ii < S; ++ii) {
-          a = fmaf(p[ii], dos[ii][c], a);
-          bk = fmaf(ds[ii], qs[ii][c], bk);
+        for (int u = 0; u < C; ++u) {
+          dv_acc[u] = fmaf(p, doc[u], dv_acc[u]);
+          dk_acc[u] = fmaf(ds, qc[u], dk_acc[u]);
         }
-        dv_acc[t][c] = a;
-        dk_acc[t][c] = bk;
       }
     }
   }
   if (j < nk) {
-    T *dkr = dk + ((size_t)kv * nk + j) * d;
-    T *dvr = dv_out + ((size_t)kv * nk + j) * dv;
-    for (int c = 0; c < d; ++c) put(&dkr[c], dk_acc[t][c] * scale);
-    for (int c = 0; c < dv; ++c) put(&dvr[c], dv_acc[t][c]);
+    store_row<D>(dk, d, (size_t)kv * nk + j, dk_acc, scale, lane);
+    store_row<D>(dv_out, dv, (size_t)kv * nk + j, dv_acc, 1.0f, lane);
   }
 }
 
@@ -231,50 +275,54 @@ template <typename T, int D>
 __device__ void backward_q(const T *q, const T *k, const T *v, const T *d_out, const float *lse,
                            const float *dl, T *dq, int nq, int nk, int d, int dv, int hq,
                            int group, float scale, int causal) {
-  constexpr int R = Tiles<D>::ROWS, S = Tiles<D>::STREAM;
+  using Tl = Tiles<D>;
+  constexpr int L = Tl::LANES, C = Tl::COLS, R = Tl::ROWS, S = Tl::STREAM;
   __shared__ float ks[S][D];
   __shared__ float vs[S][D];
-  __shared__ float dq_acc[R][D + 1];
-  const int t = threadIdx.x, r = blockIdx.y, i0 = blockIdx.x * R, i = i0 + t;
+  const int lane = threadIdx.x % L, r = blockIdx.y, i0 = blockIdx.x * R;
+  const int i = i0 + threadIdx.x / L;
   const int kv = (r / hq) * (hq / group) + (r % hq) / group;
   const T *kr = k + (size_t)kv * nk * d;
   const T *vr = v + (size_t)kv * nk * dv;
-  float qi[D], doi[D];
+  float qi[C], doi[C], dq_acc[C];
+  load_row<D>(qi, q + (size_t)r * nq * d, nq, d, i, lane);
+  load_row<D>(doi, d_out + (size_t)r * nq * dv, nq, dv, i, lane);
 #pragma unroll
-  for (int c = 0; c < D; ++c) {
-    qi[c] = at(q + (size_t)r * nq * d, nq, d, i, c);
-    doi[c] = at(d_out + (size_t)r * nq * dv, nq, dv, i, c);
-    dq_acc[t][c] = 0.0f;
-  }
+  for (int u = 0; u < C; ++u) dq_acc[u] = 0.0f;
   const bool live = i < nq;
   const float li = live ? lse[(size_t)r * nq + i] : 0.0f;
   const float di = live ? dl[(size_t)r * nq + i] : 0.0f;
   const int k_end = causal ? min(nk, i0 + R) : nk;
   for (int j0 = 0; j0 < k_end; j0 += S) {
     __syncthreads();
-    load_tiles<D, S, R>(ks, vs, kr, d, vr, dv, nk, j0);
+    load_tiles<D, S, Tl::THREADS>(ks, vs, kr, d, vr, dv, nk, j0);
     __syncthreads();
-    float ds[S];
-#pragma unroll
+    // One key at a time: its columns are read from the tile once, for
+    // both dot products and for dQ's sum.
+#pragma unroll 2
     for (int j = 0; j < S; ++j) {
-      float s, dp;
-      two_dots<D>(qi, ks[j], doi, vs[j], s, dp);
+      float kc[C], vc[C];
+#pragma unroll
+      for (int u = 0; u < C; ++u) {
+        kc[u] = ks[j][lane + L * u];
+        vc[u] = vs[j][lane + L * u];
+      }
+      float s = 0.0f, dp = 0.0f;
+#pragma unroll
+      for (int u = 0; u < C; ++u) {
+        s = fmaf(qi[u], kc[u], s);
+        dp = fmaf(doi[u], vc[u], dp);
+      }
+      s = lanes_sum<L>(s);
+      dp = lanes_sum<L>(dp);
       const int key = j0 + j;
       const bool seen = live && key < nk && (!causal || key <= i);
-      ds[j] = seen ? expf(s * scale - li) * (dp - di) : 0.0f;
-    }
-#pragma unroll 4
-    for (int c = 0; c < D; ++c) {
-      float a = dq_acc[t][c];
+      const float ds = seen ? expf(s * scale - li) * (dp - di) : 0.0f;
 #pragma unroll
-      for (int j = 0; j < S; ++j) a = fmaf(ds[j], ks[j][c], a);
-      dq_acc[t][c] = a;
+      for (int u = 0; u < C; ++u) dq_acc[u] = fmaf(ds, kc[u], dq_acc[u]);
     }
   }
-  if (live) {
-    T *o = dq + ((size_t)r * nq + i) * d;
-    for (int c = 0; c < d; ++c) put(&o[c], dq_acc[t][c] * scale);
-  }
+  if (live) store_row<D>(dq, d, (size_t)r * nq + i, dq_acc, scale, lane);
 }
 
 // The four kernels for one element type and one padded head dimension.

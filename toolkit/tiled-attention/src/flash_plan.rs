@@ -31,18 +31,20 @@ pub(crate) struct Plan {
 /// The widest head dimension the kernels take.
 pub(crate) const MAX_HEAD_DIM: usize = 128;
 
-/// Threads (owned rows) per block at padded dimension `padded`: as
-/// `Tiles<D>::ROWS` in `kernels/flash.cuh`.
+/// Threads per block of the forward's and the backward's kernels, as
+/// `Tiles<D>::THREADS` in `kernels/flash.cuh`.
+const THREADS: usize = 128;
+
+/// Rows a block owns at padded dimension `padded`: each row has a lane per
+/// 16 of its columns (`Tiles<D>::ROWS`).
 fn rows_per_block(padded: usize) -> usize {
-    if padded <= 64 {
-        64
-    } else {
-        32
-    }
+    THREADS / (padded / 16)
 }
 
-/// Threads per block of the row-wise `delta` kernel.
+/// Threads per block of the row-wise `delta` kernel, a warp per row
+/// (`DELTA_THREADS`).
 const DELTA_BLOCK: usize = 256;
+const DELTA_ROWS: usize = DELTA_BLOCK / 32;
 
 /// The launches for a call of these sizes and dtype, or `None` where the
 /// kernels do not apply: a dtype other than f32, f16 and bf16, a head
@@ -76,19 +78,19 @@ pub(crate) fn plan(dims: &Dims, dtype: DType) -> Option<Plan> {
         block: block as u32,
     };
     let rows = dims.rows() as u32;
-    let delta_blocks = u32::try_from(dims.rows().checked_mul(dims.nq)?.div_ceil(DELTA_BLOCK))
+    let delta_blocks = u32::try_from(dims.rows().checked_mul(dims.nq)?.div_ceil(DELTA_ROWS))
         .ok()?
         .clamp(1, 65_535);
     Some(Plan {
         padded,
-        forward: launch("forward", (q_blocks, rows), per_block),
+        forward: launch("forward", (q_blocks, rows), THREADS),
         delta: launch("delta", (delta_blocks, 1), DELTA_BLOCK),
         backward_kv: launch(
             "backward_kv",
             (k_blocks, (dims.batch * dims.kv_heads) as u32),
-            per_block,
+            THREADS,
         ),
-        backward_q: launch("backward_q", (q_blocks, rows), per_block),
+        backward_q: launch("backward_q", (q_blocks, rows), THREADS),
     })
 }
 
@@ -125,15 +127,22 @@ mod tests {
     fn grids_cover_every_row_and_key() {
         let p = plan(&dims(64, 64), DType::BF16).unwrap();
         assert_eq!(p.forward.name, "flash_forward_64_bf16");
-        // 100 queries in blocks of 64; 16 (batch, q_head) rows.
-        assert_eq!((p.forward.grid, p.forward.block), ((2, 16), 64));
-        assert_eq!(p.backward_q.grid, (2, 16));
-        // 300 keys in blocks of 64; 4 (batch, kv_head) rows.
-        assert_eq!(p.backward_kv.grid, (5, 4));
-        // 1,600 rows of 256 threads.
-        assert_eq!((p.delta.grid, p.delta.block), ((7, 1), 256));
+        // 100 queries in blocks of 32 rows of 4 lanes; 16 (batch, q_head)
+        // rows.
+        assert_eq!((p.forward.grid, p.forward.block), ((4, 16), 128));
+        assert_eq!(p.backward_q.grid, (4, 16));
+        // 300 keys in blocks of 32; 4 (batch, kv_head) rows.
+        assert_eq!(p.backward_kv.grid, (10, 4));
+        // 1,600 rows, 8 to a block of 256 threads.
+        assert_eq!((p.delta.grid, p.delta.block), ((200, 1), 256));
+        // 16 rows of 8 lanes, and 64 of 2.
         let wide = plan(&dims(128, 128), DType::F16).unwrap();
-        assert_eq!((wide.forward.grid, wide.forward.block), ((4, 16), 32));
+        assert_eq!((wide.forward.grid, wide.forward.block), ((7, 16), 128));
+        let narrow = plan(&dims(32, 32), DType::F32).unwrap();
+        assert_eq!(
+            (narrow.backward_kv.grid, narrow.backward_kv.block),
+            ((5, 4), 128)
+        );
         assert_eq!(wide.backward_kv.name, "flash_backward_kv_128_f16");
     }
 

@@ -35,8 +35,9 @@
 //! backward sums each query head's share of their gradients). [`FlashConfig::for_length`]
 //! picks PyTorch's block sizes. With the `cuda` feature, f32, f16 and
 //! bf16 calls with head dimensions up to 128 run kernels of their own on a
-//! CUDA GPU (`kernels/flash_*.cu`: a thread per query or key row, the other
-//! side streamed through shared memory, f32 sums; the block sizes are the
+//! CUDA GPU (`kernels/flash_*.cu`: `D / 16` threads per query or key row,
+//! summing across by warp shuffles, the other side streamed through
+//! shared memory, f32 sums; the block sizes are the
 //! kernels', not the configuration's), tested on the CPU through an
 //! emulation of CUDA's threads (`candle-toolkit-cuda-emulation`); and the materialized
 //! attention's softmax and its backward write in place (candle's own
