@@ -61,7 +61,9 @@ pub(crate) fn plan(dims: &Dims, dtype: DType) -> Option<Plan> {
         return None;
     }
     let padded = [32, 64, 128].into_iter().find(|&p| p >= widest)?;
-    let fits_i32 = |n: usize| i32::try_from(n).is_ok();
+    // The kernels add up to a block's rows or a tile's to a row index in
+    // 32 bits.
+    let fits_i32 = |n: usize| n <= i32::MAX as usize - 128;
     let fits_grid_y = |n: usize| n > 0 && n <= 65_535;
     if ![dims.nq, dims.nk, dims.q_heads].into_iter().all(fits_i32)
         || !fits_grid_y(dims.rows())
@@ -78,9 +80,12 @@ pub(crate) fn plan(dims: &Dims, dtype: DType) -> Option<Plan> {
         block: block as u32,
     };
     let rows = dims.rows() as u32;
-    let delta_blocks = u32::try_from(dims.rows().checked_mul(dims.nq)?.div_ceil(DELTA_ROWS))
-        .ok()?
-        .clamp(1, 65_535);
+    // The delta kernel strides over rows past its grid.
+    let delta_blocks = dims
+        .rows()
+        .checked_mul(dims.nq)?
+        .div_ceil(DELTA_ROWS)
+        .clamp(1, 65_535) as u32;
     Some(Plan {
         padded,
         forward: launch("forward", (q_blocks, rows), THREADS),
@@ -154,5 +159,14 @@ mod tests {
             ..dims(64, 64)
         };
         assert_eq!(plan(&many, DType::F32), None);
+        // A row index plus a block's rows stays within 32 bits.
+        let long = |n: usize| Dims {
+            nq: n,
+            ..dims(64, 64)
+        };
+        assert_eq!(plan(&long(i32::MAX as usize - 127), DType::F32), None);
+        let p = plan(&long(i32::MAX as usize - 128), DType::F32).unwrap();
+        // 16 rows of 2^31 queries: past 65,535 blocks of 8, so capped.
+        assert_eq!(p.delta.grid, (65_535, 1));
     }
 }
