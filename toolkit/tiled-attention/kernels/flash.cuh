@@ -98,6 +98,30 @@ __device__ __forceinline__ float partial_dot(const float (&x)[Tiles<D>::COLS],
   return s;
 }
 
+// The backward's step for one streamed row: a lane's columns of row `a`
+// and row `b` of the two tiles into `ac` and `bc` (read from shared memory
+// once, for the dots and the caller's sums), and the row-wide dots
+// `s = x . a` and `dp = y . b`, on every lane.
+template <int D>
+__device__ __forceinline__ void two_dots(const float (&x)[Tiles<D>::COLS],
+                                         const float (&y)[Tiles<D>::COLS], const float (&a)[D],
+                                         const float (&b)[D], float (&ac)[Tiles<D>::COLS],
+                                         float (&bc)[Tiles<D>::COLS], int lane, float &s,
+                                         float &dp) {
+  constexpr int L = Tiles<D>::LANES;
+  s = 0.0f;
+  dp = 0.0f;
+#pragma unroll
+  for (int u = 0; u < Tiles<D>::COLS; ++u) {
+    ac[u] = a[lane + L * u];
+    bc[u] = b[lane + L * u];
+    s = fmaf(x[u], ac[u], s);
+    dp = fmaf(y[u], bc[u], dp);
+  }
+  s = lanes_sum<L>(s);
+  dp = lanes_sum<L>(dp);
+}
+
 // A lane's columns of `x` (times `factor`) into row `row` of a `(_, width)`
 // matrix, those within its width.
 template <int D, typename T>
@@ -237,20 +261,8 @@ __device__ void backward_kv(const T *q, const T *k, const T *v, const T *d_out, 
       // same registers: a query's columns are read from the tile once.
 #pragma unroll 2
       for (int ii = 0; ii < S; ++ii) {
-        float qc[C], doc[C];
-#pragma unroll
-        for (int u = 0; u < C; ++u) {
-          qc[u] = qs[ii][lane + L * u];
-          doc[u] = dos[ii][lane + L * u];
-        }
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int u = 0; u < C; ++u) {
-          s = fmaf(kj[u], qc[u], s);
-          dp = fmaf(vj[u], doc[u], dp);
-        }
-        s = lanes_sum<L>(s);
-        dp = lanes_sum<L>(dp);
+        float qc[C], doc[C], s, dp;
+        two_dots<D>(kj, vj, qs[ii], dos[ii], qc, doc, lane, s, dp);
         const int i = i0 + ii;
         const bool seen = j < nk && i < nq && (!causal || j <= i);
         const float p = seen ? expf(s * scale - ls[ii]) : 0.0f;
@@ -301,20 +313,8 @@ __device__ void backward_q(const T *q, const T *k, const T *v, const T *d_out, c
     // both dot products and for dQ's sum.
 #pragma unroll 2
     for (int j = 0; j < S; ++j) {
-      float kc[C], vc[C];
-#pragma unroll
-      for (int u = 0; u < C; ++u) {
-        kc[u] = ks[j][lane + L * u];
-        vc[u] = vs[j][lane + L * u];
-      }
-      float s = 0.0f, dp = 0.0f;
-#pragma unroll
-      for (int u = 0; u < C; ++u) {
-        s = fmaf(qi[u], kc[u], s);
-        dp = fmaf(doi[u], vc[u], dp);
-      }
-      s = lanes_sum<L>(s);
-      dp = lanes_sum<L>(dp);
+      float kc[C], vc[C], s, dp;
+      two_dots<D>(qi, doi, ks[j], vs[j], kc, vc, lane, s, dp);
       const int key = j0 + j;
       const bool seen = live && key < nk && (!causal || key <= i);
       const float ds = seen ? expf(s * scale - li) * (dp - di) : 0.0f;
