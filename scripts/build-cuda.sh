@@ -155,7 +155,7 @@ if [ "$mode" = check ]; then
       "$source" 2>"$resources/ptxas.txt"
     # ptxas prints, per kernel, its name, then its stack and spills, then
     # its registers.
-    awk -v file="$source" '
+    awk '
       /Compiling entry function/ { match($0, /\x27[^\x27]+\x27/); name = substr($0, RSTART + 1, RLENGTH - 2) }
       /spill stores/ { stores = $5 + 0; loads = $9 + 0 }
       /Used [0-9]+ registers/ {

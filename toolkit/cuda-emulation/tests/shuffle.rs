@@ -2,14 +2,18 @@
 //! group of lanes leaves every lane holding the group's sum, and a lane
 //! past its group of `width` reads its own value.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_toolkit_cuda_emulation::{compile, run};
 
+/// The shuffles' harness, compiled (or found compiled).
+fn harness() -> PathBuf {
+    compile(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shuffle/harness.cpp"))
+}
+
 /// Each thread's (warp sum, group-of-4 sum, value read across groups).
 fn shuffled(block: u32) -> Vec<[i64; 3]> {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shuffle/harness.cpp");
-    let out = run(&compile(&source), [block.to_string()]);
+    let out = run(&harness(), [block.to_string()]);
     String::from_utf8(out)
         .unwrap()
         .lines()
@@ -45,9 +49,10 @@ fn butterflies_sum_over_their_lanes_in_every_warp() {
 #[test]
 fn a_shuffle_past_a_partial_warp_stops_the_harness() {
     // 40 threads: a warp of 32 and one of 8.
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shuffle/harness.cpp");
-    let exe = compile(&source);
-    let status = std::process::Command::new(&exe).arg("40").output().unwrap();
+    let status = std::process::Command::new(harness())
+        .arg("40")
+        .output()
+        .unwrap();
     // The warp-wide butterfly reads lane 8 and up of an 8-lane warp: the
     // emulation stops rather than make a value up.
     assert!(!status.status.success());

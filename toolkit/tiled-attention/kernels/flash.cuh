@@ -50,6 +50,12 @@ template <int D> struct Tiles {
   static_assert(D % COLS == 0 && 32 % LANES == 0, "a row's lanes lie in one warp");
 };
 
+// The column a lane holds as its `u`-th: interleaved, so that a row's
+// lanes read consecutive words of a tile.
+template <int D> __device__ __forceinline__ int column(int lane, int u) {
+  return lane + Tiles<D>::LANES * u;
+}
+
 // `x` summed over the L lanes of a row (L a power of two, the lanes
 // consecutive and aligned): the same value on every lane.
 template <int L> __device__ __forceinline__ float lanes_sum(float x) {
@@ -80,12 +86,12 @@ __device__ __forceinline__ void load_tiles(float (&a)[S][D], float (&b)[S][D], c
   }
 }
 
-// A lane's columns of row `row`: column `lane + L * u` into `x[u]`.
+// A lane's columns of row `row`: its `u`-th into `x[u]`.
 template <int D, typename T>
 __device__ __forceinline__ void load_row(float (&x)[Tiles<D>::COLS], const T *m, int rows,
                                          int width, int row, int lane) {
 #pragma unroll
-  for (int u = 0; u < Tiles<D>::COLS; ++u) x[u] = at(m, rows, width, row, lane + Tiles<D>::LANES * u);
+  for (int u = 0; u < Tiles<D>::COLS; ++u) x[u] = at(m, rows, width, row, column<D>(lane, u));
 }
 
 // A lane's share of `x . tile_row` over its columns.
@@ -94,7 +100,7 @@ __device__ __forceinline__ float partial_dot(const float (&x)[Tiles<D>::COLS],
                                              const float (&tile_row)[D], int lane) {
   float s = 0.0f;
 #pragma unroll
-  for (int u = 0; u < Tiles<D>::COLS; ++u) s = fmaf(x[u], tile_row[lane + Tiles<D>::LANES * u], s);
+  for (int u = 0; u < Tiles<D>::COLS; ++u) s = fmaf(x[u], tile_row[column<D>(lane, u)], s);
   return s;
 }
 
@@ -108,18 +114,17 @@ __device__ __forceinline__ void two_dots(const float (&x)[Tiles<D>::COLS],
                                          const float (&b)[D], float (&ac)[Tiles<D>::COLS],
                                          float (&bc)[Tiles<D>::COLS], int lane, float &s,
                                          float &dp) {
-  constexpr int L = Tiles<D>::LANES;
   s = 0.0f;
   dp = 0.0f;
 #pragma unroll
   for (int u = 0; u < Tiles<D>::COLS; ++u) {
-    ac[u] = a[lane + L * u];
-    bc[u] = b[lane + L * u];
+    ac[u] = a[column<D>(lane, u)];
+    bc[u] = b[column<D>(lane, u)];
     s = fmaf(x[u], ac[u], s);
     dp = fmaf(y[u], bc[u], dp);
   }
-  s = lanes_sum<L>(s);
-  dp = lanes_sum<L>(dp);
+  s = lanes_sum<Tiles<D>::LANES>(s);
+  dp = lanes_sum<Tiles<D>::LANES>(dp);
 }
 
 // A lane's columns of `x` (times `factor`) into row `row` of a `(_, width)`
@@ -130,7 +135,7 @@ __device__ __forceinline__ void store_row(T *m, int width, size_t row,
                                           int lane) {
 #pragma unroll
   for (int u = 0; u < Tiles<D>::COLS; ++u) {
-    const int c = lane + Tiles<D>::LANES * u;
+    const int c = column<D>(lane, u);
     if (c < width) put(&m[row * width + c], x[u] * factor);
   }
 }
@@ -187,7 +192,7 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     for (int u = 0; u < C; ++u) {
       float a = acc[u] * correction;
 #pragma unroll
-      for (int j = 0; j < S; ++j) a = fmaf(p[j], vs[j][lane + L * u], a);
+      for (int j = 0; j < S; ++j) a = fmaf(p[j], vs[j][column<D>(lane, u)], a);
       acc[u] = a;
     }
   }

@@ -22,7 +22,11 @@ __global__ void shuffles() {
 } // namespace
 
 int main(int argc, char **argv) {
-  const unsigned block = argc > 1 ? std::atoi(argv[1]) : 64;
-  launch(shuffles, dim3{1, 1, 1}, dim3{block, 1, 1});
-  for (unsigned t = 0; t < block; ++t) std::printf("%d %d %d\n", warp_sum[t], group_sum[t], crossed[t]);
+  const int block = argc > 1 ? std::atoi(argv[1]) : 64;
+  if (block < 1 || block > 256) {
+    std::fprintf(stderr, "a block of 1 to 256 threads, not %d\n", block);
+    return 2;
+  }
+  launch(shuffles, dim3{1, 1, 1}, dim3{(unsigned)block, 1, 1});
+  for (int t = 0; t < block; ++t) std::printf("%d %d %d\n", warp_sum[t], group_sum[t], crossed[t]);
 }
