@@ -10,15 +10,20 @@
 //!   per step (or let `step` do it), a step whose gradients hold an inf or
 //!   NaN is skipped, and `update` grows or backs off the scale. Inf/NaN is
 //!   found on the device, with one host synchronisation per step.
+//! * [`InfCheck`]: whether any of many tensors holds an inf or NaN, with
+//!   one number read back (the scaler's check, for optimizers that hold
+//!   their own gradients too).
 //! * [`clip_grad_norm`]: clipping by the global L2 norm, one host
 //!   synchronisation.
 #![warn(missing_docs)]
 
 mod clip;
+mod inf_check;
 mod master;
 mod scaler;
 
 pub use clip::clip_grad_norm;
+pub use inf_check::InfCheck;
 pub use master::MasterWeights;
 pub use scaler::{GradScaler, ScaleChange, ScalerConfig, ScalerState, StepOutcome};
 

@@ -5,6 +5,8 @@ use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_nn::Optimizer;
 use serde::{Deserialize, Serialize};
 
+use crate::InfCheck;
+
 /// The settings of a [`GradScaler`]; the defaults are torch.amp's.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
@@ -217,22 +219,18 @@ impl GradScaler {
             );
         }
         let inv = 1.0 / self.scale;
-        let mut flag: Option<Tensor> = None;
+        let mut check = InfCheck::default();
         let mut unscaled = GradStore::default();
         for var in vars {
             if let Some(g) = grads.get(var.as_tensor()) {
                 let g = g.affine(inv, 0.0)?;
-                let probe = g.affine(0.0, 0.0)?.to_dtype(DType::F32)?.sum_all()?;
-                flag = Some(match flag {
-                    Some(f) => (f + probe)?,
-                    None => probe,
-                });
+                check.add(&g)?;
                 unscaled.insert(var.as_tensor(), g);
             }
         }
         // As torch's "No inf checks were recorded": stepping on an empty
         // store would drop every gradient and grow the scale unchecked.
-        let Some(flag) = flag else {
+        let Some(found_inf) = check.found()? else {
             bail!(
                 "none of the {} variables given has a gradient in the store: pass the \
                  variables the loss was computed from (a MasterWeights' vars once the model \
@@ -241,7 +239,6 @@ impl GradScaler {
             );
         };
         *grads = unscaled;
-        let found_inf = !flag.to_scalar::<f32>()?.is_finite();
         self.stage = Stage::Unscaled { found_inf };
         Ok(found_inf)
     }

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use candle_amp::InfCheck;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_lean_optim::{adamw_update, save_state, AdamWStep, StateFile};
@@ -332,26 +333,20 @@ impl ZeroAdamW {
     /// error with no gradient block to check, on every rank alike (they
     /// hold the same variables' gradients).
     pub fn unscale_gradients(&mut self, factor: f64) -> Result<bool> {
-        let mut flag: Option<Tensor> = None;
+        let mut check = InfCheck::default();
         for slot in &mut self.slots {
             let Some(g) = slot.grad.take() else { continue };
             let g = g.affine(factor, 0.0)?;
-            // Times zero, an inf or NaN is NaN and any other value 0: summed
-            // on the device, one number read back for all.
-            let probe = g.affine(0.0, 0.0)?.sum_all()?;
-            flag = Some(match flag {
-                Some(f) => (f + probe)?,
-                None => probe,
-            });
+            check.add(&g)?;
             slot.grad = Some(g);
         }
-        let Some(flag) = flag else {
+        let Some(local) = check.found()? else {
             bail!(
                 "ZeroAdamW: no gradient block to unscale: reduce the gradients first \
                  (reduce_gradient)"
             );
         };
-        let mut found = [f32::from(!flag.to_scalar::<f32>()?.is_finite())];
+        let mut found = [f32::from(local)];
         self.comm.all_reduce_sum(&mut found)?;
         Ok(found[0] != 0.0)
     }
