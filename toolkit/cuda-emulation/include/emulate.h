@@ -3,9 +3,10 @@
 // no GPU: each block's threads are real threads, released together at
 // every __syncthreads by a std::barrier, and blocks run one after the other
 // (so a block's __shared__ arrays can be function statics). A warp's
-// shuffle meets its 32 threads at a barrier of their own, so a kernel whose
-// threads of one warp reach different shuffles hangs here instead of
-// passing. The rounded
+// shuffle meets its 32 threads at a barrier of their own, and each lane
+// names the shuffle it reached (its file, line and column), so a kernel
+// whose threads of one warp reach different shuffles stops here instead of
+// passing (or hangs, where the counts differ). The rounded
 // intrinsics are C++'s own float and double operations, IEEE's, each
 // rounded on its own (compiled with -ffp-contract=off, so nothing fuses).
 #pragma once
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <source_location>
 #include <thread>
 #include <vector>
 
@@ -33,22 +35,31 @@ inline dim3 blockDim, gridDim;
 inline std::barrier<> *emulated_barrier = nullptr;
 inline void __syncthreads() { emulated_barrier->arrive_and_wait(); }
 
-// One warp of the block being run: its threads' barrier and the values
-// they hand each other in a shuffle.
+// One warp of the block being run: its threads' barrier, the values they
+// hand each other in a shuffle and the shuffle each lane reached.
 struct EmulatedWarp {
   explicit EmulatedWarp(unsigned size) : size(size), barrier(size) {}
   unsigned size;
   std::barrier<> barrier;
   unsigned char slots[32][8];
+  std::source_location sites[32];
 };
+
+inline bool same_site(const std::source_location &a, const std::source_location &b) {
+  return a.line() == b.line() && a.column() == b.column() &&
+         std::strcmp(a.file_name(), b.file_name()) == 0;
+}
 inline std::vector<std::unique_ptr<EmulatedWarp>> emulated_warps;
 
 // `__shfl_xor_sync(mask, var, lane_mask, width)`: the value of `var` in lane
 // `lane ^ lane_mask`, or the caller's own where that lane lies in a later
-// group of `width` lanes. Every lane of the warp must take part (the
-// kernels shuffle only with a full mask); anything else stops the harness.
+// group of `width` lanes. As on the card, only lane_mask's low 5 bits count
+// (PTX's shfl.sync takes b[4:0]). Every lane of the warp must take part, at
+// the same shuffle (the kernels shuffle only with a full mask), and width
+// must be a power of 2 up to 32; anything else stops the harness.
 template <typename T>
-T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32,
+                  std::source_location site = std::source_location::current()) {
   static_assert(sizeof(T) <= 8, "a shuffled value has at most 8 bytes");
   EmulatedWarp &warp = *emulated_warps[threadIdx.x / 32];
   const unsigned lane = threadIdx.x % 32;
@@ -58,9 +69,24 @@ T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
                  warp.size);
     std::abort();
   }
-  const unsigned source = lane ^ static_cast<unsigned>(lane_mask);
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
+    std::fprintf(stderr, "__shfl_xor_sync at %s:%u with width %d: a power of 2 up to 32\n",
+                 site.file_name(), site.line(), width);
+    std::abort();
+  }
+  const unsigned source = lane ^ (static_cast<unsigned>(lane_mask) & 31u);
   std::memcpy(warp.slots[lane], &var, sizeof(T));
+  warp.sites[lane] = site;
   warp.barrier.arrive_and_wait();
+  const std::source_location &first = warp.sites[0];
+  if (!same_site(site, first)) {
+    std::fprintf(stderr,
+                 "lanes of a warp reach different shuffles: lane %u at %s:%u:%u, lane 0 at "
+                 "%s:%u:%u\n",
+                 lane, site.file_name(), site.line(), site.column(), first.file_name(),
+                 first.line(), first.column());
+    std::abort();
+  }
   T got = var;
   if (source / width <= lane / width) {
     if (source >= warp.size) {
