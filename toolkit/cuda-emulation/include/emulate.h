@@ -26,6 +26,12 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+// CUDA's 16-byte vector, which the kernels load from shared memory.
+struct __align__(16) float4 {
+  float x, y, z, w;
+};
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;

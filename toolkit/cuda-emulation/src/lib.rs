@@ -31,8 +31,17 @@ pub fn include_dir() -> PathBuf {
 }
 
 /// What every harness is compiled with. `-ffp-contract=off` keeps each
-/// operation rounded on its own, as the kernels' intrinsics are on a GPU.
-const FLAGS: [&str; 5] = ["-std=c++20", "-O1", "-pthread", "-w", "-ffp-contract=off"];
+/// operation rounded on its own, as the kernels' intrinsics are on a GPU;
+/// `-fno-strict-aliasing` lets them read a float tile as `float4`s, as CUDA
+/// code does.
+const FLAGS: [&str; 6] = [
+    "-std=c++20",
+    "-O1",
+    "-pthread",
+    "-w",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+];
 
 /// Compiles the harness `source` (C++ that includes `emulate.h` and the
 /// kernels) into an executable in [`cache_dir`] and returns its path.

@@ -3,9 +3,10 @@
 // same arithmetic from candle's operations, one launch per operation and
 // block). Each row (a query in the forward and in dQ's kernel, a key in
 // dK's and dV's) belongs to a group of D / 16 consecutive threads, its
-// lanes: each lane holds 16 of the row's columns in registers, interleaved
-// (lane l holds columns l, l + lanes, ...) so that a group reads
-// consecutive words of a tile, and its share of every running sum. A dot
+// lanes: each lane holds 16 of the row's columns in registers, four runs
+// of 4 interleaved (lane l holds columns 4l..4l+3, then 4(l + lanes)..,
+// ...) so that a group reads consecutive 16-byte words of a tile, one load
+// per 4 columns, and its share of every running sum. A dot
 // product is each lane's partial sum, added across the group by warp
 // shuffles (a butterfly, which leaves every lane the same bits). The block
 // walks the other side's rows through shared memory a tile at a time.
@@ -43,6 +44,7 @@ __device__ __forceinline__ void put(__nv_bfloat16 *p, float x) { *p = __float2bf
 // launch may have. (src/flash_plan.rs gives the same grid.)
 template <int D> struct Tiles {
   static constexpr int COLS = 16;               // columns a lane holds
+  static constexpr int QUADS = COLS / 4;        // its runs of 4 columns
   static constexpr int LANES = D / COLS;        // lanes a row has
   static constexpr int THREADS = 128;           // threads a block has
   static constexpr int ROWS = THREADS / LANES;  // rows a block owns
@@ -50,10 +52,27 @@ template <int D> struct Tiles {
   static_assert(D % COLS == 0 && 32 % LANES == 0, "a row's lanes lie in one warp");
 };
 
-// The column a lane holds as its `u`-th: interleaved, so that a row's
-// lanes read consecutive words of a tile.
+// The column a lane holds as its `u`-th: runs of 4, interleaved, so that
+// a row's lanes read consecutive 16-byte words of a tile.
 template <int D> __device__ __forceinline__ int column(int lane, int u) {
-  return lane + Tiles<D>::LANES * u;
+  return 4 * (lane + Tiles<D>::LANES * (u / 4)) + u % 4;
+}
+
+// A lane's columns of a tile's row into `x`, its `u`-th into `x[u]`: one
+// 16-byte load per run of 4 (the tiles are 16-byte aligned, and a row of D
+// floats keeps the next row so).
+template <int D>
+__device__ __forceinline__ void tile_columns(float (&x)[Tiles<D>::COLS],
+                                             const float (&tile_row)[D], int lane) {
+  const float4 *quads = reinterpret_cast<const float4 *>(tile_row);
+#pragma unroll
+  for (int k = 0; k < Tiles<D>::QUADS; ++k) {
+    const float4 q = quads[lane + Tiles<D>::LANES * k];
+    x[4 * k] = q.x;
+    x[4 * k + 1] = q.y;
+    x[4 * k + 2] = q.z;
+    x[4 * k + 3] = q.w;
+  }
 }
 
 // `x` summed over the L lanes of a row (L a power of two, the lanes
@@ -98,9 +117,11 @@ __device__ __forceinline__ void load_row(float (&x)[Tiles<D>::COLS], const T *m,
 template <int D>
 __device__ __forceinline__ float partial_dot(const float (&x)[Tiles<D>::COLS],
                                              const float (&tile_row)[D], int lane) {
+  float t[Tiles<D>::COLS];
+  tile_columns<D>(t, tile_row, lane);
   float s = 0.0f;
 #pragma unroll
-  for (int u = 0; u < Tiles<D>::COLS; ++u) s = fmaf(x[u], tile_row[column<D>(lane, u)], s);
+  for (int u = 0; u < Tiles<D>::COLS; ++u) s = fmaf(x[u], t[u], s);
   return s;
 }
 
@@ -114,12 +135,12 @@ __device__ __forceinline__ void two_dots(const float (&x)[Tiles<D>::COLS],
                                          const float (&b)[D], float (&ac)[Tiles<D>::COLS],
                                          float (&bc)[Tiles<D>::COLS], int lane, float &s,
                                          float &dp) {
+  tile_columns<D>(ac, a, lane);
+  tile_columns<D>(bc, b, lane);
   s = 0.0f;
   dp = 0.0f;
 #pragma unroll
   for (int u = 0; u < Tiles<D>::COLS; ++u) {
-    ac[u] = a[column<D>(lane, u)];
-    bc[u] = b[column<D>(lane, u)];
     s = fmaf(x[u], ac[u], s);
     dp = fmaf(y[u], bc[u], dp);
   }
@@ -147,8 +168,8 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
                         int d, int dv, int hq, int group, float scale, int causal) {
   using Tl = Tiles<D>;
   constexpr int L = Tl::LANES, C = Tl::COLS, R = Tl::ROWS, S = Tl::STREAM;
-  __shared__ float ks[S][D];
-  __shared__ float vs[S][D];
+  __shared__ __align__(16) float ks[S][D];
+  __shared__ __align__(16) float vs[S][D];
   const int lane = threadIdx.x % L, r = blockIdx.y, i0 = blockIdx.x * R;
   const int i = i0 + threadIdx.x / L;
   const int kv = (r / hq) * (hq / group) + (r % hq) / group;
@@ -189,11 +210,15 @@ __device__ void forward(const T *q, const T *k, const T *v, T *out, float *lse, 
     l = l * correction + tile_sum;
     m = m_new;
 #pragma unroll
-    for (int u = 0; u < C; ++u) {
-      float a = acc[u] * correction;
+    for (int u = 0; u < C; ++u) acc[u] *= correction;
+    // Each value row's columns read once, in quads; every acc[u] still
+    // sums its terms in the order of the keys.
 #pragma unroll
-      for (int j = 0; j < S; ++j) a = fmaf(p[j], vs[j][column<D>(lane, u)], a);
-      acc[u] = a;
+    for (int j = 0; j < S; ++j) {
+      float vc[C];
+      tile_columns<D>(vc, vs[j], lane);
+#pragma unroll
+      for (int u = 0; u < C; ++u) acc[u] = fmaf(p[j], vc[u], acc[u]);
     }
   }
   if (i < nq) {
@@ -233,8 +258,8 @@ __device__ void backward_kv(const T *q, const T *k, const T *v, const T *d_out, 
                             int hq, int group, float scale, int causal) {
   using Tl = Tiles<D>;
   constexpr int L = Tl::LANES, C = Tl::COLS, R = Tl::ROWS, S = Tl::STREAM;
-  __shared__ float qs[S][D];
-  __shared__ float dos[S][D];
+  __shared__ __align__(16) float qs[S][D];
+  __shared__ __align__(16) float dos[S][D];
   __shared__ float ls[S];
   __shared__ float dls[S];
   const int lane = threadIdx.x % L, kv = blockIdx.y, j0 = blockIdx.x * R;
@@ -294,8 +319,8 @@ __device__ void backward_q(const T *q, const T *k, const T *v, const T *d_out, c
                            int group, float scale, int causal) {
   using Tl = Tiles<D>;
   constexpr int L = Tl::LANES, C = Tl::COLS, R = Tl::ROWS, S = Tl::STREAM;
-  __shared__ float ks[S][D];
-  __shared__ float vs[S][D];
+  __shared__ __align__(16) float ks[S][D];
+  __shared__ __align__(16) float vs[S][D];
   const int lane = threadIdx.x % L, r = blockIdx.y, i0 = blockIdx.x * R;
   const int i = i0 + threadIdx.x / L;
   const int kv = (r / hq) * (hq / group) + (r % hq) / group;
