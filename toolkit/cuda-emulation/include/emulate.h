@@ -9,6 +9,9 @@
 // passing (or hangs, where the counts differ). The rounded
 // intrinsics are C++'s own float and double operations, IEEE's, each
 // rounded on its own (compiled with -ffp-contract=off, so nothing fuses).
+// Built with -fsanitize=thread, a race between a block's threads stops the
+// run: the barriers order a block's and a warp's threads as on the card,
+// and blocks are ordered by the joins between them.
 #pragma once
 #include <algorithm>
 #include <barrier>

@@ -13,9 +13,13 @@
 //! `values.h` reads and writes a harness's tensors as f64s, which
 //! [`run_on_f64`] hands over and reads back.
 //!
+//! A harness compiled as [`Build::RaceChecked`] runs under ThreadSanitizer,
+//! which stops it at a race between two of a block's threads even where
+//! the values come out right.
+//!
 //! Nothing here runs on a GPU, and a kernel that passes here can still
 //! differ there: in the device's math library (`expf`, `tanhf`), or in a
-//! race between threads that this schedule does not show.
+//! race between blocks (which run here one after another).
 #![warn(missing_docs)]
 
 use std::ffi::OsStr;
@@ -43,12 +47,45 @@ const FLAGS: [&str; 6] = [
     "-fno-strict-aliasing",
 ];
 
+/// How a harness is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Build {
+    /// As it is: the fastest to run.
+    Plain,
+    /// Under ThreadSanitizer (`-fsanitize=thread`): a run stops, and [`run`]
+    /// fails with the report, at the first data race between two of a
+    /// block's threads, such as a thread reading a shared tile's element
+    /// that another wrote with no `__syncthreads` between them, or two
+    /// threads writing one element of an output. The barriers and the
+    /// warps' shuffles order what they should, so a kernel without a race
+    /// runs clean. Blocks still run one after another: a race between
+    /// blocks does not show. A run is several times slower.
+    RaceChecked,
+}
+
+impl Build {
+    /// The compiler's flags on top of [`FLAGS`].
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Build::Plain => &[],
+            // -g: the report names the kernels' files and lines.
+            Build::RaceChecked => &["-fsanitize=thread", "-g"],
+        }
+    }
+}
+
 /// Compiles the harness `source` (C++ that includes `emulate.h` and the
 /// kernels) into an executable in [`cache_dir`] and returns its path.
 /// Panics with the compiler's messages where it cannot: it is for tests.
 /// See [`compile_in`].
 pub fn compile(source: &Path) -> PathBuf {
     compile_in(source, &cache_dir())
+}
+
+/// [`compile`] as `build` says: [`Build::RaceChecked`] gives an executable
+/// that stops at a data race between a block's threads.
+pub fn compile_as(source: &Path, build: Build) -> PathBuf {
+    compile_built_in(source, &cache_dir(), build)
 }
 
 /// Compiles the harness `source` into an executable kept in `dir`, named
@@ -66,6 +103,12 @@ pub fn compile(source: &Path) -> PathBuf {
 /// last used over [`UNUSED_DAYS`] days ago (a clone at another path, whose
 /// line markers name other files, has versions of its own).
 pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
+    compile_built_in(source, dir, Build::Plain)
+}
+
+/// [`compile_in`] as `build` says. A harness's builds of each kind are
+/// versions of their own, so neither replaces the other.
+pub fn compile_built_in(source: &Path, dir: &Path, build: Build) -> PathBuf {
     let stem = source
         .file_stem()
         .and_then(OsStr::to_str)
@@ -85,12 +128,13 @@ pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
         source,
         Command::new(&cxx)
             .args(FLAGS)
+            .args(build.flags())
             .args(["-E", "-I"])
             .arg(include_dir())
             .arg(source),
     );
     let mut hasher = DefaultHasher::new();
-    (&version, FLAGS, &preprocessed).hash(&mut hasher);
+    (&version, FLAGS, build.flags(), &preprocessed).hash(&mut hasher);
     // A harness file's versions by one compiler share a prefix: its name
     // and a hash of its path and the compiler, so that neither two
     // harnesses of one name nor two compilers replace each other's.
@@ -99,6 +143,7 @@ pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
         .unwrap_or_else(|_| source.to_path_buf())
         .hash(&mut by_path);
     version.hash(&mut by_path);
+    build.hash(&mut by_path);
     let family = format!("{stem}-{:08x}-", by_path.finish() as u32);
     let exe = dir.join(format!("{family}{:016x}", hasher.finish()));
     // Marked as used now, which keeps it from the prunes to come. Only a
@@ -123,10 +168,17 @@ pub fn compile_in(source: &Path, dir: &Path) -> PathBuf {
     let built = work.path().join(stem);
     compiler(
         &cxx,
-        "compiling",
+        match build {
+            Build::Plain => "compiling",
+            Build::RaceChecked => {
+                "compiling (under ThreadSanitizer, whose runtime g++ needs as libtsan: \
+                 Debian's libtsan2)"
+            }
+        },
         source,
         Command::new(&cxx)
             .args(FLAGS)
+            .args(build.flags())
             .arg("-o")
             .arg(&built)
             .arg(&text),
@@ -259,16 +311,39 @@ fn compiler(cxx: &str, doing: &str, source: &Path, command: &mut Command) -> Vec
 }
 
 /// Runs `exe` with `args` and returns what it wrote to its standard
-/// output. Panics with its standard error where it fails.
+/// output. Panics with its standard error where it fails. A
+/// [`Build::RaceChecked`] executable stops at the first race it finds
+/// (unless `TSAN_OPTIONS` says otherwise).
 pub fn run<I, S>(exe: &Path, args: I) -> Vec<u8>
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let out = Command::new(exe)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()));
+    let args: Vec<S> = args.into_iter().collect();
+    let output = |command: &mut Command| {
+        if std::env::var_os("TSAN_OPTIONS").is_none() {
+            command.env("TSAN_OPTIONS", "halt_on_error=1");
+        }
+        command
+            .args(&args)
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()))
+    };
+    let mut out = output(&mut Command::new(exe));
+    // ThreadSanitizer's runtime in g++ 12 cannot map its shadow memory
+    // where the kernel randomizes addresses over more bits (Linux's
+    // vm.mmap_rnd_bits above 28); without the randomization it can.
+    if !out.status.success()
+        && String::from_utf8_lossy(&out.stderr)
+            .contains("ThreadSanitizer: unexpected memory mapping")
+    {
+        out = output(
+            Command::new("setarch")
+                .arg(std::env::consts::ARCH)
+                .arg("--addr-no-randomize")
+                .arg(exe),
+        );
+    }
     assert!(
         out.status.success(),
         "{} failed: {}",
