@@ -9,18 +9,25 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_toolkit_cuda_emulation::Build;
 
 use crate::flash_plan::{plan, Launch};
 use crate::forward::{causal_mask, scale_of};
 use crate::shapes::{repeat_kv, Dims};
 use crate::{naive_attention, FlashConfig};
 
-/// The harness, compiled (or found compiled) once per test process.
-fn harness() -> &'static Path {
-    static HARNESS: OnceLock<PathBuf> = OnceLock::new();
-    HARNESS.get_or_init(|| {
+/// The harness, built as `build` says (compiled, or found compiled, once
+/// per test process).
+fn harness(build: Build) -> &'static Path {
+    static PLAIN: OnceLock<PathBuf> = OnceLock::new();
+    static RACE_CHECKED: OnceLock<PathBuf> = OnceLock::new();
+    let cell = match build {
+        Build::Plain => &PLAIN,
+        Build::RaceChecked => &RACE_CHECKED,
+    };
+    cell.get_or_init(|| {
         let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated/harness.cpp");
-        candle_toolkit_cuda_emulation::compile(&source)
+        candle_toolkit_cuda_emulation::compile_as(&source, build)
     })
 }
 
@@ -50,6 +57,7 @@ struct Case {
     dims: Dims,
     causal: bool,
     dtype: DType,
+    build: Build,
 }
 
 /// What the kernels wrote: out, lse, dq, dk, dv.
@@ -83,7 +91,7 @@ fn emulate(case: &Case, inputs: [&Tensor; 4]) -> Vec<Vec<f64>> {
         args.extend([grid.0, grid.1, *block].map(|n| n.to_string()));
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let values = candle_toolkit_cuda_emulation::run_on_f64(harness(), &args, &input);
+    let values = candle_toolkit_cuda_emulation::run_on_f64(harness(case.build), &args, &input);
     let (rq, rk) = (dims.rows() * dims.nq, dims.batch * dims.kv_heads * dims.nk);
     let sizes = [rq * dims.dv, rq, rq * dims.d, rk * dims.d, rk * dims.dv];
     assert_eq!(values.len(), sizes.iter().sum::<usize>());
@@ -256,6 +264,7 @@ fn every_padded_dimension_matches_the_plain_computation_in_f32() -> Result<()> {
             dims,
             causal,
             dtype: DType::F32,
+            build: Build::Plain,
         })?;
     }
     Ok(())
@@ -272,6 +281,36 @@ fn half_types_match_the_plain_computation_within_their_rounding() -> Result<()> 
                 dims,
                 causal,
                 dtype,
+                build: Build::Plain,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn no_thread_of_a_block_races_another_at_any_dimension_or_dtype() -> Result<()> {
+    // Race-checked (ThreadSanitizer, many times slower), so small: per
+    // padded dimension, several blocks of queries and of keys, three
+    // streamed tiles (so the barrier before a tile is reloaded counts),
+    // grouped heads and the causal mask; every output is still held to its
+    // reference. Which threads touch which element does not depend on the
+    // element type: f32 at each dimension, and f16 at one.
+    for (dtype, d) in [
+        (DType::F32, 24),
+        (DType::F32, 64),
+        (DType::F32, 100),
+        (DType::F16, 64),
+    ] {
+        {
+            check(Case {
+                dims: Dims {
+                    batch: 1,
+                    ..dims((2, 1), 70, 70, d, d)
+                },
+                causal: true,
+                dtype,
+                build: Build::RaceChecked,
             })?;
         }
     }
