@@ -290,6 +290,74 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
+/// Every kernel that `sources` define (`extern "C" __global__ void`
+/// functions, after the C preprocessor with the kernels' own macros, as
+/// nvcc compiles them), by name: each parameter's C type without its name,
+/// one space between words and `*`s written together after one space
+/// (`const __half *`, `size_t`), as `candle_kernel_params` spells them.
+/// Panics where the preprocessor fails or a declaration cannot be read.
+pub fn declarations(sources: &[&Path]) -> std::collections::BTreeMap<String, Vec<String>> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut found = std::collections::BTreeMap::new();
+    for source in sources {
+        let text = compiler(
+            &cxx,
+            "preprocessing",
+            source,
+            Command::new(&cxx)
+                .args(FLAGS)
+                .args(["-x", "c++", "-E", "-P", "-I"])
+                .arg(include_dir())
+                .arg(source),
+        );
+        let text = String::from_utf8_lossy(&text);
+        const START: &str = "extern \"C\" __global__ void ";
+        let mut rest = text.as_ref();
+        while let Some(at) = rest.find(START) {
+            rest = &rest[at + START.len()..];
+            let open = rest
+                .find('(')
+                .unwrap_or_else(|| panic!("{}: a kernel without parameters", source.display()));
+            let close = rest[open..].find(')').unwrap_or_else(|| {
+                panic!("{}: a kernel's parameters do not end", source.display())
+            });
+            let name = rest[..open].trim().to_string();
+            let params = rest[open + 1..open + close]
+                .split(',')
+                .map(|param| {
+                    c_type(param).unwrap_or_else(|| {
+                        panic!("{}: `{name}`'s parameter `{param}`", source.display())
+                    })
+                })
+                .collect();
+            if found.insert(name.clone(), params).is_some() {
+                panic!("{}: `{name}` is defined twice", source.display());
+            }
+            rest = &rest[open + close..];
+        }
+    }
+    found
+}
+
+/// A parameter's C type without its name (`const float * q` gives `const
+/// float *`), or `None` where it has no name after its type.
+fn c_type(param: &str) -> Option<String> {
+    let spaced = param.replace('*', " * ");
+    let mut tokens: Vec<&str> = spaced.split_whitespace().collect();
+    let name = tokens.pop()?;
+    if tokens.is_empty() || !name.chars().all(|c| c.is_alphanumeric() || c == '_') {
+        return None;
+    }
+    let mut out = String::new();
+    for (i, token) in tokens.iter().enumerate() {
+        if i > 0 && !(*token == "*" && tokens[i - 1] == "*") {
+            out.push(' ');
+        }
+        out.push_str(token);
+    }
+    Some(out)
+}
+
 /// Runs the C++ compiler `cxx` as `command` says, `doing` that to the
 /// harness `source`, and returns its standard output. Panics with its
 /// messages where it fails.
@@ -383,6 +451,21 @@ pub fn run_on_f64(exe: &Path, args: &[&str], input: &[f64]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parameters_type_is_read_without_its_name() {
+        for (param, want) in [
+            ("const float *q", Some("const float *")),
+            (" const  __half*  q ", Some("const __half *")),
+            ("float **p", Some("float **")),
+            ("size_t n", Some("size_t")),
+            ("unsigned int x", Some("unsigned int")),
+            ("float", None),
+            ("float *", None),
+        ] {
+            assert_eq!(c_type(param).as_deref(), want, "{param:?}");
+        }
+    }
 
     #[test]
     fn a_mark_waits_for_a_prune_and_finds_what_it_removed() {
