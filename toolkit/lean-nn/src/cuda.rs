@@ -4,11 +4,12 @@
 //! tensor where they make one per operation (GELU's derivative six in f32).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use crate::linear::Activation;
+use crate::params;
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -83,7 +84,7 @@ impl CustomOp2 for ActGrad {
             d => bail!("activation-grad: float tensors only, not {d:?}"),
         };
         let name = format!("{}_{suffix}", self.kernel);
-        fn go<T: CudaDType + DeviceRepr>(
+        fn go<T: CudaDType + DeviceRepr + candle_kernel_params::Elem>(
             name: &str,
             (g, (g0, g1)): (&CudaStorage, (usize, usize)),
             (s, (s0, s1)): (&CudaStorage, (usize, usize)),
@@ -93,15 +94,21 @@ impl CustomOp2 for ActGrad {
             let func = device.get_or_load_custom_func(name, MODULE, ptx::ACTIVATION)?;
             // SAFETY: the kernel writes each of the `n` elements.
             let mut out = unsafe { device.alloc::<T>(n)? };
-            let g = g.as_cuda_slice::<T>()?.slice(g0..g1);
-            let s = s.as_cuda_slice::<T>()?.slice(s0..s1);
-            let mut launch = func.builder();
-            launch.arg(&mut out).arg(&g).arg(&s).arg(&n);
-            // SAFETY: `<act>_grad_T(out, g, saved, n)` reads `n` elements of
-            // `g` and `saved` and writes `n` of `out`, each holding `n`
-            // elements of `T`; `n` fits the launch's u32 (checked by
-            // `act_grad`).
-            unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+            {
+                let mut args = params::ActGrad {
+                    out: out.as_view_mut(),
+                    g: g.as_cuda_slice::<T>()?.slice(g0..g1),
+                    saved: s.as_cuda_slice::<T>()?.slice(s0..s1),
+                    n,
+                };
+                let mut launch = func.builder();
+                args.push(&mut launch);
+                // SAFETY: `<act>_grad_T(out, g, saved, n)` (`params`' test
+                // holds the arguments to it) reads `n` elements of `g` and
+                // `saved` and writes `n` of `out`, each holding `n` elements
+                // of `T`; `n` fits the launch's u32 (checked by `act_grad`).
+                unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+            }
             Ok(CudaStorage::wrap_cuda_slice(out, device))
         }
         let storage = match g.dtype() {

@@ -45,6 +45,8 @@ mod linear_loss;
 mod loss;
 mod norm;
 mod norm_cpu;
+#[cfg(any(feature = "cuda", test))]
+mod params;
 mod product;
 mod rms_norm;
 mod rope;

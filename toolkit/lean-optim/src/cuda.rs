@@ -2,11 +2,12 @@
 //! arithmetic as the CPU's, launched on the tensors' own buffers.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use crate::kernel::{range, AdamWStep};
+use crate::params;
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -61,7 +62,7 @@ pub(crate) fn moment(
         return Ok(());
     }
     let name = format!("adamw_{kernel}_{}", suffix(dst.dtype())?);
-    fn go<T: CudaDType>(
+    fn go<T: CudaDType + candle_kernel_params::Elem>(
         name: &str,
         dst: &mut CudaStorage,
         (ds, de): (usize, usize),
@@ -73,12 +74,18 @@ pub(crate) fn moment(
         let func = dst
             .device()
             .get_or_load_custom_func(name, MODULE, ptx::ADAMW)?;
-        let mut d = dst.as_cuda_slice_mut::<T>()?.slice_mut(ds..de);
-        let g = g.as_cuda_slice::<T>()?.slice(gs..ge);
+        let mut args = params::Moment {
+            dst: dst.as_cuda_slice_mut::<T>()?.slice_mut(ds..de),
+            g: g.as_cuda_slice::<T>()?.slice(gs..ge),
+            n,
+            a,
+            b,
+        };
         let mut launch = func.builder();
-        launch.arg(&mut d).arg(&g).arg(&n).arg(&a).arg(&b);
+        args.push(&mut launch);
         // SAFETY: the kernel reads and writes `n` elements of each view,
-        // which holds that many, with the argument types it declares.
+        // which holds that many, with the argument types it declares
+        // (`params`' test holds them to it).
         unsafe { launch.launch(config(n)?) }.w()?;
         Ok(())
     }
@@ -119,7 +126,7 @@ pub(crate) fn theta(
     }
     let name = format!("adamw_theta_{}", suffix(t.dtype())?);
     let k = s.theta_constants();
-    fn go<T: CudaDType>(
+    fn go<T: CudaDType + candle_kernel_params::Elem>(
         name: &str,
         t: &mut CudaStorage,
         (ts, te): (usize, usize),
@@ -131,14 +138,20 @@ pub(crate) fn theta(
         let func = t
             .device()
             .get_or_load_custom_func(name, MODULE, ptx::ADAMW)?;
-        let mut t = t.as_cuda_slice_mut::<T>()?.slice_mut(ts..te);
-        let m = m.as_cuda_slice::<T>()?.slice(ms..ms + n);
-        let v = v.as_cuda_slice::<T>()?.slice(vs..vs + n);
+        let [scale_m, scale_v, decay, lr, eps] = *k;
+        let mut args = params::Theta {
+            theta: t.as_cuda_slice_mut::<T>()?.slice_mut(ts..te),
+            m: m.as_cuda_slice::<T>()?.slice(ms..ms + n),
+            v: v.as_cuda_slice::<T>()?.slice(vs..vs + n),
+            n,
+            scale_m,
+            scale_v,
+            decay,
+            lr,
+            eps,
+        };
         let mut launch = func.builder();
-        launch.arg(&mut t).arg(&m).arg(&v).arg(&n);
-        for c in k {
-            launch.arg(c);
-        }
+        args.push(&mut launch);
         // SAFETY: as in `moment`, `n` elements of each of three views.
         unsafe { launch.launch(config(n)?) }.w()?;
         Ok(())

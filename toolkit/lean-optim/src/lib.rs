@@ -24,6 +24,8 @@ mod cuda;
 mod emulated;
 mod kernel;
 mod lean;
+#[cfg(any(feature = "cuda", test))]
+mod params;
 mod state;
 
 /// The measurement hook that calls here accept, and the one that does

@@ -6,14 +6,13 @@
 //! call holds its outputs and, in the backward, one f32 per query row
 //! (and a contiguous copy of any input that is not contiguous).
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
 
 use crate::config::FlashConfig;
+use crate::flash_params as params;
 use crate::flash_plan::{plan, Launch, Plan};
 use crate::forward::Forward;
 use crate::shapes::Dims;
@@ -75,8 +74,14 @@ fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Sh
 /// What every kernel but `delta` takes after its tensors: `nq, nk, d, dv,
 /// q_heads, group` (i32, which `plan` checked they fit), the scale and
 /// whether the mask is causal.
+#[derive(Clone, Copy)]
 struct Sizes {
-    n: [i32; 6],
+    nq: i32,
+    nk: i32,
+    d: i32,
+    dv: i32,
+    hq: i32,
+    group: i32,
     scale: f32,
     causal: i32,
 }
@@ -85,25 +90,15 @@ impl Sizes {
     fn of(dims: &Dims, s: f64, causal: bool) -> Self {
         let n = |x: usize| x as i32;
         Self {
-            n: [
-                n(dims.nq),
-                n(dims.nk),
-                n(dims.d),
-                n(dims.dv),
-                n(dims.q_heads),
-                n(dims.group()),
-            ],
+            nq: n(dims.nq),
+            nk: n(dims.nk),
+            d: n(dims.d),
+            dv: n(dims.dv),
+            hq: n(dims.q_heads),
+            group: n(dims.group()),
             scale: s as f32,
             causal: i32::from(causal),
         }
-    }
-
-    /// Pushes them, in the kernels' order, after the tensors.
-    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
-        for x in &self.n {
-            launch.arg(x);
-        }
-        launch.arg(&self.scale).arg(&self.causal);
     }
 }
 
@@ -131,7 +126,7 @@ pub(crate) fn forward(
     })
 }
 
-fn forward_typed<T: CudaDType + DeviceRepr>(
+fn forward_typed<T: CudaDType + DeviceRepr + candle_kernel_params::Elem>(
     [q, k, v]: [&Tensor; 3],
     dims: &Dims,
     plan: &Plan,
@@ -149,14 +144,37 @@ fn forward_typed<T: CudaDType + DeviceRepr>(
     {
         let [gq, gk, gv] = [q, k, v].map(|x| x.storage_and_layout().0);
         let (qv, kv, vv) = (view::<T>(&gq, q)?, view::<T>(&gk, k)?, view::<T>(&gv, v)?);
-        let sizes = Sizes::of(dims, s, cfg.causal);
+        let Sizes {
+            nq,
+            nk,
+            d,
+            dv,
+            hq,
+            group,
+            scale,
+            causal,
+        } = Sizes::of(dims, s, cfg.causal);
+        let mut args = params::Forward {
+            q: qv,
+            k: kv,
+            v: vv,
+            out: out.as_view_mut(),
+            lse: lse.as_view_mut(),
+            nq,
+            nk,
+            d,
+            dv,
+            hq,
+            group,
+            scale,
+            causal,
+        };
         let mut launch = func.builder();
-        launch.arg(&qv).arg(&kv).arg(&vv);
-        launch.arg(&mut out).arg(&mut lse);
-        sizes.push(&mut launch);
-        // SAFETY: the arguments are those `flash_forward_<D>_<T>` declares;
-        // q, k and v are contiguous `(batch, heads, n, width)` of the sizes
-        // passed, and the grid is `plan`'s for these sizes.
+        args.push(&mut launch);
+        // SAFETY: the arguments are those `flash_forward_<D>_<T>` declares
+        // (`flash_params`' test holds them to it); q, k and v are
+        // contiguous `(batch, heads, n, width)` of the sizes passed, and the
+        // grid is `plan`'s for these sizes.
         unsafe { launch.launch(config(&plan.forward)) }.w()?;
     }
     let shape = (dims.batch, dims.q_heads, dims.nq, dims.dv);
@@ -205,24 +223,7 @@ struct Inputs<'a> {
     lse: &'a Tensor,
 }
 
-/// What both gradient kernels read first: q, k, v, dO and the log-sum-exp
-/// (then `rowsum(dO * O)`).
-struct Read<'v, T> {
-    q: CudaView<'v, T>,
-    k: CudaView<'v, T>,
-    v: CudaView<'v, T>,
-    d_out: CudaView<'v, T>,
-    lse: CudaView<'v, f32>,
-}
-
-impl<T> Read<'_, T> {
-    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>, delta: &'a CudaSlice<f32>) {
-        launch.arg(&self.q).arg(&self.k).arg(&self.v);
-        launch.arg(&self.d_out).arg(&self.lse).arg(delta);
-    }
-}
-
-fn backward_typed<T: CudaDType + DeviceRepr>(
+fn backward_typed<T: CudaDType + DeviceRepr + candle_kernel_params::Elem>(
     t: Inputs,
     dims: &Dims,
     plan: &Plan,
@@ -244,39 +245,73 @@ fn backward_typed<T: CudaDType + DeviceRepr>(
     {
         let [gq, gk, gv, go, gd, gl] =
             [t.q, t.k, t.v, t.o, t.d_out, t.lse].map(|x| x.storage_and_layout().0);
-        let read = Read {
-            q: view::<T>(&gq, t.q)?,
-            k: view::<T>(&gk, t.k)?,
-            v: view::<T>(&gv, t.v)?,
-            d_out: view::<T>(&gd, t.d_out)?,
-            lse: view::<f32>(&gl, t.lse)?,
-        };
-        let ov = view::<T>(&go, t.o)?;
-        let sizes = Sizes::of(dims, s, causal);
+        // Each launch's own views of the inputs.
+        let q = || view::<T>(&gq, t.q);
+        let k = || view::<T>(&gk, t.k);
+        let v = || view::<T>(&gv, t.v);
+        let d_out = || view::<T>(&gd, t.d_out);
+        let lse = || view::<f32>(&gl, t.lse);
+        let sz = Sizes::of(dims, s, causal);
 
         let func = load(&plan.delta)?;
+        let mut args = params::Delta {
+            d_out: d_out()?,
+            out: view::<T>(&go, t.o)?,
+            dl: delta.as_view_mut(),
+            rows,
+            dv: sz.dv,
+        };
         let mut launch = func.builder();
-        let dv_width = sizes.n[3];
-        launch.arg(&read.d_out).arg(&ov).arg(&mut delta);
-        launch.arg(&rows).arg(&dv_width);
+        args.push(&mut launch);
         // SAFETY: `flash_delta_<D>_<T>(d_out, out, delta, rows, dv)` reads
         // `rows` rows of `dv` elements of each and writes `rows` floats.
         unsafe { launch.launch(config(&plan.delta)) }.w()?;
 
         let func = load(&plan.backward_kv)?;
+        let mut args = params::BackwardKv {
+            q: q()?,
+            k: k()?,
+            v: v()?,
+            d_out: d_out()?,
+            lse: lse()?,
+            dl: delta.as_view(),
+            dk: dk.as_view_mut(),
+            dv_out: dv.as_view_mut(),
+            nq: sz.nq,
+            nk: sz.nk,
+            d: sz.d,
+            dv: sz.dv,
+            hq: sz.hq,
+            group: sz.group,
+            scale: sz.scale,
+            causal: sz.causal,
+        };
         let mut launch = func.builder();
-        read.push(&mut launch, &delta);
-        launch.arg(&mut dk).arg(&mut dv);
-        sizes.push(&mut launch);
+        args.push(&mut launch);
         // SAFETY: the arguments `flash_backward_kv_<D>_<T>` declares, of the
         // sizes passed; the grid is `plan`'s.
         unsafe { launch.launch(config(&plan.backward_kv)) }.w()?;
 
         let func = load(&plan.backward_q)?;
+        let mut args = params::BackwardQ {
+            q: q()?,
+            k: k()?,
+            v: v()?,
+            d_out: d_out()?,
+            lse: lse()?,
+            dl: delta.as_view(),
+            dq: dq.as_view_mut(),
+            nq: sz.nq,
+            nk: sz.nk,
+            d: sz.d,
+            dv: sz.dv,
+            hq: sz.hq,
+            group: sz.group,
+            scale: sz.scale,
+            causal: sz.causal,
+        };
         let mut launch = func.builder();
-        read.push(&mut launch, &delta);
-        launch.arg(&mut dq);
-        sizes.push(&mut launch);
+        args.push(&mut launch);
         // SAFETY: as above, for `flash_backward_q_<D>_<T>`.
         unsafe { launch.launch(config(&plan.backward_q)) }.w()?;
     }

@@ -66,6 +66,8 @@ mod flash_cuda;
 #[cfg(test)]
 mod flash_emulated;
 #[cfg(any(feature = "cuda", test))]
+mod flash_params;
+#[cfg(any(feature = "cuda", test))]
 mod flash_plan;
 mod forward;
 mod materialized;
