@@ -14,7 +14,9 @@
 // and blocks are ordered by the joins between them.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -23,6 +25,7 @@
 #include <memory>
 #include <source_location>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -31,10 +34,15 @@
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
-// CUDA's 16-byte vector, which the kernels load from shared memory.
+// CUDA's 16-byte vector, which the kernels load from shared memory, and
+// its 8-byte one.
 struct __align__(16) float4 {
   float x, y, z, w;
 };
+struct __align__(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -43,6 +51,12 @@ inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 inline std::barrier<> *emulated_barrier = nullptr;
 inline void __syncthreads() { emulated_barrier->arrive_and_wait(); }
+
+// A thread's place in its block, x fastest: its warp is rank / 32, its lane
+// rank % 32, as on the card.
+inline unsigned emulated_rank() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
 
 // One warp of the block being run: its threads' barrier, the values they
 // hand each other in a shuffle and the shuffle each lane reached.
@@ -70,8 +84,8 @@ template <typename T>
 T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32,
                   std::source_location site = std::source_location::current()) {
   static_assert(sizeof(T) <= 8, "a shuffled value has at most 8 bytes");
-  EmulatedWarp &warp = *emulated_warps[threadIdx.x / 32];
-  const unsigned lane = threadIdx.x % 32;
+  EmulatedWarp &warp = *emulated_warps[emulated_rank() / 32];
+  const unsigned lane = emulated_rank() % 32;
   const unsigned full = warp.size == 32 ? 0xffffffffu : (1u << warp.size) - 1;
   if ((mask & full) != full) {
     std::fprintf(stderr, "__shfl_xor_sync with mask %#x leaves out lanes of a warp of %u\n", mask,
@@ -110,6 +124,54 @@ T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32,
 }
 using std::max;
 using std::min;
+using std::isnan;
+using std::signbit;
+
+// CUDA's reciprocal square root and normal distribution function, with
+// the host's rounding (the card's are approximations of their own).
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float normcdff(float x) { return 0.5f * std::erfc(-x * 0.70710678118654752f); }
+inline double normcdf(double x) { return 0.5 * std::erfc(-x * 0.70710678118654752); }
+
+// The CUDA release whose headers this stands for where a kernel asks
+// (candle's `compatibility.cuh`): 12.4, whose cuda_fp16.h declares
+// __hmax_nan and __hmin_nan for every architecture.
+#define __CUDACC_VER_MAJOR__ 12
+#define __CUDACC_VER_MINOR__ 4
+
+// A value's bits as another type of its size.
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
+inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
+inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
+inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
+inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
+
+// The atomics, each one indivisible read-modify-write returning the old
+// value, as on the card (ThreadSanitizer sees them as atomic).
+template <typename T>
+T atomicCAS(T *address, std::type_identity_t<T> compare, std::type_identity_t<T> value) {
+  std::atomic_ref<T>(*address).compare_exchange_strong(compare, value);
+  return compare;
+}
+template <typename T> T atomicAdd(T *address, std::type_identity_t<T> value) {
+  return std::atomic_ref<T>(*address).fetch_add(value);
+}
+template <typename T> T atomicMin(T *address, std::type_identity_t<T> value) {
+  std::atomic_ref<T> a(*address);
+  T old = a.load();
+  while (value < old && !a.compare_exchange_weak(old, value)) {
+  }
+  return old;
+}
+template <typename T> T atomicMax(T *address, std::type_identity_t<T> value) {
+  std::atomic_ref<T> a(*address);
+  T old = a.load();
+  while (value > old && !a.compare_exchange_weak(old, value)) {
+  }
+  return old;
+}
 
 // The intrinsics that round each operation on its own.
 inline float __fadd_rn(float a, float b) { return a + b; }
@@ -125,28 +187,33 @@ inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dsqrt_rn(double a) { return std::sqrt(a); }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 
-// `kernel<<<grid, block>>>(args...)`, one block at a time.
+// `kernel<<<grid, block>>>(args...)`, one block at a time. Each argument is
+// converted to its parameter's type first, as a launch's bytes are read.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
+  static_assert(sizeof...(Params) == sizeof...(Args), "one argument for each parameter");
   gridDim = grid;
   blockDim = block;
-  for (unsigned by = 0; by < grid.y; ++by) {
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> barrier(block.x);
-      emulated_barrier = &barrier;
-      emulated_warps.clear();
-      for (unsigned first = 0; first < block.x; first += 32) {
-        emulated_warps.push_back(std::make_unique<EmulatedWarp>(std::min(32u, block.x - first)));
+  const unsigned size = block.x * block.y * block.z;
+  for (unsigned bz = 0; bz < grid.z; ++bz) {
+    for (unsigned by = 0; by < grid.y; ++by) {
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        std::barrier<> barrier(size);
+        emulated_barrier = &barrier;
+        emulated_warps.clear();
+        for (unsigned first = 0; first < size; first += 32) {
+          emulated_warps.push_back(std::make_unique<EmulatedWarp>(std::min(32u, size - first)));
+        }
+        std::vector<std::thread> threads;
+        for (unsigned rank = 0; rank < size; ++rank) {
+          threads.emplace_back([=] {
+            blockIdx = dim3{bx, by, bz};
+            threadIdx = dim3{rank % block.x, rank / block.x % block.y, rank / (block.x * block.y)};
+            kernel(args...);
+          });
+        }
+        for (auto &t : threads) t.join();
       }
-      std::vector<std::thread> threads;
-      for (unsigned tx = 0; tx < block.x; ++tx) {
-        threads.emplace_back([=] {
-          blockIdx = dim3{bx, by, 1};
-          threadIdx = dim3{tx, 0, 0};
-          kernel(args...);
-        });
-      }
-      for (auto &t : threads) t.join();
     }
   }
 }

@@ -1,7 +1,10 @@
 //! The toolkit's CUDA kernels run on a CPU, for its tests.
 //!
-//! `include/` holds just enough of CUDA for the toolkit's `.cu` files to
-//! compile as C++20: `__global__` functions, a block's threads as real
+//! `include/` holds just enough of CUDA for the toolkit's `.cu` files, and
+//! the candle kernels candle-inplace launches (their atomics, bit casts
+//! and the headers they include; not their half-type kernels, which candle
+//! builds only from compute capability 5.3 and 8.0), to compile as C++20:
+//! `__global__` functions, blocks of any shape whose threads are real
 //! threads meeting at a `std::barrier` for `__syncthreads` (and each warp's
 //! at one of its own for `__shfl_xor_sync`), `__shared__`
 //! arrays as statics (blocks run one after another), the intrinsics that
@@ -294,18 +297,42 @@ pub fn cache_dir() -> PathBuf {
 /// functions, after the C preprocessor with the kernels' own macros, as
 /// nvcc compiles them), by name: each parameter's C type without its name,
 /// one space between words and `*`s written together after one space
-/// (`const __half *`, `size_t`), as `candle_kernel_params` spells them.
+/// (`const __half *`, `size_t`), as `candle_kernel_params` spells them. A
+/// `const` on a parameter passed by value (`const size_t numel`) is left
+/// out: it binds the kernel's copy, not what a launch passes.
 /// Panics where the preprocessor fails or a declaration cannot be read.
 pub fn declarations(sources: &[&Path]) -> std::collections::BTreeMap<String, Vec<String>> {
+    declarations_in(sources, None)
+}
+
+/// [`declarations`] as nvcc preprocesses `sources` for the compute
+/// capability `arch` (`__CUDA_ARCH__`, 900 for sm_90), for kernel files
+/// that define some kernels only from a capability on (candle's half-type
+/// kernels from 530 and 800).
+pub fn declarations_for_arch(
+    sources: &[&Path],
+    arch: u32,
+) -> std::collections::BTreeMap<String, Vec<String>> {
+    declarations_in(sources, Some(arch))
+}
+
+fn declarations_in(
+    sources: &[&Path],
+    arch: Option<u32>,
+) -> std::collections::BTreeMap<String, Vec<String>> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let mut found = std::collections::BTreeMap::new();
     for source in sources {
+        let mut command = Command::new(&cxx);
+        command.args(FLAGS);
+        if let Some(arch) = arch {
+            command.arg(format!("-D__CUDA_ARCH__={arch}"));
+        }
         let text = compiler(
             &cxx,
             "preprocessing",
             source,
-            Command::new(&cxx)
-                .args(FLAGS)
+            command
                 .args(["-x", "c++", "-E", "-P", "-I"])
                 .arg(include_dir())
                 .arg(source),
@@ -345,7 +372,18 @@ fn c_type(param: &str) -> Option<String> {
     let spaced = param.replace('*', " * ");
     let mut tokens: Vec<&str> = spaced.split_whitespace().collect();
     let name = tokens.pop()?;
-    if tokens.is_empty() || !name.chars().all(|c| c.is_alphanumeric() || c == '_') {
+    if !name.chars().all(|c| c.is_alphanumeric() || c == '_') {
+        return None;
+    }
+    // A top-level const, which does not change what a launch passes: the
+    // whole type's where there is no pointer, the pointer's own after the
+    // last `*`.
+    if !tokens.contains(&"*") {
+        tokens.retain(|t| *t != "const");
+    } else if tokens.last() == Some(&"const") {
+        tokens.pop();
+    }
+    if tokens.is_empty() {
         return None;
     }
     let mut out = String::new();
@@ -460,6 +498,10 @@ mod tests {
             ("float **p", Some("float **")),
             ("size_t n", Some("size_t")),
             ("unsigned int x", Some("unsigned int")),
+            ("const size_t numel", Some("size_t")),
+            ("const int n_cols", Some("int")),
+            ("const float * const x", Some("const float *")),
+            ("const float", None),
             ("float", None),
             ("float *", None),
         ] {
