@@ -39,10 +39,26 @@ use std::marker::PhantomData;
 pub use candle_core::cuda_backend::cudarc::driver::LaunchArgs;
 
 /// An element type of device memory, by the name a kernel gives it.
-pub trait Elem: 'static {
+pub trait Elem: 'static + Repr {
     /// Its C name (CUDA's for the half types).
     const C: &'static str;
 }
+
+/// What a launch needs of an element passed by value ([`Val`]): cudarc's
+/// `DeviceRepr` with the `cuda` feature, nothing without it.
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub trait Repr: candle_core::cuda_backend::cudarc::driver::DeviceRepr {}
+#[cfg(feature = "cuda")]
+impl<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr> Repr for T {}
+
+/// What a launch needs of an element passed by value ([`Val`]): cudarc's
+/// `DeviceRepr` with the `cuda` feature, nothing without it.
+#[cfg(not(feature = "cuda"))]
+#[doc(hidden)]
+pub trait Repr {}
+#[cfg(not(feature = "cuda"))]
+impl<T> Repr for T {}
 
 impl Elem for f32 {
     const C: &'static str = "float";
@@ -55,6 +71,10 @@ impl Elem for half::f16 {
 }
 impl Elem for half::bf16 {
     const C: &'static str = "__nv_bfloat16";
+}
+/// The element of a kernel's shape and stride arrays (`const size_t *`).
+impl Elem for usize {
+    const C: &'static str = "size_t";
 }
 
 /// One parameter of a kernel: what a launch passes for it, and how the
@@ -117,6 +137,58 @@ impl<T: Elem> Param for Out<T> {
     }
 }
 
+/// A pointer to elements the kernel only reads, `const T *`, passed as a
+/// device address (a `CUdeviceptr`) where a view cannot be: where the
+/// kernel takes the same buffer as an input and its output ([`PtrMut`]), or
+/// where it takes a null pointer (0) for "none".
+pub struct Ptr<T>(PhantomData<T>);
+
+/// A pointer to elements the kernel writes, `T *`, passed as a device
+/// address (see [`Ptr`]).
+pub struct PtrMut<T>(PhantomData<T>);
+
+/// An element passed by value, by the kernel's name for it: `T` where
+/// the kernel is generic over the element type (`__half mul`).
+pub struct Val<T>(PhantomData<T>);
+
+/// Pointers passed as addresses: a `u64` in every build.
+macro_rules! address {
+    ($($kind:ident => $c:literal),* $(,)?) => {$(
+        impl<T: Elem> Param for $kind<T> {
+            type Arg<'a> = u64;
+
+            fn c_type() -> String {
+                format!($c, T::C)
+            }
+
+            #[cfg(feature = "cuda")]
+            fn push<'a: 'b, 'b>(arg: &'b mut Self::Arg<'a>, launch: &mut LaunchArgs<'b>) {
+                use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+                launch.arg(&*arg);
+            }
+        }
+    )*};
+}
+
+address! {
+    Ptr => "const {} *",
+    PtrMut => "{} *",
+}
+
+impl<T: Elem> Param for Val<T> {
+    type Arg<'a> = T;
+
+    fn c_type() -> String {
+        T::C.to_string()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn push<'a: 'b, 'b>(arg: &'b mut Self::Arg<'a>, launch: &mut LaunchArgs<'b>) {
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        launch.arg(&*arg);
+    }
+}
+
 /// Scalars, passed by value, by their C names.
 macro_rules! scalar {
     ($($t:ty => $c:literal),* $(,)?) => {$(
@@ -154,11 +226,13 @@ pub trait Params {
 /// Declares a kernel's parameters as a struct, generic over the element
 /// type `T` (an [`Elem`]), one field per parameter in the kernel's order,
 /// each of a [`Param`] type: [`In<T>`] (`const T *`), [`Out<T>`] (`T *`),
-/// an element type fixed as `In<f32>`, or a scalar (`i32`, `u32`, `i64`,
-/// `usize`, `f32`, `f64`).
+/// an element type fixed as `In<f32>`, [`Ptr<T>`] and [`PtrMut<T>`] (the
+/// same pointers as addresses), [`Val<T>`] (a `T` by value), or a scalar
+/// (`i32`, `u32`, `i64`, `usize`, `f32`, `f64`).
 ///
 /// The struct `Name<'a, T>` has those fields (a `CudaView<'a, _>` for an
-/// `In`, a `CudaViewMut<'a, _>` for an `Out`, a scalar by value) and
+/// `In`, a `CudaViewMut<'a, _>` for an `Out`, a `u64` address for a `Ptr`
+/// or a `PtrMut`, a value for a `Val` or a scalar) and
 /// implements [`Params`]; with this crate's `cuda` feature, its `push`
 /// pushes them onto a `LaunchArgs` in order.
 #[macro_export]
@@ -221,6 +295,10 @@ mod tests {
             write: Out<T>,
             lse: In<f32>,
             out: Out<f64>,
+            alias: Ptr<T>,
+            alias_out: PtrMut<T>,
+            info: Ptr<usize>,
+            value: Val<T>,
             a: i32,
             b: u32,
             c: i64,
@@ -249,7 +327,14 @@ mod tests {
             ("__nv_bfloat16", Every::<half::bf16>::c_params()),
         ] {
             let mut want = vec![format!("const {elem} *"), format!("{elem} *")];
-            want.extend(tail.map(String::from));
+            want.extend(tail[..2].iter().map(|s| s.to_string()));
+            want.extend([
+                format!("const {elem} *"),
+                format!("{elem} *"),
+                "const size_t *".into(),
+                elem.into(),
+            ]);
+            want.extend(tail[2..].iter().map(|s| s.to_string()));
             assert_eq!(got, want);
         }
     }
