@@ -1,17 +1,13 @@
 //! The launches.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use candle_core::cuda_backend::{kernel_name, kernels, CudaDType, SlicePtrOrNull, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Tensor, WithDType};
+use candle_kernel_params::Elem;
 
-/// The most elements one launch writes in place. candle's element-wise
-/// kernels index with 32 bits and step by the whole grid: past 2^31
-/// elements a step wraps round to an element already written, harmless when
-/// the output is a new tensor, not when it is an operand.
-pub const MAX_ELEMENTS: usize = 1 << 30;
+use crate::params::{self, name};
+use crate::plan::{self, Grid, MAX_ELEMENTS};
 
 /// Whether `t` can be the output of these launches: on a CUDA GPU, of a
 /// float dtype (f32, f64, f16, bf16), contiguous, with 1 to
@@ -41,9 +37,9 @@ pub enum Binary {
 impl Binary {
     fn kernel(self) -> &'static str {
         match self {
-            Binary::Add => "badd",
-            Binary::Sub => "bsub",
-            Binary::Mul => "bmul",
+            Binary::Add => name::ADD,
+            Binary::Sub => name::SUB,
+            Binary::Mul => name::MUL,
         }
     }
 }
@@ -61,19 +57,14 @@ macro_rules! by_dtype {
     };
 }
 
-/// The contiguous element range of the output's layout, checked against
-/// [`MAX_ELEMENTS`].
-fn output_range(l: &Layout, op: &str) -> Result<(usize, usize)> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        bail!("{op} in place: the output must be contiguous");
-    };
-    if end - start > MAX_ELEMENTS {
-        bail!(
-            "{op} in place: at most 2^30 elements at once on a GPU, not {}",
-            end - start
-        );
+impl From<Grid> for LaunchConfig {
+    fn from(g: Grid) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (g.blocks, 1, 1),
+            block_dim: (g.threads.0, g.threads.1, 1),
+            shared_mem_bytes: 0,
+        }
     }
-    Ok((start, end))
 }
 
 /// `out = out OP rhs` with candle's binary kernel for `op`: `out` is the
@@ -90,108 +81,107 @@ pub fn assign(
     rl: &Layout,
 ) -> Result<()> {
     let name = op.kernel();
-    if rl.shape() != ol.shape() {
-        bail!(
-            "{name} in place: an operand of shape {:?} for an output of shape {:?}",
-            rl.dims(),
-            ol.dims()
-        );
-    }
-    if rhs.dtype() != out.dtype() {
-        bail!(
-            "{name} in place: a {:?} operand for a {:?} output",
-            rhs.dtype(),
-            out.dtype()
-        );
-    }
-    let range = output_range(ol, name)?;
-    if range.0 == range.1 {
+    let Some(plan) = plan::binary(name, (ol, out.dtype()), (rl, rhs.dtype()))? else {
         return Ok(());
-    }
-    fn go<T: CudaDType + WithDType + DeviceRepr>(
+    };
+    fn go<T: CudaDType + WithDType + Elem>(
         name: &str,
         out: &mut CudaStorage,
-        ol: &Layout,
-        (o0, o1): (usize, usize),
         rhs: &CudaStorage,
-        rl: &Layout,
+        plan: plan::Binary,
     ) -> Result<()> {
-        let n = o1 - o0;
+        let (o0, o1) = plan.out;
         let device = out.device().clone();
         let stream = device.cuda_stream();
         let func = device.get_or_load_func(&kernel_name::<T>(name), &kernels::BINARY)?;
-        let info = if rl.is_contiguous() {
-            SlicePtrOrNull::Null
-        } else {
-            let info = [ol.dims(), ol.stride(), rl.stride()].concat();
-            SlicePtrOrNull::params_from_vec(&device, info)?
+        let info = match plan.dims_and_strides {
+            None => SlicePtrOrNull::Null,
+            Some(info) => SlicePtrOrNull::params_from_vec(&device, info)?,
         };
-        let rhs = rhs.as_cuda_slice::<T>()?.slice(rl.start_offset()..);
+        let (info_ptr, _info_in_order) = match &info {
+            SlicePtrOrNull::Ptr(info) => {
+                let (ptr, in_order) = info.device_ptr(&stream);
+                (ptr, Some(in_order))
+            }
+            SlicePtrOrNull::Cached(info) => {
+                let (ptr, in_order) = info.device_ptr(&stream);
+                (ptr, Some(in_order))
+            }
+            SlicePtrOrNull::Null => (0, None),
+        };
+        let rhs = rhs.as_cuda_slice::<T>()?.slice(plan.rhs_start..);
         let mut out = out.as_cuda_slice_mut::<T>()?.slice_mut(o0..o1);
-        // One address for the left operand and the output. The guard orders
-        // the launch after earlier work on the buffer, as a kernel
+        // One address for the left operand and the output. The guards order
+        // the launch after earlier work on the buffers, as a kernel
         // argument's does.
         let (out_ptr, _in_order) = out.device_ptr_mut(&stream);
-        let dims = ol.dims().len();
+        let mut args = params::BinaryAssign::<T> {
+            numel: o1 - o0,
+            num_dims: plan.num_dims,
+            dims_and_strides: info_ptr,
+            lhs: out_ptr,
+            rhs,
+            out: out_ptr,
+        };
         let mut launch = func.builder();
-        launch.arg(&n).arg(&dims);
-        info.builder_arg(&mut launch);
-        launch.arg(&out_ptr).arg(&rhs).arg(&out_ptr);
+        args.push(&mut launch);
         // SAFETY: `b<op>_T(numel, num_dims, dims_and_strides, lhs, rhs, out)`
-        // reads `n` elements of the contiguous `lhs` and `rhs`'s elements at
-        // its strides (a layout of `n` elements, checked above), and writes
-        // `n` of `out`; `out` holds `n` elements of `T`, each read as `lhs`
-        // by the thread that then writes it.
-        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+        // reads `numel` elements of the contiguous `lhs` and `rhs`'s
+        // elements at its strides (a layout of `numel` elements, checked by
+        // the plan), and writes `numel` of `out`; `out` holds `numel`
+        // elements of `T`, each read as `lhs` by the thread that then
+        // writes it.
+        unsafe { launch.launch(plan.grid.into()) }.w()?;
         Ok(())
     }
-    by_dtype!(out.dtype(), name, go(name, out, ol, range, rhs, rl))
+    by_dtype!(out.dtype(), name, go(name, out, rhs, plan))
 }
 
 /// `out = out * mul`, as `tensor * mul` computes it: candle's `affine`
 /// kernel in its in-place mode (no input), with the `mul` and `add` that
 /// `tensor * mul` passes it.
 pub fn scale(out: &mut CudaStorage, ol: &Layout, mul: f64) -> Result<()> {
-    let range = output_range(ol, "scale")?;
-    fn go<T: CudaDType + WithDType + DeviceRepr>(
+    let Some(plan) = plan::in_place(ol, "scale")? else {
+        return Ok(());
+    };
+    fn go<T: CudaDType + WithDType + Elem>(
         out: &mut CudaStorage,
-        range: (usize, usize),
+        plan: plan::InPlace,
         mul: f64,
     ) -> Result<()> {
         let affine = (T::from_f64(mul), T::from_f64(0.0));
-        without_input::<T>(out, range, ("affine", &kernels::AFFINE), Some(affine))
+        without_input::<T>(out, plan, (name::AFFINE, &kernels::AFFINE), Some(affine))
     }
-    by_dtype!(out.dtype(), "scale", go(out, range, mul))
+    by_dtype!(out.dtype(), "scale", go(out, plan, mul))
 }
 
 /// `out = max(out, 0)`: candle's `urelu` kernel in its in-place mode (no
 /// input).
 pub fn relu(out: &mut CudaStorage, ol: &Layout) -> Result<()> {
-    let range = output_range(ol, "relu")?;
-    fn go<T: CudaDType + WithDType + DeviceRepr>(
+    let Some(plan) = plan::in_place(ol, "relu")? else {
+        return Ok(());
+    };
+    fn go<T: CudaDType + WithDType + Elem>(
         out: &mut CudaStorage,
-        range: (usize, usize),
+        plan: plan::InPlace,
     ) -> Result<()> {
-        without_input::<T>(out, range, ("urelu", &kernels::UNARY), None)
+        without_input::<T>(out, plan, (name::RELU, &kernels::UNARY), None)
     }
-    by_dtype!(out.dtype(), "relu", go(out, range))
+    by_dtype!(out.dtype(), "relu", go(out, plan))
 }
 
-/// candle's element-wise kernel `name` (of `module`) over elements
-/// `o0..o1` of `out` in the kernels' in-place mode: `(numel, num_dims,
+/// candle's element-wise kernel `name` (of `module`) over the plan's
+/// elements of `out` in the kernels' in-place mode: `(numel, num_dims,
 /// info, inp, out)` with a null `info` (contiguous) and a null `inp`, so
 /// each element is read from `out` and written back by one thread; then
 /// `affine`'s `mul` and `add`, when given.
-fn without_input<T: CudaDType + WithDType + DeviceRepr>(
+fn without_input<T: CudaDType + WithDType + Elem>(
     out: &mut CudaStorage,
-    (o0, o1): (usize, usize),
+    plan: plan::InPlace,
     (name, module): (&str, &kernels::Module),
     affine: Option<(T, T)>,
 ) -> Result<()> {
-    let n = o1 - o0;
-    if n == 0 {
-        return Ok(());
-    }
+    let (o0, o1) = plan.out;
     let device = out.device().clone();
     let stream = device.cuda_stream();
     let func = device.get_or_load_func(&kernel_name::<T>(name), module)?;
@@ -199,22 +189,34 @@ fn without_input<T: CudaDType + WithDType + DeviceRepr>(
     // The guard orders the launch after earlier work on the buffer, as a
     // kernel argument's does.
     let (out_ptr, _in_order) = out.device_ptr_mut(&stream);
-    let (dims, no_layout, no_input) = (1usize, 0usize, 0usize);
+    let (numel, num_dims, info, inp, out) = (o1 - o0, 1, 0, 0, out_ptr);
+    // Both live as long as the launch that borrows one of them.
+    let mut unary = params::UnaryInPlace::<T> {
+        numel,
+        num_dims,
+        info,
+        inp,
+        out,
+    };
+    let mut with_affine = affine.map(|(mul, add)| params::AffineInPlace::<T> {
+        numel,
+        num_dims,
+        info,
+        inp,
+        out,
+        mul,
+        add,
+    });
     let mut launch = func.builder();
-    launch
-        .arg(&n)
-        .arg(&dims)
-        .arg(&no_layout)
-        .arg(&no_input)
-        .arg(&out_ptr);
-    if let Some((mul, add)) = &affine {
-        launch.arg(mul).arg(add);
+    match &mut with_affine {
+        Some(args) => args.push(&mut launch),
+        None => unary.push(&mut launch),
     }
     // SAFETY: `unary_T(numel, num_dims, info, inp, out)` and
     // `affine_T(numel, num_dims, info, inp, out, mul, add)` with a null
-    // `info` and a null `inp` read and write `n` elements of `out`, which
-    // holds `n` elements of `T`.
-    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+    // `info` and a null `inp` read and write `numel` elements of `out`,
+    // which holds `numel` elements of `T`.
+    unsafe { launch.launch(plan.grid.into()) }.w()?;
     Ok(())
 }
 
@@ -222,36 +224,32 @@ fn without_input<T: CudaDType + WithDType + DeviceRepr>(
 /// of candle-nn's `softmax_last_dim` (one warp per row), with its output
 /// its input.
 pub fn softmax_last_dim(out: &mut CudaStorage, ol: &Layout) -> Result<()> {
-    let range = output_range(ol, "softmax")?;
-    let ncols = ol.dims().last().copied().unwrap_or(1);
-    if range.0 == range.1 || ncols == 0 {
+    let Some(plan) = plan::softmax(ol)? else {
         return Ok(());
-    }
-    fn go<T: CudaDType + WithDType + DeviceRepr>(
+    };
+    fn go<T: CudaDType + WithDType + Elem>(
         out: &mut CudaStorage,
-        (o0, o1): (usize, usize),
-        ncols: usize,
+        plan: plan::Softmax,
     ) -> Result<()> {
-        let rows = (o1 - o0) / ncols;
+        let (o0, o1) = plan.out;
         let device = out.device().clone();
         let stream = device.cuda_stream();
-        let func = device.get_or_load_func(&kernel_name::<T>("softmax"), &kernels::REDUCE)?;
+        let func = device.get_or_load_func(&kernel_name::<T>(name::SOFTMAX), &kernels::REDUCE)?;
         let mut out = out.as_cuda_slice_mut::<T>()?.slice_mut(o0..o1);
         let (out_ptr, _in_order) = out.device_ptr_mut(&stream);
-        let ncols = ncols as i32;
-        let mut launch = func.builder();
-        launch.arg(&out_ptr).arg(&out_ptr).arg(&ncols);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1, 32, 1),
-            shared_mem_bytes: 0,
+        let mut args = params::SoftmaxInPlace::<T> {
+            src: out_ptr,
+            dst: out_ptr,
+            n_cols: plan.n_cols,
         };
-        // SAFETY: `softmax_T(src, dst, n_cols)` reads and writes `rows *
-        // ncols` elements, which `out` holds (at most 2^30, so its `int`
-        // indices hold them); each is read and then written by the one
-        // thread of its row's warp that owns its column.
-        unsafe { launch.launch(cfg) }.w()?;
+        let mut launch = func.builder();
+        args.push(&mut launch);
+        // SAFETY: `softmax_T(src, dst, n_cols)` reads and writes the rows'
+        // `rows * n_cols` elements, which `out` holds (at most 2^30, so its
+        // `int` indices hold them); each is read and then written by the
+        // one thread of its row's warp that owns its column.
+        unsafe { launch.launch(plan.grid.into()) }.w()?;
         Ok(())
     }
-    by_dtype!(out.dtype(), "softmax", go(out, range, ncols))
+    by_dtype!(out.dtype(), "softmax", go(out, plan))
 }

@@ -18,9 +18,17 @@
 //! adds f32 tensors on the CPU, and nothing else is there.
 
 mod add;
+#[cfg(test)]
+mod emulated;
 #[cfg(feature = "cuda")]
 mod launch;
+#[cfg(any(test, feature = "cuda"))]
+mod params;
+#[cfg(any(test, feature = "cuda"))]
+mod plan;
 
 pub use add::add_assign;
 #[cfg(feature = "cuda")]
-pub use launch::{assign, relu, scale, softmax_last_dim, writable, Binary, MAX_ELEMENTS};
+pub use launch::{assign, relu, scale, softmax_last_dim, writable, Binary};
+#[cfg(feature = "cuda")]
+pub use plan::MAX_ELEMENTS;
