@@ -149,26 +149,29 @@ inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x
 inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 
 // The atomics, each one indivisible read-modify-write returning the old
-// value, as on the card (ThreadSanitizer sees them as atomic).
+// value and ordering nothing else, as on the card (relaxed: a kernel that
+// needs __threadfence is not emulated). None of candle's kernels that run
+// here calls them; they are for its headers to compile.
+constexpr auto emulated_relaxed = std::memory_order_relaxed;
 template <typename T>
 T atomicCAS(T *address, std::type_identity_t<T> compare, std::type_identity_t<T> value) {
-  std::atomic_ref<T>(*address).compare_exchange_strong(compare, value);
+  std::atomic_ref<T>(*address).compare_exchange_strong(compare, value, emulated_relaxed);
   return compare;
 }
 template <typename T> T atomicAdd(T *address, std::type_identity_t<T> value) {
-  return std::atomic_ref<T>(*address).fetch_add(value);
+  return std::atomic_ref<T>(*address).fetch_add(value, emulated_relaxed);
 }
 template <typename T> T atomicMin(T *address, std::type_identity_t<T> value) {
   std::atomic_ref<T> a(*address);
-  T old = a.load();
-  while (value < old && !a.compare_exchange_weak(old, value)) {
+  T old = a.load(emulated_relaxed);
+  while (value < old && !a.compare_exchange_weak(old, value, emulated_relaxed)) {
   }
   return old;
 }
 template <typename T> T atomicMax(T *address, std::type_identity_t<T> value) {
   std::atomic_ref<T> a(*address);
-  T old = a.load();
-  while (value > old && !a.compare_exchange_weak(old, value)) {
+  T old = a.load(emulated_relaxed);
+  while (value > old && !a.compare_exchange_weak(old, value, emulated_relaxed)) {
   }
   return old;
 }
@@ -187,8 +190,10 @@ inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dsqrt_rn(double a) { return std::sqrt(a); }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 
-// `kernel<<<grid, block>>>(args...)`, one block at a time. Each argument is
-// converted to its parameter's type first, as a launch's bytes are read.
+// `kernel<<<grid, block>>>(args...)`, one block at a time. Each argument
+// converts to its parameter's type as in a C++ call, where a launch on the
+// card reads its bytes as given (candle-kernel-params' tests hold the Rust
+// side's arguments to the kernels' declarations).
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "one argument for each parameter");

@@ -7,9 +7,9 @@ use std::path::Path;
 
 use candle_toolkit_cuda_emulation::{compile, run};
 
-/// Each thread's (block x, y, z, thread x, y, z, rank, its warp's sum of
-/// ranks) in the order the harness writes them.
-fn threads(grid: [u32; 3], block: [u32; 3]) -> Vec<[u32; 8]> {
+/// Each thread's (gridDim, blockDim, blockIdx, threadIdx, rank, its warp's
+/// sum of ranks) in the order the harness writes them.
+fn threads(grid: [u32; 3], block: [u32; 3]) -> Vec<[u32; 14]> {
     let exe = compile(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/blocks/harness.cpp"));
     let args = grid.iter().chain(&block).map(u32::to_string);
     String::from_utf8(run(&exe, args))
@@ -41,10 +41,17 @@ fn every_thread_of_every_block_runs_once_with_its_indices_and_its_warp() {
                 rank / (block[0] * block[1]),
             ];
             let first = rank / 32 * 32;
-            let want_sum = (first..(first + 32).min(size)).sum::<u32>();
+            // Every block here is whole warps.
+            let want_sum = (first..first + 32).sum::<u32>();
             assert_eq!(
                 t,
                 &[
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    block[0],
+                    block[1],
+                    block[2],
                     want_block[0],
                     want_block[1],
                     want_block[2],

@@ -306,17 +306,19 @@ fn the_softmax_in_place_is_the_rows_softmax_to_its_rounding() -> Result<()> {
             assert_eq!(bits(&got[o1..]), bits(&before[o1..]), "{kernel}: after");
             // Each lane sums its columns in turn, then five steps of a
             // butterfly; then exp's, the reciprocal's and the product's
-            // roundings.
+            // roundings, and `x - max`'s, which exp turns into a relative
+            // error of up to |x - max| / 2 units.
             let eps = match dtype {
                 DType::F32 => f32::EPSILON as f64,
                 _ => f64::EPSILON,
             };
-            let bound = (cols.div_ceil(32) + 5 + 3) as f64 * eps;
+            let sum_steps = (cols.div_ceil(32) + 5 + 3) as f64;
             for (r, row) in before[o0..o1].chunks(cols).enumerate() {
                 let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let sum: f64 = row.iter().map(|x| (x - max).exp()).sum();
                 for (c, x) in row.iter().enumerate() {
                     let want = (x - max).exp() / sum;
+                    let bound = (sum_steps + (x - max).abs() / 2.0) * eps;
                     let at = o0 + r * cols + c;
                     assert!(
                         (got[at] - want).abs() <= bound * want,

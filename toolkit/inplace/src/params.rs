@@ -87,7 +87,15 @@ pub(crate) mod tests {
     pub(crate) fn candle_kernels_src() -> PathBuf {
         let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
         let out = Command::new(env!("CARGO"))
-            .args(["metadata", "--format-version", "1", "--features", "cuda"])
+            // --locked: the versions Cargo.lock holds, which a build uses.
+            .args([
+                "metadata",
+                "--locked",
+                "--format-version",
+                "1",
+                "--features",
+                "cuda",
+            ])
             .arg("--manifest-path")
             .arg(&manifest)
             .output()

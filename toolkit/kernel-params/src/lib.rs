@@ -80,9 +80,9 @@ impl Elem for usize {
 /// One parameter of a kernel: what a launch passes for it, and how the
 /// kernel declares it.
 pub trait Param {
-    /// What a launch passes: a view of device memory or a scalar. (In a
-    /// build without the `cuda` feature there is no device memory, and a
-    /// pointer's field holds nothing.)
+    /// What a launch passes: a view of device memory, a device address or
+    /// a value. (In a build without the `cuda` feature there is no device
+    /// memory, and a view's field holds nothing.)
     type Arg<'a>;
 
     /// The parameter's C type as a declaration spells it after the
@@ -140,7 +140,10 @@ impl<T: Elem> Param for Out<T> {
 /// A pointer to elements the kernel only reads, `const T *`, passed as a
 /// device address (a `CUdeviceptr`) where a view cannot be: where the
 /// kernel takes the same buffer as an input and its output ([`PtrMut`]), or
-/// where it takes a null pointer (0) for "none".
+/// where it takes a null pointer (0) for "none". An address is a bare
+/// `u64`: unlike a view's, its element type and its buffer's lifetime are
+/// the launch's to keep (the guard of `device_ptr` held until the launch
+/// is queued).
 pub struct Ptr<T>(PhantomData<T>);
 
 /// A pointer to elements the kernel writes, `T *`, passed as a device

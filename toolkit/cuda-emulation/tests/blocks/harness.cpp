@@ -1,5 +1,6 @@
-// A block of any shape: each thread writes its indices and the sum of its
-// warp's ranks (x fastest) by a butterfly, one line per thread.
+// A block of any shape: each thread writes the grid's and the block's
+// dimensions, its indices and the sum of its warp's ranks (x fastest) by a
+// butterfly, one line per thread.
 //
 //   harness GRID_X GRID_Y GRID_Z BLOCK_X BLOCK_Y BLOCK_Z
 #include "emulate.h"
@@ -9,10 +10,11 @@ __global__ void where(unsigned *out) {
   const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   unsigned sum = rank;
   for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
-  unsigned *o = out + 8 * (block * blockDim.x * blockDim.y * blockDim.z + rank);
-  const unsigned values[8] = {blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x,
-                              threadIdx.y, threadIdx.z, rank,       sum};
-  for (int i = 0; i < 8; ++i) o[i] = values[i];
+  unsigned *o = out + 14 * (block * blockDim.x * blockDim.y * blockDim.z + rank);
+  const unsigned values[14] = {gridDim.x,  gridDim.y,   gridDim.z,   blockDim.x, blockDim.y,
+                               blockDim.z, blockIdx.x,  blockIdx.y,  blockIdx.z, threadIdx.x,
+                               threadIdx.y, threadIdx.z, rank,       sum};
+  for (int i = 0; i < 14; ++i) o[i] = values[i];
 }
 
 int main(int argc, char **argv) {
@@ -20,10 +22,10 @@ int main(int argc, char **argv) {
   unsigned d[6];
   for (int i = 0; i < 6; ++i) d[i] = std::atoi(argv[i + 1]);
   const dim3 grid{d[0], d[1], d[2]}, block{d[3], d[4], d[5]};
-  std::vector<unsigned> out(8 * d[0] * d[1] * d[2] * d[3] * d[4] * d[5]);
+  std::vector<unsigned> out(14 * d[0] * d[1] * d[2] * d[3] * d[4] * d[5]);
   launch(where, grid, block, out.data());
-  for (size_t t = 0; t < out.size(); t += 8) {
-    for (int i = 0; i < 8; ++i) std::printf(i ? " %u" : "%u", out[t + i]);
+  for (size_t t = 0; t < out.size(); t += 14) {
+    for (int i = 0; i < 14; ++i) std::printf(i ? " %u" : "%u", out[t + i]);
     std::printf("\n");
   }
 }
