@@ -159,7 +159,16 @@ T atomicCAS(T *address, std::type_identity_t<T> compare, std::type_identity_t<T>
   return compare;
 }
 template <typename T> T atomicAdd(T *address, std::type_identity_t<T> value) {
-  return std::atomic_ref<T>(*address).fetch_add(value, emulated_relaxed);
+  std::atomic_ref<T> a(*address);
+  if constexpr (std::is_arithmetic_v<T>) {
+    return a.fetch_add(value, emulated_relaxed);
+  } else {
+    // __half and __nv_bfloat16: the sum, rounded to the type, swapped in.
+    T old = a.load(emulated_relaxed);
+    while (!a.compare_exchange_weak(old, old + value, emulated_relaxed)) {
+    }
+    return old;
+  }
 }
 template <typename T> T atomicMin(T *address, std::type_identity_t<T> value) {
   std::atomic_ref<T> a(*address);

@@ -2,14 +2,17 @@
 //!
 //! `include/` holds just enough of CUDA for the toolkit's `.cu` files, and
 //! the candle kernels candle-inplace launches (their atomics, bit casts
-//! and the headers they include; not their half-type kernels, which candle
-//! builds only from compute capability 5.3 and 8.0), to compile as C++20:
+//! and the headers they include, with their f16 and bf16 kernels where a
+//! harness defines `__CUDA_ARCH__` as 800 or more; the 8-bit floats are
+//! declared, and stop a harness that converts one), to compile as C++20:
 //! `__global__` functions, blocks of any shape whose threads are real
 //! threads meeting at a `std::barrier` for `__syncthreads` (and each warp's
 //! at one of its own for `__shfl_xor_sync`), `__shared__`
 //! arrays as statics (blocks run one after another), the intrinsics that
 //! round each operation on their own, and `__half` and `__nv_bfloat16`
-//! with round-to-nearest-even. A test writes a C++ harness that includes
+//! with round-to-nearest-even: their conversions and each operation rounded
+//! once, as the card's half-type arithmetic (`emulated_half.h`;
+//! `tests/halves.rs` holds them to a reference bit for bit). A test writes a C++ harness that includes
 //! `emulate.h` and the kernels and launches them with `launch(kernel, grid,
 //! block, args...)`; [`compile`] builds it with the C++ compiler in `CXX`
 //! (default `c++`: g++ 12 or clang 15 and later) and [`run`] runs it.

@@ -5,10 +5,11 @@
 //
 //   HARNESS KERNEL GRID_X BLOCK_X BLOCK_Y BUFFERS ARG... INPUT
 //
-// BUFFERS: each buffer's element type and length, `f32:70,size_t:6`, read
-// in that order from INPUT (f64s, values.h). ARG, one per parameter:
-// `null` or `BUFFER+OFFSET` for a pointer (the two pointers of an in-place
-// launch name one buffer), a number for a scalar. Writes every buffer
+// BUFFERS: each buffer's element type (f32, f64, f16, bf16 or size_t) and
+// length, `f32:70,size_t:6`, read in that order from INPUT (f64s,
+// values.h). ARG, one per parameter: `null` or `BUFFER+OFFSET` for a
+// pointer (the two pointers of an in-place launch name one buffer), a
+// number for a scalar (rounded to a half type's nearest). Writes every buffer
 // after the launch to standard output as f64s. The file including this
 // one includes candle's kernels first and defines CANDLE_KERNELS(K) as
 // K(name) for each kernel it launches.
@@ -26,7 +27,8 @@
 
 namespace {
 
-using Buffer = std::variant<std::vector<float>, std::vector<double>, std::vector<size_t>>;
+using Buffer = std::variant<std::vector<float>, std::vector<double>, std::vector<__half>,
+                             std::vector<__nv_bfloat16>, std::vector<size_t>>;
 
 [[noreturn]] void fail(const std::string &why) {
   std::fprintf(stderr, "%s\n", why.c_str());
@@ -62,12 +64,13 @@ struct Args {
       if (offset > v->size()) fail(kernel + ": an offset past buffer " + std::to_string(id));
       return v->data() + offset;
     } else {
-      static_assert(std::is_arithmetic_v<P>, "a scalar parameter");
+      constexpr bool half_type = std::is_same_v<P, __half> || std::is_same_v<P, __nv_bfloat16>;
+      static_assert(std::is_arithmetic_v<P> || half_type, "a scalar parameter");
       if (arg == "null" || arg.find('+') != std::string::npos) {
         fail(kernel + ": parameter " + std::to_string(param) + " is a scalar, given " + arg);
       }
-      if constexpr (std::is_floating_point_v<P>) {
-        return static_cast<P>(std::stod(arg));
+      if constexpr (std::is_floating_point_v<P> || half_type) {
+        return from_f64<P>(std::stod(arg));
       } else {
         return static_cast<P>(std::stoll(arg));
       }
@@ -97,12 +100,16 @@ std::vector<Buffer> read_buffers(const std::string &spec, std::FILE *in) {
       buffers.emplace_back(read_values<float>(in, n));
     } else if (type == "f64") {
       buffers.emplace_back(read_values<double>(in, n));
+    } else if (type == "f16") {
+      buffers.emplace_back(read_values<__half>(in, n));
+    } else if (type == "bf16") {
+      buffers.emplace_back(read_values<__nv_bfloat16>(in, n));
     } else if (type == "size_t") {
       std::vector<size_t> v;
       for (double d : read_values<double>(in, n)) v.push_back(static_cast<size_t>(d));
       buffers.emplace_back(std::move(v));
     } else {
-      fail("a buffer's type is f32, f64 or size_t, not " + type);
+      fail("a buffer's type is f32, f64, f16, bf16 or size_t, not " + type);
     }
     at = comma + 1;
   }
@@ -113,7 +120,8 @@ void write_buffers(const std::vector<Buffer> &buffers) {
   for (const Buffer &b : buffers) {
     std::visit(
         [](const auto &v) {
-          std::vector<double> out(v.begin(), v.end());
+          std::vector<double> out;
+          for (const auto &x : v) out.push_back(static_cast<double>(x));
           write_values(stdout, out);
         },
         b);

@@ -1,0 +1,68 @@
+// What the emulation's __half and __nv_bfloat16 share (cuda_fp16.h,
+// cuda_bf16.h): each holds its bits, converts to float exactly and from
+// float, double and the integers with round-to-nearest-even, and computes
+// each operation in float, rounded once to the type. float's 24 bits are
+// more than twice the types' 11 and 8 plus 2, so that single rounding of
+// an exact sum, difference, product, quotient or square root is the
+// type's own correctly rounded result: what the card's __hadd, __hsub,
+// __hmul, __hdiv and hsqrt give from compute capability 5.3 (__half) and
+// 8.0 (__nv_bfloat16) on. hexp, hlog, hsin and hcos are the host's
+// functions rounded once; the card's are approximations of their own.
+#pragma once
+#include <bit>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+
+// The bits of the type with `digits` significant bits, exponents from
+// `min_exp` on (that of its smallest normal value) and `max_exp` below
+// (that of its infinity) nearest to `x`, ties to even: the double's
+// distance to the values around it, rounded once, as CUDA's __double2half
+// and __double2bfloat16 round, where a round trip through float would
+// round twice.
+inline double emulated_round(double x, int digits, int min_exp, int max_exp) {
+  if (!std::isfinite(x) || x == 0) return x;
+  int e;
+  std::frexp(x, &e);
+  // x lies in [2^(e-1), 2^e): the type's spacing there, or below its
+  // smallest normal, that of its subnormals.
+  const double spacing = std::ldexp(1.0, std::max(e - 1, min_exp) - (digits - 1));
+  const double r = std::nearbyint(x / spacing) * spacing;
+  return std::fabs(r) >= std::ldexp(1.0, max_exp) ? std::copysign(INFINITY, x) : r;
+}
+
+#define EMULATED_HALF_TYPE(T)                                                                  \
+  inline T operator+(T a, T b) { return T(float(a) + float(b)); }                              \
+  inline T operator-(T a, T b) { return T(float(a) - float(b)); }                              \
+  inline T operator*(T a, T b) { return T(float(a) * float(b)); }                              \
+  inline T operator/(T a, T b) { return T(float(a) / float(b)); }                              \
+  inline T operator+(T a) { return a; }                                                        \
+  /* As __hneg: the sign bit flipped, a NaN's too. */                                          \
+  inline T operator-(T a) { return std::bit_cast<T>(static_cast<std::uint16_t>(a.bits ^ 0x8000u)); }                           \
+  inline T &operator+=(T &a, T b) { return a = a + b; }                                        \
+  inline T &operator-=(T &a, T b) { return a = a - b; }                                        \
+  inline T &operator*=(T &a, T b) { return a = a * b; }                                        \
+  inline T &operator/=(T &a, T b) { return a = a / b; }                                        \
+  inline bool operator==(T a, T b) { return float(a) == float(b); }                            \
+  inline bool operator!=(T a, T b) { return float(a) != float(b); }                            \
+  inline bool operator<(T a, T b) { return float(a) < float(b); }                              \
+  inline bool operator<=(T a, T b) { return float(a) <= float(b); }                            \
+  inline bool operator>(T a, T b) { return float(a) > float(b); }                              \
+  inline bool operator>=(T a, T b) { return float(a) >= float(b); }                            \
+  inline bool __hisnan(T a) { return std::isnan(float(a)); }                                   \
+  inline T __habs(T a) { return std::bit_cast<T>(static_cast<std::uint16_t>(a.bits & 0x7fffu)); }                              \
+  inline T hsqrt(T a) { return T(std::sqrt(float(a))); }                                       \
+  inline T hexp(T a) { return T(std::exp(float(a))); }                                         \
+  inline T hlog(T a) { return T(std::log(float(a))); }                                         \
+  inline T hsin(T a) { return T(std::sin(float(a))); }                                         \
+  inline T hcos(T a) { return T(std::cos(float(a))); }                                         \
+  /* The larger (smaller) of two, +0 above -0, a NaN where either is one. */                   \
+  inline bool emulated_below(T a, T b) {                                                       \
+    return a < b || (a == b && std::signbit(float(a)) && !std::signbit(float(b)));             \
+  }                                                                                            \
+  inline T __hmax_nan(T a, T b) {                                                              \
+    return __hisnan(a) || __hisnan(b) ? a + b : (emulated_below(a, b) ? b : a);                \
+  }                                                                                            \
+  inline T __hmin_nan(T a, T b) {                                                              \
+    return __hisnan(a) || __hisnan(b) ? a + b : (emulated_below(b, a) ? b : a);                \
+  }
