@@ -17,6 +17,7 @@ struct __nv_bfloat16 {
   __nv_bfloat16(double d)
       : __nv_bfloat16(std::isnan(d) ? static_cast<float>(d)
                                     : static_cast<float>(emulated_round(d, 8, -126, 128))) {}
+  // Through a double: exact up to 2^53, past any index a kernel converts.
   template <std::integral I> __nv_bfloat16(I i) : __nv_bfloat16(static_cast<double>(i)) {}
   operator float() const { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
 };

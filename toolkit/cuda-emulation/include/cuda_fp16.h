@@ -15,6 +15,7 @@ struct __half {
   // Rounded once from the double (the compiler's conversion), as
   // __double2half.
   __half(double d) : bits(std::bit_cast<unsigned short>(static_cast<_Float16>(d))) {}
+  // Through a double: exact up to 2^53, past any index a kernel converts.
   template <std::integral I> __half(I i) : __half(static_cast<double>(i)) {}
   __half(__half_raw r) : bits(r.x) {}
   operator float() const { return static_cast<float>(std::bit_cast<_Float16>(bits)); }

@@ -2,13 +2,17 @@
 // cuda_bf16.h): each holds its bits, converts to float exactly and from
 // float, double and the integers with round-to-nearest-even, and computes
 // each operation in float, rounded once to the type. float's 24 bits are
-// more than twice the types' 11 and 8 plus 2, so that single rounding of
-// an exact sum, difference, product, quotient or square root is the
-// type's own correctly rounded result: what the card's __hadd, __hsub,
-// __hmul, __hdiv and hsqrt give from compute capability 5.3 (__half) and
-// 8.0 (__nv_bfloat16) on. hexp, hlog, hsin and hcos are the host's
-// functions rounded once; the card's are approximations of their own.
+// at least twice the types' 11 and 8 plus 2, so rounding float's
+// correctly rounded sum, difference, product, quotient or square root to
+// the type gives the type's own correctly rounded result (among bf16's
+// subnormals, whose exponents float shares, tests/halves.rs checks it):
+// what the card's __hadd, __hsub, __hmul and __hdiv give from compute
+// capability 5.3 (__half) and 8.0 (__nv_bfloat16) on. hsqrt, hexp, hlog,
+// hsin and hcos are the host's functions rounded once; the card's are
+// approximations of their own. A NaN keeps its payload here, where the
+// card's arithmetic gives its canonical one.
 #pragma once
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <concepts>

@@ -3,8 +3,9 @@
 //! `include/` holds just enough of CUDA for the toolkit's `.cu` files, and
 //! the candle kernels candle-inplace launches (their atomics, bit casts
 //! and the headers they include, with their f16 and bf16 kernels where a
-//! harness defines `__CUDA_ARCH__` as 800 or more; the 8-bit floats are
-//! declared, and stop a harness that converts one), to compile as C++20:
+//! harness defines `__CUDA_ARCH__` as 800 or more; CUDA's e4m3 8-bit
+//! float is declared, and stops a harness that converts one), to compile
+//! as C++20:
 //! `__global__` functions, blocks of any shape whose threads are real
 //! threads meeting at a `std::barrier` for `__syncthreads` (and each warp's
 //! at one of its own for `__shfl_xor_sync`), `__shared__`

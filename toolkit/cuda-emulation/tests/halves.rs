@@ -1,8 +1,9 @@
 //! The emulation's `__half` and `__nv_bfloat16`, bit for bit: conversions
 //! from f64 (rounded once, as `__double2half` and `__double2bfloat16`) and
-//! from f32 (the half crate's), and each operation computed in f64 and
-//! rounded once to the type, which is the correctly rounded result that the
-//! card's half-type arithmetic gives.
+//! from f32 (the half crate's) and from an int, each operation computed in
+//! f64 and rounded once to the type (the correctly rounded result, which the
+//! card's half-type arithmetic gives; its hsqrt is an approximation), and
+//! the comparisons.
 //!
 //! The half crate's own conversions from f64 round twice, through f32 (f16
 //! with F16C) or after dropping the f64's low 32 bits (bf16): a double just
@@ -18,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 /// What the harness writes for each pair.
-const RESULTS: usize = 13;
+const RESULTS: usize = 22;
 
 /// A half type, through the half crate.
 trait Half: Copy + PartialOrd {
@@ -32,12 +33,15 @@ trait Half: Copy + PartialOrd {
     fn abs(self) -> Self;
     /// The largest finite value's bits.
     const MAX_BITS: u16;
+    /// The exponent of the smallest normal value.
+    const MIN_EXP: i32;
 }
 
 macro_rules! half_type {
-    ($t:ty, $name:expr) => {
+    ($t:ty, $name:expr, $min_exp:expr) => {
         impl Half for $t {
             const NAME: &'static str = $name;
+            const MIN_EXP: i32 = $min_exp;
             const MAX_BITS: u16 = <$t>::MAX.to_bits();
             fn from_bits(bits: u16) -> Self {
                 <$t>::from_bits(bits)
@@ -63,8 +67,8 @@ macro_rules! half_type {
         }
     };
 }
-half_type!(f16, "f16");
-half_type!(bf16, "bf16");
+half_type!(f16, "f16", -14);
+half_type!(bf16, "bf16", -126);
 
 /// The larger (`larger`) or smaller of two, +0 above -0, a NaN where
 /// either is one.
@@ -87,9 +91,10 @@ fn max_nan<T: Half>(x: T, y: T, larger: bool) -> T {
 
 /// The type's value nearest `x`, ties to the even one, past the largest
 /// value's half spacing infinity: among the half crate's answer (at most
-/// one value off) and its neighbours, the nearest. Each distance is exact:
-/// a double and a nearby value of the type are within a factor of 2
-/// (Sterbenz), or the value is 0.
+/// one value off) and its neighbours, the nearest. A distance is exact
+/// where the double and the value are within a factor of 2 (Sterbenz);
+/// nearer 0 it may round, which keeps the distances' order (rounding is
+/// monotone) and makes no false tie there.
 fn nearest<T: Half>(x: f64) -> T {
     let max = T::from_bits(T::MAX_BITS).to_f64();
     let below_max = T::from_bits(T::MAX_BITS - 1).to_f64();
@@ -130,8 +135,21 @@ fn want<T: Half>(a: f64, b: f64) -> [f64; RESULTS] {
         x.abs().to_f64(),
         max_nan(x, y, true).to_f64(),
         max_nan(x, y, false).to_f64(),
+        // The lanes of __hadd2 and __hmul2 of (x, y) and (y, y) (bf16's; the
+        // scalar operations for f16).
+        once(x64 + y64),
+        once(y64 + y64),
+        once(x64 * y64),
+        once(y64 * y64),
+        // From an int: a truncated and clamped to i32's range (an int has
+        // no -0).
+        once(f64::from(a.trunc().clamp(-2e9, 2e9) as i32)),
         f64::from(u8::from(x64 < y64)),
+        f64::from(u8::from(x64 <= y64)),
+        f64::from(u8::from(x64 > y64)),
+        f64::from(u8::from(x64 >= y64)),
         f64::from(u8::from(x64 == y64)),
+        f64::from(u8::from(x64 != y64)),
     ]
 }
 
@@ -145,38 +163,35 @@ fn any_value<T: Half>(rng: &mut StdRng) -> f64 {
     }
 }
 
-/// Doubles where rounding is hard: the type's values, the midpoints
-/// between neighbours (ties, which go to the even one), doubles just above
-/// and below a midpoint (which a round trip through f32 would make a tie),
-/// past the largest value, and any double.
-fn hard_doubles<T: Half>(rng: &mut StdRng, n: usize) -> Vec<f64> {
-    let mut out = Vec::new();
-    let max = T::from_bits(T::MAX_BITS).to_f64();
-    let past_max = T::from_bits(T::MAX_BITS - 1).to_f64();
-    let ulp_at_max = max - past_max;
-    out.extend([
-        max + ulp_at_max / 2.0,
-        max + ulp_at_max / 2.0 * (1.0 - 1e-12),
-    ]);
-    while out.len() < n {
-        let bits: u16 = rng.random::<u16>() & 0x7ffe;
-        let (lo, hi) = (T::from_bits(bits).to_f64(), T::from_bits(bits + 1).to_f64());
-        if !hi.is_finite() {
-            continue;
-        }
-        let mid = (lo + hi) / 2.0;
-        let sign = if rng.random() { 1.0 } else { -1.0 };
-        for x in [
-            lo,
-            mid,
-            mid.next_up(),
-            mid.next_down(),
-            rng.random_range(lo..hi),
-        ] {
-            out.push(sign * x);
-        }
+/// A double where rounding is hard: one of the type's values, the midpoint
+/// between two neighbours (a tie, which goes to the even one, below or
+/// above), a double just above or below a midpoint (which a round trip
+/// through f32 would make a tie), or any double between them; either sign.
+fn hard_double<T: Half>(rng: &mut StdRng) -> f64 {
+    let bits = rng.random_range(0..T::MAX_BITS);
+    let (lo, hi) = (T::from_bits(bits).to_f64(), T::from_bits(bits + 1).to_f64());
+    let mid = (lo + hi) / 2.0;
+    let x = [
+        lo,
+        mid,
+        mid.next_up(),
+        mid.next_down(),
+        rng.random_range(lo..hi),
+    ][rng.random_range(0..5)];
+    if rng.random() {
+        x
+    } else {
+        -x
     }
-    out
+}
+
+/// One of the type's values with 1 to its digits' significant bits, times
+/// 2^k for k in `exps`: where products and quotients fall among the
+/// subnormals.
+fn scaled<T: Half>(rng: &mut StdRng, exps: std::ops::RangeInclusive<i32>) -> f64 {
+    let in_one_two = T::from_f64(rng.random_range(1.0..2.0)).to_f64();
+    let sign = if rng.random() { 1.0 } else { -1.0 };
+    sign * in_one_two * 2f64.powi(rng.random_range(exps))
 }
 
 fn check<T: Half>() {
@@ -189,25 +204,41 @@ fn check<T: Half>() {
         let a = if i % 2 == 0 {
             any_value::<T>(&mut rng)
         } else {
-            hard_doubles::<T>(&mut rng, 1)[0]
+            hard_double::<T>(&mut rng)
         };
         pairs.extend([a, any_value::<T>(&mut rng)]);
     }
-    // The zeros' signs (+0 above -0 in max and min, and equal), and the
-    // infinities.
+    // Products and quotients among the subnormals (below 2^MIN_EXP).
+    let (tiny, ones) = (T::MIN_EXP / 2 - 4..=T::MIN_EXP / 2 + 2, 0..=3);
+    for _ in 0..2_000 {
+        pairs.extend([
+            scaled::<T>(&mut rng, tiny.clone()),
+            scaled::<T>(&mut rng, tiny.clone()),
+        ]);
+        let below = T::MIN_EXP - 6..=T::MIN_EXP;
+        pairs.extend([
+            scaled::<T>(&mut rng, below),
+            scaled::<T>(&mut rng, ones.clone()),
+        ]);
+    }
+    // The zeros' signs (+0 above -0 in max and min, and equal), the
+    // infinities, and past the largest value: half its spacing (a tie,
+    // which goes to infinity) and just short of it.
     let inf = f64::INFINITY;
+    let max = T::from_bits(T::MAX_BITS).to_f64();
+    let half_spacing = (max - T::from_bits(T::MAX_BITS - 1).to_f64()) / 2.0;
     for (a, b) in [
         (0.0, -0.0),
         (-0.0, 0.0),
         (inf, -inf),
         (-inf, 0.0),
         (inf, inf),
+        (max + half_spacing, 1.0),
+        (-max - half_spacing, 1.0),
+        ((max + half_spacing).next_down(), 1.0),
+        ((-max - half_spacing).next_up(), 1.0),
     ] {
         pairs.extend([a, b]);
-    }
-    // Every hard double once, beside 1.
-    for a in hard_doubles::<T>(&mut rng, 5_000) {
-        pairs.extend([a, 1.0]);
     }
     let exe = compile(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/halves/harness.cpp"));
     let count = (pairs.len() / 2).to_string();
@@ -225,8 +256,17 @@ fn check<T: Half>() {
         "__habs",
         "__hmax_nan",
         "__hmin_nan",
+        "__hadd2's first lane",
+        "__hadd2's second lane",
+        "__hmul2's first lane",
+        "__hmul2's second lane",
+        "from an int",
         "x < y",
+        "x <= y",
+        "x > y",
+        "x >= y",
         "x == y",
+        "x != y",
     ];
     for (pair, got) in pairs.chunks(2).zip(got.chunks(RESULTS)) {
         let want = want::<T>(pair[0], pair[1]);

@@ -12,8 +12,8 @@
 //! candle's f16 and bf16 kernels (built from compute capability 5.3 and
 //! 8.0 on) run beside its f32 and f64 ones: every dtype the launches take.
 //! Where they are aligned, bf16's `badd` and `bmul` take candle's
-//! vectorised path (eight elements to a 16-byte load), which the
-//! contiguous case at offset 0 reaches.
+//! vectorised path (eight elements to a 16-byte load), which the two
+//! contiguous cases at offset 0 reach.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -176,7 +176,7 @@ type Case = (
 fn out_op_rhs_gives_candles_bits_for_every_layout_of_rhs() -> Result<()> {
     for dtype in DTYPES {
         let t = dtype.as_str();
-        let cases: [Case; 5] = [
+        let cases: [Case; 6] = [
             ("contiguous", &[4, 5], (0, 4), &[4, 5], |b| b.clone()),
             ("a broadcast row", &[4, 5], (0, 4), &[5], |b| {
                 b.broadcast_as((4, 5)).unwrap()
@@ -195,6 +195,8 @@ fn out_op_rhs_gives_candles_bits_for_every_layout_of_rhs() -> Result<()> {
             ("an output at an offset", &[10, 5], (2, 6), &[6, 5], |b| {
                 b.clone()
             }),
+            // The product's turn on bf16's vectorised path.
+            ("contiguous", &[4, 5], (0, 4), &[4, 5], |b| b.clone()),
         ];
         // One operation for each layout, in turn: they differ only in the
         // arithmetic, which the kernels write the same for each layout.
@@ -319,7 +321,8 @@ fn the_softmax_in_place_is_the_rows_softmax_to_its_rounding() -> Result<()> {
             // butterfly; then exp's, the reciprocal's and the product's
             // roundings, and `x - max`'s, which exp turns into a relative
             // error of up to |x - max| / 2 units. A half type computes
-            // `x - max`, exp and the product in the type and sums in f32,
+            // `x - max`, exp and the product in the type (the reciprocal
+            // rounded to it first) and sums in f32,
             // within the same units of its own; an exp that falls among
             // its subnormals (f16's below 6e-5) is off by up to one of
             // their spacing, `tiny`.

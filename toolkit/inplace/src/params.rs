@@ -40,8 +40,8 @@ kernel_params! {
 kernel_params! {
     /// `u<op>_<T>(numel, num_dims, info, inp, out)` (`unary.cu`) in its
     /// in-place mode: `info` and `inp` null, each element read from `out`.
-    /// Not every unary kernel's mode holds: the vectorised bf16 `usilu` and
-    /// `usigmoid` load through `inp` even when it is null.
+    /// Not every unary kernel's mode holds: the vectorised bf16 `usilu`,
+    /// `usigmoid` and `ucopy` load through `inp` even when it is null.
     pub(crate) struct UnaryInPlace<T> {
         numel: usize,
         num_dims: usize,
