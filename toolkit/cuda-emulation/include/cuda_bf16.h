@@ -10,13 +10,12 @@ struct __nv_bfloat16 {
   // __float2bfloat16_rn; a NaN is 0x7fff.
   __nv_bfloat16(float f) {
     std::uint32_t u = std::bit_cast<std::uint32_t>(f);
-    bits = std::isnan(f) ? 0x7fff : static_cast<std::uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    bits = std::isnan(f) ? 0x7fff
+                         : static_cast<std::uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
   }
   // Rounded once from the double, as __double2bfloat16: 8 significant
   // bits, f32's exponents.
-  __nv_bfloat16(double d)
-      : __nv_bfloat16(std::isnan(d) ? static_cast<float>(d)
-                                    : static_cast<float>(emulated_round(d, 8, -126, 128))) {}
+  __nv_bfloat16(double d) : __nv_bfloat16(static_cast<float>(emulated_round(d, 8, -126, 128))) {}
   // Through a double: exact up to 2^53, past any index a kernel converts.
   template <std::integral I> __nv_bfloat16(I i) : __nv_bfloat16(static_cast<double>(i)) {}
   operator float() const { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }

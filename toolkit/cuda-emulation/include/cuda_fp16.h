@@ -28,4 +28,4 @@ inline __half __float2half_rn(float x) { return __half(x); }
 inline __half __float2half(float x) { return __half(x); }
 inline __half __double2half(double x) { return __half(x); }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
-inline __half __ushort_as_half(unsigned short x) { return std::bit_cast<__half>(x); }
+inline __half __ushort_as_half(unsigned short x) { return emulated_from_bits<__half>(x); }

@@ -18,12 +18,12 @@
 #include <concepts>
 #include <cstdint>
 
-// The bits of the type with `digits` significant bits, exponents from
+// The value of the type with `digits` significant bits, exponents from
 // `min_exp` on (that of its smallest normal value) and `max_exp` below
-// (that of its infinity) nearest to `x`, ties to even: the double's
-// distance to the values around it, rounded once, as CUDA's __double2half
-// and __double2bfloat16 round, where a round trip through float would
-// round twice.
+// (that of its infinity) nearest to `x`, ties to even, as a double (a NaN
+// or an infinity as it is): rounded once, as CUDA's __double2half and
+// __double2bfloat16 round, where a round trip through float would round
+// twice.
 inline double emulated_round(double x, int digits, int min_exp, int max_exp) {
   if (!std::isfinite(x) || x == 0) return x;
   int e;
@@ -35,6 +35,11 @@ inline double emulated_round(double x, int digits, int min_exp, int max_exp) {
   return std::fabs(r) >= std::ldexp(1.0, max_exp) ? std::copysign(INFINITY, x) : r;
 }
 
+// A half type's value with the bits `bits`.
+template <typename T> T emulated_from_bits(unsigned bits) {
+  return std::bit_cast<T>(static_cast<std::uint16_t>(bits));
+}
+
 #define EMULATED_HALF_TYPE(T)                                                                  \
   inline T operator+(T a, T b) { return T(float(a) + float(b)); }                              \
   inline T operator-(T a, T b) { return T(float(a) - float(b)); }                              \
@@ -42,7 +47,7 @@ inline double emulated_round(double x, int digits, int min_exp, int max_exp) {
   inline T operator/(T a, T b) { return T(float(a) / float(b)); }                              \
   inline T operator+(T a) { return a; }                                                        \
   /* As __hneg: the sign bit flipped, a NaN's too. */                                          \
-  inline T operator-(T a) { return std::bit_cast<T>(static_cast<std::uint16_t>(a.bits ^ 0x8000u)); }                           \
+  inline T operator-(T a) { return emulated_from_bits<T>(a.bits ^ 0x8000u); }                  \
   inline T &operator+=(T &a, T b) { return a = a + b; }                                        \
   inline T &operator-=(T &a, T b) { return a = a - b; }                                        \
   inline T &operator*=(T &a, T b) { return a = a * b; }                                        \
@@ -54,7 +59,7 @@ inline double emulated_round(double x, int digits, int min_exp, int max_exp) {
   inline bool operator>(T a, T b) { return float(a) > float(b); }                              \
   inline bool operator>=(T a, T b) { return float(a) >= float(b); }                            \
   inline bool __hisnan(T a) { return std::isnan(float(a)); }                                   \
-  inline T __habs(T a) { return std::bit_cast<T>(static_cast<std::uint16_t>(a.bits & 0x7fffu)); }                              \
+  inline T __habs(T a) { return emulated_from_bits<T>(a.bits & 0x7fffu); }                     \
   inline T hsqrt(T a) { return T(std::sqrt(float(a))); }                                       \
   inline T hexp(T a) { return T(std::exp(float(a))); }                                         \
   inline T hlog(T a) { return T(std::log(float(a))); }                                         \

@@ -3,31 +3,17 @@
 #pragma once
 #include <cstdio>
 #include <cstdlib>
-#include <type_traits>
 #include <vector>
 
 #include "cuda_bf16.h"
 #include "cuda_fp16.h"
 
-// `x` (exact in T, or rounded to nearest even) as a T.
-template <typename T> T from_f64(double x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, float>) {
-    return static_cast<float>(x);
-  } else {
-    // Rounded once from the double, as __double2half and __double2bfloat16.
-    return T(x);
-  }
-}
+// `x` (exact in T, or rounded to nearest even) as a T: a half type rounds
+// once from the double, as __double2half and __double2bfloat16.
+template <typename T> T from_f64(double x) { return T(x); }
 
-template <typename T> double to_f64(T x) {
-  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
-    return x;
-  } else {
-    return static_cast<float>(x);
-  }
-}
+// Exact: a half type converts to float, and float to double, exactly.
+template <typename T> double to_f64(T x) { return static_cast<double>(x); }
 
 // `n` f64s from `f`, as T; exits with a message where the input ends.
 template <typename T> std::vector<T> read_values(std::FILE *f, size_t n) {
