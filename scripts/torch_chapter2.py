@@ -7,7 +7,9 @@ can set the two side by side. Memory is the peak (or what stays allocated)
 above the start of the measured step, as the workbook's regions measure it:
 on a GPU from torch.cuda's allocator statistics, on the CPU from the
 profiler's allocation events (exact to the byte, checked on a tensor of known
-size before anything else). Times are the best of a few runs, in seconds.
+size before anything else). Times are in seconds: for the checkpointing
+cell the median of its runs, as the workbook's cell reports them; for the
+others the best of a few runs, as theirs do.
 
     python3 scripts/torch_chapter2.py [--check] > torch.json
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import math
 import pathlib
+import statistics
 import sys
 import time
 import tomllib
@@ -96,8 +99,8 @@ def check_cpu_meter():
         sys.exit(f"the CPU meter reads peak {m.peak}, held {m.held} for a 4,000,000-byte tensor")
 
 
-def best_time(fn, device, repeats=3):
-    best = math.inf
+def times(fn, device, repeats):
+    out = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -105,8 +108,16 @@ def best_time(fn, device, repeats=3):
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def best_time(fn, device, repeats=3):
+    return min(times(fn, device, repeats))
+
+
+def median_time(fn, device, repeats=3):
+    return statistics.median(times(fn, device, repeats))
 
 
 def mlp(widths, act=nn.ReLU):
@@ -209,8 +220,9 @@ def checkpointing(chapter, check, device, out):
     peaks = {s: peak(s) for s in p["segments"]}
     best = min(peaks, key=peaks.get)
     out["peak_best"] = peaks[best]
-    out["time_plain"] = best_time(lambda: step(None), device, p["repeats"])
-    out["time_best"] = best_time(lambda: step(best), device, p["repeats"])
+    # The median of the runs, as the workbook's checkpointing cell reports.
+    out["time_plain"] = median_time(lambda: step(None), device, p["repeats"])
+    out["time_best"] = median_time(lambda: step(best), device, p["repeats"])
     out["time_overhead"] = out["time_best"] / out["time_plain"]
 
 
