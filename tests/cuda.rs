@@ -6,7 +6,9 @@
 //! candle's addition; the materialized attention's softmax and its backward
 //! in place, equal to candle's composed operations and holding fewer
 //! matrices than they do; the tiled attention's own kernels, equal to the
-//! plain computation and holding no score matrix.
+//! plain computation and holding no score matrix; the cross-entropy's own
+//! kernels, within rounding of the CPU's rows and holding only the
+//! gradient.
 //!
 //! Built with `--features cuda`. Where no GPU answers, the GPU tests say so
 //! and pass, unless `WORKBOOK_REQUIRE_GPU` is set: then they fail. With
@@ -873,5 +875,90 @@ fn the_lean_layers_activation_gradient_is_one_kernel_on_the_gpu_with_candles_bit
                 "{what}: the backward's peak {peak} bytes (at most {bound})"
             );
         }
+    }
+}
+
+#[test]
+fn the_cross_entropy_is_two_kernels_on_the_gpu_holding_only_its_gradient() {
+    use candle_core::Var;
+    let _turn = turn();
+    let Some((device, meter)) = gpu() else { return };
+    // GPT-2's vocabulary, not a multiple of a block's 256 threads.
+    let (rows, classes) = (67, 50_257);
+    let targets: Vec<u32> = (0..rows as u32)
+        .map(|r| r * 7_919 % classes as u32)
+        .collect();
+    let t = Tensor::new(targets.as_slice(), &device).unwrap();
+    let t_cpu = t.to_device(&Device::Cpu).unwrap();
+    let c = Category::Activations;
+    let scale = 0.25;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let what = format!("{dtype:?}");
+        let size = dtype.size_in_bytes() as u64;
+        let logits = randn((rows, classes), 3.0, dtype, &device);
+        // The CPU's row kernels (candle's operations for f64) on the same
+        // values.
+        let cpu_logits = logits.to_device(&Device::Cpu).unwrap();
+        let (loss_want, grad_want) =
+            candle_lean_nn::cross_entropy_and_grad(&cpu_logits, &t_cpu, scale).unwrap();
+        device.synchronize().unwrap();
+        meter.push_peak();
+        let start = meter.snapshot();
+        let (loss, grad) = c
+            .scope(|| candle_lean_nn::cross_entropy_and_grad(&logits, &t, scale))
+            .unwrap();
+        device.synchronize().unwrap();
+        let peak = meter.snapshot().device_peak_each.get(c) - on_device(&start, c);
+        meter.pop_peak();
+        // Its sums are a block's, in another order than the CPU's: each
+        // side within the arithmetic's share of the magnitudes it scales,
+        // and within half an ulp of the element type once rounded (and half
+        // f16's subnormal spacing below its normal range).
+        let (acc, rounded, subnormal) = match dtype {
+            DType::F64 => (1e-12, 0.0, 0.0),
+            DType::F32 => (1e-5, 0.0, 0.0),
+            DType::F16 => (1e-5, 2f64.powi(-11), 2f64.powi(-25)),
+            _ => (1e-5, 2f64.powi(-8), 0.0),
+        };
+        let (got, want) = (values(&loss)[0], values(&loss_want)[0]);
+        let bound = 2.0 * (rounded + acc) * want.abs();
+        assert!(
+            (got - want).abs() <= bound,
+            "{what}: the loss {got}, {want} on the CPU"
+        );
+        // `scale / rows * (p + onehot)`: the magnitude each element scales.
+        let factor = scale / rows as f64;
+        let onehot = |i: usize| f64::from(u8::from(i % classes == targets[i / classes] as usize));
+        let got = values(&grad);
+        for (i, (&g, &w)) in got.iter().zip(&values(&grad_want)).enumerate() {
+            let magnitude = w.abs() + 2.0 * factor * onehot(i);
+            let bound = 2.0 * (rounded * w.abs() + acc * magnitude + subnormal);
+            assert!(
+                (g - w).abs() <= bound,
+                "{what}: gradient element {i} is {g}, {w} on the CPU"
+            );
+        }
+        // The gradient, the rows' losses (f64) and the targets as u32, and
+        // a few scalars: candle's composed operations held several f32
+        // tensors the logits' size.
+        let grad_bytes = (rows * classes) as u64 * size;
+        let bound = grad_bytes + (rows * (8 + 4)) as u64 + 1024;
+        assert!(
+            (grad_bytes..=bound).contains(&peak),
+            "{what}: the loss and its gradient held {peak} bytes (at most {bound})"
+        );
+        // As one autograd operation, its backward is the same kernel with
+        // the same factor.
+        let v = Var::from_tensor(&logits).unwrap();
+        let grads = candle_lean_nn::cross_entropy(&v, &t)
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (_, direct) = candle_lean_nn::cross_entropy_and_grad(&logits, &t, 1.0).unwrap();
+        assert_eq!(
+            bits(grads.get(&v).unwrap()),
+            bits(&direct),
+            "{what}: the graph's backward and the direct gradient"
+        );
     }
 }

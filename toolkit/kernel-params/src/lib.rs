@@ -72,6 +72,10 @@ impl Elem for half::f16 {
 impl Elem for half::bf16 {
     const C: &'static str = "__nv_bfloat16";
 }
+/// A class index or other count a kernel reads (`const unsigned int *`).
+impl Elem for u32 {
+    const C: &'static str = "unsigned int";
+}
 /// The element of a kernel's shape and stride arrays (`const size_t *`).
 impl Elem for usize {
     const C: &'static str = "size_t";

@@ -11,10 +11,6 @@ use candle_core::{bail, CpuStorage, CudaStorage, CustomOp2, DType, Layout, Resul
 use crate::linear::Activation;
 use crate::params;
 
-mod ptx {
-    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
-}
-
 /// The module's name in the device's cache of loaded kernels.
 const MODULE: &str = "candle_lean_nn_activation";
 
@@ -91,7 +87,7 @@ impl CustomOp2 for ActGrad {
         ) -> Result<CudaStorage> {
             let n = g1 - g0;
             let device = g.device().clone();
-            let func = device.get_or_load_custom_func(name, MODULE, ptx::ACTIVATION)?;
+            let func = device.get_or_load_custom_func(name, MODULE, crate::ptx::ACTIVATION)?;
             // SAFETY: the kernel writes each of the `n` elements.
             let mut out = unsafe { device.alloc::<T>(n)? };
             {

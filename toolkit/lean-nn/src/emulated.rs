@@ -1,61 +1,43 @@
-//! The activation-gradient kernels (`kernels/activation.cu`), run on the
-//! CPU by `tests/emulated/activation.cpp` (a C++ compiler builds them with
-//! just enough of CUDA emulated: `candle-toolkit-cuda-emulation`), against
-//! the bits of candle's composed operations on the CPU
-//! (`composed_act_grad`), which the kernel claims to repeat: the same
-//! operations in the same order, each rounded on its own, and candle's
-//! scalar constants cast as candle casts them.
+//! The crate's CUDA kernels (`kernels/*.cu`) run on the CPU by the harnesses
+//! in `tests/emulated/` (a C++ compiler builds them with just enough of
+//! CUDA emulated: `candle-toolkit-cuda-emulation`), against what the CPU
+//! computes.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::Mutex;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Tensor};
+use candle_toolkit_cuda_emulation::Build;
 
-use crate::linear::composed_act_grad;
-use crate::Activation;
+mod activation;
+mod cross_entropy;
 
-fn harness() -> &'static Path {
-    static HARNESS: OnceLock<PathBuf> = OnceLock::new();
-    HARNESS.get_or_init(|| {
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulated/activation.cpp");
-        candle_toolkit_cuda_emulation::compile(&source)
-    })
+/// The harness `tests/emulated/<name>.cpp`, built once per process and
+/// build.
+fn harness(name: &str, build: Build) -> PathBuf {
+    static BUILT: Mutex<Vec<((String, Build), PathBuf)>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    let key = (name.to_string(), build);
+    if let Some((_, exe)) = built.iter().find(|(k, _)| *k == key) {
+        return exe.clone();
+    }
+    let source = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/emulated")
+        .join(format!("{name}.cpp"));
+    let exe = candle_toolkit_cuda_emulation::compile_as(&source, build);
+    built.push((key, exe.clone()));
+    exe
 }
 
+/// A tensor's elements as f64s (exact for every float dtype).
 fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1())
+        .expect("a tensor's values")
 }
 
+/// The bits of each value.
 fn bits(v: &[f64]) -> Vec<u64> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-#[test]
-fn the_kernels_give_the_composed_operations_bits_in_every_dtype() -> Result<()> {
-    let n = 1000;
-    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-        let r = |std: f32| -> Result<Tensor> {
-            Tensor::randn(0f32, std, n, &Device::Cpu)?.to_dtype(dtype)
-        };
-        // GELU's input over the range where its derivative bends; a ReLU's
-        // output is 0 or positive.
-        let (g, z) = (r(1.0)?, r(3.0)?);
-        let relu_out = z.relu()?;
-        for (act, kernel, saved) in [
-            (Activation::Relu, "relu_grad", &relu_out),
-            (Activation::Gelu, "gelu_grad", &z),
-        ] {
-            let name = format!("{kernel}_{}", dtype.as_str());
-            let input: Vec<f64> = values(&g).into_iter().chain(values(saved)).collect();
-            // 3 blocks of 64 threads: the grid-stride loop covers the rest.
-            let got = candle_toolkit_cuda_emulation::run_on_f64(
-                harness(),
-                &[&name, "3", "64", &n.to_string()],
-                &input,
-            );
-            let want = values(&composed_act_grad(&g, saved, act)?);
-            assert_eq!(bits(&got), bits(&want), "{name}");
-        }
-    }
-    Ok(())
 }

@@ -37,6 +37,13 @@ mod cpu;
 mod cpu_half;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_loss;
+/// The PTX of `kernels/*.cu`, one constant per file (`build.rs`).
+#[cfg(feature = "cuda")]
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
 #[cfg(test)]
 mod emulated;
 mod layer;

@@ -188,11 +188,17 @@ fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Shape> {
 }
 
 /// A chunk's sum over rows of `logsumexp(z) - z[target]`, as an f64
-/// scalar: one pass per row for contiguous CPU logits (f32, bf16 or f16).
+/// scalar: one pass per row for contiguous CPU logits (f32, bf16 or f16),
+/// and with the `cuda` feature a block per row for contiguous GPU logits.
 fn chunk_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if crate::cpu::applies_rows(logits) {
         let t = crate::loss::class_indices(targets, logits.dim(1)?)?;
         return Tensor::new(crate::cpu::cross_entropy_sum(logits, &t)?, logits.device());
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda_loss::applies(logits, targets) {
+        let t = crate::cuda_loss::Targets::new(targets, logits.dim(1)?)?;
+        return crate::cuda_loss::sum(logits, &t);
     }
     crate::loss::composed_sum(logits, targets)?.to_dtype(DType::F64)
 }

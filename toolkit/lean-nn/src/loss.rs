@@ -30,6 +30,15 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let loss = cpu_mean(logits, &t)?;
         return with_backward2(loss, [logits, targets], CrossEntropy);
     }
+    #[cfg(feature = "cuda")]
+    if crate::cuda_loss::applies(logits, targets) {
+        // On a GPU: a block per row, no tensor the logits' size.
+        let t = crate::cuda_loss::Targets::new(targets, classes)?;
+        let loss = crate::cuda_loss::sum(logits, &t)?
+            .affine(1.0 / rows as f64, 0.0)?
+            .to_dtype(logits.dtype())?;
+        return with_backward2(loss, [logits, targets], CrossEntropy);
+    }
     let loss = composed_sum(&logits.detach(), targets)?
         .affine(1.0 / rows as f64, 0.0)?
         .to_dtype(logits.dtype())?;
@@ -86,8 +95,9 @@ pub(crate) fn composed_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> 
 }
 
 /// `(softmax(logits) - onehot(targets)) * factor`, in the logits' dtype:
-/// one pass per row for contiguous CPU logits (f32, bf16 or f16), candle's
-/// operations elsewhere.
+/// one pass per row for contiguous CPU logits (f32, bf16 or f16) and, with
+/// the `cuda` feature, contiguous GPU logits; candle's operations
+/// elsewhere.
 pub(crate) fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Result<Tensor> {
     if crate::cpu::applies_rows(logits) {
         let classes = logits.dim(1)?;
@@ -96,6 +106,11 @@ pub(crate) fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Res
             &class_indices(targets, classes)?,
             factor as f32,
         );
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda_loss::applies(logits, targets) {
+        let t = crate::cuda_loss::Targets::new(targets, logits.dim(1)?)?;
+        return crate::cuda_loss::grad(logits, &t, factor);
     }
     let rows = logits.dim(0)?;
     let acc = accumulation(logits.dtype());
@@ -134,8 +149,8 @@ fn cpu_grad(logits: &Tensor, targets: &[u32], upstream: f32) -> Result<Tensor> {
 /// directly, with no graph: for a driver that calls each layer's backward
 /// itself (`candle_checkpoint::Sequential::direct`). `scale` is 1 for the loss
 /// itself, or a micro-batch's share of the batch in gradient accumulation.
-/// On the CPU the gradient is the one tensor the logits' size it
-/// allocates.
+/// On the CPU, and on a GPU with the `cuda` feature, the gradient is the
+/// one tensor the logits' size it allocates.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -163,6 +178,16 @@ pub fn cross_entropy_and_grad(
         let loss = cpu_mean(&logits, &t)?.affine(scale, 0.0)?;
         return Ok((loss, cpu_grad(&logits, &t, scale as f32)?));
     }
+    #[cfg(feature = "cuda")]
+    if crate::cuda_loss::applies(&logits, targets) {
+        // The targets checked and moved once for both.
+        let (rows, classes) = check(&logits, targets)?;
+        let t = crate::cuda_loss::Targets::new(targets, classes)?;
+        let mean = crate::cuda_loss::sum(&logits, &t)?.affine(1.0 / rows as f64, 0.0)?;
+        let loss = mean.to_dtype(logits.dtype())?.affine(scale, 0.0)?;
+        let grad = crate::cuda_loss::grad(&logits, &t, factor(logits.dtype(), scale, rows))?;
+        return Ok((loss, grad));
+    }
     let loss = cross_entropy(&logits, targets)?.affine(scale, 0.0)?;
     let upstream = Tensor::new(scale as f32, logits.device())?.to_dtype(logits.dtype())?;
     let (grad, _) = CrossEntropy.backward(&logits, targets, &loss, &upstream)?;
@@ -179,6 +204,17 @@ pub(crate) fn class_indices(targets: &Tensor, classes: usize) -> Result<Vec<u32>
     Ok(t)
 }
 
+/// The gradient's factor for an upstream gradient `upstream` of the mean
+/// over `rows` rows of logits of `dtype`.
+fn factor(dtype: DType, upstream: f64, rows: usize) -> f64 {
+    if dtype == DType::F64 {
+        upstream / rows as f64
+    } else {
+        // As `affine(1 / rows)` rounds it in f32.
+        f64::from(upstream as f32 * (1.0 / rows as f64) as f32)
+    }
+}
+
 struct CrossEntropy;
 
 impl Backward2 for CrossEntropy {
@@ -191,12 +227,7 @@ impl Backward2 for CrossEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let rows = logits.dim(0)?;
         let upstream = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let factor = if logits.dtype() == DType::F64 {
-            upstream / rows as f64
-        } else {
-            // As `affine(1 / rows)` rounds it in f32.
-            f64::from(upstream as f32 * (1.0 / rows as f64) as f32)
-        };
+        let factor = factor(logits.dtype(), upstream, rows);
         Ok((Some(logits_grad(logits, targets, factor)?), None))
     }
 }
