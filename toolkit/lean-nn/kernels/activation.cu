@@ -11,19 +11,13 @@
 // library's. GELU's derivative is computed in f32
 // (f64 for f64) and rounded to the element type before the product, as the
 // composed path's casts do.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stddef.h>
+#include "elements.cuh"
 
 // candle's `affine(mul, add)`.
 __device__ __forceinline__ float affine(float x, float m, float a) { return __fmaf_rn(x, m, a); }
 __device__ __forceinline__ double affine(double x, double m, double a) { return __fma_rn(x, m, a); }
 __device__ __forceinline__ float th(float x) { return tanhf(x); }
 __device__ __forceinline__ double th(double x) { return tanh(x); }
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
 
 // The derivative of candle's tanh-approximated GELU, as `gelu_grad`
 // composes it: each constant is the f64 literal cast to the element type,
@@ -37,10 +31,6 @@ __device__ __forceinline__ F gelu_grad(F z) {
   return affine(add(affine(t, (F)0.5, (F)0), mul(inner, one_minus)), (F)1, (F)0.5);
 }
 
-__device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ double load(double x) { return x; }
-__device__ __forceinline__ float load(__half x) { return __half2float(x); }
-__device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
 // A value rounded to the element type, and back: what a cast to it keeps.
 __device__ __forceinline__ float round_to(float x, float) { return x; }
 __device__ __forceinline__ double round_to(double x, double) { return x; }
@@ -50,12 +40,6 @@ __device__ __forceinline__ float round_to(float x, __half) {
 __device__ __forceinline__ float round_to(float x, __nv_bfloat16) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
-__device__ __forceinline__ void store(float *p, float x) { *p = x; }
-__device__ __forceinline__ void store(double *p, double x) { *p = x; }
-// A product of two half-type values is exact in f32 (11 + 11 and 8 + 8
-// significant bits), so rounding it once is the half type's own product.
-__device__ __forceinline__ void store(__half *p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16 *p, float x) { *p = __float2bfloat16_rn(x); }
 
 #define EACH(n) \
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); \

@@ -8,32 +8,15 @@
 // The arithmetic is the CPU row kernels' (src/cpu.rs), in f32 for f32, f16
 // and bf16 logits, and in f64 for f64 ones (which the CPU leaves to candle's
 // operations). The maximum skips NaN (fmax, as Rust's `max`), which then
-// shows in the sum. The last steps are rounded one by one (the _rn
-// intrinsics), as on the CPU, so that nvcc fuses no two into one
-// multiply-add. The sums are a block's reduction, in another order than the
+// shows in the sum. The last steps are rounded one by one
+// (elements.cuh), as on the CPU. The sums are a block's reduction, in another order than the
 // CPU's lanes: the values agree to rounding, not to the bit.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stddef.h>
+#include "elements.cuh"
 
-__device__ __forceinline__ float widen(float x) { return x; }
-__device__ __forceinline__ double widen(double x) { return x; }
-__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
-__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void narrow(float *p, float x) { *p = x; }
-__device__ __forceinline__ void narrow(double *p, double x) { *p = x; }
-__device__ __forceinline__ void narrow(__half *p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void narrow(__nv_bfloat16 *p, float x) { *p = __float2bfloat16_rn(x); }
 __device__ __forceinline__ float ex(float x) { return expf(x); }
 __device__ __forceinline__ double ex(double x) { return exp(x); }
 __device__ __forceinline__ float ln(float x) { return logf(x); }
 __device__ __forceinline__ double ln(double x) { return log(x); }
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
 
 struct Max {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
@@ -62,10 +45,10 @@ __device__ F block_reduce(F x, Op op, F *warps) {
 template <typename F, typename T>
 __device__ void row_stats(const T *z, size_t n, F *warps, F &max, F &sum) {
   F m = -INFINITY;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) m = Max{}(m, (F)widen(z[i]));
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) m = Max{}(m, (F)load(z[i]));
   max = block_reduce(m, Max{}, warps);
   F s = 0;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) s = add(s, ex(sub((F)widen(z[i]), max)));
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) s = add(s, ex(sub((F)load(z[i]), max)));
   sum = block_reduce(s, Sum{}, warps);
 }
 
@@ -78,7 +61,7 @@ __device__ void rows_loss(double *loss, const T *logits, const unsigned int *tar
     const T *z = logits + r * classes;
     F max, sum;
     row_stats(z, classes, warps, max, sum);
-    if (threadIdx.x == 0) loss[r] = sub(add(max, ln(sum)), (F)widen(z[targets[r]]));
+    if (threadIdx.x == 0) loss[r] = sub(add(max, ln(sum)), (F)load(z[targets[r]]));
   }
 }
 
@@ -97,9 +80,9 @@ __device__ void rows_grad(T *out, const T *logits, const unsigned int *targets, 
     const F k = s / sum;
     const size_t t = targets[r];
     for (size_t i = threadIdx.x; i < classes; i += blockDim.x) {
-      F p = mul(ex(sub((F)widen(z[i]), max)), k);
+      F p = mul(ex(sub((F)load(z[i]), max)), k);
       if (i == t) p = sub(p, s);
-      narrow(&d[i], p);
+      store(&d[i], p);
     }
   }
 }
