@@ -45,8 +45,13 @@ pub(crate) struct Targets(Tensor);
 impl Targets {
     /// `targets` checked against `classes`, as `u32`s on their device.
     pub(crate) fn new(targets: &Tensor, classes: usize) -> Result<Self> {
-        crate::loss::class_indices(targets, classes)?;
+        crate::indices::class_indices(targets, classes)?;
         Ok(Self(targets.to_dtype(DType::U32)?.contiguous()?))
+    }
+
+    /// The `len` targets from `start` on, checked as these are.
+    pub(crate) fn narrow(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(Self(self.0.narrow(0, start, len)?))
     }
 }
 

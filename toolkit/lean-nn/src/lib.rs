@@ -46,6 +46,7 @@ mod ptx {
 }
 #[cfg(test)]
 mod emulated;
+mod indices;
 mod layer;
 mod linear;
 mod linear_loss;

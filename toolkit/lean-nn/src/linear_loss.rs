@@ -2,6 +2,7 @@
 //! holding the whole logits.
 
 use crate::accumulation;
+use crate::indices::Indices;
 use candle_core::{bail, DType, Result, Tensor};
 use candle_custom_grad::{with_backward3, Backward3};
 
@@ -106,7 +107,7 @@ impl LinearCrossEntropy {
     /// `(classes, h)`) against `targets` `(rows,)`, as one autograd
     /// operation that keeps only its inputs.
     pub fn loss(&self, hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let shape = check(hidden, weight, targets)?;
+        let (shape, indices) = check(hidden, weight, targets)?;
         let chunk = self.rows_per_chunk(shape.rows, shape.hidden, shape.classes);
         let mut total = Tensor::new(0f64, hidden.device())?;
         for (start, n) in chunks(shape.rows, chunk) {
@@ -114,7 +115,7 @@ impl LinearCrossEntropy {
                 .narrow(0, start, n)?
                 .detach()
                 .matmul(&weight.detach().t()?)?;
-            total = (total + chunk_sum(&logits, &targets.narrow(0, start, n)?)?)?;
+            total = (total + indices.narrow(start, n)?.sum(&logits)?)?;
         }
         let loss = total
             .affine(1.0 / shape.rows as f64, 0.0)?
@@ -133,12 +134,12 @@ impl LinearCrossEntropy {
         targets: &Tensor,
         scale: f64,
     ) -> Result<LossGrads> {
-        let shape = check(hidden, weight, targets)?;
+        let (shape, indices) = check(hidden, weight, targets)?;
         let chunk = self.rows_per_chunk(shape.rows, shape.hidden, shape.classes);
         let (hidden, weight) = (hidden.detach(), weight.detach());
         let mut sum = Tensor::new(0f64, hidden.device())?;
-        let grads = run_chunks(&hidden, &weight, targets, chunk, scale, |logits, t| {
-            sum = (&sum + chunk_sum(logits, t)?)?;
+        let grads = run_chunks(&hidden, &weight, &indices, chunk, scale, |logits, t| {
+            sum = (&sum + t.sum(logits)?)?;
             Ok(())
         })?;
         let loss = sum
@@ -158,7 +159,9 @@ struct Shape {
     classes: usize,
 }
 
-fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Shape> {
+/// The shapes, once the inputs are checked against each other, and the
+/// targets checked against the classes.
+fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<(Shape, Indices<'static>)> {
     let (rows, h) = hidden.dims2()?;
     let (classes, wh) = weight.dims2()?;
     if wh != h {
@@ -179,28 +182,12 @@ fn check(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Shape> {
     if rows == 0 || classes == 0 {
         bail!("cross-entropy of {rows} rows of {classes} classes has no mean");
     }
-    crate::loss::class_indices(targets, classes)?;
-    Ok(Shape {
+    let shape = Shape {
         rows,
         hidden: h,
         classes,
-    })
-}
-
-/// A chunk's sum over rows of `logsumexp(z) - z[target]`, as an f64
-/// scalar: one pass per row for contiguous CPU logits (f32, bf16 or f16),
-/// and with the `cuda` feature a block per row for contiguous GPU logits.
-fn chunk_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if crate::cpu::applies_rows(logits) {
-        let t = crate::loss::class_indices(targets, logits.dim(1)?)?;
-        return Tensor::new(crate::cpu::cross_entropy_sum(logits, &t)?, logits.device());
-    }
-    #[cfg(feature = "cuda")]
-    if crate::cuda_loss::applies(logits, targets) {
-        let t = crate::cuda_loss::Targets::new(targets, logits.dim(1)?)?;
-        return crate::cuda_loss::sum(logits, &t);
-    }
-    crate::loss::composed_sum(logits, targets)?.to_dtype(DType::F64)
+    };
+    Ok((shape, Indices::new(targets, classes)?))
 }
 
 /// `(start, len)` of each chunk of `chunk` rows.
@@ -210,16 +197,16 @@ fn chunks(rows: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |start| (start, chunk.min(rows - start)))
 }
 
-/// Each chunk's logits made, handed to `each` with its targets, and turned
+/// Each chunk's logits made, handed to `each` with its indices, and turned
 /// into the chunk's gradients: the hidden states' gradient `(rows, h)` and
 /// the weight's `(classes, h)`, for the loss `scale` times the mean.
 fn run_chunks(
     hidden: &Tensor,
     weight: &Tensor,
-    targets: &Tensor,
+    indices: &Indices,
     chunk: usize,
     scale: f64,
-    mut each: impl FnMut(&Tensor, &Tensor) -> Result<()>,
+    mut each: impl FnMut(&Tensor, &Indices) -> Result<()>,
 ) -> Result<(Tensor, Tensor)> {
     let rows = hidden.dim(0)?;
     let dtype = hidden.dtype();
@@ -229,10 +216,10 @@ fn run_chunks(
     let mut dhidden = Vec::new();
     for (start, n) in chunks(rows, chunk) {
         let h = hidden.narrow(0, start, n)?;
-        let t = targets.narrow(0, start, n)?;
+        let t = indices.narrow(start, n)?;
         let logits = h.matmul(&wt)?;
         each(&logits, &t)?;
-        let d = crate::loss::logits_grad(&logits, &t, scale / rows as f64)?;
+        let d = t.grad(&logits, scale / rows as f64)?;
         drop(logits);
         dhidden.push(d.matmul(weight)?);
         // The weight's gradient transposed, `h^T d` `(h, classes)`: its
@@ -264,7 +251,15 @@ impl Backward3 for Fused {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let upstream = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let (dh, dw) = run_chunks(hidden, weight, targets, self.chunk, upstream, |_, _| Ok(()))?;
+        let indices = Indices::new(targets, weight.dim(0)?)?;
+        let (dh, dw) = run_chunks(
+            hidden,
+            weight,
+            &indices,
+            self.chunk,
+            upstream,
+            |_, _| Ok(()),
+        )?;
         Ok((Some(dh), Some(dw), None))
     }
 }

@@ -1,6 +1,7 @@
 //! Cross-entropy as one operation.
 
 use crate::accumulation;
+use crate::indices::{class_indices, Indices};
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_custom_grad::{with_backward2, Backward2};
 
@@ -94,24 +95,9 @@ pub(crate) fn composed_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> 
     (lse - z.gather(&t, 1)?)?.sum_all()
 }
 
-/// `(softmax(logits) - onehot(targets)) * factor`, in the logits' dtype:
-/// one pass per row for contiguous CPU logits (f32, bf16 or f16) and, with
-/// the `cuda` feature, contiguous GPU logits; candle's operations
-/// elsewhere.
-pub(crate) fn logits_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Result<Tensor> {
-    if crate::cpu::applies_rows(logits) {
-        let classes = logits.dim(1)?;
-        return crate::cpu::cross_entropy_grad(
-            logits,
-            &class_indices(targets, classes)?,
-            factor as f32,
-        );
-    }
-    #[cfg(feature = "cuda")]
-    if crate::cuda_loss::applies(logits, targets) {
-        let t = crate::cuda_loss::Targets::new(targets, logits.dim(1)?)?;
-        return crate::cuda_loss::grad(logits, &t, factor);
-    }
+/// `(softmax(logits) - onehot(targets)) * factor`, in the logits' dtype,
+/// composed of candle's operations in the accumulation dtype.
+pub(crate) fn composed_grad(logits: &Tensor, targets: &Tensor, factor: f64) -> Result<Tensor> {
     let rows = logits.dim(0)?;
     let acc = accumulation(logits.dtype());
     let z = logits.to_dtype(acc)?;
@@ -197,13 +183,6 @@ pub fn cross_entropy_and_grad(
     Ok((loss, grad))
 }
 
-/// The targets as `u32` class indices, each checked against `classes`.
-pub(crate) fn class_indices(targets: &Tensor, classes: usize) -> Result<Vec<u32>> {
-    let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    crate::cpu::check_targets(&t, classes)?;
-    Ok(t)
-}
-
 /// The gradient's factor for an upstream gradient `upstream` of the mean
 /// over `rows` rows of logits of `dtype`.
 fn factor(dtype: DType, upstream: f64, rows: usize) -> f64 {
@@ -228,6 +207,7 @@ impl Backward2 for CrossEntropy {
         let rows = logits.dim(0)?;
         let upstream = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let factor = factor(logits.dtype(), upstream, rows);
-        Ok((Some(logits_grad(logits, targets, factor)?), None))
+        let indices = Indices::new(targets, logits.dim(1)?)?;
+        Ok((Some(indices.grad(logits, factor)?), None))
     }
 }
