@@ -151,8 +151,9 @@ if [ "$mode" = check ]; then
   trap 'rm -rf "$resources"' EXIT
   spilled=0
   for source in toolkit/*/kernels/*.cu; do
-    nvcc -arch="sm_$CUDA_COMPUTE_CAP" -O3 -cubin -Xptxas -v -o "$resources/kernel.cubin" \
-      "$source" 2>"$resources/ptxas.txt"
+    # -I: the kernels' shared header (candle-kernel-params' include/).
+    nvcc -arch="sm_$CUDA_COMPUTE_CAP" -O3 -cubin -Xptxas -v -I toolkit/kernel-params/include \
+      -o "$resources/kernel.cubin" "$source" 2>"$resources/ptxas.txt"
     # ptxas prints, per kernel, its name, then its stack and spills, then
     # its registers.
     awk '

@@ -41,6 +41,16 @@ pub fn include_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("include")
 }
 
+/// The `-I` options of every harness and kernel file: [`include_dir`], and
+/// the kernels' shared header (`candle_kernel_params/elements.cuh`).
+fn includes() -> [std::ffi::OsString; 2] {
+    let mut ours = std::ffi::OsString::from("-I");
+    ours.push(include_dir());
+    let mut shared = std::ffi::OsString::from("-I");
+    shared.push(candle_kernel_params::include_dir());
+    [ours, shared]
+}
+
 /// What every harness is compiled with. `-ffp-contract=off` keeps each
 /// operation rounded on its own, as the kernels' intrinsics are on a GPU;
 /// `-fno-strict-aliasing` lets them read a float tile as `float4`s, as CUDA
@@ -136,8 +146,8 @@ pub fn compile_built_in(source: &Path, dir: &Path, build: Build) -> PathBuf {
         Command::new(&cxx)
             .args(FLAGS)
             .args(build.flags())
-            .args(["-E", "-I"])
-            .arg(include_dir())
+            .arg("-E")
+            .args(includes())
             .arg(source),
     );
     let mut hasher = DefaultHasher::new();
@@ -337,8 +347,8 @@ fn declarations_in(
             "preprocessing",
             source,
             command
-                .args(["-x", "c++", "-E", "-P", "-I"])
-                .arg(include_dir())
+                .args(["-x", "c++", "-E", "-P"])
+                .args(includes())
                 .arg(source),
         );
         let text = String::from_utf8_lossy(&text);

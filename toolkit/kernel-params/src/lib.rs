@@ -30,9 +30,25 @@
 //!     ["const __half *", "__half *", "size_t", "float"]
 //! );
 //! ```
+//!
+//! The crate also holds what the kernels themselves share,
+//! `include/candle_kernel_params/elements.cuh`: an element widened to the
+//! type it is computed in and rounded back once, and the products, sums and
+//! differences rounded each on their own. A dependent's build script finds
+//! the folder in `DEP_CANDLE_KERNEL_PARAMS_INCLUDE` and passes it to nvcc
+//! as `-I`; a test that compiles the kernels on a CPU takes
+//! [`include_dir`].
 #![warn(missing_docs)]
 
 use std::marker::PhantomData;
+use std::path::PathBuf;
+
+/// The folder holding `candle_kernel_params/elements.cuh`, for a kernel's
+/// `#include "candle_kernel_params/elements.cuh"` (the path a dependent's
+/// build script reads in `DEP_CANDLE_KERNEL_PARAMS_INCLUDE`).
+pub fn include_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/include"))
+}
 
 #[cfg(feature = "cuda")]
 #[doc(hidden)]

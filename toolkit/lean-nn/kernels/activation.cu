@@ -11,7 +11,7 @@
 // library's. GELU's derivative is computed in f32
 // (f64 for f64) and rounded to the element type before the product, as the
 // composed path's casts do.
-#include "elements.cuh"
+#include "candle_kernel_params/elements.cuh"
 
 // candle's `affine(mul, add)`.
 __device__ __forceinline__ float affine(float x, float m, float a) { return __fmaf_rn(x, m, a); }

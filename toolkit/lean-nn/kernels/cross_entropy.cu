@@ -8,10 +8,11 @@
 // The arithmetic is the CPU row kernels' (src/cpu.rs), in f32 for f32, f16
 // and bf16 logits, and in f64 for f64 ones (which the CPU leaves to candle's
 // operations). The maximum skips NaN (fmax, as Rust's `max`), which then
-// shows in the sum. The last steps are rounded one by one
-// (elements.cuh), as on the CPU. The sums are a block's reduction, in another order than the
-// CPU's lanes: the values agree to rounding, not to the bit.
-#include "elements.cuh"
+// shows in the sum. The last steps are rounded one by one (candle-kernel-
+// params' elements.cuh), as on the CPU. The sums are a block's reduction, in
+// another order than the CPU's lanes: the values agree to rounding, not to
+// the bit.
+#include "candle_kernel_params/elements.cuh"
 
 __device__ __forceinline__ float ex(float x) { return expf(x); }
 __device__ __forceinline__ double ex(double x) { return exp(x); }

@@ -3,9 +3,7 @@
 // order and with the same roundings. Each product and sum is rounded on its
 // own (the _rn intrinsics), as candle's separate kernels round them, so that
 // nvcc cannot fuse them into one multiply-add. Half types compute in f32.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stddef.h>
+#include "candle_kernel_params/elements.cuh"
 
 // `x * c + 0`: candle's multiplication by a scalar cast to the element type.
 __device__ __forceinline__ float scal(float x, double c) {
@@ -45,15 +43,6 @@ __device__ __forceinline__ double theta(double t, double m, double v, double sca
   double denom = __dadd_rn(__dmul_rn(__dsqrt_rn(v_hat), 1.0), eps);
   return __dsub_rn(scal(t, decay), scal(__ddiv_rn(m_hat, denom), lr));
 }
-
-__device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ double load(double x) { return x; }
-__device__ __forceinline__ float load(__half x) { return __half2float(x); }
-__device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void store(float *p, float x) { *p = x; }
-__device__ __forceinline__ void store(double *p, double x) { *p = x; }
-__device__ __forceinline__ void store(__half *p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16 *p, float x) { *p = __float2bfloat16_rn(x); }
 
 #define EACH(n) \
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); \

@@ -26,17 +26,9 @@
 // (their bounds depend on the block, never on the row), so every lane of a
 // warp reaches every shuffle, as a full mask requires.
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "candle_kernel_params/elements.cuh"
 #include <math.h>
 #include <stddef.h>
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void put(float *p, float x) { *p = x; }
-__device__ __forceinline__ void put(__half *p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void put(__nv_bfloat16 *p, float x) { *p = __float2bfloat16_rn(x); }
 
 // A block is 128 threads, four warps: 64 rows of 2 lanes at D = 32, 32 of
 // 4 at 64, 16 of 8 at 128. A streamed tile is 32 rows of the other side,
@@ -87,7 +79,7 @@ template <int L> __device__ __forceinline__ float lanes_sum(float x) {
 // end or its width (the padding).
 template <typename T>
 __device__ __forceinline__ float at(const T *m, int rows, int width, int row, int c) {
-  return row < rows && c < width ? to_f32(m[(size_t)row * width + c]) : 0.0f;
+  return row < rows && c < width ? load(m[(size_t)row * width + c]) : 0.0f;
 }
 
 // Rows `first..first + S` of two `(rows, width)` matrices (keys and values,
@@ -157,7 +149,7 @@ __device__ __forceinline__ void store_row(T *m, int width, size_t row,
 #pragma unroll
   for (int u = 0; u < Tiles<D>::COLS; ++u) {
     const int c = column<D>(lane, u);
-    if (c < width) put(&m[row * width + c], x[u] * factor);
+    if (c < width) store(&m[row * width + c], x[u] * factor);
   }
 }
 
@@ -242,7 +234,7 @@ __device__ void delta(const T *d_out, const T *out, float *dl, size_t rows, int 
   for (size_t i = (size_t)blockIdx.x * warps + threadIdx.x / 32; i < rows;
        i += (size_t)gridDim.x * warps) {
     float s = 0.0f;
-    for (int c = lane; c < dv; c += 32) s = fmaf(to_f32(d_out[i * dv + c]), to_f32(out[i * dv + c]), s);
+    for (int c = lane; c < dv; c += 32) s = fmaf(load(d_out[i * dv + c]), load(out[i * dv + c]), s);
     s = lanes_sum<32>(s);
     if (lane == 0) dl[i] = s;
   }

@@ -1,8 +1,10 @@
-// What the crate's kernels share: an element widened to the type it is
+// What the toolkit's kernels share: an element widened to the type it is
 // computed in (f32 for the half types) and rounded back once, and the
 // operations rounded each on their own (the _rn intrinsics), as candle's
 // separate kernels and the CPU round them, so that nvcc fuses no two into
-// one multiply-add.
+// one multiply-add. A crate's build script finds this folder in
+// DEP_CANDLE_KERNEL_PARAMS_INCLUDE (build.rs), a test in
+// candle_kernel_params::include_dir().
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
