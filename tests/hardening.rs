@@ -630,6 +630,18 @@ fn plan_reads_only_small_regular_files_and_refuses_a_timeout_of_zero() {
         "{}",
         text(&o).1
     );
+    // A count of steps past what a verification needs is refused before
+    // anything is reserved for its measurements.
+    for steps in ["0", "10001", "2305843009213693952"] {
+        let o = workbook(
+            &["plan", "--budget", "1GiB", "--verify", "--steps", steps],
+            tmp.path(),
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+        let want = format!("`{steps}` is not a number of steps; allowed: 1 to 10000");
+        assert!(text(&o).1.contains(&want), "{}", text(&o).1);
+    }
 }
 
 #[test]

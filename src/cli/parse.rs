@@ -13,11 +13,15 @@ pub fn parse_dtype(s: &str) -> Result<workbook_sdk::candle::DType, String> {
         .map_err(|_| format!("`{s}` is not a dtype; expected one of: f32, bf16, f16"))
 }
 
+/// The most steps `plan --verify` runs: its peak is reached within the
+/// first few, and each step's measurement is kept for the report.
+pub const MOST_STEPS: usize = 10_000;
+
 pub fn parse_steps(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
+        Ok(n) if (1..=MOST_STEPS).contains(&n) => Ok(n),
         _ => Err(format!(
-            "`{s}` is not a number of steps; allowed: 1 or more"
+            "`{s}` is not a number of steps; allowed: 1 to {MOST_STEPS}"
         )),
     }
 }

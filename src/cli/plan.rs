@@ -102,7 +102,7 @@ pub struct PlanArgs {
     /// if this machine cannot hold it: the plan is still written).
     #[arg(long)]
     pub verify: bool,
-    /// Steps the verification runs (at least 1).
+    /// Steps the verification runs (1 to 10,000).
     #[arg(long, default_value_t = 2, requires = "verify", value_parser = parse_steps)]
     pub steps: usize,
     /// Write the options' plot (plan.svg, plan.png) into this folder (the
